@@ -1,0 +1,27 @@
+# Two commands do all set-up: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+# torch is pinned and installed first: a bare `torch` requirement on an empty venv
+# would pull a multi-GB CUDA build; 2.13.0 is the CPU build this project is tested on.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/trainforge train
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,61 @@
+"""Command line: parse, load the config, call one function. Exit code 2 means bad input."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
+err = Console(stderr=True, highlight=False)
+
+EXIT_BAD_INPUT = 2
+
+
+@app.callback()
+def _root() -> None:
+    """trainforge: train and fine-tune language models fast, and measure it."""
+
+
+@app.command()
+def train(
+    config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default demo")] = None,
+    set_: Annotated[
+        Optional[list[str]], typer.Option("--set", help="override a key: --set train.max_steps=100 (repeatable)")
+    ] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="run directory (default: runs/NAME-TIME)")] = None,
+) -> None:
+    """Train a model and write config.yaml, metrics.jsonl, final/ and summary.json."""
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, set_ or [])
+    except ConfigError as e:
+        _fail(str(e))
+    output = output or Path("runs") / f"{config.stem if config else 'default'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    from .data.sources import DataError
+    from .engine.trainer import OutputDirError
+    from .engine.trainer import train as run_training
+
+    try:
+        run_training(cfg, output)
+    except (DataError, OutputDirError) as e:
+        _fail(str(e))
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/bold red] {message}", markup=True, soft_wrap=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""Typed run configuration: YAML file + `--set` overrides -> one validated RunConfig.
+
+Every section forbids unknown keys. Errors name the full key (``train.micro_batch_size``),
+the value given, what is allowed and, for YAML files, the file and line.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import glob
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BUILTIN_STDLIB = "builtin:python-stdlib"
+"""Data source made of the Python standard library's own sources: present on every install."""
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the CLI prints it and exits with code 2."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _check_exists(path: Path | None, key: str) -> Path | None:
+    if path is not None and not Path(path).exists():
+        raise ValueError(f"path does not exist: {path} (give an existing local directory for {key})")
+    return path
+
+
+class LoraSettings(Section):
+    r: int = Field(16, gt=0, description="adapter rank")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear' (every linear layer of the blocks) or module names"
+    )
+
+
+class ModelSettings(Section):
+    path: Path | None = Field(None, description="local Hugging Face model directory")
+    init: dict[str, Any] | None = Field(
+        None, description="from scratch: {architecture: llama, <fields of that transformers config>}"
+    )
+    tokenizer: Path | None = Field(None, description="local tokenizer directory (default: model.path)")
+    tokenizer_vocab_size: int = Field(
+        8192, ge=260, description="vocabulary of the BPE tokenizer trained on the data when there is none"
+    )
+    method: Literal["full", "lora", "qlora"] = "full"
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, v: Path | None) -> Path | None:
+        return _check_exists(v, "model.path")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, v: Path | None) -> Path | None:
+        return _check_exists(v, "model.tokenizer")
+
+    @field_validator("init")
+    @classmethod
+    def _init_fields_known(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            validate_init_fields(v)
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSettings":
+        if (self.path is None) == (self.init is None):
+            raise ValueError("give exactly one of model.path (a pretrained model) or model.init (from scratch)")
+        if self.method == "qlora":
+            raise ValueError(
+                "model.method: qlora is not available yet (planned: 4-bit base + LoRA); "
+                "use 'lora' or 'full'"
+            )
+        if self.method == "lora" and self.path is None:
+            raise ValueError("model.method: lora needs a pretrained model.path to adapt; use 'full' with model.init")
+        return self
+
+
+def validate_init_fields(init: dict[str, Any]) -> None:
+    """Check ``model.init``: a known architecture and only fields its transformers config has."""
+    from transformers import CONFIG_MAPPING  # lazy: importing transformers costs seconds
+
+    arch = init.get("architecture")
+    if arch is None:
+        raise ValueError("model.init needs 'architecture' (for example: llama)")
+    if arch not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(arch), list(CONFIG_MAPPING.keys()), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"model.init.architecture: unknown architecture {arch!r}{hint}")
+    known = known_config_fields(arch)
+    for key in init:
+        if key != "architecture" and key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"model.init.{key}: not a field of the {arch} config{hint}")
+
+
+def known_config_fields(arch: str) -> set[str]:
+    """Field names a transformers config class accepts (constructor arguments and attributes)."""
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[arch]
+    fields = set(cls().to_dict())
+    for klass in cls.__mro__:
+        if "__init__" in vars(klass):
+            fields |= {p for p in inspect.signature(klass.__init__).parameters if p not in ("self", "kwargs")}
+    fields |= set(getattr(cls, "attribute_map", {}))
+    return fields
+
+
+class DataSettings(Section):
+    train: str | list[str] = Field(
+        ..., description=f"JSONL path, glob, list of them, or {BUILTIN_STDLIB}"
+    )
+    eval: str | float | None = Field(
+        0.05, description="JSONL path, or a fraction of the training examples held out (seeded); null: none"
+    )
+    format: Literal["auto", "text", "prompt_completion"] = "auto"
+    max_length: int = Field(1024, gt=0, description="tokens per training row")
+    max_documents: int | None = Field(None, gt=0, description="read at most this many documents (quick tries)")
+
+    @field_validator("train")
+    @classmethod
+    def _train_exists(cls, v: str | list[str]) -> str | list[str]:
+        for spec in [v] if isinstance(v, str) else v:
+            _check_source(spec)
+        return v
+
+    @field_validator("eval")
+    @classmethod
+    def _eval_valid(cls, v: str | float | None) -> str | float | None:
+        if isinstance(v, float) and not 0.0 < v < 1.0:
+            raise ValueError("a held-out fraction must be between 0 and 1 (exclusive), e.g. 0.05")
+        if isinstance(v, str):
+            _check_source(v)
+        return v
+
+
+def _check_source(spec: str) -> None:
+    if spec == BUILTIN_STDLIB:
+        return
+    if not glob.glob(spec):
+        raise ValueError(f"no file matches {spec!r} (a JSONL path, a glob, or {BUILTIN_STDLIB})")
+
+
+class TrainSettings(Section):
+    max_steps: int | None = Field(None, gt=0, description="optimizer steps (or give epochs)")
+    epochs: float | None = Field(None, gt=0, description="passes over the training data (or give max_steps)")
+    micro_batch_size: int = Field(8, gt=0, description="rows per forward pass")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
+    seed: int = 0
+    eval_every: int | None = Field(None, gt=0, description="evaluate every N steps (always at start and end)")
+    eval_max_batches: int | None = Field(None, gt=0, description="cap on eval batches (default: all)")
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "TrainSettings":
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("give train.max_steps or train.epochs, not both")
+        return self
+
+
+class OptimSettings(Section):
+    lr: float = Field(3.0e-4, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decay, not applied to norms and biases")
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for linear and cosine")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm; null: no clipping")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("each beta must be in [0, 1)")
+        return v
+
+
+class CheckpointSettings(Section):
+    every_steps: int | None = Field(None, gt=0, description="save a checkpoint every N steps (and at the end)")
+    keep_last: int = Field(3, ge=1, description="checkpoints kept; older ones deleted after a newer one is complete")
+
+
+class LogSettings(Section):
+    every_steps: int = Field(10, gt=0)
+    sample_prompt: str | None = Field(None, description="after training, print a sample continuing this prompt")
+    sample_tokens: int = Field(64, gt=0)
+
+
+class RunConfig(Section):
+    model: ModelSettings
+    data: DataSettings
+    train: TrainSettings = Field(default_factory=TrainSettings)
+    optim: OptimSettings = Field(default_factory=OptimSettings)
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
+
+    def to_yaml(self) -> str:
+        """The resolved configuration as YAML (every default spelled out)."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def default_config() -> dict[str, Any]:
+    """The built-in default: a small Llama from scratch on the standard library's sources.
+
+    Needs no download and trains on 2 CPU cores in about three minutes.
+    """
+    return {
+        "model": {
+            "init": {
+                "architecture": "llama",
+                "hidden_size": 128,
+                "intermediate_size": 384,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "max_position_embeddings": 256,
+            },
+            "tokenizer_vocab_size": 2048,
+        },
+        "data": {"train": BUILTIN_STDLIB, "eval": 0.02, "max_length": 256, "max_documents": 120},
+        "train": {"max_steps": 300, "micro_batch_size": 8, "grad_accum": 1, "eval_every": 100, "eval_max_batches": 20},
+        "optim": {"lr": 2.0e-3, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 30},
+        "log": {"every_steps": 25, "sample_prompt": "def ", "sample_tokens": 60},
+    }
+
+
+# ---------------------------------------------------------------- loading
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"train.lr=1e-4"`` -> (["train", "lr"], 1e-4). Values are parsed as YAML, numbers leniently."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, for example --set train.max_steps=100")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: malformed key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):  # YAML reads "1e-4" as a string; users mean a number
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    return parts, value
+
+
+def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {'.'.join(parts)}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML config (or the built-in default), apply ``--set`` overrides, validate."""
+    marks: dict[tuple[str, ...], int] = {}
+    if path is None:
+        data = default_config()
+        source = "built-in default config"
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        text = path.read_text()
+        try:
+            data = yaml.safe_load(text) or {}
+            marks = _key_lines(yaml.compose(text))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, train, ...)")
+        source = str(path)
+    data = copy.deepcopy(data)
+    overridden: set[tuple[str, ...]] = set()
+    for item in overrides:
+        parts, value = parse_override(item)
+        apply_override(data, parts, value)
+        overridden.add(tuple(parts))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, data, source, marks, overridden)) from None
+
+
+def _key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+    """Map each key path of a composed YAML document to its 1-based line number."""
+    lines: dict[tuple[str, ...], int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = prefix + (str(key_node.value),)
+            lines[path] = key_node.start_mark.line + 1
+            lines.update(_key_lines(value_node, path))
+    return lines
+
+
+def _format_errors(
+    err: ValidationError,
+    data: dict[str, Any],
+    source: str,
+    marks: dict[tuple[str, ...], int],
+    overridden: set[tuple[str, ...]],
+) -> str:
+    out = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        loc = _strip_union_tags(tuple(str(p) for p in e["loc"]))
+        key = ".".join(loc) if loc else "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key" + _allowed_keys_hint(loc)
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        given = _lookup(data, loc)
+        where = ""
+        if loc in overridden:
+            where = " (from --set)"
+        else:
+            line = _nearest_line(marks, loc)
+            if line:
+                where = f" ({source}, line {line})"
+        given_txt = f"; given {given!r}" if given is not _MISSING and e["type"] != "extra_forbidden" else ""
+        out.append(f"  {key}: {msg}{given_txt}{where}")
+    return "\n".join(out)
+
+
+_MISSING = object()
+
+
+def _strip_union_tags(loc: tuple[str, ...]) -> tuple[str, ...]:
+    # pydantic adds the union member type to locations ("train.str", "eval.float"); users never typed those
+    tags = {"str", "float", "int", "bool", "none"}
+    kept = [p for p in loc if p not in tags and not p.startswith(("function-", "list[", "tuple["))]
+    return tuple(kept)
+
+
+def _lookup(data: Any, loc: tuple[str, ...]) -> Any:
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def _nearest_line(marks: dict[tuple[str, ...], int], loc: tuple[str, ...]) -> int | None:
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in marks:
+            return marks[loc[:n]]
+    return None
+
+
+def _allowed_keys_hint(loc: tuple[str, ...]) -> str:
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part)
+        ann = field.annotation if field else None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return ""
+    allowed = list(model.model_fields)
+    close = difflib.get_close_matches(loc[-1], allowed, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint} allowed here: {', '.join(allowed)}"
+
+
+def resolve_max_steps(train: TrainSettings, batches_per_epoch: int) -> int:
+    """Optimizer steps for the run: max_steps, or epochs over the data (default: one epoch)."""
+    if train.max_steps is not None:
+        return train.max_steps
+    epochs = train.epochs if train.epochs is not None else 1.0
+    return max(1, math.ceil(epochs * batches_per_epoch / train.grad_accum))

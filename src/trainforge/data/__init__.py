@@ -1,0 +1,1 @@
+"""Data: read rows, format and tokenize them, batch them. Imports nothing from the engine."""

@@ -1,0 +1,64 @@
+"""One optimizer step: token-normalized loss over all its micro-batches, backward, clip, update."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..data.formats import IGNORE
+from ..data.loader import Batch
+from ..hardware import Precision
+
+
+def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32."""
+    with precision.autocast(batch.input_ids.device):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    micro_batches: Sequence[Batch],
+    precision: Precision,
+    device: torch.device,
+    scaler: torch.amp.GradScaler | None = None,
+) -> torch.Tensor:
+    """Accumulate gradients of (sum of all target-token losses) / (number of target tokens).
+
+    The divisor counts every target token of every micro-batch of the step, so 4 x 1 and
+    1 x 4 micro-batching give the same gradient (a mean of per-micro-batch means would not).
+    Returns the step's mean loss as a device tensor: reading it is left to log steps.
+    """
+    n_targets = sum(mb.n_targets for mb in micro_batches)  # counted on the host: no device sync
+    total = torch.zeros((), device=device)
+    for mb in micro_batches:
+        mb = mb.to(device)
+        summed = loss_sum(model, mb, precision)
+        scaled = summed / n_targets
+        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        total += summed.detach()
+    return total / n_targets
+
+
+def optimizer_step(
+    params: Sequence[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> torch.Tensor:
+    """Clip (after unscaling fp16 grads), step, clear grads. Returns the pre-clip grad norm tensor."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the update when fp16 grads overflowed
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # frees grad memory instead of writing zeros
+    return grad_norm

@@ -1,0 +1,56 @@
+"""The live console: a progress bar (step, loss, tokens/s, ETA) on terminals, plain lines elsewhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+class ConsoleReporter:
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console(highlight=False)
+        self.progress = Progress(
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.console.is_terminal,  # a bar in a log file is noise; log lines suffice
+        )
+        self._task = None
+
+    def info(self, message: str) -> None:
+        self.console.print(message)
+
+    def start(self, total_steps: int, first_step: int = 0) -> None:
+        self.progress.start()
+        self._task = self.progress.add_task("train", total=total_steps, completed=first_step, loss="-", tps="-")
+
+    def log_step(self, rec: dict[str, Any], total_steps: int, eta_s: float | None) -> None:
+        loss, tps = f"{rec['loss']:.4f}", f"{rec['tokens_per_s']:,.0f}"
+        if self._task is not None:
+            self.progress.update(self._task, completed=rec["step"], loss=loss, tps=tps)
+        eta = f" | ETA {_fmt_time(eta_s)}" if eta_s is not None else ""
+        self.console.print(
+            f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {loss} | lr {rec['lr']:.2e} "
+            f"| grad_norm {rec['grad_norm']:.3f} | {tps} tok/s{eta}"
+        )
+
+    def advance(self, step: int) -> None:
+        if self._task is not None:
+            self.progress.update(self._task, completed=step)
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

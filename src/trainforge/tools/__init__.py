@@ -1,0 +1,1 @@
+"""User-facing tools built on the engine's parts."""
