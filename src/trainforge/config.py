@@ -10,6 +10,7 @@ import copy
 import difflib
 import glob
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -326,8 +327,11 @@ def _format_errors(
     out = [f"invalid configuration ({source}):"]
     for e in err.errors():
         loc = _strip_union_tags(tuple(str(p) for p in e["loc"]))
-        key = ".".join(loc) if loc else "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
+        named = _KEY_PREFIX.match(msg)
+        if named:  # a validator that knows the exact key names it first: "model.init.x: ..."
+            loc, msg = tuple(named.group(1).split(".")), named.group(2)
+        key = ".".join(loc) if loc else "(top level)"
         if e["type"] == "extra_forbidden":
             msg = "unknown key" + _allowed_keys_hint(loc)
         elif e["type"] == "missing":
@@ -340,12 +344,14 @@ def _format_errors(
             line = _nearest_line(marks, loc)
             if line:
                 where = f" ({source}, line {line})"
-        given_txt = f"; given {given!r}" if given is not _MISSING and e["type"] != "extra_forbidden" else ""
+        shown = given is not _MISSING and not isinstance(given, dict) and e["type"] != "extra_forbidden"
+        given_txt = f"; given {given!r}" if shown else ""
         out.append(f"  {key}: {msg}{given_txt}{where}")
     return "\n".join(out)
 
 
 _MISSING = object()
+_KEY_PREFIX = re.compile(r"^((?:model|data|train|optim|checkpoint|log)(?:\.[A-Za-z0-9_]+)+): (.*)$", re.S)
 
 
 def _strip_union_tags(loc: tuple[str, ...]) -> tuple[str, ...]:

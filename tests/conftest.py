@@ -1,0 +1,116 @@
+"""Shared fixtures: a tiny tokenizer, a tiny pretrained-style Llama directory and toy data.
+
+Everything is built here, seeded; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+
+
+def toy_documents(n: int, seed: int = 0) -> list[str]:
+    """Learnable text: counting runs and repeated word cycles of varying lengths."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        start = rng.randrange(len(WORDS))
+        length = rng.randrange(5, 40)
+        docs.append(" ".join(WORDS[(start + i) % len(WORDS)] for i in range(length)) + ".")
+    return docs
+
+
+def toy_prompt_completions(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """Prompt: a few words; completion: the next words of the cycle (learnable, varied lengths)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        start = rng.randrange(len(WORDS))
+        k, m = rng.randrange(2, 8), rng.randrange(1, 6)
+        prompt = "continue: " + " ".join(WORDS[(start + i) % len(WORDS)] for i in range(k))
+        completion = " " + " ".join(WORDS[(start + k + i) % len(WORDS)] for i in range(m))
+        rows.append({"prompt": prompt, "completion": completion})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    from trainforge.model.tokenizer import train_bpe_tokenizer
+
+    texts = toy_documents(300) + [r["prompt"] + r["completion"] for r in toy_prompt_completions(300)]
+    tok = train_bpe_tokenizer(texts, vocab_size=320)
+    path = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """A 'pretrained' Llama directory: config, safetensors weights and tokenizer, like a hub download."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_data_dir(tmp_path_factory) -> Path:
+    """text_train/text_eval and pc_train/pc_eval JSONL files."""
+    d = tmp_path_factory.mktemp("data")
+    write_jsonl(d / "text_train.jsonl", [{"text": t} for t in toy_documents(400, seed=1)])
+    write_jsonl(d / "text_eval.jsonl", [{"text": t} for t in toy_documents(40, seed=2)])
+    write_jsonl(d / "pc_train.jsonl", toy_prompt_completions(400, seed=3))
+    write_jsonl(d / "pc_eval.jsonl", toy_prompt_completions(40, seed=4))
+    return d
+
+
+@pytest.fixture
+def finetune_config(tiny_model_dir, toy_data_dir) -> dict[str, Any]:
+    """A small, fast fine-tuning config on the tiny model (fp32, CPU, a few steps)."""
+    return {
+        "model": {"path": str(tiny_model_dir), "method": "full"},
+        "data": {
+            "train": str(toy_data_dir / "pc_train.jsonl"),
+            "eval": str(toy_data_dir / "pc_eval.jsonl"),
+            "max_length": 64,
+        },
+        "train": {"max_steps": 8, "micro_batch_size": 4, "grad_accum": 2, "precision": "fp32", "device": "cpu"},
+        "optim": {"lr": 1.0e-3, "warmup_steps": 2},
+        "log": {"every_steps": 2},
+    }

@@ -1,0 +1,52 @@
+"""Checkpoints are complete or invisible; keep-last prunes only after a newer one is complete."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainforge.checkpoint import LATEST, atomic_write_dir, complete_checkpoints, save_checkpoint
+
+
+def test_save_moves_latest_and_keeps_last_k(tmp_path):
+    for step in (10, 20, 30, 40):
+        save_checkpoint(tmp_path, step, {"w": torch.tensor([float(step)])}, {"version": "t"}, keep_last=2)
+    names = [p.name for p in complete_checkpoints(tmp_path)]
+    assert names == ["step-00000030", "step-00000040"]
+    assert (tmp_path / LATEST).read_text().strip() == "step-00000040"
+    assert torch.load(tmp_path / "step-00000040" / "state.pt")["w"].item() == 40.0
+
+
+def test_failed_write_leaves_nothing_visible(tmp_path):
+    save_checkpoint(tmp_path, 1, {"w": 1}, {}, keep_last=1)
+
+    def explode(tmp):
+        (tmp / "state.pt").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        atomic_write_dir(tmp_path / "step-00000002", explode)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-00000001"]
+
+
+def test_partial_directories_are_ignored(tmp_path):
+    save_checkpoint(tmp_path, 5, {"w": 1}, {}, keep_last=3)
+    (tmp_path / "step-00000009").mkdir()  # e.g. copied by hand, no completion marker
+    (tmp_path / ".step-00000010.tmp").mkdir()
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-00000005"]
+
+
+def test_trainer_writes_checkpoints(finetune_config, tmp_path):
+    from rich.console import Console
+
+    from trainforge.config import RunConfig
+    from trainforge.engine.trainer import train
+    from trainforge.metrics.console import ConsoleReporter
+
+    finetune_config["checkpoint"] = {"every_steps": 3, "keep_last": 2}
+    train(RunConfig.model_validate(finetune_config), tmp_path / "run", ConsoleReporter(Console(quiet=True)))
+    names = [p.name for p in complete_checkpoints(tmp_path / "run" / "checkpoints")]
+    assert names == ["step-00000006", "step-00000008"]  # every 3 steps and at the end (8), last 2 kept
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step-00000008" / "state.pt", weights_only=False)
+    assert {"model", "optimizer", "scheduler", "loader"} <= set(state)

@@ -1,0 +1,102 @@
+"""Config loading, overrides and error messages (in-process; the CLI exit code is tested in integration)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from trainforge.config import ConfigError, RunConfig, load_config, parse_override, resolve_max_steps
+
+
+def test_default_config_is_valid_and_resolves_every_key():
+    cfg = load_config(None)
+    dumped = yaml.safe_load(cfg.to_yaml())
+    assert set(dumped) == {"model", "data", "train", "optim", "checkpoint", "log"}
+    assert dumped["model"]["init"]["architecture"] == "llama"
+    assert RunConfig.model_validate(dumped) == cfg  # the written config.yaml reloads to the same run
+
+
+@pytest.mark.parametrize(
+    "item, parts, value",
+    [
+        ("train.max_steps=100", ["train", "max_steps"], 100),
+        ("optim.lr=1e-4", ["optim", "lr"], 1e-4),
+        ("optim.lr=3.0e-4", ["optim", "lr"], 3e-4),
+        ("data.packing=true", ["data", "packing"], True),
+        ("data.eval=null", ["data", "eval"], None),
+        ("log.sample_prompt=hello world", ["log", "sample_prompt"], "hello world"),
+        ("model.lora.target_modules=[q_proj, v_proj]", ["model", "lora", "target_modules"], ["q_proj", "v_proj"]),
+    ],
+)
+def test_parse_override_coerces_types(item, parts, value):
+    assert parse_override(item) == (parts, value)
+
+
+def test_overrides_apply_to_nested_keys():
+    cfg = load_config(None, ["train.max_steps=7", "optim.lr=1e-4", "model.init.hidden_size=64"])
+    assert cfg.train.max_steps == 7 and cfg.optim.lr == 1e-4 and cfg.model.init["hidden_size"] == 64
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(None, ["train.max_steps"])
+
+
+def error_of(overrides=(), path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override, key, fragment",
+    [
+        ("train.max_stepz=3", "train.max_stepz", "did you mean 'max_steps'"),
+        ("train.micro_batch_size=eight", "train.micro_batch_size", "'eight'"),
+        ("optim.lr=-1", "optim.lr", "greater than 0"),
+        ("data.max_length=0", "data.max_length", "greater than 0"),
+        ("data.train=./nope.jsonl", "data.train", "no file matches"),
+        ("model.method=qlora", "model.method", "not available yet"),
+        ("model.init.hidden_sizee=3", "model.init.hidden_sizee", "did you mean hidden_size"),
+        ("model.init.architecture=lama", "model.init.architecture", "did you mean llama"),
+        ("train.precision=fp8", "train.precision", "'fp32'"),
+        ("data.eval=1.5", "data.eval", "between 0 and 1"),
+    ],
+)
+def test_bad_values_name_the_key(override, key, fragment):
+    msg = error_of([override])
+    assert f"  {key}: " in msg and fragment in msg and "(from --set)" in msg
+
+
+def test_errors_in_yaml_name_file_and_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model:\n  init: {architecture: llama, hidden_size: 32}\n"
+        "data:\n  train: builtin:python-stdlib\n"
+        "train:\n  max_steps: 10\n  max_stepz: 3\n"
+        "optim:\n  lr: -0.1\n"
+    )
+    msg = error_of(path=path)
+    assert f"train.max_stepz: unknown key" in msg and f"{path}, line 7" in msg
+    assert "optim.lr" in msg and f"{path}, line 9" in msg
+
+
+def test_model_path_must_exist_and_exclude_init(tmp_path):
+    assert "model.path" in error_of(["model.path=./does-not-exist"])
+    assert "exactly one of model.path" in error_of([f"model.path={tmp_path}"])
+
+
+def test_lora_needs_a_pretrained_model():
+    assert "model.method: lora needs a pretrained model.path" in error_of(["model.method=lora"])
+
+
+def test_not_yaml_mapping(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- just\n- a list\n")
+    assert "top level must be a mapping" in error_of(path=path)
+
+
+def test_steps_from_epochs():
+    cfg = load_config(None, ["train.max_steps=null", "train.epochs=2", "train.grad_accum=4"])
+    assert resolve_max_steps(cfg.train, batches_per_epoch=10) == 5
+    assert "not both" in error_of(["train.epochs=2"])
