@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# the demo's model lands in runs/demo/final, which examples/lora-sft.yaml fine-tunes
 demo: $(STAMP)
-	$(VENV)/bin/trainforge train
+	rm -rf runs/demo
+	$(VENV)/bin/trainforge train --output runs/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

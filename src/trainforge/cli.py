@@ -48,6 +48,26 @@ def train(
         _fail(str(e))
 
 
+@app.command()
+def config(
+    config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
+    reference: Annotated[bool, typer.Option("--reference", help="print every key with its default, as Markdown")] = False,
+) -> None:
+    """Print the resolved config (every default spelled out), or the reference of all keys."""
+    from .config import ConfigError, load_config
+
+    if reference:
+        from .tools.config_reference import config_reference
+
+        typer.echo(config_reference(), nl=False)
+        return
+    try:
+        typer.echo(load_config(config, set_ or []).to_yaml(), nl=False)
+    except ConfigError as e:
+        _fail(str(e))
+
+
 def _fail(message: str) -> None:
     err.print(f"[bold red]error:[/bold red] {message}", markup=True, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)

@@ -38,7 +38,7 @@ def _check_exists(path: Path | None, key: str) -> Path | None:
 class LoraSettings(Section):
     r: int = Field(16, gt=0, description="adapter rank")
     alpha: float = Field(32.0, gt=0, description="scaling numerator: the update is scaled by alpha / r")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter input")
     target_modules: str | list[str] = Field(
         "all-linear", description="'all-linear' (every linear layer of the blocks) or module names"
     )
@@ -47,13 +47,15 @@ class LoraSettings(Section):
 class ModelSettings(Section):
     path: Path | None = Field(None, description="local Hugging Face model directory")
     init: dict[str, Any] | None = Field(
-        None, description="from scratch: {architecture: llama, <fields of that transformers config>}"
+        None, description="from scratch: {architecture: llama, ...any field of that transformers config}"
     )
     tokenizer: Path | None = Field(None, description="local tokenizer directory (default: model.path)")
     tokenizer_vocab_size: int = Field(
         8192, ge=260, description="vocabulary of the BPE tokenizer trained on the data when there is none"
     )
-    method: Literal["full", "lora", "qlora"] = "full"
+    method: Literal["full", "lora", "qlora"] = Field(
+        "full", description="full: train every weight; lora: train PEFT adapters only; qlora: planned"
+    )
     lora: LoraSettings = Field(default_factory=LoraSettings)
 
     @field_validator("path")
@@ -128,7 +130,9 @@ class DataSettings(Section):
     eval: str | float | None = Field(
         0.05, description="JSONL path, or a fraction of the training examples held out (seeded); null: none"
     )
-    format: Literal["auto", "text", "prompt_completion"] = "auto"
+    format: Literal["auto", "text", "prompt_completion"] = Field(
+        "auto", description="auto: from the fields of the first row"
+    )
     max_length: int = Field(1024, gt=0, description="tokens per training row")
     max_documents: int | None = Field(None, gt=0, description="read at most this many documents (quick tries)")
 
@@ -161,9 +165,11 @@ class TrainSettings(Section):
     epochs: float | None = Field(None, gt=0, description="passes over the training data (or give max_steps)")
     micro_batch_size: int = Field(8, gt=0, description="rows per forward pass")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$")
-    seed: int = 0
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="auto: bf16 where native, fp16 + loss scaling on older GPUs, else fp32"
+    )
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="auto: CUDA when present, else CPU")
+    seed: int = Field(0, description="seeds initialization, data order, eval split and sampling")
     eval_every: int | None = Field(None, gt=0, description="evaluate every N steps (always at start and end)")
     eval_max_batches: int | None = Field(None, gt=0, description="cap on eval batches (default: all)")
 
@@ -177,10 +183,10 @@ class TrainSettings(Section):
 class OptimSettings(Section):
     lr: float = Field(3.0e-4, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.1, ge=0, description="AdamW decay, not applied to norms and biases")
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW moment decay rates")
+    eps: float = Field(1e-8, gt=0, description="AdamW denominator epsilon")
+    schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warmup")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup from lr/warmup_steps to lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for linear and cosine")
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm; null: no clipping")
 
@@ -198,9 +204,9 @@ class CheckpointSettings(Section):
 
 
 class LogSettings(Section):
-    every_steps: int = Field(10, gt=0)
+    every_steps: int = Field(10, gt=0, description="write metrics.jsonl and the console line every N steps")
     sample_prompt: str | None = Field(None, description="after training, print a sample continuing this prompt")
-    sample_tokens: int = Field(64, gt=0)
+    sample_tokens: int = Field(64, gt=0, description="length of that sample")
 
 
 class RunConfig(Section):

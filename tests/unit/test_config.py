@@ -100,3 +100,13 @@ def test_steps_from_epochs():
     cfg = load_config(None, ["train.max_steps=null", "train.epochs=2", "train.grad_accum=4"])
     assert resolve_max_steps(cfg.train, batches_per_epoch=10) == 5
     assert "not both" in error_of(["train.epochs=2"])
+
+
+def test_docs_config_reference_is_current():
+    """docs/config.md is generated; regenerate with `trainforge config --reference > docs/config.md`."""
+    from pathlib import Path
+
+    from trainforge.tools.config_reference import config_reference
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert docs.read_text() == config_reference()

@@ -198,6 +198,9 @@ def train(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = N
             f.write(json.dumps({"step": max_steps, **last_eval}) + "\n")
 
     def write_final(tmp: Path) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a shard bar for a one-file save is noise in the log
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 

@@ -10,7 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 class ConsoleReporter:
     def __init__(self, console: Console | None = None):
-        self.console = console or Console(highlight=False)
+        # soft_wrap: a log line stays one line in files and pipes (no hard wrap at 80 columns)
+        self.console = console or Console(highlight=False, soft_wrap=True)
         self.progress = Progress(
             TextColumn("step"),
             MofNCompleteColumn(),
@@ -25,7 +26,11 @@ class ConsoleReporter:
         self._task = None
 
     def info(self, message: str) -> None:
+        self._print(message)
+
+    def _print(self, message: str) -> None:
         self.console.print(message)
+        self.console.file.flush()  # piped stdout is block-buffered: flush so `tail -f` and job logs stay live
 
     def start(self, total_steps: int, first_step: int = 0) -> None:
         self.progress.start()
@@ -36,7 +41,7 @@ class ConsoleReporter:
         if self._task is not None:
             self.progress.update(self._task, completed=rec["step"], loss=loss, tps=tps)
         eta = f" | ETA {_fmt_time(eta_s)}" if eta_s is not None else ""
-        self.console.print(
+        self._print(
             f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {loss} | lr {rec['lr']:.2e} "
             f"| grad_norm {rec['grad_norm']:.3f} | {tps} tok/s{eta}"
         )

@@ -1,0 +1,68 @@
+"""Markdown reference of every config key, generated from the schema (docs/config.md is its output)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from ..config import RunConfig
+
+INTRO = """# Configuration reference
+
+Generated from the schema by `trainforge config --reference`; a test keeps this file equal
+to that output. Sections: `model`, `data`, `train`, `optim`, `checkpoint`, `log`. Unknown
+keys and invalid values stop a run before any work (exit code 2) with the key, the value
+and what is allowed. Override any key on the command line with
+`--set section.key=value` (values are read as YAML: `--set optim.lr=1e-4`,
+`--set data.eval=null`, `--set model.lora.target_modules=[q_proj,v_proj]`).
+"""
+
+
+def _default(field) -> str:
+    if field.default_factory is not None:
+        value = field.default_factory()
+        return "" if isinstance(value, BaseModel) else f"`{json.dumps(value)}`"
+    if field.default is PydanticUndefined:
+        return "required"
+    return f"`{json.dumps(field.default)}`"
+
+
+def _type(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    text = text or str(annotation)
+    for noise in ("typing.", "pathlib.", "NoneType"):
+        text = text.replace(noise, "null" if noise == "NoneType" else "")
+    return text.replace("|", "\\|")
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}.{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(_rows(ann, key))
+            continue
+        extra = []
+        for meta in field.metadata:
+            for attr, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+                if getattr(meta, attr, None) is not None:
+                    extra.append(f"{sym} {getattr(meta, attr)}")
+        desc = (field.description or "") + (f" ({', '.join(extra)})" if extra else "")
+        rows.append(f"| `{key}` | {_type(ann)} | {_default(field)} | {desc} |")
+    return rows
+
+
+def config_reference() -> str:
+    out = [INTRO]
+    for section, field in RunConfig.model_fields.items():
+        doc = (field.annotation.__doc__ or "").strip()
+        out.append(f"\n## `{section}`\n")
+        if doc and not doc.startswith("!!!"):
+            out.append(doc + "\n")
+        out.append("| key | type | default | meaning |\n|---|---|---|---|")
+        out.extend(_rows(field.annotation, section))
+    return "\n".join(out) + "\n"

@@ -1,0 +1,55 @@
+"""Helpers for the integration tests: run the real ``trainforge`` CLI in a subprocess.
+
+Not a conftest.py on purpose: a second ``conftest`` module (there is no ``__init__.py`` here)
+would shadow ``tests/conftest.py`` for ``from conftest import ...``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+CLI_TIMEOUT_S = 180
+ROOT_CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+
+
+def root_conftest() -> ModuleType:
+    """``tests/conftest.py`` as a module, for its helpers (write_config, write_jsonl)."""
+    mod = sys.modules.get("conftest")
+    if mod is not None and Path(getattr(mod, "__file__", "")).resolve() == ROOT_CONFTEST:
+        return mod
+    name = "trainforge_tests_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT_CONFTEST)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def run_cli(args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``python -m trainforge <args>`` in ``cwd``; stdout and stderr captured as text."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",  # everything is local; never reach for the network
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "trainforge", *(str(a) for a in args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def show(proc: subprocess.CompletedProcess) -> str:
+    """Everything a failing assertion should print."""
+    return f"exit code {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"

@@ -1,0 +1,132 @@
+"""Bad input through the real CLI: exit code 2, a message naming the full key, and no work done.
+
+Config errors must be caught before anything is written: the ``--output`` directory must not
+exist afterwards. Data errors name ``file:line``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from integration_helpers import root_conftest, run_cli, show
+
+write_config = root_conftest().write_config
+
+
+def _set(path: str, value: Any) -> Callable[[dict], None]:
+    """A mutation of the config dict: set ``a.b.c`` to ``value``."""
+
+    def mutate(cfg: dict) -> None:
+        *parents, last = path.split(".")
+        node = cfg
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+
+    return mutate
+
+
+def _from_scratch_with_init_typo(cfg: dict) -> None:
+    cfg["model"] = {"init": {"architecture": "llama", "hidden_sizee": 32, "num_hidden_layers": 1}}
+
+
+def _line_of(text: str, needle: str) -> int:
+    """1-based line of the first line of ``text`` that starts (after indentation) with ``needle``."""
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith(needle):
+            return n
+    raise AssertionError(f"{needle!r} not in\n{text}")
+
+
+# (id, mutation of finetune_config, --set overrides, substrings stderr must hold, YAML key whose line is named)
+CASES = [
+    ("unknown-key", _set("train.max_stepz", 5), [], ["train.max_stepz", "unknown key"], "max_stepz:"),
+    ("wrong-type", _set("train.micro_batch_size", "eight"), [], ["train.micro_batch_size", "eight"], "micro_batch_size:"),
+    ("negative-lr", None, ["optim.lr=-1"], ["optim.lr", "--set"], None),
+    ("zero-max-length", _set("data.max_length", 0), [], ["data.max_length"], "max_length:"),
+    ("missing-path", _set("model.path", "./nope"), [], ["model.path", "nope"], "path:"),
+    ("qlora", _set("model.method", "qlora"), [], ["qlora"], None),
+    ("init-typo", _from_scratch_with_init_typo, [], ["model.init.hidden_sizee", "hidden_size"], None),
+]
+
+
+@pytest.mark.parametrize(("mutate", "overrides", "expected", "line_key"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_config_exits_2_before_any_work(tmp_path, finetune_config, mutate, overrides, expected, line_key):
+    cfg = copy.deepcopy(finetune_config)
+    if mutate is not None:
+        mutate(cfg)
+    config = write_config(tmp_path / "bad.yaml", cfg)
+    out = tmp_path / "out"
+    args = ["train", config, *[a for o in overrides for a in ("--set", o)], "--output", out]
+
+    proc = run_cli(args, tmp_path, timeout=120)
+
+    assert proc.returncode == 2, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    for s in expected:
+        assert s in proc.stderr, f"{s!r} not in the message\n{show(proc)}"
+    if line_key is not None:
+        line = _line_of(config.read_text(), line_key)
+        assert f"line {line}" in proc.stderr, f"line {line} not named\n{show(proc)}"
+    assert not out.exists(), f"a bad config created the run directory {out}: {list(out.iterdir())}"
+
+
+def test_unknown_key_names_yaml_file_and_line(tmp_path, finetune_config):
+    """The exact layout of the brief: train.max_stepz on line 7 of a hand-written file."""
+    config = tmp_path / "typo.yaml"
+    config.write_text(
+        "model:\n"
+        f"  path: {finetune_config['model']['path']}\n"
+        "data:\n"
+        f"  train: {finetune_config['data']['train']}\n"
+        "  max_length: 64\n"
+        "train:\n"
+        "  max_stepz: 5\n"
+        "  device: cpu\n"
+    )
+    out = tmp_path / "out"
+    proc = run_cli(["train", config, "--output", out], tmp_path, timeout=120)
+    assert proc.returncode == 2, show(proc)
+    assert "train.max_stepz" in proc.stderr and "line 7" in proc.stderr, show(proc)
+    assert "typo.yaml" in proc.stderr, show(proc)
+    assert "max_steps" in proc.stderr, show(proc)  # the suggestion
+    assert not out.exists()
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path, finetune_config, toy_data_dir):
+    lines = (toy_data_dir / "pc_train.jsonl").read_text().splitlines()[:6]
+    lines[2] = '{"prompt": "continue: alpha", "completion": '  # line 3: cut off mid-object
+    bad = tmp_path / "pc_bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    cfg = copy.deepcopy(finetune_config)
+    cfg["data"]["train"] = str(bad)
+    config = write_config(tmp_path / "bad-data.yaml", cfg)
+    out = tmp_path / "out"
+
+    proc = run_cli(["train", config, "--output", out], tmp_path, timeout=120)
+
+    assert proc.returncode == 2, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    assert "pc_bad.jsonl:3" in proc.stderr, show(proc)
+    # data is read after the run directory is prepared; at least no training happened
+    assert not (out / "metrics.jsonl").exists()
+    assert not (out / "final").exists()
+
+
+@pytest.mark.xfail(
+    reason="cli._fail prints the message with rich markup enabled: a '[/...]' in a user-given value "
+    "raises rich.errors.MarkupError (exit 1, traceback) and '[word]' is silently swallowed",
+    strict=True,
+)
+def test_error_message_shows_values_verbatim(tmp_path, finetune_config):
+    cfg = copy.deepcopy(finetune_config)
+    cfg["model"]["path"] = "./models[/v2]"
+    config = write_config(tmp_path / "bad.yaml", cfg)
+    out = tmp_path / "out"
+    proc = run_cli(["train", config, "--output", out], tmp_path, timeout=120)
+    assert proc.returncode == 2, show(proc)
+    assert "models[/v2]" in proc.stderr, show(proc)
+    assert not out.exists()
