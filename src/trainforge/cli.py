@@ -69,7 +69,10 @@ def config(
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/bold red] {message}", markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    # the message quotes user input, which may contain "[...]": escape it so rich shows it verbatim
+    err.print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 

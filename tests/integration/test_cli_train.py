@@ -228,3 +228,17 @@ def test_output_dir_holding_a_run_is_refused(tmp_path, trainforge_cli, finetune_
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
     assert (run / "config.yaml").read_text() == "# the earlier run's config\n"
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
+# ---------------------------------------------------------------- console output is text, not markup
+
+
+def test_sample_text_with_brackets_is_printed_verbatim(tmp_path, trainforge_cli, finetune_config):
+    cfg = dict(finetune_config, log={"every_steps": 1, "sample_prompt": "x[/i] = ", "sample_tokens": 4})
+    cfg["train"] = dict(cfg["train"], max_steps=1)
+    config = write_config(tmp_path / "finetune.yaml", cfg)
+    run = tmp_path / "run"
+    proc = trainforge_cli("train", config, "--output", run)
+    assert proc.returncode == 0, show(proc)
+    assert (run / "summary.json").exists()
+    assert "x[/i] = " in proc.stdout, show(proc)

@@ -78,6 +78,7 @@ def train(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = N
     """Train a model as ``cfg`` says, writing the run directory; returns the trained model too."""
     reporter = reporter or ConsoleReporter()
     wall_start = time.perf_counter()
+    split = read_split(cfg.data, cfg.train.seed)  # bad data fails before the run directory exists
     out = prepare_output_dir(output_dir, cfg)
 
     # ---- setup
@@ -87,7 +88,6 @@ def train(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = N
     configure_backends(device)
     reporter.info(f"trainforge {__version__} | {describe(device)} | precision {precision.name} | output {out}")
 
-    split = read_split(cfg.data, cfg.train.seed)
     tokenizer = get_tokenizer(cfg, split, reporter)
     data = tokenize_split(split, tokenizer, cfg.data.max_length)
     s = data.stats

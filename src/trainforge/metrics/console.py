@@ -29,7 +29,7 @@ class ConsoleReporter:
         self._print(message)
 
     def _print(self, message: str) -> None:
-        self.console.print(message)
+        self.console.print(message, markup=False)  # samples and paths contain "[...]"; never markup
         self.console.file.flush()  # piped stdout is block-buffered: flush so `tail -f` and job logs stay live
 
     def start(self, total_steps: int, first_step: int = 0) -> None:
