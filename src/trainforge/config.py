@@ -239,10 +239,10 @@ def default_config() -> dict[str, Any]:
             },
             "tokenizer_vocab_size": 2048,
         },
-        "data": {"train": BUILTIN_STDLIB, "eval": 0.02, "max_length": 256, "max_documents": 120},
-        "train": {"max_steps": 300, "micro_batch_size": 8, "grad_accum": 1, "eval_every": 100, "eval_max_batches": 20},
-        "optim": {"lr": 2.0e-3, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 30},
-        "log": {"every_steps": 25, "sample_prompt": "def ", "sample_tokens": 60},
+        "data": {"train": BUILTIN_STDLIB, "eval": 0.05, "max_length": 256, "max_documents": 300},
+        "train": {"max_steps": 600, "micro_batch_size": 8, "grad_accum": 1, "eval_every": 200, "eval_max_batches": 16},
+        "optim": {"lr": 2.0e-3, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 50},
+        "log": {"every_steps": 50, "sample_prompt": "def ", "sample_tokens": 60},
     }
 
 

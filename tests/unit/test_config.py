@@ -110,3 +110,22 @@ def test_docs_config_reference_is_current():
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert docs.read_text() == config_reference()
+
+
+def test_quickstart_example_is_the_builtin_default():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+    assert load_config(example) == load_config(None)
+
+
+@pytest.mark.parametrize("name", ["lora-sft.yaml", "full-sft.yaml"])
+def test_examples_validate(name, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "runs" / "demo" / "final").mkdir(parents=True)  # the model `make demo` leaves there
+    (tmp_path / "examples").symlink_to(root / "examples")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(root / "examples" / name)
+    assert cfg.model.path == Path("runs/demo/final")

@@ -33,11 +33,11 @@ def test_blocks_cover_every_target_once_and_keep_the_tail():
 
 def test_prompt_tokens_carry_no_loss(tok):
     rows = [Row({"prompt": "continue: alpha beta", "completion": " gamma delta"}, "x:1")]
-    (ex,), truncated = tokenize_prompt_completion(rows, tok, max_length=64)
+    (ex,), truncated, dropped = tokenize_prompt_completion(rows, tok, max_length=64)
     p = tok("continue: alpha beta")["input_ids"]
     c = tok(" gamma delta", add_special_tokens=False)["input_ids"]
     full = p + c + [tok.eos_token_id]
-    assert truncated == 0
+    assert truncated == dropped == 0
     np.testing.assert_array_equal(ex.input_ids, full[:-1])
     # targets: nothing for the prompt's own next tokens, every completion token and the final EOS
     expected = [IGNORE] * (len(p) - 1) + c + [tok.eos_token_id]
@@ -50,8 +50,8 @@ def test_truncation_is_counted_and_fully_masked_rows_dropped(tok):
         Row({"prompt": "continue: alpha", "completion": " " + " ".join(["beta"] * 50)}, "x:1"),
         Row({"prompt": long_prompt, "completion": " beta"}, "x:2"),
     ]
-    examples, truncated = tokenize_prompt_completion(rows, tok, max_length=16)
-    assert truncated == 2 and len(examples) == 1  # the second row's completion was cut away entirely
+    examples, truncated, dropped = tokenize_prompt_completion(rows, tok, max_length=16)
+    assert truncated == 2 and dropped == 1 and len(examples) == 1  # the second row's completion was cut away entirely
     assert len(examples[0].input_ids) == 16
 
 

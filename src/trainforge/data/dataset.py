@@ -62,11 +62,10 @@ def tokenize_split(split: RowSplit, tokenizer, max_length: int) -> Examples:
     if split.format == "text":
         train = pack_blocks(tokenize_documents(split.train, tokenizer), max_length)
         evals = pack_blocks(tokenize_documents(split.eval, tokenizer), max_length)
-        stats["truncated"] = 0
+        stats["truncated"] = stats["dropped"] = 0
     else:
-        train, truncated = tokenize_prompt_completion(split.train, tokenizer, max_length)
-        evals, _ = tokenize_prompt_completion(split.eval, tokenizer, max_length)
-        stats["truncated"] = truncated
+        train, stats["truncated"], stats["dropped"] = tokenize_prompt_completion(split.train, tokenizer, max_length)
+        evals, _, _ = tokenize_prompt_completion(split.eval, tokenizer, max_length)
     if not train:
         raise DataError("no training example has a token to learn (all empty or fully masked)")
     stats["train_examples"] = len(train)

@@ -73,11 +73,15 @@ def pack_blocks(docs: list[np.ndarray], max_length: int) -> list[Example]:
 
 def tokenize_prompt_completion(
     rows: Sequence[Row], tokenizer, max_length: int, batch_size: int = 256
-) -> tuple[list[Example], int]:
-    """Prompt + completion + EOS, loss on completion tokens only; returns (examples, truncated count)."""
+) -> tuple[list[Example], int, int]:
+    """Prompt + completion + EOS, loss on completion tokens only.
+
+    Returns (examples, truncated count, dropped count): a row whose completion was cut away
+    entirely has nothing to learn and is dropped.
+    """
     eos = tokenizer.eos_token_id
     examples: list[Example] = []
-    truncated = 0
+    truncated = dropped = 0
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size]
         prompts = tokenizer([r.data["prompt"] for r in batch], add_special_tokens=True)["input_ids"]
@@ -90,6 +94,8 @@ def tokenize_prompt_completion(
                 truncated += 1
             arr = np.asarray(ids, dtype=np.int32)
             labels = np.where(np.asarray(learn[1:]), arr[1:], IGNORE).astype(np.int32)
-            if (labels != IGNORE).any():  # a prompt that fills the row teaches nothing
+            if (labels != IGNORE).any():
                 examples.append(Example(arr[:-1].copy(), labels))
-    return examples, truncated
+            else:
+                dropped += 1
+    return examples, truncated, dropped

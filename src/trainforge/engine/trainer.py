@@ -82,6 +82,9 @@ def train(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = N
     out = prepare_output_dir(output_dir, cfg)
 
     # ---- setup
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
     device = pick_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
@@ -95,6 +98,7 @@ def train(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = N
         f"data: {split.format}, {s['train_rows']} train rows -> {s['train_examples']} examples "
         f"({s['train_tokens']:,} tokens); eval {s['eval_rows']} rows -> {s['eval_examples']} examples"
         + (f"; {s['truncated']} truncated to max_length" if s["truncated"] else "")
+        + (f"; {s['dropped']} dropped (nothing left to learn after truncation)" if s["dropped"] else "")
     )
 
     model = build_model(cfg.model, tokenizer, cfg.train.seed).to(device)
@@ -198,9 +202,6 @@ def train(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = N
             f.write(json.dumps({"step": max_steps, **last_eval}) + "\n")
 
     def write_final(tmp: Path) -> None:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # a shard bar for a one-file save is noise in the log
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 

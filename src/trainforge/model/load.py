@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -54,7 +55,9 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
         target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
