@@ -71,13 +71,15 @@ def collate(examples: Sequence[Example], pad_id: int, indices: list[int] | None 
 class TrainLoader:
     """Endless micro-batches over the training examples, reshuffled (seeded) every epoch.
 
-    The position (epoch, batch index) is explicit so a run can report and later restore it.
+    The position is explicit (epoch, examples consumed in that epoch) so a run can save and
+    restore it exactly, and ``batch_size`` may change between batches (halving it and
+    doubling accumulation consumes the same examples in the same order).
     """
 
     def __init__(self, examples: Sequence[Example], batch_size: int, pad_id: int, seed: int, pin: bool = False):
         self.examples, self.batch_size, self.pad_id, self.seed, self.pin = examples, batch_size, pad_id, seed, pin
         self.epoch = 0
-        self.batch_index = 0
+        self.offset = 0
 
     @property
     def batches_per_epoch(self) -> int:
@@ -86,15 +88,21 @@ class TrainLoader:
     def epoch_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
 
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
     def __iter__(self) -> Iterator[Batch]:
+        order = self.epoch_order(self.epoch)
         while True:
-            order = self.epoch_order(self.epoch)
-            while self.batch_index < self.batches_per_epoch:
-                idx = order[self.batch_index * self.batch_size : (self.batch_index + 1) * self.batch_size].tolist()
-                self.batch_index += 1
-                yield collate([self.examples[i] for i in idx], self.pad_id, idx, self.pin)
-            self.epoch += 1
-            self.batch_index = 0
+            if self.offset >= len(self.examples):
+                self.epoch, self.offset = self.epoch + 1, 0
+                order = self.epoch_order(self.epoch)
+            idx = order[self.offset : self.offset + self.batch_size].tolist()
+            self.offset += len(idx)
+            yield collate([self.examples[i] for i in idx], self.pad_id, idx, self.pin)
 
 
 def eval_batches(examples: Sequence[Example], batch_size: int, pad_id: int, max_batches: int | None = None) -> list[Batch]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +16,8 @@ from .. import __version__
 from ..checkpoint import atomic_write_dir, save_checkpoint
 from ..config import RunConfig, resolve_max_steps
 from ..data.dataset import RowSplit, read_split, tokenize_split
-from ..data.loader import TrainLoader, eval_batches
-from ..hardware import configure_backends, describe, peak_memory_bytes, pick_device, resolve_precision
+from ..data.loader import Batch, TrainLoader, eval_batches
+from ..hardware import Precision, configure_backends, describe, peak_memory_bytes, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
 from ..metrics.tracker import MetricsLog
 from ..model.load import build_model, count_parameters
@@ -74,16 +74,65 @@ def get_tokenizer(cfg: RunConfig, split: RowSplit, reporter: ConsoleReporter):
     return tok
 
 
+@dataclass
+class Run:
+    """Everything a run holds between setup and finish; the loop reads and advances it."""
+
+    cfg: RunConfig
+    out: Path
+    reporter: ConsoleReporter
+    device: torch.device
+    precision: Precision
+    tokenizer: Any
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    loader: TrainLoader
+    eval_set: list[Batch]
+    metrics: MetricsLog
+    max_steps: int
+    data_format: str
+    data_stats: dict[str, int]
+    step: int = 0  # optimizer steps completed
+    tokens_seen: int = 0
+    data_wait_s: float = 0.0
+    loop_time_s: float = 0.0
+    last_train_loss: float | None = None
+    eval_before: dict[str, float] = field(default_factory=dict)
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint holds (LoRA: adapter weights only)."""
+        return {
+            "model": {k: v for k, v in self.model.state_dict().items() if _is_trainable_key(self.model, k)},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "loader": self.loader.state_dict(),
+            "tokens_seen": self.tokens_seen,
+        }
+
+
 def train(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = None) -> RunResult:
     """Train a model as ``cfg`` says, writing the run directory; returns the trained model too."""
-    reporter = reporter or ConsoleReporter()
     wall_start = time.perf_counter()
-    split = read_split(cfg.data, cfg.train.seed)  # bad data fails before the run directory exists
-    out = prepare_output_dir(output_dir, cfg)
+    run = setup(cfg, output_dir, reporter or ConsoleReporter())
+    try:
+        train_loop(run)
+        return finish(run, wall_start)
+    finally:
+        run.reporter.stop()
+        run.metrics.close()
 
-    # ---- setup
+
+def setup(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter) -> Run:
+    """Data, tokenizer, model, optimizer, schedule, loaders: everything before the first step."""
     from transformers.utils import logging as hf_logging
 
+    split = read_split(cfg.data, cfg.train.seed)  # bad data fails before the run directory exists
+    out = prepare_output_dir(output_dir, cfg)
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
     device = pick_device(cfg.train.device)
@@ -105,141 +154,150 @@ def train(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = N
     model.train()
     trainable, total = count_parameters(model)
     reporter.info(f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable")
-    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, cfg.optim, device)
 
     pad_id = tokenizer.pad_token_id
     loader = TrainLoader(data.train, cfg.train.micro_batch_size, pad_id, cfg.train.seed, pin=device.type == "cuda")
     max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
     o = cfg.optim
-    scheduler = build_scheduler(optimizer, o.schedule, o.warmup_steps, max_steps, o.min_lr_ratio)
-    scaler = torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None
-    eval_set = eval_batches(data.eval, cfg.train.micro_batch_size, pad_id, cfg.train.eval_max_batches)
+    return Run(
+        cfg=cfg,
+        out=out,
+        reporter=reporter,
+        device=device,
+        precision=precision,
+        tokenizer=tokenizer,
+        model=model,
+        params=[p for p in model.parameters() if p.requires_grad],
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, o.schedule, o.warmup_steps, max_steps, o.min_lr_ratio),
+        scaler=torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None,
+        loader=loader,
+        eval_set=eval_batches(data.eval, cfg.train.micro_batch_size, pad_id, cfg.train.eval_max_batches),
+        metrics=MetricsLog(out / "metrics.jsonl"),
+        max_steps=max_steps,
+        data_format=split.format,
+        data_stats=data.stats,
+    )
 
-    metrics = MetricsLog(out / "metrics.jsonl")
-    eval_before = evaluate(model, eval_set, precision, device)
-    if eval_before:
-        reporter.info(f"eval before training: loss {eval_before['eval_loss']:.4f} (ppl {eval_before['eval_ppl']:.1f})")
-        metrics.write({"step": 0, **eval_before})
-    last_eval = eval_before
 
-    # ---- loop
-    log_every, accum = cfg.log.every_steps, cfg.train.grad_accum
-    batches = iter(loader)
-    tokens_seen = 0
-    data_wait = 0.0
-    last_train_loss: float | None = None
+def run_eval(run: Run, label: str) -> dict[str, float]:
+    """Evaluate, log to metrics.jsonl and the console."""
+    result = evaluate(run.model, run.eval_set, run.precision, run.device)
+    if result:
+        run.metrics.write({"step": run.step, **result})
+        run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} (ppl {result['eval_ppl']:.1f})")
+        run.last_eval = result
+    return result
+
+
+def train_loop(run: Run) -> None:
+    """The hot loop: fetch micro-batches, forward/backward, step; log, eval, checkpoint."""
+    cfg, o, device = run.cfg, run.cfg.optim, run.device
+    if run.step == 0:
+        run.eval_before = run_eval(run, "before training")
+    batches = iter(run.loader)
     window_loss = torch.zeros((), device=device)  # summed on device; read only on log steps
     window_steps, window_tokens = 0, 0
     loop_start = window_start = time.perf_counter()
-    reporter.start(max_steps)
-    try:
-        for step in range(1, max_steps + 1):
-            t = time.perf_counter()
-            micro_batches = [next(batches) for _ in range(accum)]
-            data_wait += time.perf_counter() - t
+    first_step = run.step
+    run.reporter.start(run.max_steps, first_step)
+    while run.step < run.max_steps:
+        t = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
+        run.data_wait_s += time.perf_counter() - t
 
-            loss = forward_backward(model, micro_batches, precision, device, scaler)
-            grad_norm = optimizer_step(params, optimizer, o.max_grad_norm, scaler)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
+        loss = forward_backward(run.model, micro_batches, run.precision, device, run.scaler)
+        grad_norm = optimizer_step(run.params, run.optimizer, o.max_grad_norm, run.scaler)
+        lr = run.scheduler.get_last_lr()[0]
+        run.scheduler.step()
+        run.step += 1
 
-            step_tokens = sum(mb.n_tokens for mb in micro_batches)
-            tokens_seen += step_tokens
-            window_loss += loss
-            window_steps += 1
-            window_tokens += step_tokens
+        step_tokens = sum(mb.n_tokens for mb in micro_batches)
+        run.tokens_seen += step_tokens
+        window_loss += loss
+        window_steps += 1
+        window_tokens += step_tokens
+        step, last = run.step, run.step == run.max_steps
 
-            if step % log_every == 0 or step == max_steps:
-                now = time.perf_counter()
-                rec = {
-                    "step": step,
-                    "loss": window_loss.item() / window_steps,  # host sync: on log steps only
-                    "lr": lr,
-                    "grad_norm": grad_norm.item(),
-                    "tokens": tokens_seen,
-                    "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
-                    "elapsed_s": now - loop_start,
-                }
-                metrics.write(rec)
-                eta = (now - loop_start) / step * (max_steps - step)
-                reporter.log_step(rec, max_steps, eta)
-                last_train_loss = rec["loss"]
-                window_loss.zero_()
-                window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
-            else:
-                reporter.advance(step)
+        if step % cfg.log.every_steps == 0 or last:
+            now = time.perf_counter()
+            rec = {
+                "step": step,
+                "loss": window_loss.item() / window_steps,  # host sync: on log steps only
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens": run.tokens_seen,
+                "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
+                "elapsed_s": run.loop_time_s + now - loop_start,
+            }
+            run.metrics.write(rec)
+            eta = (now - loop_start) / (step - first_step) * (run.max_steps - step)
+            run.reporter.log_step(rec, run.max_steps, eta)
+            run.last_train_loss = rec["loss"]
+            window_loss.zero_()
+            window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
+        else:
+            run.reporter.advance(step)
 
-            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != max_steps and eval_set:
-                last_eval = evaluate(model, eval_set, precision, device)
-                metrics.write({"step": step, **last_eval})
-                reporter.info(f"eval at step {step}: loss {last_eval['eval_loss']:.4f} (ppl {last_eval['eval_ppl']:.1f})")
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
+            run_eval(run, f"at step {step}")
 
-            every = cfg.checkpoint.every_steps
-            if every and (step % every == 0 or step == max_steps):
-                state = {
-                    "model": {k: v for k, v in model.state_dict().items() if _is_trainable_key(model, k)},
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict() if scaler is not None else None,
-                    "loader": {"epoch": loader.epoch, "batch_index": loader.batch_index},
-                    "tokens_seen": tokens_seen,
-                }
-                save_checkpoint(out / "checkpoints", step, state, {"version": __version__}, cfg.checkpoint.keep_last)
-    finally:
-        reporter.stop()
-        metrics.close()
-    loop_time = time.perf_counter() - loop_start
+        every = cfg.checkpoint.every_steps
+        if every and (step % every == 0 or last):
+            save_checkpoint(
+                run.out / "checkpoints", step, run.checkpoint_state(), {"version": __version__}, cfg.checkpoint.keep_last
+            )
+    run.loop_time_s += time.perf_counter() - loop_start
+    run.reporter.stop()
 
-    # ---- evaluate, save, report
-    if eval_set:
-        last_eval = evaluate(model, eval_set, precision, device)
-        reporter.info(
-            f"eval after training:  loss {last_eval['eval_loss']:.4f} (ppl {last_eval['eval_ppl']:.1f})"
-            + (f", was {eval_before['eval_loss']:.4f} before" if eval_before else "")
-        )
-        with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": max_steps, **last_eval}) + "\n")
+
+def finish(run: Run, wall_start: float) -> RunResult:
+    """Final eval, final/ (HF format, written atomically), summary.json, sample."""
+    cfg, out = run.cfg, run.out
+    run_eval(run, "after training")
+    if run.eval_before and run.last_eval:
+        run.reporter.info(f"eval loss {run.eval_before['eval_loss']:.4f} before -> {run.last_eval['eval_loss']:.4f} after")
 
     def write_final(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        run.model.save_pretrained(tmp)
+        run.tokenizer.save_pretrained(tmp)
 
     final_dir = atomic_write_dir(out / "final", write_final)
-    reporter.info(f"saved {final_dir}")
+    run.reporter.info(f"saved {final_dir}")
 
+    trainable, total = count_parameters(run.model)
     summary = {
         "trainforge_version": __version__,
-        "steps": max_steps,
-        "wall_time_s": time.perf_counter() - wall_start,
-        "train_time_s": loop_time,
-        "tokens": tokens_seen,
-        "tokens_per_s": tokens_seen / max(loop_time, 1e-9),
-        "data_wait_s": data_wait,
-        "peak_memory_bytes": peak_memory_bytes(device),
-        "final_train_loss": last_train_loss,
-        "eval_loss_before": eval_before.get("eval_loss"),
-        "eval_loss": last_eval.get("eval_loss"),
-        "eval_ppl": last_eval.get("eval_ppl"),
-        "device": str(device),
-        "precision": precision.name,
+        "steps": run.step,
+        "wall_time_s": 0.0,
+        "train_time_s": run.loop_time_s,
+        "tokens": run.tokens_seen,
+        "tokens_per_s": run.tokens_seen / max(run.loop_time_s, 1e-9),
+        "data_wait_s": run.data_wait_s,
+        "peak_memory_bytes": peak_memory_bytes(run.device),
+        "final_train_loss": run.last_train_loss,
+        "eval_loss_before": run.eval_before.get("eval_loss"),
+        "eval_loss": run.last_eval.get("eval_loss"),
+        "eval_ppl": run.last_eval.get("eval_ppl"),
+        "device": str(run.device),
+        "precision": run.precision.name,
         "parameters": total,
         "trainable_parameters": trainable,
-        "data": {"format": split.format, **data.stats},
+        "data": {"format": run.data_format, **run.data_stats},
         "final_dir": str(final_dir),
     }
     if cfg.log.sample_prompt:
-        text = sample(model, tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed)
-        model.train()
+        text = sample(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed)
         summary["sample"] = text
-        reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
+        run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
     summary["wall_time_s"] = time.perf_counter() - wall_start
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    reporter.info(
-        f"done: {max_steps} steps, {tokens_seen:,} tokens in {loop_time:.1f}s "
+    run.reporter.info(
+        f"done: {run.step} steps, {run.tokens_seen:,} tokens in {run.loop_time_s:.1f}s "
         f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"
     )
-    return RunResult(out, summary, model, tokenizer)
+    return RunResult(out, summary, run.model, run.tokenizer)
 
 
 def _is_trainable_key(model: torch.nn.Module, key: str) -> bool:

@@ -51,7 +51,9 @@ class ConsoleReporter:
             self.progress.update(self._task, completed=step)
 
     def stop(self) -> None:
-        self.progress.stop()
+        if self._task is not None:
+            self.progress.stop()
+            self._task = None
 
 
 def _fmt_time(seconds: float) -> str:
