@@ -47,9 +47,40 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
+def make_store(path: Path, sequences: list[tuple[list[int], list[bool]]], vocab_size: int = 1000):
+    """A token store holding these (ids, learned) sequences, as one source."""
+    import numpy as np
+
+    from trainforge.data.store import StoreWriter, TokenStore
+
+    writer = StoreWriter(path, vocab_size)
+    writer.start_source()
+    writer.append(
+        np.concatenate([np.asarray(i, np.int64) for i, _ in sequences]),
+        np.concatenate([np.asarray(m, np.uint8) for _, m in sequences]),
+        np.asarray([len(i) for i, _ in sequences]),
+    )
+    writer.close({})
+    return TokenStore(path)
+
+
 def write_config(path: Path, config: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _token_cache(tmp_path_factory):
+    """Keep the token cache of every test run (and its CLI subprocesses) out of the home directory."""
+    import os
+
+    old = os.environ.get("TRAINFORGE_CACHE")
+    os.environ["TRAINFORGE_CACHE"] = str(tmp_path_factory.mktemp("token-cache"))
+    yield
+    if old is None:
+        os.environ.pop("TRAINFORGE_CACHE", None)
+    else:
+        os.environ["TRAINFORGE_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

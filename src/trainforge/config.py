@@ -123,24 +123,73 @@ def known_config_fields(arch: str) -> set[str]:
     return fields
 
 
+class SourceSpec(Section):
+    """One training source with a sampling weight for mixing."""
+
+    path: str = Field(..., description="file, directory, glob, or " + BUILTIN_STDLIB)
+    weight: float = Field(
+        1.0, gt=0, description="rows of this source per epoch = weight x its rows (fraction sampled, seeded)"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: str) -> str:
+        _check_source(v)
+        return v
+
+
+class FieldNames(Section):
+    """Names of the fields each format reads, for data whose columns are named otherwise."""
+
+    text: str = "text"
+    prompt: str = "prompt"
+    completion: str = "completion"
+    messages: str = "messages"
+    instruction: str = "instruction"
+    input: str = "input"
+    output: str = "output"
+
+
 class DataSettings(Section):
-    train: str | list[str] = Field(
-        ..., description=f"JSONL path, glob, list of them, or {BUILTIN_STDLIB}"
+    train: str | list[str | SourceSpec] = Field(
+        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, or a list of these / of {{path, weight}}"
     )
     eval: str | float | None = Field(
-        0.05, description="JSONL path, or a fraction of the training examples held out (seeded); null: none"
+        0.05, description="a file/glob, or a fraction of the training rows held out (seeded, by content); null: none"
     )
-    format: Literal["auto", "text", "prompt_completion"] = Field(
+    format: Literal["auto", "text", "prompt_completion", "chat", "alpaca"] = Field(
         "auto", description="auto: from the fields of the first row"
     )
+    fields: FieldNames = Field(default_factory=FieldNames)
+    chat_template: str | None = Field(
+        None, description="Jinja chat template; default: the tokenizer's, else trainforge's ChatML-style one"
+    )
+    train_on_prompt: bool = Field(
+        False, description="also learn prompt / user / system tokens (default: completion- / assistant-only)"
+    )
     max_length: int = Field(1024, gt=0, description="tokens per training row")
+    too_long: Literal["truncate", "drop", "split"] = Field(
+        "truncate", description="examples longer than max_length: cut, skip, or (text only) split into blocks"
+    )
+    packing: bool | Literal["concat"] = Field(
+        True,
+        description="true: pack examples into full rows, documents isolated; concat: classic joined stream "
+        "cut into blocks; false: one example per row, batches grouped by length",
+    )
+    txt_mode: Literal["file", "paragraph"] = Field("file", description=".txt files: one document per file or per blank-line block")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="skip: count bad rows and go on")
+    cache_dir: Path | None = Field(
+        None, description="token cache (default: $TRAINFORGE_CACHE or ~/.cache/trainforge)"
+    )
+    num_workers: int | None = Field(None, ge=1, description="tokenizer processes (default: all cores)")
     max_documents: int | None = Field(None, gt=0, description="read at most this many documents (quick tries)")
 
     @field_validator("train")
     @classmethod
-    def _train_exists(cls, v: str | list[str]) -> str | list[str]:
+    def _train_exists(cls, v: str | list[str | SourceSpec]) -> str | list[str | SourceSpec]:
         for spec in [v] if isinstance(v, str) else v:
-            _check_source(spec)
+            if isinstance(spec, str):
+                _check_source(spec)
         return v
 
     @field_validator("eval")
@@ -152,12 +201,23 @@ class DataSettings(Section):
             _check_source(v)
         return v
 
+    @model_validator(mode="after")
+    def _split_needs_text(self) -> "DataSettings":
+        if self.too_long == "split" and self.format not in ("auto", "text"):
+            raise ValueError(f"data.too_long: 'split' is for text only; data.format is {self.format!r}; use truncate or drop")
+        return self
+
+    def sources(self) -> list[SourceSpec]:
+        """The training sources as specs with weights."""
+        items = [self.train] if isinstance(self.train, str) else self.train
+        return [SourceSpec(path=i) if isinstance(i, str) else i for i in items]
+
 
 def _check_source(spec: str) -> None:
-    if spec == BUILTIN_STDLIB:
+    if spec == BUILTIN_STDLIB or Path(spec).is_dir():
         return
     if not glob.glob(spec):
-        raise ValueError(f"no file matches {spec!r} (a JSONL path, a glob, or {BUILTIN_STDLIB})")
+        raise ValueError(f"no file matches {spec!r} (a file, directory, glob, or {BUILTIN_STDLIB})")
 
 
 class TrainSettings(Section):
@@ -239,7 +299,14 @@ def default_config() -> dict[str, Any]:
             },
             "tokenizer_vocab_size": 2048,
         },
-        "data": {"train": BUILTIN_STDLIB, "eval": 0.05, "max_length": 256, "max_documents": 300},
+        "data": {
+            "train": BUILTIN_STDLIB,
+            "eval": 0.05,
+            "max_length": 256,
+            "too_long": "split",
+            "packing": True,
+            "max_documents": 300,
+        },
         "train": {"max_steps": 600, "micro_batch_size": 8, "grad_accum": 1, "eval_every": 200, "eval_max_batches": 16},
         "optim": {"lr": 2.0e-3, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 50},
         "log": {"every_steps": 50, "sample_prompt": "def ", "sample_tokens": 60},

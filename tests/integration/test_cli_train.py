@@ -36,16 +36,18 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _recompute_eval_loss(model: torch.nn.Module, tokenizer, run_config: Path) -> float:
     """Eval loss of ``model`` on the run's eval data, built exactly as the trainer builds it."""
+    from rich.console import Console
+
     from trainforge.config import load_config
-    from trainforge.data.dataset import read_split, tokenize_split
     from trainforge.data.loader import eval_batches
     from trainforge.engine.evaluate import evaluate
+    from trainforge.engine.trainer import plan_data
     from trainforge.hardware import PRECISIONS
+    from trainforge.metrics.console import ConsoleReporter
 
     cfg = load_config(run_config)
-    split = read_split(cfg.data, cfg.train.seed)
-    data = tokenize_split(split, tokenizer, cfg.data.max_length)
-    batches = eval_batches(data.eval, cfg.train.micro_batch_size, tokenizer.pad_token_id, cfg.train.eval_max_batches)
+    plan = plan_data(cfg, tokenizer, ConsoleReporter(Console(quiet=True)))
+    batches = eval_batches(plan.eval_rows, plan.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
     assert batches, "the eval split is empty"
     result = evaluate(model, batches, PRECISIONS["fp32"], torch.device("cpu"))
     return result["eval_loss"]

@@ -1,7 +1,9 @@
-"""Turn rows into training examples: token ids plus aligned next-token labels.
+"""Rows -> token sequences with loss masks.
 
-Labels are already shifted (``labels[t]`` is the target for ``input_ids[t]``) and hold
-``IGNORE`` where no loss is taken, so the engine never shifts or searches for markers.
+Every format renders a row to one string plus the character spans whose tokens are
+learned. The tokenizer's offsets then decide, token by token, what carries loss: no
+searching for marker strings, so a prompt that happens to contain "### Response:" or an
+assistant header cannot confuse the mask.
 """
 
 from __future__ import annotations
@@ -11,91 +13,178 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import FieldNames
 from .sources import DataError, Row
 
 IGNORE = -100
-FORMAT_FIELDS = {"text": ("text",), "prompt_completion": ("prompt", "completion")}
+FORMATS = ("text", "prompt_completion", "chat", "alpaca")
+
+# Used when the tokenizer has no chat template: ChatML-style turns. The assistant's turn,
+# including its closing "<|im_end|>", is what gets learned.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Alpaca rows become a prompt/completion pair with this prompt.
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
 @dataclass
-class Example:
-    input_ids: np.ndarray  # int32, (T,)
-    labels: np.ndarray  # int32, (T,), IGNORE where no loss
+class Rendered:
+    """A row as text; ``spans`` are the learned character ranges (None: every token)."""
+
+    text: str
+    spans: list[tuple[int, int]] | None
+    add_eos: bool
+    where: str
 
 
-def detect_format(row: Row) -> str:
-    """``text`` or ``prompt_completion`` from a row's fields."""
-    for name in ("prompt_completion", "text"):
-        if all(k in row.data for k in FORMAT_FIELDS[name]):
-            return name
+def format_fields(fmt: str, names: FieldNames) -> tuple[str, ...]:
+    return {
+        "text": (names.text,),
+        "prompt_completion": (names.prompt, names.completion),
+        "chat": (names.messages,),
+        "alpaca": (names.instruction, names.output),
+    }[fmt]
+
+
+def detect_format(row: Row, names: FieldNames) -> str:
+    """The format whose fields the row has (chat, alpaca, prompt/completion, then text)."""
+    for fmt in ("chat", "alpaca", "prompt_completion", "text"):
+        if all(k in row.data for k in format_fields(fmt, names)):
+            return fmt
     raise DataError(
         f"{row.where}: cannot tell the data format from fields {sorted(row.data)}; expected "
-        "'text' (pretraining) or 'prompt' and 'completion'; or set data.format"
+        f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' (chat) or "
+        f"'{names.instruction}'+'{names.output}' (alpaca); or set data.format / data.fields"
     )
 
 
-def check_fields(row: Row, fmt: str) -> None:
-    for field in FORMAT_FIELDS[fmt]:
-        if field not in row.data:
-            raise DataError(f"{row.where}: missing field {field!r} required by data.format={fmt}")
-        if not isinstance(row.data[field], str):
-            got = type(row.data[field]).__name__
-            raise DataError(f"{row.where}: field {field!r} must be a string, got {got}")
+def _string(row: Row, key: str, optional: bool = False) -> str:
+    if key not in row.data or row.data[key] is None:
+        if optional:
+            return ""
+        raise DataError(f"{row.where}: missing field {key!r}")
+    value = row.data[key]
+    if not isinstance(value, str):
+        raise DataError(f"{row.where}: field {key!r} must be a string, got {type(value).__name__}")
+    return value
 
 
-def tokenize_documents(rows: Sequence[Row], tokenizer, batch_size: int = 256) -> list[np.ndarray]:
-    """Each document's ids followed by EOS (the document separator of pretraining streams)."""
-    eos = tokenizer.eos_token_id
-    out: list[np.ndarray] = []
-    for start in range(0, len(rows), batch_size):
-        texts = [r.data["text"] for r in rows[start : start + batch_size]]
-        for ids in tokenizer(texts, add_special_tokens=True)["input_ids"]:
-            out.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=np.int32))
-    return out
+class Renderer:
+    """Renders rows of one format; holds the chat template and the prompt-learning switch."""
+
+    def __init__(self, fmt: str, names: FieldNames, tokenizer=None, chat_template: str | None = None, train_on_prompt: bool = False):
+        self.fmt, self.names, self.tokenizer, self.train_on_prompt = fmt, names, tokenizer, train_on_prompt
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+
+    def __call__(self, row: Row) -> Rendered:
+        n = self.names
+        if self.fmt == "text":
+            return Rendered(_string(row, n.text), None, True, row.where)
+        if self.fmt == "prompt_completion":
+            return self._pair(_string(row, n.prompt), _string(row, n.completion), row.where)
+        if self.fmt == "alpaca":
+            instruction, extra = _string(row, n.instruction), _string(row, n.input, optional=True)
+            template = ALPACA_PROMPT_WITH_INPUT if extra.strip() else ALPACA_PROMPT
+            return self._pair(template.format(instruction=instruction, input=extra), _string(row, n.output), row.where)
+        return self._chat(row)
+
+    def _pair(self, prompt: str, completion: str, where: str) -> Rendered:
+        text = prompt + completion
+        return Rendered(text, None if self.train_on_prompt else [(len(prompt), len(text))], True, where)
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def _chat(self, row: Row) -> Rendered:
+        messages = row.data.get(self.names.messages)
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{row.where}: field {self.names.messages!r} must be a non-empty list of {{role, content}} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{row.where}: {self.names.messages}[{i}] must be an object with string 'role' and 'content'")
+        full = self._render(messages, False)
+        if self.train_on_prompt:
+            return Rendered(full, None, False, row.where)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before, through = self._render(messages[:i], True), self._render(messages[: i + 1], False)
+            if not (through.startswith(before) and full.startswith(through)):
+                raise DataError(
+                    f"{row.where}: the chat template does not render conversations prefix by prefix, so "
+                    "assistant turns cannot be located; set data.chat_template or data.train_on_prompt: true"
+                )
+            spans.append((len(before), len(through)))
+        return Rendered(full, spans, False, row.where)
 
 
-def pack_blocks(docs: list[np.ndarray], max_length: int) -> list[Example]:
-    """Concatenate documents and cut into rows of ``max_length`` inputs (nanoGPT-style x/y).
+@dataclass
+class TokenizedChunk:
+    """Token sequences of a chunk of rows, concatenated, with per-sequence lengths."""
 
-    Consecutive rows overlap by one token so every token after the first is a target once;
-    the last, shorter row is kept so no data is dropped.
+    ids: np.ndarray  # int64, all sequences back to back
+    learn: np.ndarray  # uint8, 1 where the token is a target
+    lengths: np.ndarray  # int64, tokens per sequence
+    truncated: int = 0
+    dropped_too_long: int = 0
+    split: int = 0
+    dropped_masked: int = 0
+
+
+def tokenize_rendered(
+    items: Sequence[Rendered], tokenizer, max_length: int, too_long: str, special_tokens: bool = True
+) -> TokenizedChunk:
+    """Tokenize with offsets, mark learned tokens, apply the too-long policy.
+
+    Each stored sequence holds up to ``max_length + 1`` tokens: inputs are all but the last,
+    targets all but the first.
     """
-    if not docs:
-        return []
-    stream = np.concatenate(docs)
-    out = []
-    for start in range(0, max(len(stream) - 1, 0), max_length):
-        chunk = stream[start : start + max_length + 1]
-        if len(chunk) >= 2:
-            out.append(Example(chunk[:-1].copy(), chunk[1:].copy()))
-    return out
-
-
-def tokenize_prompt_completion(
-    rows: Sequence[Row], tokenizer, max_length: int, batch_size: int = 256
-) -> tuple[list[Example], int, int]:
-    """Prompt + completion + EOS, loss on completion tokens only.
-
-    Returns (examples, truncated count, dropped count): a row whose completion was cut away
-    entirely has nothing to learn and is dropped.
-    """
     eos = tokenizer.eos_token_id
-    examples: list[Example] = []
-    truncated = dropped = 0
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start : start + batch_size]
-        prompts = tokenizer([r.data["prompt"] for r in batch], add_special_tokens=True)["input_ids"]
-        completions = tokenizer([r.data["completion"] for r in batch], add_special_tokens=False)["input_ids"]
-        for p, c in zip(prompts, completions):
-            ids = p + c + ([eos] if eos is not None else [])
-            learn = [False] * len(p) + [True] * (len(ids) - len(p))
-            if len(ids) > max_length + 1:
-                ids, learn = ids[: max_length + 1], learn[: max_length + 1]
-                truncated += 1
-            arr = np.asarray(ids, dtype=np.int32)
-            labels = np.where(np.asarray(learn[1:]), arr[1:], IGNORE).astype(np.int32)
-            if (labels != IGNORE).any():
-                examples.append(Example(arr[:-1].copy(), labels))
+    chunk = TokenizedChunk(np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64))
+    if not items:
+        return chunk
+    enc = tokenizer([r.text for r in items], add_special_tokens=special_tokens, return_offsets_mapping=True)
+    out_ids, out_learn, lengths = [], [], []
+    limit = max_length + 1
+    for r, ids, offsets in zip(items, enc["input_ids"], enc["offset_mapping"]):
+        ids = np.asarray(ids, dtype=np.int64)
+        if r.spans is None:
+            learn = np.ones(len(ids), dtype=bool)
+        else:
+            starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+            learn = np.zeros(len(ids), dtype=bool)
+            for a, b in r.spans:
+                learn |= (starts >= a) & (starts < b)
+        if r.add_eos and eos is not None and (len(ids) == 0 or ids[-1] != eos):
+            ids = np.append(ids, eos)
+            learn = np.append(learn, r.spans is None or bool(learn[-1]) if len(learn) else True)
+        pieces = [(ids, learn)]
+        if len(ids) > limit:
+            if too_long == "drop":
+                chunk.dropped_too_long += 1
+                continue
+            if too_long == "split":
+                # consecutive blocks overlapping by one token: every token after the first is a target once
+                pieces = [(ids[s : s + limit], learn[s : s + limit]) for s in range(0, len(ids) - 1, max_length)]
+                chunk.split += 1
             else:
-                dropped += 1
-    return examples, truncated, dropped
+                pieces = [(ids[:limit], learn[:limit])]
+                chunk.truncated += 1
+        for p_ids, p_learn in pieces:
+            if len(p_ids) < 2 or not p_learn[1:].any():  # nothing to learn: a prompt filled the row
+                chunk.dropped_masked += 1
+                continue
+            out_ids.append(p_ids)
+            out_learn.append(p_learn)
+            lengths.append(len(p_ids))
+    if out_ids:
+        chunk.ids = np.concatenate(out_ids)
+        chunk.learn = np.concatenate(out_learn).astype(np.uint8)
+        chunk.lengths = np.asarray(lengths, dtype=np.int64)
+    return chunk

@@ -1,4 +1,4 @@
-"""Batches of examples: seeded order per epoch, right-padded to a multiple of 8."""
+"""Batches of rows: seeded order per epoch, fixed shapes when packed, length-grouped when not."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .formats import IGNORE, Example
+from .formats import IGNORE
+from .packing import row_tokens
+from .store import TokenStore
 
 PAD_MULTIPLE = 8  # tensor-core friendly shapes, and fewer distinct shapes for kernels to tune for
+LENGTH_GROUP_ROWS = 256  # unpacked rows are sorted by length within groups of this many (shuffled) rows
 
 
 @dataclass
@@ -19,74 +22,102 @@ class Batch:
 
     input_ids: torch.Tensor
     labels: torch.Tensor
-    attention_mask: torch.Tensor | None  # None when no row is padded: lets attention take its causal fast path
+    # restart at 0 for each packed document: the model masks attention across documents from them.
+    # None when rows hold one document each (right padding needs no mask under causal attention).
+    position_ids: torch.Tensor | None
     n_tokens: int  # real (non-pad) input tokens
     n_targets: int  # tokens that carry loss
-    indices: list[int]
+    indices: list[int]  # row indices, to name the examples of a batch
 
     def to(self, device: torch.device) -> "Batch":
         nb = device.type == "cuda"  # async copy from pinned memory
-        mask = self.attention_mask.to(device, non_blocking=nb) if self.attention_mask is not None else None
+        pos = self.position_ids.to(device, non_blocking=nb) if self.position_ids is not None else None
         return Batch(
             self.input_ids.to(device, non_blocking=nb),
             self.labels.to(device, non_blocking=nb),
-            mask,
+            pos,
             self.n_tokens,
             self.n_targets,
             self.indices,
         )
 
 
-def collate(examples: Sequence[Example], pad_id: int, indices: list[int] | None = None, pin: bool = False) -> Batch:
-    """Right-pad to the longest row (rounded up to a multiple of 8); pads carry no loss."""
-    lengths = [len(e.input_ids) for e in examples]
-    longest = max(lengths)
-    width = longest if all(n == longest for n in lengths) else -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
-    ids = np.full((len(examples), width), pad_id, dtype=np.int64)
-    labels = np.full((len(examples), width), IGNORE, dtype=np.int64)
-    for i, e in enumerate(examples):
-        ids[i, : len(e.input_ids)] = e.input_ids
-        labels[i, : len(e.labels)] = e.labels
-    mask = None
-    if any(n != width for n in lengths):
-        mask_np = np.zeros((len(examples), width), dtype=np.int64)
-        for i, n in enumerate(lengths):
-            mask_np[i, :n] = 1
-        mask = torch.from_numpy(mask_np)
-    batch = Batch(
-        torch.from_numpy(ids),
-        torch.from_numpy(labels),
-        mask,
-        n_tokens=int(sum(lengths)),
-        n_targets=int((labels != IGNORE).sum()),
-        indices=list(indices) if indices is not None else [],
-    )
-    if pin:  # page-locked host memory makes the host-to-GPU copy asynchronous
-        batch.input_ids, batch.labels = batch.input_ids.pin_memory(), batch.labels.pin_memory()
-        if batch.attention_mask is not None:
-            batch.attention_mask = batch.attention_mask.pin_memory()
-    return batch
+class RowCollator:
+    """Turns rows (segments of the token store) into padded tensors."""
+
+    def __init__(self, store: TokenStore, pad_id: int, mode: bool | str, max_length: int, pin: bool = False):
+        self.store, self.pad_id, self.max_length, self.pin = store, pad_id, max_length, pin
+        self.concat, self.packed = mode == "concat", mode is True
+
+    def _row(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        ids, learn = self.store.ids, self.store.learn
+        if self.concat:  # one stream across documents: inputs all but last, targets all but first
+            toks = np.concatenate([ids[s:e] for s, e in row]).astype(np.int64)
+            keep = np.concatenate([learn[s:e] for s, e in row]).astype(bool)
+            return toks[:-1], np.where(keep[1:], toks[1:], IGNORE), None
+        inputs, labels, positions = [], [], []
+        for s, e in row:  # each document on its own: its own next-token targets and positions
+            toks = np.asarray(ids[s:e], dtype=np.int64)
+            inputs.append(toks[:-1])
+            labels.append(np.where(learn[s + 1 : e].astype(bool), toks[1:], IGNORE))
+            positions.append(np.arange(e - s - 1))
+        return np.concatenate(inputs), np.concatenate(labels), np.concatenate(positions)
+
+    def __call__(self, rows: Sequence[np.ndarray], indices: list[int]) -> Batch:
+        built = [self._row(r) for r in rows]
+        longest = max(len(b[0]) for b in built)
+        width = self.max_length if (self.packed or self.concat) else -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
+        positions = np.zeros((len(rows), width), dtype=np.int64) if self.packed else None
+        for i, (inp, lab, pos) in enumerate(built):
+            n = len(inp)
+            ids[i, :n], labels[i, :n] = inp, lab
+            if positions is not None:
+                positions[i, :n] = pos
+                positions[i, n:] = np.arange(width - n)  # the padding tail is a document of its own
+        batch = Batch(
+            torch.from_numpy(ids),
+            torch.from_numpy(labels),
+            torch.from_numpy(positions) if positions is not None else None,
+            n_tokens=int(sum(len(b[0]) for b in built)),
+            n_targets=int((labels != IGNORE).sum()),
+            indices=list(indices),
+        )
+        if self.pin:  # page-locked host memory makes the host-to-GPU copy asynchronous
+            batch.input_ids, batch.labels = batch.input_ids.pin_memory(), batch.labels.pin_memory()
+            if batch.position_ids is not None:
+                batch.position_ids = batch.position_ids.pin_memory()
+        return batch
 
 
 class TrainLoader:
-    """Endless micro-batches over the training examples, reshuffled (seeded) every epoch.
+    """Endless micro-batches over training rows, reshuffled (seeded) every epoch.
 
-    The position is explicit (epoch, examples consumed in that epoch) so a run can save and
+    The position is explicit (epoch, rows consumed in that epoch) so a run can save and
     restore it exactly, and ``batch_size`` may change between batches (halving it and
-    doubling accumulation consumes the same examples in the same order).
+    doubling accumulation consumes the same rows in the same order). Unpacked rows are
+    sorted by length within groups of a fixed number of rows, so the order does not
+    depend on the batch size either.
     """
 
-    def __init__(self, examples: Sequence[Example], batch_size: int, pad_id: int, seed: int, pin: bool = False):
-        self.examples, self.batch_size, self.pad_id, self.seed, self.pin = examples, batch_size, pad_id, seed, pin
+    def __init__(self, rows: Sequence[np.ndarray], collate: RowCollator, batch_size: int, seed: int, group_by_length: bool):
+        self.rows, self.collate, self.batch_size, self.seed = rows, collate, batch_size, seed
+        self.group_by_length = group_by_length
+        self.lengths = np.asarray([row_tokens(r, collate.concat) for r in rows]) if group_by_length else None
         self.epoch = 0
         self.offset = 0
 
     @property
     def batches_per_epoch(self) -> int:
-        return -(-len(self.examples) // self.batch_size)
+        return -(-len(self.rows) // self.batch_size)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        if self.lengths is not None:  # longest first within each group: similar lengths share a batch
+            groups = [order[i : i + LENGTH_GROUP_ROWS] for i in range(0, len(order), LENGTH_GROUP_ROWS)]
+            order = np.concatenate([g[np.argsort(-self.lengths[g], kind="stable")] for g in groups])
+        return order
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "offset": self.offset}
@@ -97,20 +128,31 @@ class TrainLoader:
     def __iter__(self) -> Iterator[Batch]:
         order = self.epoch_order(self.epoch)
         while True:
-            if self.offset >= len(self.examples):
+            if self.offset >= len(self.rows):
                 self.epoch, self.offset = self.epoch + 1, 0
                 order = self.epoch_order(self.epoch)
             idx = order[self.offset : self.offset + self.batch_size].tolist()
             self.offset += len(idx)
-            yield collate([self.examples[i] for i in idx], self.pad_id, idx, self.pin)
+            yield self.collate([self.rows[i] for i in idx], idx)
+
+    def padding_efficiency(self) -> float:
+        """Real input tokens / tensor positions over one epoch in this batching (1.0: no padding)."""
+        order = self.epoch_order(0)
+        real = padded = 0
+        for b in range(0, len(order), self.batch_size):
+            lens = [row_tokens(self.rows[i], self.collate.concat) for i in order[b : b + self.batch_size]]
+            width = self.collate.max_length if (self.collate.packed or self.collate.concat) else -(-max(lens) // PAD_MULTIPLE) * PAD_MULTIPLE
+            real += sum(lens)
+            padded += width * len(lens)
+        return real / max(padded, 1)
 
 
-def eval_batches(examples: Sequence[Example], batch_size: int, pad_id: int, max_batches: int | None = None) -> list[Batch]:
-    """Eval examples in file order; the same batches every time they are evaluated."""
-    n = -(-len(examples) // batch_size)
+def eval_batches(rows: Sequence[np.ndarray], collate: RowCollator, batch_size: int, max_batches: int | None = None) -> list[Batch]:
+    """Eval rows in stored order; the same batches every time they are evaluated."""
+    n = -(-len(rows) // batch_size)
     if max_batches is not None:
         n = min(n, max_batches)
     return [
-        collate(examples[i * batch_size : (i + 1) * batch_size], pad_id, list(range(i * batch_size, (i + 1) * batch_size)))
+        collate(rows[i * batch_size : (i + 1) * batch_size], list(range(i * batch_size, min((i + 1) * batch_size, len(rows)))))
         for i in range(n)
     ]

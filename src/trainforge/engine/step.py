@@ -15,7 +15,9 @@ from ..hardware import Precision
 def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32."""
     with precision.autocast(batch.input_ids.device):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        # use_cache=False: a KV cache is useless here, and with one transformers skips the
+        # packed-document mask built from position_ids (documents would attend to each other)
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
     return F.cross_entropy(
         logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum"
     )

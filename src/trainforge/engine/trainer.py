@@ -15,8 +15,9 @@ import torch
 from .. import __version__
 from ..checkpoint import atomic_write_dir, save_checkpoint
 from ..config import RunConfig, resolve_max_steps
-from ..data.dataset import RowSplit, read_split, tokenize_split
-from ..data.loader import Batch, TrainLoader, eval_batches
+from ..data.loader import Batch, RowCollator, TrainLoader, eval_batches
+from ..data.packing import build_rows, weighted_indices
+from ..data.prepare import PreparedData, prepare_data, resolve_format, training_texts
 from ..hardware import Precision, configure_backends, describe, peak_memory_bytes, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
 from ..metrics.tracker import MetricsLog
@@ -63,15 +64,66 @@ def prepare_output_dir(output_dir: Path, cfg: RunConfig) -> Path:
     return output_dir
 
 
-def get_tokenizer(cfg: RunConfig, split: RowSplit, reporter: ConsoleReporter):
+def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
     """The configured tokenizer, the model directory's, or a BPE trained on the training text."""
     source = cfg.model.tokenizer or cfg.model.path
     if source is not None:
         return load_tokenizer(source)
     t = time.perf_counter()
-    tok = train_bpe_tokenizer(split.train_texts(), cfg.model.tokenizer_vocab_size)
+    texts = training_texts(cfg.data, resolve_format(cfg.data))
+    tok = train_bpe_tokenizer(texts, cfg.model.tokenizer_vocab_size)
     reporter.info(f"tokenizer: byte-level BPE trained on the data, {len(tok)} tokens ({time.perf_counter() - t:.1f}s)")
     return tok
+
+
+@dataclass
+class DataPlan:
+    """Tokenized data arranged into training and eval rows."""
+
+    prepared: PreparedData
+    train_rows: list
+    eval_rows: list
+    collate: RowCollator
+    eval_collate: RowCollator | None
+
+
+def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = False) -> DataPlan:
+    """Tokenize (or reuse the cache), mix sources by weight, pack into rows."""
+    d = cfg.data
+    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info)
+    weights = [s.weight for s in d.sources()]
+    index = weighted_indices(prepared.train, weights, cfg.train.seed)
+    train_rows = build_rows(prepared.train, index, d.packing, d.max_length)
+    eval_rows, eval_collate = [], None
+    if prepared.eval is not None and len(prepared.eval):
+        eval_rows = build_rows(prepared.eval, np.arange(len(prepared.eval)), d.packing, d.max_length)
+        eval_collate = RowCollator(prepared.eval, tokenizer.pad_token_id, d.packing, d.max_length)
+    collate = RowCollator(prepared.train, tokenizer.pad_token_id, d.packing, d.max_length, pin=pin)
+    return DataPlan(prepared, train_rows, eval_rows, collate, eval_collate)
+
+
+def describe_data(plan: DataPlan, efficiency: float) -> str:
+    s = plan.prepared.stats
+    mode = {True: "packed", False: "unpacked", "concat": "concatenated"}[plan.collate.packed or ("concat" if plan.collate.concat else False)]
+    notes = [
+        f"{s[k]} {label}"
+        for k, label in (
+            ("truncated", "truncated"),
+            ("split", "split into blocks"),
+            ("dropped_too_long", "dropped as too long"),
+            ("dropped_masked", "dropped with nothing to learn"),
+            ("bad_rows", "bad rows skipped"),
+            ("eval_overlap_dropped", "dropped as duplicates of eval rows"),
+        )
+        if s.get(k)
+    ]
+    return (
+        f"data: {s['format']}, {s['train_rows']:,} train rows -> {s['train_sequences']:,} sequences "
+        f"({s['train_tokens']:,} tokens) -> {len(plan.train_rows):,} {mode} rows, "
+        f"{efficiency:.1%} of row capacity is real tokens; eval {s['eval_rows']:,} rows"
+        + ("; " + ", ".join(notes) if notes else "")
+        + (f"\n  bad rows, first: {'; '.join(s['bad_row_examples'])}" if s.get("bad_row_examples") else "")
+    )
 
 
 @dataclass
@@ -131,24 +183,20 @@ def setup(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter) -> Run:
     """Data, tokenizer, model, optimizer, schedule, loaders: everything before the first step."""
     from transformers.utils import logging as hf_logging
 
-    split = read_split(cfg.data, cfg.train.seed)  # bad data fails before the run directory exists
-    out = prepare_output_dir(output_dir, cfg)
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
     device = pick_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
     configure_backends(device)
-    reporter.info(f"trainforge {__version__} | {describe(device)} | precision {precision.name} | output {out}")
+    reporter.info(f"trainforge {__version__} | {describe(device)} | precision {precision.name}")
 
-    tokenizer = get_tokenizer(cfg, split, reporter)
-    data = tokenize_split(split, tokenizer, cfg.data.max_length)
-    s = data.stats
-    reporter.info(
-        f"data: {split.format}, {s['train_rows']} train rows -> {s['train_examples']} examples "
-        f"({s['train_tokens']:,} tokens); eval {s['eval_rows']} rows -> {s['eval_examples']} examples"
-        + (f"; {s['truncated']} truncated to max_length" if s["truncated"] else "")
-        + (f"; {s['dropped']} dropped (nothing left to learn after truncation)" if s["dropped"] else "")
-    )
+    tokenizer = get_tokenizer(cfg, reporter)
+    plan = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
+    out = prepare_output_dir(output_dir, cfg)
+    reporter.info(f"output: {out}")
+    loader = TrainLoader(plan.train_rows, plan.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False)
+    efficiency = loader.padding_efficiency()
+    reporter.info(describe_data(plan, efficiency))
 
     model = build_model(cfg.model, tokenizer, cfg.train.seed).to(device)
     model.train()
@@ -156,8 +204,6 @@ def setup(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter) -> Run:
     reporter.info(f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable")
     optimizer = build_optimizer(model, cfg.optim, device)
 
-    pad_id = tokenizer.pad_token_id
-    loader = TrainLoader(data.train, cfg.train.micro_batch_size, pad_id, cfg.train.seed, pin=device.type == "cuda")
     max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
     o = cfg.optim
     return Run(
@@ -173,11 +219,13 @@ def setup(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter) -> Run:
         scheduler=build_scheduler(optimizer, o.schedule, o.warmup_steps, max_steps, o.min_lr_ratio),
         scaler=torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None,
         loader=loader,
-        eval_set=eval_batches(data.eval, cfg.train.micro_batch_size, pad_id, cfg.train.eval_max_batches),
+        eval_set=eval_batches(plan.eval_rows, plan.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
+        if plan.eval_collate
+        else [],
         metrics=MetricsLog(out / "metrics.jsonl"),
         max_steps=max_steps,
-        data_format=split.format,
-        data_stats=data.stats,
+        data_format=plan.prepared.format,
+        data_stats={**plan.prepared.stats, "rows": len(plan.train_rows), "row_efficiency": efficiency},
     )
 
 

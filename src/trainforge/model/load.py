@@ -38,7 +38,6 @@ def build_model(cfg: ModelSettings, tokenizer, seed: int) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(str(cfg.path.resolve()), dtype=torch.float32)
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
-    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if cfg.method == "lora":
         model = apply_lora(model, cfg.lora)
     return model

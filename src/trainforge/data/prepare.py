@@ -1,0 +1,305 @@
+"""Tokenize once: rows -> token stores in a cache keyed by a fingerprint of everything that changes tokens.
+
+Rows are streamed in chunks and tokenized by worker processes; memory is bounded by the
+chunk size and the number of chunks in flight, not by the dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..checkpoint import atomic_write_dir
+from ..config import DataSettings
+from .formats import Renderer, TokenizedChunk, detect_format, format_fields, tokenize_rendered
+from .sources import BadRows, DataError, Row, iter_source, source_files
+from .store import StoreWriter, TokenStore
+
+STORE_VERSION = 1  # bump when the store layout or tokenization rules change
+CHUNK_ROWS = 1024
+
+
+@dataclass
+class PreparedData:
+    train: TokenStore
+    eval: TokenStore | None
+    format: str
+    stats: dict[str, Any]
+    cache_path: Path
+    cache_hit: bool
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TRAINFORGE_CACHE") or Path.home() / ".cache" / "trainforge")
+
+
+def train_rows(cfg: DataSettings, bad: BadRows) -> Iterator[tuple[int, Row]]:
+    """(source index, row) over every training source, at most ``max_documents`` rows."""
+    rows = ((k, row) for k, spec in enumerate(cfg.sources()) for row in iter_source(spec.path, bad, cfg.txt_mode))
+    return islice(rows, cfg.max_documents) if cfg.max_documents else rows
+
+
+def resolve_format(cfg: DataSettings) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    first = next(train_rows(cfg, BadRows("skip")), None)
+    if first is None:
+        raise DataError(f"data.train={cfg.train!r}: no rows found")
+    return detect_format(first[1], cfg.fields)
+
+
+def training_texts(cfg: DataSettings, fmt: str) -> Iterator[str]:
+    """The training text, for training a tokenizer on (every string field the format reads)."""
+    keys = format_fields(fmt, cfg.fields) + ((cfg.fields.input,) if fmt == "alpaca" else ())
+    for _, row in train_rows(cfg, BadRows("skip")):
+        for key in keys:
+            value = row.data.get(key)
+            if isinstance(value, str):
+                yield value
+            elif isinstance(value, list):  # chat: the contents of the turns
+                yield from (m["content"] for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
+
+
+def row_hash(row: Row, seed: int) -> int:
+    """Content hash of a row (seeded): identical rows hash alike, wherever they come from."""
+    blob = json.dumps(row.data, sort_keys=True, ensure_ascii=False, default=str).encode()
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8, key=seed.to_bytes(8, "little", signed=True)).digest(), "little")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
+    h.update(json.dumps([tokenizer.eos_token_id, tokenizer.bos_token_id, str(getattr(tokenizer, "chat_template", ""))]).encode())
+    return h.hexdigest()
+
+
+def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int) -> str:
+    """Hash of source contents, tokenizer, and every setting that changes the stored tokens."""
+    h = hashlib.blake2b(digest_size=16)
+    settings = cfg.model_dump(mode="json", exclude={"packing", "cache_dir", "num_workers", "train"})
+    settings["train"] = [s.path for s in cfg.sources()]  # weights are applied when loading, not stored
+    h.update(json.dumps({"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}, sort_keys=True).encode())
+    h.update(tokenizer_fingerprint(tokenizer).encode())
+    specs = [s.path for s in cfg.sources()] + ([cfg.eval] if isinstance(cfg.eval, str) else [])
+    for spec in specs:
+        for path in source_files(spec):
+            h.update(str(path.name).encode())
+            with open(path, "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- workers
+
+_WORKER: dict[str, Any] = {}
+
+
+def _tokenize_chunk(rows: list[Row]) -> tuple[TokenizedChunk, list[str]]:
+    """Render and tokenize one chunk (in a worker process, or inline). Returns bad-row messages too."""
+    w = _WORKER
+    rendered, bad = [], []
+    for row in rows:
+        try:
+            rendered.append(w["renderer"](row))
+        except DataError as e:
+            bad.append(str(e))
+    chunk = tokenize_rendered(rendered, w["tokenizer"], w["max_length"], w["too_long"], w["special_tokens"])
+    return chunk, bad
+
+
+class ChunkTokenizer:
+    """Tokenizes chunks of rows in order, in forked worker processes when more than one."""
+
+    def __init__(self, renderer: Renderer, tokenizer, max_length: int, too_long: str, workers: int):
+        _WORKER.update(
+            renderer=renderer,
+            tokenizer=tokenizer,
+            max_length=max_length,
+            too_long=too_long,
+            special_tokens=renderer.fmt != "chat",  # chat templates carry their own special tokens
+        )
+        self.workers = workers
+        self.pool: ProcessPoolExecutor | None = None
+        if workers > 1:
+            # fork: workers inherit the loaded tokenizer instead of re-importing transformers (seconds each)
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # processes, not threads, do the parallel work
+            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+
+    def map(self, chunks: Iterator[list[Row]]) -> Iterator[tuple[TokenizedChunk, list[str]]]:
+        if self.pool is None:
+            yield from (_tokenize_chunk(c) for c in chunks)
+            return
+        pending: deque[Future] = deque()
+        for c in chunks:
+            pending.append(self.pool.submit(_tokenize_chunk, c))
+            if len(pending) >= 2 * self.workers:  # bounded in-flight work: bounded memory
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        _WORKER.clear()
+
+
+def _chunks(rows: Iterator[Row], size: int = CHUNK_ROWS) -> Iterator[list[Row]]:
+    while chunk := list(islice(rows, size)):
+        yield chunk
+
+
+# ---------------------------------------------------------------- building
+
+
+@dataclass
+class _Counts:
+    rows: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    split: int = 0
+    dropped_masked: int = 0
+
+    def add(self, chunk: TokenizedChunk) -> None:
+        self.sequences += len(chunk.lengths)
+        self.tokens += int(chunk.lengths.sum()) - len(chunk.lengths)  # inputs: all but the last token
+        if len(chunk.lengths):  # targets are learned tokens after each sequence's first
+            starts = np.concatenate([[0], np.cumsum(chunk.lengths)[:-1]])
+            self.target_tokens += int(chunk.learn.sum()) - int(chunk.learn[starts].sum())
+        self.truncated += chunk.truncated
+        self.dropped_too_long += chunk.dropped_too_long
+        self.split += chunk.split
+        self.dropped_masked += chunk.dropped_masked
+
+
+def _write_store(path: Path, rows_by_source: Iterator[Iterator[Row]], tok: ChunkTokenizer, bad: BadRows, vocab: int) -> _Counts:
+    writer = StoreWriter(path, vocab)
+    counts = _Counts()
+    for rows in rows_by_source:
+        writer.start_source()
+
+        def counted(it: Iterator[Row]) -> Iterator[Row]:
+            for row in it:
+                counts.rows += 1
+                yield row
+
+        for chunk, bad_messages in tok.map(_chunks(counted(rows))):
+            for message in bad_messages:
+                bad.report(message)
+            writer.append(chunk.ids, chunk.learn, chunk.lengths)
+            counts.add(chunk)
+    writer.close({"rows": counts.rows})
+    return counts
+
+
+def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print) -> PreparedData:
+    """Token stores for train and eval: from the cache when the fingerprint matches, else built."""
+    start = time.perf_counter()
+    fmt = resolve_format(cfg)
+    key = fingerprint(cfg, fmt, tokenizer, seed)
+    root = (cfg.cache_dir or default_cache_dir()) / "data" / key
+    hit = (root / "stats.json").is_file()
+    if hit:
+        log(f"data: cache hit, reusing tokens from {root}")
+    else:
+        log(f"data: tokenizing into {root}")
+        atomic_write_dir(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp))
+    stats = json.loads((root / "stats.json").read_text())
+    stats["prepare_s"] = time.perf_counter() - start
+    stats["cache_hit"] = hit
+    eval_store = TokenStore(root / "eval") if (root / "eval" / "meta.json").is_file() else None
+    return PreparedData(TokenStore(root / "train"), eval_store, fmt, stats, root, hit)
+
+
+def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path) -> None:
+    bad = BadRows(cfg.on_bad_row)
+    renderer = Renderer(fmt, cfg.fields, tokenizer, cfg.chat_template, cfg.train_on_prompt)
+    workers = cfg.num_workers or os.cpu_count() or 1
+    tok = ChunkTokenizer(renderer, tokenizer, cfg.max_length, cfg.too_long, workers)
+    vocab = len(tokenizer)
+    n_sources = len(cfg.sources())
+    try:
+        eval_hashes: set[int] = set()
+        threshold: int | None = None
+        eval_counts = None
+        if isinstance(cfg.eval, str):
+            eval_rows = list(iter_source(cfg.eval, bad, cfg.txt_mode))
+            if not eval_rows:
+                raise DataError(f"data.eval={cfg.eval!r}: no rows found")
+            eval_hashes = {row_hash(r, seed) for r in eval_rows}
+            eval_counts = _write_store(out / "eval", iter([iter(eval_rows)]), tok, bad, vocab)
+        elif isinstance(cfg.eval, float):
+            # pass 1: hashes only (8 bytes a row) -> the exact threshold holding out the asked fraction
+            hashes = np.fromiter((row_hash(r, seed) for _, r in train_rows(cfg, BadRows("skip"))), dtype=np.uint64)
+            if len(hashes) < 2:
+                raise DataError(f"data.eval={cfg.eval}: a held-out fraction needs at least 2 rows, found {len(hashes)}")
+            k = min(len(hashes) - 1, max(1, round(cfg.eval * len(hashes))))
+            threshold = int(np.partition(hashes, k - 1)[k - 1])
+
+        overlap = 0
+        held_out: list[Row] = []
+
+        def train_side() -> Iterator[Iterator[Row]]:
+            rows = train_rows(cfg, bad)
+            pending = next(rows, None)
+            for k in range(n_sources):
+
+                def of_source() -> Iterator[Row]:
+                    nonlocal pending, overlap
+                    while pending is not None and pending[0] == k:
+                        row = pending[1]
+                        pending = next(rows, None)
+                        h = row_hash(row, seed) if (threshold is not None or eval_hashes) else 0
+                        if threshold is not None and h <= threshold:
+                            held_out.append(row)  # identical rows share a hash: never on both sides
+                        elif h in eval_hashes:
+                            overlap += 1
+                        else:
+                            yield row
+
+                yield of_source()
+
+        train_counts = _write_store(out / "train", train_side(), tok, bad, vocab)
+        if threshold is not None:
+            eval_counts = _write_store(out / "eval", iter([iter(held_out)]), tok, bad, vocab)
+    finally:
+        tok.close()
+    if train_counts.sequences == 0:
+        raise DataError(
+            "no training example has a token to learn (the data is empty, or every example is fully masked"
+            + (f"; {bad.count} bad rows skipped, first: {bad.first[0]}" if bad.count else "")
+            + ")"
+        )
+    stats = {
+        "format": fmt,
+        "train_rows": train_counts.rows,
+        "eval_rows": eval_counts.rows if eval_counts else 0,
+        "train_sequences": train_counts.sequences,
+        "eval_sequences": eval_counts.sequences if eval_counts else 0,
+        "train_tokens": train_counts.tokens,
+        "train_target_tokens": train_counts.target_tokens,
+        "truncated": train_counts.truncated,
+        "dropped_too_long": train_counts.dropped_too_long,
+        "split": train_counts.split,
+        "dropped_masked": train_counts.dropped_masked,
+        "eval_overlap_dropped": overlap,
+        "bad_rows": bad.count,
+        "bad_row_examples": bad.first,
+    }
+    (out / "stats.json").write_text(json.dumps(stats, indent=2))

@@ -1,0 +1,87 @@
+"""The token store: tokenized sequences on disk, memory-mapped back.
+
+Layout of a store directory:
+  ids.bin      all sequences back to back (uint16 when the vocabulary fits, else uint32)
+  learn.bin    uint8, 1 where the token is a target
+  offsets.npy  int64, sequence i is [offsets[i], offsets[i+1])
+  sources.npy  int64, sequences of source k are [sources[k], sources[k+1])
+  meta.json    dtype, counts, statistics
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+class StoreWriter:
+    """Appends tokenized chunks to a store directory; memory use is one chunk."""
+
+    def __init__(self, path: Path, vocab_size: int):
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        self.dtype = token_dtype(vocab_size)
+        self._ids = open(path / "ids.bin", "wb")
+        self._learn = open(path / "learn.bin", "wb")
+        self._lengths: list[np.ndarray] = []
+        self.source_starts: list[int] = []
+        self.n_sequences = 0
+
+    def start_source(self) -> None:
+        self.source_starts.append(self.n_sequences)
+
+    def append(self, ids: np.ndarray, learn: np.ndarray, lengths: np.ndarray) -> None:
+        self._ids.write(ids.astype(self.dtype, copy=False).tobytes())
+        self._learn.write(learn.astype(np.uint8, copy=False).tobytes())
+        self._lengths.append(lengths.astype(np.int64, copy=False))
+        self.n_sequences += len(lengths)
+
+    def close(self, meta: dict[str, Any]) -> None:
+        self._ids.close()
+        self._learn.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        np.save(self.path / "offsets.npy", offsets)
+        np.save(self.path / "sources.npy", np.asarray([*self.source_starts, self.n_sequences], dtype=np.int64))
+        (self.path / "meta.json").write_text(json.dumps({"dtype": self.dtype.name, "sequences": int(len(lengths)), **meta}, indent=2))
+
+
+class TokenStore:
+    """Read side: memory-mapped token and mask arrays plus the sequence index."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.meta = json.loads((path / "meta.json").read_text())
+        self.offsets = np.load(path / "offsets.npy")
+        self.source_starts = np.load(path / "sources.npy")
+        n = int(self.offsets[-1])
+        # np.memmap cannot map an empty file; an empty store is legal (e.g. no eval rows)
+        self.ids = np.memmap(path / "ids.bin", dtype=self.meta["dtype"], mode="r") if n else np.zeros(0, self.meta["dtype"])
+        self.learn = np.memmap(path / "learn.bin", dtype=np.uint8, mode="r") if n else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def sequence(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return np.asarray(self.ids[a:b], dtype=np.int64), np.asarray(self.learn[a:b], dtype=bool)
+
+    def source_of(self, k: int) -> range:
+        """Sequence indices of the k-th source."""
+        return range(int(self.source_starts[k]), int(self.source_starts[k + 1]))
+
+    @property
+    def n_sources(self) -> int:
+        return len(self.source_starts) - 1
