@@ -49,6 +49,27 @@ def train(
 
 
 @app.command()
+def prepare(
+    config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
+) -> None:
+    """Tokenize, pack and cache the data only; a later `train` with the same data reuses the cache."""
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, set_ or [])
+    except ConfigError as e:
+        _fail(str(e))
+    from .data.sources import DataError
+    from .engine.trainer import prepare_only
+
+    try:
+        prepare_only(cfg)
+    except DataError as e:
+        _fail(str(e))
+
+
+@app.command()
 def config(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,

@@ -57,6 +57,11 @@ class ModelSettings(Section):
         "full", description="full: train every weight; lora: train PEFT adapters only; qlora: planned"
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto",
+        description="attention kernel; auto: flash_attention_2 (varlen over packed documents) on CUDA "
+        "when flash-attn is installed, else sdpa",
+    )
 
     @field_validator("path")
     @classmethod

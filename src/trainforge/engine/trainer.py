@@ -102,6 +102,19 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     return DataPlan(prepared, train_rows, eval_rows, collate, eval_collate)
 
 
+def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None) -> dict[str, Any]:
+    """``trainforge prepare``: tokenizer, token cache and packing, with the statistics; no model."""
+    reporter = reporter or ConsoleReporter()
+    tokenizer = get_tokenizer(cfg, reporter)
+    plan = plan_data(cfg, tokenizer, reporter)
+    loader = TrainLoader(plan.train_rows, plan.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False)
+    efficiency = loader.padding_efficiency()
+    reporter.info(describe_data(plan, efficiency))
+    stats = {**plan.prepared.stats, "rows": len(plan.train_rows), "row_efficiency": efficiency}
+    reporter.info(f"cache: {plan.prepared.cache_path} (prepared in {stats['prepare_s']:.1f}s)")
+    return stats
+
+
 def describe_data(plan: DataPlan, efficiency: float) -> str:
     s = plan.prepared.stats
     mode = {True: "packed", False: "unpacked", "concat": "concatenated"}[plan.collate.packed or ("concat" if plan.collate.concat else False)]
@@ -198,10 +211,13 @@ def setup(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter) -> Run:
     efficiency = loader.padding_efficiency()
     reporter.info(describe_data(plan, efficiency))
 
-    model = build_model(cfg.model, tokenizer, cfg.train.seed).to(device)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, device).to(device)
     model.train()
     trainable, total = count_parameters(model)
-    reporter.info(f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable")
+    reporter.info(
+        f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
+        f"attention {model.config._attn_implementation}"
+    )
     optimizer = build_optimizer(model, cfg.optim, device)
 
     max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)

@@ -26,16 +26,32 @@ def init_config(init: dict[str, Any], tokenizer):
     return CONFIG_MAPPING[init["architecture"]](**fields)
 
 
-def build_model(cfg: ModelSettings, tokenizer, seed: int) -> torch.nn.Module:
+def attention_implementation(requested: str, device: torch.device) -> str:
+    """``auto``: flash-attention 2 on CUDA when installed (packed documents go through its varlen
+    kernel, no mask materialized), else PyTorch SDPA (packed documents get a block-diagonal mask)."""
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def build_model(cfg: ModelSettings, tokenizer, seed: int, device: torch.device | None = None) -> torch.nn.Module:
     """The trainable model: weights loaded or seeded-initialized, LoRA-wrapped when asked."""
     from transformers import AutoModelForCausalLM
 
+    attn = attention_implementation(cfg.attention, device or torch.device("cpu"))
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
     if cfg.init is not None:
-        model = AutoModelForCausalLM.from_config(init_config(cfg.init, tokenizer), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            init_config(cfg.init, tokenizer), dtype=torch.float32, attn_implementation=attn
+        )
     else:
         # keep master weights in fp32: autocast handles the low-precision compute
-        model = AutoModelForCausalLM.from_pretrained(str(cfg.path.resolve()), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.path.resolve()), dtype=torch.float32, attn_implementation=attn)
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     if cfg.method == "lora":
