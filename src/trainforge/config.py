@@ -18,7 +18,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BUILTIN_STDLIB = "builtin:python-stdlib"
-"""Data source made of the Python standard library's own sources: present on every install."""
+"""Text source: the Python standard library's own sources, present on every install."""
+BUILTIN_FUNCTIONS = "builtin:python-functions"
+"""Prompt/completion source: stdlib functions, signature + docstring -> body."""
 
 
 class ConfigError(ValueError):
@@ -157,7 +159,7 @@ class FieldNames(Section):
 
 class DataSettings(Section):
     train: str | list[str | SourceSpec] = Field(
-        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, or a list of these / of {{path, weight}}"
+        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, or a list of these / of {{path, weight}}"
     )
     eval: str | float | None = Field(
         0.05, description="a file/glob, or a fraction of the training rows held out (seeded, by content); null: none"
@@ -219,10 +221,10 @@ class DataSettings(Section):
 
 
 def _check_source(spec: str) -> None:
-    if spec == BUILTIN_STDLIB or Path(spec).is_dir():
+    if spec in (BUILTIN_STDLIB, BUILTIN_FUNCTIONS) or Path(spec).is_dir():
         return
     if not glob.glob(spec):
-        raise ValueError(f"no file matches {spec!r} (a file, directory, glob, or {BUILTIN_STDLIB})")
+        raise ValueError(f"no file matches {spec!r} (a file, directory, glob, {BUILTIN_STDLIB} or {BUILTIN_FUNCTIONS})")
 
 
 class TrainSettings(Section):

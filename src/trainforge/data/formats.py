@@ -137,10 +137,65 @@ class TokenizedChunk:
     dropped_masked: int = 0
 
 
+def _first_token_from(enc, char: int, n_chars: int) -> int:
+    """Index of the first token that starts at or after character ``char`` (Rust-side look-ups)."""
+    for c in range(char, n_chars):
+        t = enc.char_to_token(c)
+        if t is not None:
+            return t if enc.token_to_chars(t)[0] >= char else t + 1  # a straddling token is not inside
+    for c in range(n_chars - 1, -1, -1):  # past the text: just after its last token
+        t = enc.char_to_token(c)
+        if t is not None:
+            return t + 1
+    return 0
+
+
+class _Encoder:
+    """Batch encoding straight through the Rust tokenizer when it gives the same ids as the
+    transformers wrapper (it skips the wrapper's per-token Python conversions), else the wrapper."""
+
+    def __init__(self, tokenizer, special_tokens: bool):
+        self.tokenizer, self.special = tokenizer, special_tokens
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        probe = "Hello world\n  def f(x): return x"
+        self.backend = (
+            backend
+            if backend is not None
+            and backend.encode(probe, add_special_tokens=special_tokens).ids
+            == tokenizer(probe, add_special_tokens=special_tokens)["input_ids"]
+            else None
+        )
+
+    def __call__(self, texts: list[str]) -> list:
+        if self.backend is not None:
+            return self.backend.encode_batch(texts, add_special_tokens=self.special)
+        return tokenizer_encodings(self.tokenizer, texts, self.special)
+
+
+def tokenizer_encodings(tokenizer, texts: list[str], special: bool) -> list:
+    """Encodings through the transformers wrapper (slow tokenizers have no Rust encodings)."""
+    enc = tokenizer(texts, add_special_tokens=special, return_offsets_mapping=True)
+    return [_PyEncoding(ids, offs) for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])]
+
+
+class _PyEncoding:
+    def __init__(self, ids: list[int], offsets: list[tuple[int, int]]):
+        self.ids, self.offsets = ids, [tuple(o) for o in offsets]
+
+    def char_to_token(self, char: int) -> int | None:
+        return next((t for t, (a, b) in enumerate(self.offsets) if a <= char < b), None)
+
+    def token_to_chars(self, token: int) -> tuple[int, int]:
+        return self.offsets[token]
+
+
+_ENCODERS: dict[tuple[int, bool], _Encoder] = {}
+
+
 def tokenize_rendered(
     items: Sequence[Rendered], tokenizer, max_length: int, too_long: str, special_tokens: bool = True
 ) -> TokenizedChunk:
-    """Tokenize with offsets, mark learned tokens, apply the too-long policy.
+    """Tokenize, mark learned tokens from the span boundaries' token offsets, apply the too-long policy.
 
     Each stored sequence holds up to ``max_length + 1`` tokens: inputs are all but the last,
     targets all but the first.
@@ -149,18 +204,20 @@ def tokenize_rendered(
     chunk = TokenizedChunk(np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64))
     if not items:
         return chunk
-    enc = tokenizer([r.text for r in items], add_special_tokens=special_tokens, return_offsets_mapping=True)
+    key = (id(tokenizer), special_tokens)
+    if key not in _ENCODERS:
+        _ENCODERS[key] = _Encoder(tokenizer, special_tokens)
+    encodings = _ENCODERS[key]([r.text for r in items])
     out_ids, out_learn, lengths = [], [], []
     limit = max_length + 1
-    for r, ids, offsets in zip(items, enc["input_ids"], enc["offset_mapping"]):
-        ids = np.asarray(ids, dtype=np.int64)
+    for r, enc in zip(items, encodings):
+        ids = np.asarray(enc.ids, dtype=np.int64)
         if r.spans is None:
             learn = np.ones(len(ids), dtype=bool)
         else:
-            starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
             learn = np.zeros(len(ids), dtype=bool)
             for a, b in r.spans:
-                learn |= (starts >= a) & (starts < b)
+                learn[_first_token_from(enc, a, len(r.text)) : _first_token_from(enc, b, len(r.text))] = True
         if r.add_eos and eos is not None and (len(ids) == 0 or ids[-1] != eos):
             ids = np.append(ids, eos)
             learn = np.append(learn, r.spans is None or bool(learn[-1]) if len(learn) else True)

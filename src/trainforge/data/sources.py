@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import BUILTIN_STDLIB
+from ..config import BUILTIN_FUNCTIONS, BUILTIN_STDLIB
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 
@@ -51,8 +51,6 @@ class BadRows:
 
 def expand_paths(spec: str) -> list[Path]:
     """A file, a directory (every supported file below it) or a glob, sorted."""
-    if spec == BUILTIN_STDLIB:
-        return []
     p = Path(spec)
     if p.is_dir():
         paths = [q for q in p.rglob("*") if q.is_file() and q.suffix in SUPPORTED_SUFFIXES]
@@ -65,8 +63,8 @@ def expand_paths(spec: str) -> list[Path]:
 
 def iter_source(spec: str, bad: BadRows, txt_mode: str = "file") -> Iterator[Row]:
     """Rows of one source spec (path, directory, glob or the built-in corpus), in a fixed order."""
-    if spec == BUILTIN_STDLIB:
-        yield from iter_stdlib_sources()
+    if spec in BUILTIN_SOURCES:
+        yield from BUILTIN_SOURCES[spec]()
         return
     for path in expand_paths(spec):
         reader = READERS.get(path.suffix)
@@ -177,6 +175,29 @@ READERS = {".jsonl": read_jsonl, ".json": read_json, ".csv": read_csv, ".parquet
 _STDLIB_SKIP = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "pydoc_data", "encodings"}
 
 
+def iter_python_functions() -> Iterator[Row]:
+    """Prompt/completion pairs from the standard library: a documented function's signature and
+    docstring as the prompt, its body as the completion. Offline, varied lengths, fixed order."""
+    import ast
+
+    files = _stdlib_files()
+    random.Random(1).shuffle(files)
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (UnicodeDecodeError, OSError, SyntaxError, ValueError):
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) and len(node.body) > 1:
+                doc_end = node.body[0].end_lineno
+                head = "".join(lines[node.lineno - 1 - len(node.decorator_list) : doc_end])
+                body = "".join(lines[doc_end : node.end_lineno])
+                if body.strip():
+                    yield Row({"prompt": head, "completion": body}, f"{path}:{node.lineno}")
+
+
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py") if not _STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1]))
@@ -197,4 +218,7 @@ def iter_stdlib_sources() -> Iterator[Row]:
 
 def source_files(spec: str) -> list[Path]:
     """The files a source spec reads (for fingerprinting); the built-in corpus lists its own."""
-    return _stdlib_files() if spec == BUILTIN_STDLIB else expand_paths(spec)
+    return _stdlib_files() if spec in BUILTIN_SOURCES else expand_paths(spec)
+
+
+BUILTIN_SOURCES = {BUILTIN_STDLIB: iter_stdlib_sources, BUILTIN_FUNCTIONS: iter_python_functions}
