@@ -93,17 +93,30 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
     root.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: Path) -> None:
-        torch.save(state, tmp / STATE_FILE)
-        files = {STATE_FILE: (tmp / STATE_FILE).stat().st_size}
-        record = {"step": step, **meta, "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        (tmp / COMPLETE_MARKER).write_text(json.dumps(record, indent=2))
+        _write_state(tmp, state)
+        _write_meta(tmp, {"step": step, **meta})
 
     path = atomic_write_dir(root / step_dir_name(step), write)
-    pointer_tmp = root / f".{LATEST}.tmp"
-    pointer_tmp.write_text(path.name + "\n")
-    os.replace(pointer_tmp, root / LATEST)  # atomic: readers see the old or the new name, never half
+    _move_latest(root, path.name)
     prune_checkpoints(root, keep_last)
     return path
+
+
+def _write_state(tmp: Path, state: dict[str, Any]) -> None:
+    torch.save(state, tmp / STATE_FILE)
+
+
+def _write_meta(tmp: Path, meta: dict[str, Any]) -> None:
+    """The completion marker: written last, it records the size ``state.pt`` must have."""
+    files = {STATE_FILE: (tmp / STATE_FILE).stat().st_size}
+    record = {**meta, "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (tmp / COMPLETE_MARKER).write_text(json.dumps(record, indent=2))
+
+
+def _move_latest(root: Path, name: str) -> None:
+    pointer_tmp = root / f".{LATEST}.tmp"
+    pointer_tmp.write_text(name + "\n")
+    os.replace(pointer_tmp, root / LATEST)  # atomic: readers see the old or the new name, never half
 
 
 def inspect_checkpoint(path: Path) -> CheckpointInfo | str:
