@@ -130,3 +130,20 @@ def test_killed_and_signalled_run_resumes_bitwise_exact(tmp_path, scratch_config
     assert train_steps == list(range(1, 11))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from_step"] == 8 and summary["steps"] == 10
+
+
+def test_nan_streak_exits_3_and_changed_setting_exits_2(tmp_path, finetune_config):
+    finetune_config["train"].update(max_steps=6, max_skipped_steps=2)
+    finetune_config["checkpoint"] = {"every_steps": 2}
+    config = write_config(tmp_path / "finetune.yaml", finetune_config)
+    run = tmp_path / "run"
+
+    proc = run_cli(["train", config, "--output", run], tmp_path, faults={"nan_in_steps": [3, 4]})
+    assert proc.returncode == 3, show(proc)
+    assert "stopped at step 4" in proc.stderr and "Example indices of those batches: step 3: [" in proc.stderr, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    assert [c.step for c in scan_checkpoints(run / "checkpoints")[0]] == [2]
+
+    proc = run_cli(["train", config, "--output", run, "--set", "train.micro_batch_size=2"], tmp_path)
+    assert proc.returncode == 2, show(proc)
+    assert "train.micro_batch_size: 4 in the checkpoint, 2 now" in proc.stderr, show(proc)

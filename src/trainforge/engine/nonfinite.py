@@ -53,7 +53,7 @@ class NonFiniteGuard:
         """Count step ``step`` (``bad``: skipped); raise once ``limit`` steps in a row were skipped."""
         bad = bad.to(torch.int64)
         self.total += bad
-        self.streak.mul_(1 - bad).add_(bad)  # +1 when skipped, back to 0 otherwise, without a branch
+        self.streak.add_(1).mul_(bad)  # +1 when skipped, back to 0 otherwise, without a branch
         self.recent.append((step, indices))
         if not self.lagged:
             self._check(int(self.streak), step)
