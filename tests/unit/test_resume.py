@@ -76,7 +76,8 @@ def config(finetune_config) -> dict:
     cfg = copy.deepcopy(finetune_config)
     cfg["train"]["max_steps"] = 6
     cfg["checkpoint"] = {"every_steps": 2, "keep_last": 3}
-    cfg["log"] = {"every_steps": 1, "example_indices": True}
+    # records at steps 4 and 6: resuming from step 2 must carry the half-filled log window over
+    cfg["log"] = {"every_steps": 4, "example_indices": True}
     return cfg
 
 
@@ -246,7 +247,10 @@ def test_changed_data_at_the_same_path_is_refused(config, tmp_path):
         train(config, tmp_path / "run")
 
 
-def test_longer_max_steps_continues_on_the_original_schedule(config, reference):
+def test_longer_max_steps_continues_on_the_original_schedule(config, tmp_path):
+    config["log"]["every_steps"] = 1
+    reference = tmp_path / "run"
+    train(config, reference)
     config["train"]["max_steps"] = 9
     result, log = train(config, reference)
     assert "keeps its 6-step horizon" in log

@@ -50,8 +50,12 @@ def estimate_memory(model: torch.nn.Module, micro_batch_size: int, seq_len: int,
 
 
 def memory_warning(estimate: MemoryEstimate, available: int | None, device: torch.device) -> str | None:
-    """A warning when the estimate exceeds what ``device`` has free, else None."""
-    if available is None or estimate.total <= available:
+    """A warning when what the run still has to allocate exceeds what ``device`` has free, else None.
+
+    Called once the model is loaded: its weights already sit in memory, so only the rest
+    has to fit into ``available``.
+    """
+    if available is None or estimate.total - estimate.weights <= available:
         return None
     where = "free on the GPU" if device.type == "cuda" else "available in system memory"
     return (
