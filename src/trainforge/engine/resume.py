@@ -125,7 +125,8 @@ def open_run_dir(output_dir: Path, cfg: RunConfig, resume: str, reporter: Consol
         probe.unlink()
     except OSError as e:
         raise OutputDirError(f"cannot write to output directory {out}: {e.strerror}") from None
-    holds_run = (out / "metrics.jsonl").exists()
+    metrics = out / "metrics.jsonl"
+    holds_run = metrics.exists() and metrics.stat().st_size > 0  # empty: a run that failed in its setup
     if resume == "never":
         if holds_run:
             raise OutputDirError(f"{out} already holds a run (metrics.jsonl exists); choose another --output, or --resume auto")

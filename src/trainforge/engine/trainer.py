@@ -128,7 +128,7 @@ def train(
         run = setup(cfg, output_dir, reporter or ConsoleReporter(), resume, stop)
         try:
             train_loop(run)
-            run.saver.close()
+            run.saver.close()  # the end-of-run checkpoint is reported before final/ and the summary
             return finish(run, wall_start)
         finally:
             run.saver.close()
@@ -288,7 +288,7 @@ def stop_on_signal(run: Run) -> None:
     run.reporter.stop()
     saved = run.saver.save_now(run.step, run.checkpoint_state)
     where = f"checkpoint {step_dir_name(run.step)} saved" if saved else "saving a checkpoint failed (see above)"
-    raise Interrupted(f"stopped by {run.stop.name} at step {run.step}: {where}; run the same command again to resume")
+    raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; run the same command again to resume")
 
 
 def finish(run: Run, wall_start: float) -> RunResult:
