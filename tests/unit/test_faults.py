@@ -214,3 +214,21 @@ def test_run_warns_when_memory_is_short(config, tmp_path, monkeypatch):
     config["train"]["max_steps"] = 1
     _, log = train(config, tmp_path / "run")
     assert "warning: this run may not fit: estimated memory" in log
+
+
+# ---------------------------------------------------------------- signals
+
+
+def test_first_signal_sets_the_flag_and_hands_both_signals_back_to_the_os():
+    import os
+    import signal
+
+    from trainforge.engine.preempt import StopRequest
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested and stop.name == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

@@ -32,12 +32,19 @@ def cpu_snapshot(obj: Any) -> Any:
 class Checkpointer:
     """Saves every ``every_steps`` / ``every_minutes`` and at the end; one save in flight at a time."""
 
-    def __init__(self, root: Path, settings: CheckpointSettings, meta: dict[str, Any], reporter: ConsoleReporter):
-        self.root, self.settings, self.meta, self.reporter = root, settings, meta, reporter
+    def __init__(
+        self,
+        root: Path,
+        settings: CheckpointSettings,
+        meta: dict[str, Any],
+        reporter: ConsoleReporter,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.root, self.settings, self.meta, self.reporter, self.clock = root, settings, meta, reporter, clock
         self.enabled = settings.every_steps is not None or settings.every_minutes is not None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if settings.async_ else None
         self._pending: tuple[int, Future, float] | None = None  # (step, write, pause it cost)
-        self._last_time = time.monotonic()
+        self._last_time = self.clock()
         self.saved_step: int | None = None  # newest step saved successfully by this process
         self.saves, self.failures, self.stall_s = 0, 0, 0.0
 
@@ -47,7 +54,7 @@ class Checkpointer:
             return False
         if last or (s.every_steps and step % s.every_steps == 0):
             return True
-        return s.every_minutes is not None and time.monotonic() - self._last_time >= s.every_minutes * 60
+        return s.every_minutes is not None and self.clock() - self._last_time >= s.every_minutes * 60
 
     def maybe_save(self, step: int, last: bool, state: StateFn) -> None:
         """Report a finished background save; save when an interval (or the end) is reached."""
@@ -59,7 +66,7 @@ class Checkpointer:
         """Save step ``step``; the pause it costs training is measured and logged."""
         t0 = time.perf_counter()  # the pause counts waiting for the previous background write, if any
         self._poll(wait=True)  # one save at a time: a slow disk must not pile up copies in memory
-        self._last_time = time.monotonic()  # the next interval counts from this attempt, failed or not
+        self._last_time = self.clock()  # the next interval counts from this attempt, failed or not
         if background:
             snapshot = cpu_snapshot(state())
             future = self._pool.submit(self._write_timed, step, snapshot)
