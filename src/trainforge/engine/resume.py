@@ -96,7 +96,8 @@ def checkpoint_meta(cfg: RunConfig, tokenizer: Any, data_stats: dict[str, Any]) 
 
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     # keys only one side has came or went with a trainforge version: their default is the old behaviour
-    return [f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]]
+    shared = sorted(saved.keys() & now.keys())
+    return [f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in shared if saved[k] != now[k]]
 
 
 def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
@@ -112,7 +113,9 @@ def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
 # ---------------------------------------------------------------- choosing the checkpoint
 
 
-def open_run_dir(output_dir: Path, cfg: RunConfig, resume: str, reporter: ConsoleReporter) -> tuple[Path, ResumePlan | None]:
+def open_run_dir(
+    output_dir: Path, cfg: RunConfig, resume: str, reporter: ConsoleReporter
+) -> tuple[Path, ResumePlan | None]:
     """Check the output directory is writable; find the checkpoint to resume from (``resume``: auto|never|PATH).
 
     A fresh run gets its ``config.yaml`` here; a resumed one when ``restore`` has checked it.
@@ -129,10 +132,12 @@ def open_run_dir(output_dir: Path, cfg: RunConfig, resume: str, reporter: Consol
     holds_run = metrics.exists() and metrics.stat().st_size > 0  # empty: a run that failed in its setup
     if resume == "never":
         if holds_run:
-            raise OutputDirError(f"{out} already holds a run (metrics.jsonl exists); choose another --output, or --resume auto")
+            raise OutputDirError(
+                f"{out} already holds a run (metrics.jsonl exists); choose another --output, or --resume auto"
+            )
         candidates, same_run = [], False
     elif resume == "auto":
-        candidates, same_run = _newest_first(out / CHECKPOINTS, reporter), True
+        candidates, same_run = _newest_first(out / CHECKPOINTS, reporter, recover=True), True
         if not candidates and holds_run:
             raise OutputDirError(
                 f"{out} already holds a run (metrics.jsonl exists) but no complete checkpoint to resume from; "
@@ -152,8 +157,10 @@ def open_run_dir(output_dir: Path, cfg: RunConfig, resume: str, reporter: Consol
     return out, _load_first(candidates, cfg, same_run, reporter)
 
 
-def _newest_first(root: Path, reporter: ConsoleReporter) -> list[CheckpointInfo]:
-    for note in recover_hidden(root):
+def _newest_first(root: Path, reporter: ConsoleReporter, recover: bool = False) -> list[CheckpointInfo]:
+    """Complete checkpoints under ``root``, newest first; ``recover``: clean up after a crash (own run only:
+    another run's directory may belong to a live process in the middle of a save)."""
+    for note in recover_hidden(root) if recover else []:
         reporter.info(f"checkpoints: {note} (left by a process that stopped while saving)")
     complete, skipped = scan_checkpoints(root)
     for path, reason in skipped:
@@ -171,11 +178,15 @@ def _checkpoints_at(path: Path, reporter: ConsoleReporter) -> list[CheckpointInf
     root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
     candidates = _newest_first(root, reporter) if root.is_dir() else []
     if not candidates:
-        raise ResumeError(f"--resume {path}: no complete checkpoint there (give a run directory or a step-NNNNNNNN one)")
+        raise ResumeError(
+            f"--resume {path}: no complete checkpoint there (give a run directory or a step-NNNNNNNN one)"
+        )
     return candidates
 
 
-def _load_first(candidates: list[CheckpointInfo], cfg: RunConfig, same_run: bool, reporter: ConsoleReporter) -> ResumePlan:
+def _load_first(
+    candidates: list[CheckpointInfo], cfg: RunConfig, same_run: bool, reporter: ConsoleReporter
+) -> ResumePlan:
     """The newest candidate that fits the config and loads; unloadable ones are skipped with a warning."""
     for info in candidates:
         check_settings(info, cfg)
@@ -201,8 +212,12 @@ def capture_rng() -> dict[str, Any]:
     np_state = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "numpy": {  # as tensors and numbers: checkpoints load with weights_only=True, no pickled objects
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
@@ -212,7 +227,8 @@ def restore_rng(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    keys = n["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -251,12 +267,19 @@ def restore(run: Run, plan: ResumePlan) -> None:
     info, state, c = plan.checkpoint, plan.state, plan.state["counters"]
     changed = _differences(info.meta.get("data", {}), data_fingerprint(run.tokenizer, run.data_stats))
     if changed:
-        raise ResumeError(f"cannot resume from {info.path}: the training data differ from the checkpoint's: " + "; ".join(changed))
+        raise ResumeError(
+            f"cannot resume from {info.path}: the training data differ from the checkpoint's: " + "; ".join(changed)
+        )
     if run.max_steps < info.step:
-        raise ResumeError(f"train.max_steps={run.max_steps} is below the step of {info.path} ({info.step}); give at least {info.step}")
+        raise ResumeError(
+            f"train.max_steps={run.max_steps} is below the step of {info.path} ({info.step}); give at least {info.step}"
+        )
     expected = set(trainable_state(run.model))
     if set(state["model"]) != expected:
-        raise ResumeError(f"cannot resume from {info.path}: its weights do not match this model ({len(state['model'])} tensors, {len(expected)} expected)")
+        raise ResumeError(
+            f"cannot resume from {info.path}: its weights do not match this model "
+            f"({len(state['model'])} tensors, {len(expected)} expected)"
+        )
 
     run.model.load_state_dict(state["model"], strict=False)
     o = run.cfg.optim
@@ -283,9 +306,13 @@ def restore(run: Run, plan: ResumePlan) -> None:
 
     notes = [f"resuming from {info.path} (step {info.step} of {run.max_steps})"]
     if run.max_steps != run.schedule_steps:
-        notes.append(f"the learning-rate schedule keeps its {run.schedule_steps}-step horizon (train.max_steps is now {run.max_steps})")
+        notes.append(
+            f"the learning-rate schedule keeps its {run.schedule_steps}-step horizon (train.max_steps is now {run.max_steps})"
+        )
     if run.grad_accum != run.cfg.train.grad_accum:
-        notes.append(f"micro-batch {run.loader.batch_size} x accumulation {run.grad_accum}, as chosen after running out of memory")
+        notes.append(
+            f"micro-batch {run.loader.batch_size} x accumulation {run.grad_accum}, as chosen after running out of memory"
+        )
     if info.meta.get("version") != __version__:
         notes.append(f"the checkpoint was written by trainforge {info.meta.get('version')}")
     run.reporter.info("; ".join(notes))
