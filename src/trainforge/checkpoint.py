@@ -2,7 +2,12 @@
 
 A checkpoint is written into a hidden temporary directory, every file is flushed to disk,
 and only then is the directory renamed to ``step-NNNNNNNN``; the ``latest`` pointer moves
-after that, and old checkpoints are pruned last.
+after that, and old checkpoints are pruned last. ``meta.json`` is written last inside the
+temporary directory and records the size of ``state.pt``, so a directory that was cut short
+(copied by hand, a disk that lost data) is recognized and skipped with a reason.
+
+Resume discovery scans the directories rather than trusting ``latest``: a process killed
+between the rename and the pointer update leaves a complete checkpoint the pointer misses.
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +25,17 @@ import torch
 
 STEP_PREFIX = "step-"
 LATEST = "latest"
+STATE_FILE = "state.pt"
 COMPLETE_MARKER = "meta.json"  # written last inside the temporary directory
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint directory and its meta.json."""
+
+    path: Path
+    step: int
+    meta: dict[str, Any]
 
 
 def step_dir_name(step: int) -> str:
@@ -44,7 +61,8 @@ def _fsync_tree(path: Path) -> None:
 def atomic_write_dir(target: Path, write: Callable[[Path], None]) -> Path:
     """Run ``write(tmp_dir)``, flush everything, then rename ``tmp_dir`` to ``target``.
 
-    An existing ``target`` is replaced only after the new one is complete.
+    An existing ``target`` is replaced only after the new one is complete (it is parked as a
+    hidden ``.NAME.old`` for the two renames; ``recover_hidden`` puts it back after a crash).
     """
     target = Path(target)
     tmp = target.parent / f".{target.name}.tmp"
@@ -75,27 +93,101 @@ def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str
     root.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: Path) -> None:
-        torch.save(state, tmp / "state.pt")
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"step": step, **meta}, indent=2))
+        _write_state(tmp, state)
+        _write_meta(tmp, {"step": step, **meta})
 
     path = atomic_write_dir(root / step_dir_name(step), write)
-    pointer_tmp = root / f".{LATEST}.tmp"
-    pointer_tmp.write_text(path.name + "\n")
-    os.replace(pointer_tmp, root / LATEST)  # atomic: readers see the old or the new name, never half
+    _move_latest(root, path.name)
     prune_checkpoints(root, keep_last)
     return path
 
 
+def _write_state(tmp: Path, state: dict[str, Any]) -> None:
+    torch.save(state, tmp / STATE_FILE)
+
+
+def _write_meta(tmp: Path, meta: dict[str, Any]) -> None:
+    """The completion marker: written last, it records the size ``state.pt`` must have."""
+    files = {STATE_FILE: (tmp / STATE_FILE).stat().st_size}
+    record = {**meta, "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    (tmp / COMPLETE_MARKER).write_text(json.dumps(record, indent=2))
+
+
+def _move_latest(root: Path, name: str) -> None:
+    pointer_tmp = root / f".{LATEST}.tmp"
+    pointer_tmp.write_text(name + "\n")
+    os.replace(pointer_tmp, root / LATEST)  # atomic: readers see the old or the new name, never half
+
+
+def inspect_checkpoint(path: Path) -> CheckpointInfo | str:
+    """The checkpoint at ``path``, or why it is not a complete one."""
+    path = Path(path)
+    meta_file, state_file = path / COMPLETE_MARKER, path / STATE_FILE
+    if not meta_file.is_file():
+        return f"no {COMPLETE_MARKER} (an unfinished or partial copy)"
+    try:
+        meta = json.loads(meta_file.read_text())
+        step = int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{COMPLETE_MARKER} is unreadable ({e})"
+    if not state_file.is_file():
+        return f"{STATE_FILE} is missing"
+    expected = meta.get("files", {}).get(STATE_FILE)
+    size = state_file.stat().st_size
+    if expected is not None and size != expected:
+        return f"{STATE_FILE} is truncated ({size:,} of {expected:,} bytes)"
+    return CheckpointInfo(path, step, meta)
+
+
+def scan_checkpoints(root: Path) -> tuple[list[CheckpointInfo], list[tuple[Path, str]]]:
+    """(complete checkpoints oldest first, [(directory, reason)] of visible ones that are not)."""
+    if not Path(root).is_dir():
+        return [], []
+    complete, skipped = [], []
+    for p in sorted(Path(root).iterdir(), key=lambda p: p.name):
+        if not (p.is_dir() and p.name.startswith(STEP_PREFIX)):
+            continue  # hidden temporaries (".step-*.tmp") are invisible by design
+        found = inspect_checkpoint(p)
+        if isinstance(found, CheckpointInfo):
+            complete.append(found)
+        else:
+            skipped.append((p, found))
+    return sorted(complete, key=lambda c: c.step), skipped
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoint directories, oldest first (temporary and partial ones are ignored)."""
-    if not root.is_dir():
-        return []
-    found = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / COMPLETE_MARKER).is_file() and (p / "state.pt").is_file()
-    ]
-    return sorted(found, key=lambda p: p.name)
+    return [c.path for c in scan_checkpoints(root)[0]]
+
+
+def load_checkpoint_state(path: Path) -> dict[str, Any]:
+    """``state.pt`` of a checkpoint, on the CPU (plain tensors and containers only: no pickled code)."""
+    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+
+
+def recover_hidden(root: Path) -> list[str]:
+    """Clean up after a process that died while saving; returns what was done, for the log.
+
+    ``.step-N.tmp`` (a save that never finished) is deleted. ``.step-N.old`` is a complete
+    checkpoint parked while being replaced: it is put back when the replacement is missing.
+    """
+    done: list[str] = []
+    if not Path(root).is_dir():
+        return done
+    for p in sorted(Path(root).iterdir()):
+        if p.name.startswith(f".{STEP_PREFIX}") and p.name.endswith(".tmp") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            done.append(f"removed unfinished {p.name}")
+        elif p.name.startswith(f".{STEP_PREFIX}") and p.name.endswith(".old") and p.is_dir():
+            target = p.with_name(p.name[1:-4])
+            if target.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.rename(target)
+                done.append(f"restored {target.name}")
+        elif p.name == f".{LATEST}.tmp":
+            p.unlink(missing_ok=True)
+    return done
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> None:

@@ -1,4 +1,11 @@
-"""Command line: parse, load the config, call one function. Exit code 2 means bad input."""
+"""Command line: parse, load the config, call one function.
+
+Exit codes of ``trainforge train``: 0 done; 1 an unexpected error (a traceback); 2 bad input
+(config, data, output directory, a checkpoint that does not fit); 3 stopped on non-finite
+loss/gradients (train.max_skipped_steps in a row); 4 out of memory even at micro-batch 1;
+75 stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL: run it again to resume).
+A second signal ends the process at once, by the signal (128 + its number in a shell).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,16 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 err = Console(stderr=True, highlight=False)
 
 EXIT_BAD_INPUT = 2
+EXIT_NONFINITE = 3
+EXIT_OUT_OF_MEMORY = 4
+EXIT_INTERRUPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, retrying (resuming) is expected to work
+
+TRAIN_EPILOG = (
+    "Exit codes: 0 done; 1 unexpected error; 2 bad input (config, data, output dir, a checkpoint that does not "
+    "fit); 3 stopped after train.max_skipped_steps non-finite steps in a row; 4 out of memory even at "
+    "micro-batch 1; 75 stopped by SIGTERM/SIGINT after saving a checkpoint: run the same command to resume "
+    "(a second signal stops at once, without saving)."
+)
 
 
 @app.callback()
@@ -21,15 +38,23 @@ def _root() -> None:
     """trainforge: train and fine-tune language models fast, and measure it."""
 
 
-@app.command()
+@app.command(epilog=TRAIN_EPILOG)
 def train(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default demo")] = None,
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="override a key: --set train.max_steps=100 (repeatable)")
     ] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="run directory (default: runs/NAME-TIME)")] = None,
+    resume: Annotated[
+        str,
+        typer.Option(
+            "--resume",
+            help="auto: continue from the newest complete checkpoint in --output; never: refuse a directory "
+            "that holds a run; or a checkpoint / run directory to continue from",
+        ),
+    ] = "auto",
 ) -> None:
-    """Train a model and write config.yaml, metrics.jsonl, final/ and summary.json."""
+    """Train a model and write config.yaml, metrics.jsonl, checkpoints/, final/ and summary.json."""
     from .config import ConfigError, load_config
 
     try:
@@ -39,13 +64,23 @@ def train(
     output = output or Path("runs") / f"{config.stem if config else 'default'}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     from .data.sources import DataError
+    from .engine.nonfinite import NonFiniteError
+    from .engine.oom import OutOfMemory
+    from .engine.preempt import Interrupted
+    from .engine.resume import ResumeError
     from .engine.trainer import OutputDirError
     from .engine.trainer import train as run_training
 
     try:
-        run_training(cfg, output)
-    except (DataError, OutputDirError) as e:
+        run_training(cfg, output, resume=resume)
+    except (DataError, OutputDirError, ResumeError) as e:
         _fail(str(e))
+    except NonFiniteError as e:
+        _fail(str(e), EXIT_NONFINITE)
+    except OutOfMemory as e:
+        _fail(str(e), EXIT_OUT_OF_MEMORY)
+    except Interrupted as e:
+        _fail(str(e), EXIT_INTERRUPTED, label="stopped")
 
 
 @app.command()
@@ -89,12 +124,12 @@ def config(
         _fail(str(e))
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = EXIT_BAD_INPUT, label: str = "error") -> None:
     from rich.markup import escape
 
     # the message quotes user input, which may contain "[...]": escape it so rich shows it verbatim
-    err.print(f"[bold red]error:[/bold red] {escape(message)}", soft_wrap=True)
-    raise typer.Exit(EXIT_BAD_INPUT)
+    err.print(f"[bold red]{label}:[/bold red] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def main() -> None:

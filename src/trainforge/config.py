@@ -239,6 +239,11 @@ class TrainSettings(Section):
     seed: int = Field(0, description="seeds initialization, data order, eval split and sampling")
     eval_every: int | None = Field(None, gt=0, description="evaluate every N steps (always at start and end)")
     eval_max_batches: int | None = Field(None, gt=0, description="cap on eval batches (default: all)")
+    max_skipped_steps: int = Field(
+        3,
+        ge=1,
+        description="stop (exit code 3) after this many steps in a row skipped for a non-finite loss or grad norm",
+    )
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSettings":
@@ -266,14 +271,32 @@ class OptimSettings(Section):
 
 
 class CheckpointSettings(Section):
+    """Checkpoints go to `checkpoints/step-NNNNNNNN/` in the run directory; `trainforge train` resumes
+    from the newest complete one (`--resume auto`). With either interval set, one is also saved at the end.
+    """
+
+    # "async" is a Python keyword: the attribute is async_, the key users write is "async"
+    model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True, validate_by_alias=True)
+
     every_steps: int | None = Field(None, gt=0, description="save a checkpoint every N steps (and at the end)")
+    every_minutes: float | None = Field(
+        30.0, gt=0, description="save a checkpoint when this many minutes passed since the last one; null: off"
+    )
     keep_last: int = Field(3, ge=1, description="checkpoints kept; older ones deleted after a newer one is complete")
+    async_: bool = Field(
+        False,
+        alias="async",
+        description="copy the state off the training path and write it in a background thread (pause: the copy)",
+    )
 
 
 class LogSettings(Section):
     every_steps: int = Field(10, gt=0, description="write metrics.jsonl and the console line every N steps")
     sample_prompt: str | None = Field(None, description="after training, print a sample continuing this prompt")
     sample_tokens: int = Field(64, gt=0, description="length of that sample")
+    example_indices: bool = Field(
+        False, description="add to each train record the example indices of every step since the previous one"
+    )
 
 
 class RunConfig(Section):
@@ -469,7 +492,7 @@ def _allowed_keys_hint(loc: tuple[str, ...]) -> str:
             model = ann
         else:
             return ""
-    allowed = list(model.model_fields)
+    allowed = [f.alias or name for name, f in model.model_fields.items()]
     close = difflib.get_close_matches(loc[-1], allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{hint} allowed here: {', '.join(allowed)}"

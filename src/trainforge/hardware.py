@@ -98,3 +98,17 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (cuda)"
     return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory a run can still take: free CUDA memory on GPU, MemAvailable of the system on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -7,6 +7,7 @@ would shadow ``tests/conftest.py`` for ``from conftest import ...``.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -31,8 +32,14 @@ def root_conftest() -> ModuleType:
     return sys.modules[name]
 
 
-def run_cli(args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """``python -m trainforge <args>`` in ``cwd``; stdout and stderr captured as text."""
+FAULT_RUNNER = Path(__file__).resolve().with_name("fault_runner.py")
+
+
+def run_cli(args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S, faults: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m trainforge <args>`` in ``cwd``; stdout and stderr captured as text.
+
+    With ``faults``, the CLI runs under ``fault_runner.py``, which injects them (see there).
+    """
     env = dict(os.environ)
     env.update(
         PYTHONUNBUFFERED="1",
@@ -40,8 +47,9 @@ def run_cli(args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S) -> subprocess
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )
+    entry = ["-m", "trainforge"] if faults is None else [str(FAULT_RUNNER), json.dumps(faults)]
     return subprocess.run(
-        [sys.executable, "-m", "trainforge", *(str(a) for a in args)],
+        [sys.executable, *entry, *(str(a) for a in args)],
         cwd=cwd,
         env=env,
         capture_output=True,

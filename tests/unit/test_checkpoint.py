@@ -50,3 +50,46 @@ def test_trainer_writes_checkpoints(finetune_config, tmp_path):
     assert names == ["step-00000006", "step-00000008"]  # every 3 steps and at the end (8), last 2 kept
     state = torch.load(tmp_path / "run" / "checkpoints" / "step-00000008" / "state.pt", weights_only=False)
     assert {"model", "optimizer", "scheduler", "loader"} <= set(state)
+
+
+def test_every_minutes_saves_once_the_interval_has_passed(tmp_path):
+    from rich.console import Console
+
+    from trainforge.config import CheckpointSettings
+    from trainforge.engine.saver import Checkpointer
+    from trainforge.metrics.console import ConsoleReporter
+
+    now = [0.0]
+    saver = Checkpointer(
+        tmp_path, CheckpointSettings(every_minutes=1.0), {}, ConsoleReporter(Console(quiet=True)), clock=lambda: now[0]
+    )
+    assert not saver.due(1, last=False)
+    now[0] = 61.0
+    saver.maybe_save(2, False, lambda: {"w": torch.zeros(1)})
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-00000002"]
+    assert not saver.due(3, last=False)  # the interval counts from the last save
+    now[0] = 122.0
+    assert saver.due(4, last=False) and saver.due(3, last=True)
+    off = Checkpointer(tmp_path, CheckpointSettings(every_minutes=None), {}, ConsoleReporter(Console(quiet=True)))
+    assert not off.due(5, last=True)  # no interval set: no checkpoints, not even at the end
+
+
+def test_truncated_state_file_is_recognized(tmp_path):
+    from trainforge.checkpoint import inspect_checkpoint, scan_checkpoints
+
+    path = save_checkpoint(tmp_path, 3, {"w": torch.zeros(100)}, {}, keep_last=2)
+    data = (path / "state.pt").read_bytes()
+    (path / "state.pt").write_bytes(data[:-10])
+    assert "truncated" in inspect_checkpoint(path)
+    assert scan_checkpoints(tmp_path)[0] == [] and scan_checkpoints(tmp_path)[1][0][0] == path
+
+
+def test_recover_hidden_removes_unfinished_and_restores_a_parked_checkpoint(tmp_path):
+    from trainforge.checkpoint import recover_hidden
+
+    path = save_checkpoint(tmp_path, 4, {"w": 1}, {}, keep_last=2)
+    path.rename(tmp_path / ".step-00000004.old")  # died between the two renames of a replacement
+    (tmp_path / ".step-00000006.tmp").mkdir()  # died while writing
+    notes = recover_hidden(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-00000004"]
+    assert notes == ["restored step-00000004", "removed unfinished .step-00000006.tmp"]

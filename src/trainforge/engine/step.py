@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ..data.formats import IGNORE
 from ..data.loader import Batch
 from ..hardware import Precision
+from .nonfinite import skip_update_if
 
 
 def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
@@ -52,15 +53,22 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float | None,
     scaler: torch.amp.GradScaler | None = None,
-) -> torch.Tensor:
-    """Clip (after unscaling fp16 grads), step, clear grads. Returns the pre-clip grad norm tensor."""
+    loss: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip (after unscaling fp16 grads), step unless the loss or grad norm is not finite, clear grads.
+
+    Returns (pre-clip grad norm, skipped) as device tensors: nothing here waits for the device.
+    """
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    bad = ~torch.isfinite(loss) if loss is not None else torch.zeros((), dtype=torch.bool, device=grad_norm.device)
     if scaler is not None:
-        scaler.step(optimizer)  # skips the update when fp16 grads overflowed
+        # an fp16 gradient overflow is the scaler's business: it skips that update and lowers the scale
+        scaler.step(optimizer)
         scaler.update()
     else:
-        optimizer.step()
+        bad = bad | ~torch.isfinite(grad_norm)
+        skip_update_if(optimizer, bad)
     optimizer.zero_grad(set_to_none=True)  # frees grad memory instead of writing zeros
-    return grad_norm
+    return grad_norm, bad

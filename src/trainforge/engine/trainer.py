@@ -7,31 +7,45 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from .. import __version__
-from ..checkpoint import atomic_write_dir, save_checkpoint
+from ..checkpoint import atomic_write_dir, step_dir_name
 from ..config import RunConfig, resolve_max_steps
 from ..data.loader import Batch, RowCollator, TrainLoader, eval_batches
 from ..data.packing import build_rows, weighted_indices
 from ..data.prepare import PreparedData, prepare_data, resolve_format, training_texts
-from ..hardware import Precision, configure_backends, describe, peak_memory_bytes, pick_device, resolve_precision
+from ..hardware import (
+    Precision,
+    available_memory_bytes,
+    configure_backends,
+    describe,
+    peak_memory_bytes,
+    pick_device,
+    resolve_precision,
+)
 from ..metrics.console import ConsoleReporter
 from ..metrics.tracker import MetricsLog
+from ..metrics.window import LogWindow
 from ..model.load import build_model, count_parameters
 from ..model.tokenizer import load_tokenizer, train_bpe_tokenizer
 from ..tools.generate import sample
 from .evaluate import evaluate
+from .memory import estimate_memory, memory_warning
+from .nonfinite import NonFiniteGuard
+from .oom import fetch_step, forward_backward_adaptive
 from .optim import build_optimizer
+from .preempt import Interrupted, StopRequest
+from .resume import CHECKPOINTS, OutputDirError, capture_state, checkpoint_meta, open_run_dir, restore
+from .saver import Checkpointer
 from .schedule import build_scheduler
-from .step import forward_backward, optimizer_step
+from .step import optimizer_step
 
-
-class OutputDirError(RuntimeError):
-    """The output directory cannot be used for this run."""
+__all__ = ["OutputDirError", "Run", "RunResult", "train"]
 
 
 @dataclass
@@ -46,22 +60,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def prepare_output_dir(output_dir: Path, cfg: RunConfig) -> Path:
-    """Create the run directory, check it is writable and fresh, write the resolved config."""
-    output_dir = Path(output_dir)
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise OutputDirError(f"cannot write to output directory {output_dir}: {e.strerror}") from None
-    if (output_dir / "metrics.jsonl").exists():
-        raise OutputDirError(f"{output_dir} already holds a run (metrics.jsonl exists); choose another --output")
-    (output_dir / "config.yaml").write_text(cfg.to_yaml())
-    return output_dir
 
 
 def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
@@ -160,6 +158,13 @@ class Run:
     max_steps: int
     data_format: str
     data_stats: dict[str, int]
+    saver: Checkpointer
+    guard: NonFiniteGuard
+    window: LogWindow
+    stop: StopRequest
+    grad_accum: int  # micro-batches per step: train.grad_accum, multiplied after an out-of-memory back-off
+    schedule_steps: int  # horizon of the LR schedule: max_steps, or the original one after a resume
+    batches: Iterator[Batch] | None = None
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0
     data_wait_s: float = 0.0
@@ -167,32 +172,38 @@ class Run:
     last_train_loss: float | None = None
     eval_before: dict[str, float] = field(default_factory=dict)
     last_eval: dict[str, float] = field(default_factory=dict)
+    oom_backoffs: list[dict[str, int]] = field(default_factory=list)
+    resumed_from: int | None = None
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint holds (LoRA: adapter weights only)."""
-        return {
-            "model": {k: v for k, v in self.model.state_dict().items() if _is_trainable_key(self.model, k)},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "loader": self.loader.state_dict(),
-            "tokens_seen": self.tokens_seen,
-        }
+        """What a checkpoint holds (LoRA: adapter weights only); see ``resume.capture_state``."""
+        return capture_state(self)
 
 
-def train(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = None) -> RunResult:
-    """Train a model as ``cfg`` says, writing the run directory; returns the trained model too."""
+def train(
+    cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter | None = None, resume: str = "auto"
+) -> RunResult:
+    """Train a model as ``cfg`` says, writing the run directory; returns the trained model too.
+
+    ``resume``: ``auto`` continues from the newest complete checkpoint in ``output_dir``,
+    ``never`` refuses a directory that holds a run, a path names the checkpoint to continue.
+    """
     wall_start = time.perf_counter()
-    run = setup(cfg, output_dir, reporter or ConsoleReporter())
-    try:
-        train_loop(run)
-        return finish(run, wall_start)
-    finally:
-        run.reporter.stop()
-        run.metrics.close()
+    with StopRequest() as stop:
+        run = setup(cfg, output_dir, reporter or ConsoleReporter(), resume, stop)
+        try:
+            train_loop(run)
+            run.saver.close()  # the end-of-run checkpoint is reported before final/ and the summary
+            return finish(run, wall_start)
+        finally:
+            run.saver.close()
+            run.reporter.stop()
+            run.metrics.close()
 
 
-def setup(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter) -> Run:
+def setup(
+    cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter, resume: str = "auto", stop: StopRequest | None = None
+) -> Run:
     """Data, tokenizer, model, optimizer, schedule, loaders: everything before the first step."""
     from transformers.utils import logging as hf_logging
 
@@ -204,12 +215,13 @@ def setup(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter) -> Run:
     reporter.info(f"trainforge {__version__} | {describe(device)} | precision {precision.name}")
 
     tokenizer = get_tokenizer(cfg, reporter)
-    plan = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
-    out = prepare_output_dir(output_dir, cfg)
+    data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
+    out, resume_plan = open_run_dir(output_dir, cfg, resume, reporter)
     reporter.info(f"output: {out}")
-    loader = TrainLoader(plan.train_rows, plan.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False)
+    loader = TrainLoader(data.train_rows, data.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False)
     efficiency = loader.padding_efficiency()
-    reporter.info(describe_data(plan, efficiency))
+    reporter.info(describe_data(data, efficiency))
+    data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
 
     model = build_model(cfg.model, tokenizer, cfg.train.seed, device).to(device)
     model.train()
@@ -222,7 +234,7 @@ def setup(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter) -> Run:
 
     max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
     o = cfg.optim
-    return Run(
+    run = Run(
         cfg=cfg,
         out=out,
         reporter=reporter,
@@ -235,14 +247,32 @@ def setup(cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter) -> Run:
         scheduler=build_scheduler(optimizer, o.schedule, o.warmup_steps, max_steps, o.min_lr_ratio),
         scaler=torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None,
         loader=loader,
-        eval_set=eval_batches(plan.eval_rows, plan.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
-        if plan.eval_collate
+        eval_set=eval_batches(data.eval_rows, data.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
+        if data.eval_collate
         else [],
         metrics=MetricsLog(out / "metrics.jsonl"),
         max_steps=max_steps,
-        data_format=plan.prepared.format,
-        data_stats={**plan.prepared.stats, "rows": len(plan.train_rows), "row_efficiency": efficiency},
+        data_format=data.prepared.format,
+        data_stats=data_stats,
+        saver=Checkpointer(out / CHECKPOINTS, cfg.checkpoint, checkpoint_meta(cfg, tokenizer, {**data_stats, "store": data.prepared.cache_path.name}), reporter),
+        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device),
+        window=LogWindow.on(device),
+        stop=stop or StopRequest(),
+        grad_accum=cfg.train.grad_accum,
+        schedule_steps=max_steps,
     )
+    warn_if_too_big(run)
+    if resume_plan is not None:
+        restore(run, resume_plan)  # last: it restores the random states that building the run consumed
+    return run
+
+
+def warn_if_too_big(run: Run) -> None:
+    """Estimate the run's memory before the first step; warn when the device has less available."""
+    estimate = estimate_memory(run.model, run.loader.batch_size, run.cfg.data.max_length, run.precision)
+    warning = memory_warning(estimate, available_memory_bytes(run.device), run.device)
+    if warning:
+        run.reporter.warn(warning)
 
 
 def run_eval(run: Run, label: str) -> dict[str, float]:
@@ -257,63 +287,73 @@ def run_eval(run: Run, label: str) -> dict[str, float]:
 
 def train_loop(run: Run) -> None:
     """The hot loop: fetch micro-batches, forward/backward, step; log, eval, checkpoint."""
-    cfg, o, device = run.cfg, run.cfg.optim, run.device
-    if run.step == 0:
+    cfg = run.cfg
+    if run.step == 0 and run.resumed_from is None:
         run.eval_before = run_eval(run, "before training")
-    batches = iter(run.loader)
-    window_loss = torch.zeros((), device=device)  # summed on device; read only on log steps
-    window_steps, window_tokens = 0, 0
-    loop_start = window_start = time.perf_counter()
-    first_step = run.step
+    run.batches = iter(run.loader)
+    first_step, loop_start = run.step, time.perf_counter()
+    tick = run.window.started = loop_start
     run.reporter.start(run.max_steps, first_step)
     while run.step < run.max_steps:
+        if run.stop.requested:
+            stop_on_signal(run)
+        position = run.loader.state_dict()  # where this step's examples start: an out-of-memory retry re-reads them
         t = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(cfg.train.grad_accum)]
+        micro_batches = fetch_step(run)
         run.data_wait_s += time.perf_counter() - t
 
-        loss = forward_backward(run.model, micro_batches, run.precision, device, run.scaler)
-        grad_norm = optimizer_step(run.params, run.optimizer, o.max_grad_norm, run.scaler)
+        loss, micro_batches = forward_backward_adaptive(run, micro_batches, position)
+        grad_norm, skipped = optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
         lr = run.scheduler.get_last_lr()[0]
         run.scheduler.step()
         run.step += 1
 
+        indices = [i for mb in micro_batches for i in mb.indices]
+        run.guard.record(skipped, run.step, indices)  # raises after train.max_skipped_steps in a row
         step_tokens = sum(mb.n_tokens for mb in micro_batches)
         run.tokens_seen += step_tokens
-        window_loss += loss
-        window_steps += 1
-        window_tokens += step_tokens
+        run.window.add(loss, skipped, step_tokens, indices if cfg.log.example_indices else None)
+        now = time.perf_counter()
+        run.loop_time_s, tick = run.loop_time_s + now - tick, now
         step, last = run.step, run.step == run.max_steps
 
         if step % cfg.log.every_steps == 0 or last:
-            now = time.perf_counter()
-            rec = {
-                "step": step,
-                "loss": window_loss.item() / window_steps,  # host sync: on log steps only
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "tokens": run.tokens_seen,
-                "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
-                "elapsed_s": run.loop_time_s + now - loop_start,
-            }
-            run.metrics.write(rec)
-            eta = (now - loop_start) / (step - first_step) * (run.max_steps - step)
-            run.reporter.log_step(rec, run.max_steps, eta)
-            run.last_train_loss = rec["loss"]
-            window_loss.zero_()
-            window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
+            log_step(run, lr, grad_norm, eta=(now - loop_start) / (step - first_step) * (run.max_steps - step))
         else:
             run.reporter.advance(step)
-
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
             run_eval(run, f"at step {step}")
-
-        every = cfg.checkpoint.every_steps
-        if every and (step % every == 0 or last):
-            save_checkpoint(
-                run.out / "checkpoints", step, run.checkpoint_state(), {"version": __version__}, cfg.checkpoint.keep_last
-            )
-    run.loop_time_s += time.perf_counter() - loop_start
+        run.saver.maybe_save(step, last, run.checkpoint_state)
     run.reporter.stop()
+
+
+def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
+    """Write the window's record to metrics.jsonl and the console (the only host syncs of the loop)."""
+    w, now = run.window, time.perf_counter()
+    rec = {
+        "step": run.step,
+        "loss": w.mean_loss(),
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
+        "tokens": run.tokens_seen,
+        "tokens_per_s": w.tokens / max(now - w.started, 1e-9),
+        "elapsed_s": run.loop_time_s,
+        "skipped_steps": int(run.guard.total),
+    }
+    if run.cfg.log.example_indices:
+        rec["example_indices"] = w.indices
+    run.metrics.write(rec)
+    run.reporter.log_step(rec, run.max_steps, eta)
+    run.last_train_loss = rec["loss"]
+    w.reset()
+
+
+def stop_on_signal(run: Run) -> None:
+    """SIGTERM/SIGINT arrived: save the finished step and stop (the CLI exits with code 75)."""
+    run.reporter.stop()
+    saved = run.saver.save_now(run.step, run.checkpoint_state)
+    where = f"checkpoint {step_dir_name(run.step)} saved" if saved else "saving a checkpoint failed (see above)"
+    raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; run the same command again to resume")
 
 
 def finish(run: Run, wall_start: float) -> RunResult:
@@ -339,6 +379,12 @@ def finish(run: Run, wall_start: float) -> RunResult:
         "tokens": run.tokens_seen,
         "tokens_per_s": run.tokens_seen / max(run.loop_time_s, 1e-9),
         "data_wait_s": run.data_wait_s,
+        "skipped_steps": int(run.guard.total),
+        "micro_batch_size": run.loader.batch_size,
+        "grad_accum": run.grad_accum,
+        "oom_backoffs": run.oom_backoffs,
+        "resumed_from_step": run.resumed_from,
+        **run.saver.summary(),
         "peak_memory_bytes": peak_memory_bytes(run.device),
         "final_train_loss": run.last_train_loss,
         "eval_loss_before": run.eval_before.get("eval_loss"),
@@ -362,10 +408,3 @@ def finish(run: Run, wall_start: float) -> RunResult:
         f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"
     )
     return RunResult(out, summary, run.model, run.tokenizer)
-
-
-def _is_trainable_key(model: torch.nn.Module, key: str) -> bool:
-    """For LoRA only adapter weights go into checkpoints; for full training everything does."""
-    if not hasattr(model, "peft_config"):
-        return True
-    return "lora_" in key

@@ -28,6 +28,9 @@ class ConsoleReporter:
     def info(self, message: str) -> None:
         self._print(message)
 
+    def warn(self, message: str) -> None:
+        self._print(f"warning: {message}")
+
     def _print(self, message: str) -> None:
         self.console.print(message, markup=False)  # samples and paths contain "[...]"; never markup
         self.console.file.flush()  # piped stdout is block-buffered: flush so `tail -f` and job logs stay live

@@ -3,23 +3,54 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 
 class MetricsLog:
-    """Append-only JSONL writer; each line is complete on disk before training goes on."""
+    """Append-only JSONL writer; each line is complete on disk before training goes on.
+
+    ``records`` counts the complete lines in the file, so a checkpoint can note how far the
+    log had come and a resume can cut it back to exactly that point.
+    """
 
     def __init__(self, path: Path):
         self.path = path
+        self.records = _complete_lines(path)
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
+        self.records += 1
+
+    def truncate(self, records: int) -> int:
+        """Keep the first ``records`` lines (a torn last line goes too); returns how many were dropped."""
+        with open(self.path, "rb") as f:
+            data = f.read()
+        end, kept = 0, 0
+        while kept < records:
+            nl = data.find(b"\n", end)
+            if nl < 0:
+                break
+            end, kept = nl + 1, kept + 1
+        dropped = _complete_lines(self.path) - kept
+        self._file.flush()
+        os.truncate(self.path, end)  # one call: the file is either cut or not
+        self.records = kept
+        return dropped
 
     def close(self) -> None:
         self._file.close()
+
+
+def _complete_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

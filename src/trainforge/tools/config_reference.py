@@ -41,7 +41,7 @@ def _type(annotation: Any) -> str:
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
-        key = f"{prefix}.{name}"
+        key = f"{prefix}.{field.alias or name}"
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows.extend(_rows(ann, key))

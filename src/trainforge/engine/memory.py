@@ -1,0 +1,65 @@
+"""A rough memory model of a run: weights, gradients, AdamW state, activations; warn before it fails."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..hardware import Precision
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        parts = ("weights", "grads", "optimizer", "activations")
+        return f"{self.total / GIB:.2f} GiB (" + ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts) + ")"
+
+
+def estimate_memory(model: torch.nn.Module, micro_batch_size: int, seq_len: int, precision: Precision) -> MemoryEstimate:
+    """Bytes a training step needs at its peak, roughly (no fragmentation, no framework overhead).
+
+    Activations kept for backward per token and layer: about 9 hidden-size vectors (norms,
+    q/k/v, attention output, residuals) and 4 intermediate-size ones (gate, up, activation,
+    product), in the compute dtype; plus fp32 logits and their gradient over the vocabulary.
+    """
+    c = getattr(model, "config", None)
+    hidden = getattr(c, "hidden_size", 0)
+    inter = getattr(c, "intermediate_size", None) or 4 * hidden
+    layers = getattr(c, "num_hidden_layers", 0)
+    vocab = getattr(c, "vocab_size", 0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    optimizer = 2 * sum(p.numel() * 4 for p in trainable)  # AdamW: exp_avg and exp_avg_sq in fp32
+    act_bytes = 4 if precision.autocast_dtype is None else 2
+    tokens = micro_batch_size * seq_len
+    activations = tokens * (layers * act_bytes * (9 * hidden + 4 * inter) + vocab * 8)
+    return MemoryEstimate(weights, grads, optimizer, activations)
+
+
+def memory_warning(estimate: MemoryEstimate, available: int | None, device: torch.device) -> str | None:
+    """A warning when what the run still has to allocate exceeds what ``device`` has free, else None.
+
+    Called once the model is loaded: its weights already sit in memory, so only the rest
+    has to fit into ``available``.
+    """
+    if available is None or estimate.total - estimate.weights <= available:
+        return None
+    where = "free on the GPU" if device.type == "cuda" else "available in system memory"
+    return (
+        f"this run may not fit: estimated memory {estimate.describe()} exceeds the {available / GIB:.2f} GiB {where}; "
+        "lower train.micro_batch_size (raise train.grad_accum to keep the global batch) or data.max_length, "
+        "or use model.method: lora"
+    )

@@ -1,0 +1,87 @@
+"""A non-finite loss or gradient never reaches the weights: skip the update, count it, stop on a streak."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
+def skip_update_if(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """``optimizer.step()`` unless ``bad`` (a 0-dim bool tensor) is true; params and state stay untouched.
+
+    Fused AdamW takes a ``found_inf`` tensor (the hook GradScaler uses) and skips the whole
+    update, weight decay and step count included, inside the kernel: on a GPU the decision
+    stays on the device and costs no host sync. Other optimizers get a plain host check.
+    """
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = bad.float()
+        try:
+            optimizer.step()
+        finally:
+            optimizer.found_inf = None
+    elif not bool(bad):  # host sync: only optimizers without a device-side skip come here
+        optimizer.step()
+
+
+class NonFiniteGuard:
+    """Counts skipped steps on the device and raises ``NonFiniteError`` after ``limit`` in a row.
+
+    On CUDA the streak is read one step late: each step copies its count to pinned host
+    memory without blocking, and the next step reads it once that copy is done, by which
+    time the GPU has long finished it. The hot loop never waits for the device, and a
+    streak is caught at most one (skipped, hence harmless) step later. On the CPU there
+    is no device to wait for, so the count is read at once.
+    """
+
+    def __init__(self, limit: int, device: torch.device, lagged: bool | None = None):
+        self.limit = limit
+        self.total = torch.zeros((), dtype=torch.int64, device=device)
+        self.streak = torch.zeros((), dtype=torch.int64, device=device)
+        self.lagged = device.type == "cuda" if lagged is None else lagged
+        self._host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._host_step: int | None = None  # the step whose streak sits in _host
+        self.recent: deque[tuple[int, list[int]]] = deque(maxlen=limit + 1)  # (step, example indices)
+
+    def record(self, bad: torch.Tensor, step: int, indices: list[int]) -> None:
+        """Count step ``step`` (``bad``: skipped); raise once ``limit`` steps in a row were skipped."""
+        bad = bad.to(torch.int64)
+        self.total += bad
+        self.streak.add_(1).mul_(bad)  # +1 when skipped, back to 0 otherwise, without a branch
+        self.recent.append((step, indices))
+        if not self.lagged:
+            self._check(int(self.streak), step)
+            return
+        if self._host_step is not None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._check(int(self._host), self._host_step)
+        self._host.copy_(self.streak, non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        self._host_step = step
+
+    def _check(self, streak: int, step: int) -> None:
+        if streak < self.limit:
+            return
+        steps = [(s, idx) for s, idx in self.recent if step - streak < s <= step]
+        listed = "; ".join(f"step {s}: {idx}" for s, idx in steps)
+        raise NonFiniteError(
+            f"training stopped at step {step}: the loss or gradient norm was not finite for {streak} steps in a row "
+            f"(steps {step - streak + 1}-{step}, train.max_skipped_steps={self.limit}); their updates were skipped. "
+            f"Example indices of those batches: {listed or 'not recorded'}. Check those examples, lower optim.lr "
+            "or raise optim.warmup_steps; the newest checkpoint holds the last good weights"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total": self.total.detach().cpu().clone(), "streak": self.streak.detach().cpu().clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.total.copy_(state["total"])
+        self.streak.copy_(state["streak"])

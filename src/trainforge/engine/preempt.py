@@ -1,0 +1,58 @@
+"""SIGTERM / SIGINT: finish the step, save, exit; a second signal ends the process at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(Exception):
+    """The run stopped on a signal after saving a checkpoint; running the same command resumes it."""
+
+
+class StopRequest:
+    """Context manager that turns the first SIGTERM/SIGINT into a flag the training loop checks.
+
+    The handler only sets the flag and hands both signals back to the operating system's
+    default action, so a second signal kills the process at once, even inside a long C call
+    such as a checkpoint write; checkpoints are written atomically, so that leaves no
+    visible partial one behind.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        # os.write, not the console: a handler can interrupt a print that holds the console's lock
+        os.write(
+            2,
+            f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
+            "(send it again to stop at once, without saving)\n".encode(),
+        )
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for s in STOP_SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()

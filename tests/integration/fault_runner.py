@@ -1,0 +1,64 @@
+"""``trainforge`` with faults injected at exact points, for the fault-injection tests.
+
+    python fault_runner.py '<faults as JSON>' train CONFIG --output RUN ...
+
+Faults (all optional; steps are 1-based optimizer steps):
+  {"signal_in_step": [5, "SIGKILL"]}   send the signal to this process inside step 5's forward/backward
+  {"signal_in_save": [6, "SIGKILL"]}   send it while step 6's checkpoint is written (state.pt done, meta.json not)
+  {"nan_in_steps": [3, 4]}             make the loss of those steps NaN
+
+The faults hook into trainforge by monkeypatching, so the product code carries no test switches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+import trainforge.engine.step as step_module
+import trainforge.engine.trainer as trainer
+from trainforge.checkpoint import step_dir_name
+from trainforge.cli import main
+
+
+def install(faults: dict) -> None:
+    now = {"step": 0}  # the step being computed, counted over the whole run (a resume starts past 1)
+    kill_step = faults.get("signal_in_step")
+    nan_steps = set(faults.get("nan_in_steps", []))
+    forward_backward = trainer.forward_backward_adaptive
+    loss_sum = step_module.loss_sum
+
+    def watched_forward_backward(run, *args, **kwargs):
+        now["step"] = run.step + 1
+        if kill_step and now["step"] == kill_step[0]:
+            os.kill(os.getpid(), getattr(signal, kill_step[1]))
+        return forward_backward(run, *args, **kwargs)
+
+    def poisoned_loss_sum(*args, **kwargs):
+        loss = loss_sum(*args, **kwargs)
+        return loss * float("nan") if now["step"] in nan_steps else loss
+
+    trainer.forward_backward_adaptive = watched_forward_backward
+    step_module.loss_sum = poisoned_loss_sum
+
+    save_fault = faults.get("signal_in_save")
+    if save_fault:
+        save = torch.save
+        marker = f".{step_dir_name(save_fault[0])}.tmp"
+
+        def save_then_signal(obj, f, *args, **kwargs):
+            save(obj, f, *args, **kwargs)
+            if marker in str(f):
+                os.kill(os.getpid(), getattr(signal, save_fault[1]))
+
+        torch.save = save_then_signal
+
+
+if __name__ == "__main__":
+    install(json.loads(sys.argv[1]))
+    sys.argv = ["trainforge", *sys.argv[2:]]
+    sys.exit(main())

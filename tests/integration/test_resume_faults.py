@@ -1,0 +1,149 @@
+"""Kill it, signal it, resume it: the interrupted run ends bitwise equal to the one that was not.
+
+One run is interrupted four ways in a row, each in its own ``trainforge train`` process:
+SIGKILL inside a step, SIGKILL while a checkpoint is being written, SIGTERM followed by a
+second SIGTERM during the save it triggers, and a plain SIGTERM. Every restart uses the
+default ``--resume auto``. The model uses attention dropout, so every step draws random
+numbers and the random states have to resume exactly too.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from integration_helpers import root_conftest, run_cli, show
+
+from trainforge.checkpoint import scan_checkpoints
+from trainforge.config import RunConfig
+
+write_config = root_conftest().write_config
+TIMING = {"tokens_per_s", "elapsed_s"}  # wall-clock fields: the only ones allowed to differ
+
+
+@pytest.fixture
+def scratch_config(tiny_tokenizer_dir, toy_data_dir) -> dict:
+    return {
+        "model": {
+            "init": {
+                "architecture": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "max_position_embeddings": 128,
+                "attention_dropout": 0.1,
+            },
+            "tokenizer": str(tiny_tokenizer_dir),
+        },
+        "data": {"train": str(toy_data_dir / "pc_train.jsonl"), "eval": str(toy_data_dir / "pc_eval.jsonl"), "max_length": 64},
+        "train": {
+            "max_steps": 10,
+            "micro_batch_size": 4,
+            "grad_accum": 2,
+            "precision": "fp32",
+            "device": "cpu",
+            "eval_every": 4,
+            "eval_max_batches": 2,
+        },
+        "optim": {"lr": 1.0e-3, "warmup_steps": 2},
+        "checkpoint": {"every_steps": 3, "keep_last": 2},
+        "log": {"every_steps": 1, "example_indices": True},
+    }
+
+
+def records(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def visible_steps(run: Path) -> list[int]:
+    complete, partial = scan_checkpoints(run / "checkpoints")
+    assert partial == [], f"a partial checkpoint is visible: {partial}"
+    return [c.step for c in complete]
+
+
+def assert_same_state(got: dict, expected: dict) -> None:
+    """Model weights, optimizer state and everything else in state.pt: bitwise equal."""
+    assert got["model"].keys() == expected["model"].keys()
+    for name, value in expected["model"].items():
+        assert torch.equal(got["model"][name], value), f"weight {name} differs"
+    for pid, pstate in expected["optimizer"]["state"].items():
+        for key, value in pstate.items():
+            assert torch.equal(got["optimizer"]["state"][pid][key], value), f"optimizer state {pid}.{key} differs"
+    assert got["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    assert got["scheduler"] == expected["scheduler"]
+    assert got["loader"] == expected["loader"]
+    assert torch.equal(got["rng"]["torch"], expected["rng"]["torch"])
+
+
+def test_killed_and_signalled_run_resumes_bitwise_exact(tmp_path, scratch_config):
+    from rich.console import Console
+
+    from trainforge.engine.trainer import train
+    from trainforge.metrics.console import ConsoleReporter
+
+    reference = tmp_path / "reference"
+    train(RunConfig.model_validate(scratch_config), reference, ConsoleReporter(Console(quiet=True)))
+
+    config = write_config(tmp_path / "scratch.yaml", scratch_config)
+    run = tmp_path / "run"
+    cli = lambda faults: run_cli(["train", config, "--output", run], tmp_path, faults=faults)
+
+    # 1. SIGKILL inside step 5: step-3 is the newest checkpoint; metrics went on to step 4
+    proc = cli({"signal_in_step": [5, "SIGKILL"]})
+    assert proc.returncode == -signal.SIGKILL, show(proc)
+    assert visible_steps(run) == [3]
+
+    # 2. resumes from 3; SIGKILL after state.pt of step 6 is written, before its meta.json: invisible
+    proc = cli({"signal_in_save": [6, "SIGKILL"]})
+    assert proc.returncode == -signal.SIGKILL, show(proc)
+    assert "resuming from" in proc.stdout and "step-00000003" in proc.stdout, show(proc)
+    assert visible_steps(run) == [3]
+
+    # 3. resumes from 3 again; SIGTERM in step 7, and a second SIGTERM during the save it asks for
+    proc = cli({"signal_in_step": [7, "SIGTERM"], "signal_in_save": [7, "SIGTERM"]})
+    assert proc.returncode == -signal.SIGTERM, show(proc)
+    assert "finishing the current step" in proc.stderr, show(proc)
+    assert visible_steps(run) == [3, 6]
+
+    # 4. resumes from 6; SIGTERM in step 8: the step finishes, step-8 is saved, exit code 75
+    proc = cli({"signal_in_step": [8, "SIGTERM"]})
+    assert proc.returncode == 75, show(proc)
+    assert "step-00000006" in proc.stdout and "checkpoint step-00000008 saved" in proc.stderr, show(proc)
+    assert visible_steps(run) == [6, 8]
+
+    # 5. resumes from 8 and finishes
+    proc = cli({})
+    assert proc.returncode == 0, show(proc)
+    assert visible_steps(run) == [9, 10]
+
+    expected = torch.load(reference / "checkpoints" / "step-00000010" / "state.pt")
+    got = torch.load(run / "checkpoints" / "step-00000010" / "state.pt")
+    assert_same_state(got, expected)
+    # metrics.jsonl: every step once, in order, with the same losses, evals and trained example indices
+    assert records(run) == records(reference)
+    train_steps = [r["step"] for r in records(run) if "loss" in r]
+    assert train_steps == list(range(1, 11))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 8 and summary["steps"] == 10
+
+
+def test_nan_streak_exits_3_and_changed_setting_exits_2(tmp_path, finetune_config):
+    finetune_config["train"].update(max_steps=6, max_skipped_steps=2)
+    finetune_config["checkpoint"] = {"every_steps": 2}
+    config = write_config(tmp_path / "finetune.yaml", finetune_config)
+    run = tmp_path / "run"
+
+    proc = run_cli(["train", config, "--output", run], tmp_path, faults={"nan_in_steps": [3, 4]})
+    assert proc.returncode == 3, show(proc)
+    assert "stopped at step 4" in proc.stderr and "Example indices of those batches: step 3: [" in proc.stderr, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    assert [c.step for c in scan_checkpoints(run / "checkpoints")[0]] == [2]
+
+    proc = run_cli(["train", config, "--output", run, "--set", "train.micro_batch_size=2"], tmp_path)
+    assert proc.returncode == 2, show(proc)
+    assert "train.micro_batch_size: 4 in the checkpoint, 2 now" in proc.stderr, show(proc)

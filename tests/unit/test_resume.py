@@ -1,0 +1,321 @@
+"""Resume in-process: crashes at every stage of a save, damaged checkpoints, changed settings,
+a longer run, --resume PATH, LoRA, background saves. Exactness is checked bitwise against a
+run that was never interrupted."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import trainforge.checkpoint as ckpt
+import trainforge.engine.trainer as trainer
+from trainforge.checkpoint import LATEST, scan_checkpoints
+from trainforge.config import RunConfig
+from trainforge.engine.resume import OutputDirError, ResumeError
+from trainforge.metrics.console import ConsoleReporter
+from trainforge.metrics.tracker import read_metrics
+
+TIMING = {"tokens_per_s", "elapsed_s"}
+
+
+class Crash(BaseException):
+    """Stands for the process dying: not an Exception, so nothing in trainforge catches it."""
+
+
+def reporter() -> tuple[ConsoleReporter, io.StringIO]:
+    buf = io.StringIO()
+    return ConsoleReporter(Console(file=buf, width=400)), buf
+
+
+def train(config: dict, out: Path, resume: str = "auto") -> tuple[trainer.RunResult, str]:
+    rep, buf = reporter()
+    try:
+        return trainer.train(RunConfig.model_validate(config), out, rep, resume=resume), buf.getvalue()
+    except BaseException:
+        print(buf.getvalue())  # shown by pytest when the test fails
+        raise
+
+
+def state(run: Path, step: int) -> dict:
+    return torch.load(run / "checkpoints" / f"step-{step:08d}" / "state.pt")
+
+
+def assert_same_weights_and_optimizer(got: dict, expected: dict) -> None:
+    assert got["model"].keys() == expected["model"].keys()
+    for k, v in expected["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    for pid, ps in expected["optimizer"]["state"].items():
+        for k, v in ps.items():
+            assert torch.equal(got["optimizer"]["state"][pid][k], v), (pid, k)
+
+
+def train_records(run: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run / "metrics.jsonl")]
+
+
+def crash_in_step(monkeypatch, step: int) -> None:
+    original = trainer.forward_backward_adaptive
+
+    def crashing(run, *args, **kwargs):
+        if run.step + 1 == step:
+            raise Crash(f"crash in step {step}")
+        return original(run, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward_adaptive", crashing)
+
+
+@pytest.fixture
+def config(finetune_config) -> dict:
+    cfg = copy.deepcopy(finetune_config)
+    cfg["train"]["max_steps"] = 6
+    cfg["checkpoint"] = {"every_steps": 2, "keep_last": 3}
+    # records at steps 4 and 6: resuming from step 2 must carry the half-filled log window over
+    cfg["log"] = {"every_steps": 4, "example_indices": True}
+    return cfg
+
+
+@pytest.fixture
+def reference(config, tmp_path) -> Path:
+    out = tmp_path / "reference"
+    train(config, out)
+    return out
+
+
+# ---------------------------------------------------------------- a failure at each stage of a save
+
+
+def _fail_writing_state(monkeypatch, target: str) -> None:
+    write = ckpt._write_state
+
+    def partial(tmp, st):
+        if tmp.name == f".{target}.tmp":
+            (tmp / "state.pt").write_bytes(b"PK\x03\x04 half a zip")
+            raise Crash("died while writing state.pt")
+        write(tmp, st)
+
+    monkeypatch.setattr(ckpt, "_write_state", partial)
+
+
+def _fail_at(name: str):
+    def inject(monkeypatch, target: str) -> None:
+        original = getattr(ckpt, name)
+
+        def failing(*args, **kwargs):
+            if target in " ".join(str(a) for a in args):
+                raise Crash(f"died in {name}")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(ckpt, name, failing)
+
+    return inject
+
+
+def _fail_renaming(monkeypatch, target: str) -> None:
+    rename = Path.rename
+
+    def failing(self, dest):
+        if self.name == f".{target}.tmp":
+            raise Crash("died before the rename")
+        return rename(self, dest)
+
+    monkeypatch.setattr(Path, "rename", failing)
+
+
+def _fail_moving_latest(monkeypatch, target: str) -> None:
+    move = ckpt._move_latest
+
+    def failing(root, name):
+        if name == target:
+            raise Crash("died before latest moved")
+        move(root, name)
+
+    monkeypatch.setattr(ckpt, "_move_latest", failing)
+
+
+def _fail_pruning(monkeypatch, target: str) -> None:
+    prune = ckpt.prune_checkpoints
+
+    def failing(root, keep):
+        if (root / target).exists():
+            raise Crash("died while pruning")
+        prune(root, keep)
+
+    monkeypatch.setattr(ckpt, "prune_checkpoints", failing)
+
+
+# (stage, injection, the checkpoint the next start resumes from when step 4's save fails there)
+STAGES = [
+    ("writing state.pt", _fail_writing_state, 2),
+    ("writing meta.json", _fail_at("_write_meta"), 2),
+    ("flushing to disk", _fail_at("_fsync_tree"), 2),
+    ("renaming into place", _fail_renaming, 2),
+    ("moving latest", _fail_moving_latest, 4),
+    ("pruning", _fail_pruning, 4),
+]
+
+
+@pytest.mark.parametrize(("inject", "resumes_from"), [s[1:] for s in STAGES], ids=[s[0] for s in STAGES])
+def test_crash_at_any_stage_of_a_save_resumes_from_a_complete_checkpoint(
+    config, reference, tmp_path, monkeypatch, inject, resumes_from
+):
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        inject(m, "step-00000004")
+        with pytest.raises(Crash):
+            train(config, run)
+    complete, partial = scan_checkpoints(run / "checkpoints")
+    assert partial == [] and complete[-1].step == resumes_from  # nothing half-written is visible
+
+    _, log = train(config, run)
+    assert f"resuming from {run / 'checkpoints' / f'step-{resumes_from:08d}'}" in log
+    assert_same_weights_and_optimizer(state(run, 6), state(reference, 6))
+    assert train_records(run) == train_records(reference)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.endswith((".tmp", ".old"))]
+
+
+def test_disk_full_save_is_reported_keeps_earlier_and_is_retried(config, tmp_path, monkeypatch):
+    write = ckpt._write_state
+
+    def disk_full(tmp, st):
+        if tmp.name == ".step-00000004.tmp":
+            (tmp / "state.pt").write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(tmp, st)
+
+    monkeypatch.setattr(ckpt, "_write_state", disk_full)
+    result, log = train(config, tmp_path / "run")
+    assert "saving checkpoint step-00000004 failed: [Errno 28] No space left on device" in log
+    assert "newest complete checkpoint: step-00000002" in log
+    assert [c.step for c in scan_checkpoints(tmp_path / "run" / "checkpoints")[0]] == [2, 6]
+    assert result.summary["checkpoint_failures"] == 1 and result.summary["checkpoint_saves"] == 2
+
+
+# ---------------------------------------------------------------- damaged checkpoints
+
+
+def test_truncated_and_unloadable_checkpoints_are_skipped_with_a_warning(config, reference, tmp_path):
+    root = reference / "checkpoints"
+    (root / "step-00000006" / "state.pt").write_bytes(b"cut short")
+    size = (root / "step-00000004" / "state.pt").stat().st_size
+    (root / "step-00000004" / "state.pt").write_bytes(b"\0" * size)  # same size, garbage inside
+    (root / "step-00000005").mkdir()  # a directory that never got its meta.json
+    config["train"]["max_steps"] = 6
+    result, log = train(config, reference)
+    assert f"skipping checkpoint {root / 'step-00000006'}: state.pt is truncated" in log
+    assert f"skipping checkpoint {root / 'step-00000005'}: no meta.json" in log
+    assert f"skipping checkpoint {root / 'step-00000004'}: it cannot be loaded" in log
+    assert f"resuming from {root / 'step-00000002'}" in log
+    assert result.summary["resumed_from_step"] == 2 and result.summary["steps"] == 6
+
+
+# ---------------------------------------------------------------- what a resume refuses and allows
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("train.grad_accum", 4, "train.grad_accum: 2 in the checkpoint, 4 now"),
+        ("optim.lr", 5e-4, "optim.lr: 0.001 in the checkpoint, 0.0005 now"),
+        ("model.method", "lora", "model.method: 'full' in the checkpoint, 'lora' now"),
+    ],
+)
+def test_changed_setting_is_refused_naming_it_and_touching_nothing(config, reference, key, value, named):
+    before = {p: p.read_bytes() for p in reference.rglob("*") if p.is_file()}
+    section, name = key.split(".")
+    config[section][name] = value
+    with pytest.raises(ResumeError, match=named.replace("(", r"\(")):
+        train(config, reference)
+    assert {p: p.read_bytes() for p in reference.rglob("*") if p.is_file()} == before
+
+
+def test_changed_data_at_the_same_path_is_refused(config, tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = Path(config["data"]["train"]).read_text().splitlines()
+    data.write_text("\n".join(rows) + "\n")
+    config["data"]["train"] = str(data)
+    config["train"]["max_steps"] = 2
+    train(config, tmp_path / "run")
+    data.write_text("\n".join(rows[:-40]) + "\n")
+    with pytest.raises(ResumeError, match="training data differ"):
+        train(config, tmp_path / "run")
+
+
+def test_longer_max_steps_continues_on_the_original_schedule(config, tmp_path):
+    config["log"]["every_steps"] = 1
+    reference = tmp_path / "run"
+    train(config, reference)
+    config["train"]["max_steps"] = 9
+    result, log = train(config, reference)
+    assert "keeps its 6-step horizon" in log
+    lrs = {r["step"]: r["lr"] for r in read_metrics(reference / "metrics.jsonl") if "lr" in r}
+    assert sorted(lrs) == list(range(1, 10))
+    floor = config["optim"]["lr"] * 0.1  # min_lr_ratio
+    assert lrs[7] == lrs[8] == lrs[9] == pytest.approx(floor)
+    assert result.summary["steps"] == 9
+    config["train"]["max_steps"] = 5
+    with pytest.raises(ResumeError, match="train.max_steps=5 is below"):
+        train(config, reference)
+
+
+def test_resume_never_refuses_a_directory_holding_a_run(config, reference):
+    with pytest.raises(OutputDirError, match="already holds a run"):
+        train(config, reference, resume="never")
+
+
+def test_resume_path_to_an_older_checkpoint_cuts_metrics_back_and_replays_exactly(config, reference, tmp_path):
+    run = tmp_path / "run"
+    train(config, run)
+    _, log = train(config, run, resume=str(run / "checkpoints" / "step-00000002"))
+    assert "dropped" in log and "records written after step-00000002" in log
+    assert train_records(run) == train_records(reference)
+    assert_same_weights_and_optimizer(state(run, 6), state(reference, 6))
+
+    elsewhere = tmp_path / "forked"  # a checkpoint of another run directory starts a new metrics log
+    train(config, elsewhere, resume=str(run))
+    assert read_metrics(elsewhere / "metrics.jsonl")[0]["step"] == 6
+
+
+def test_unwritable_output_dir_fails_at_start(config, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OutputDirError, match="cannot write to output directory"):
+        train(config, blocker / "run")
+
+
+# ---------------------------------------------------------------- LoRA and background saves
+
+
+def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(config, tmp_path, monkeypatch):
+    config["model"]["method"] = "lora"
+    config["model"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.2}  # dropout: the RNG state must resume too
+    train(config, tmp_path / "reference")
+    saved = state(tmp_path / "reference", 6)["model"]
+    assert saved and all("lora_" in k for k in saved)
+
+    with monkeypatch.context() as m:
+        crash_in_step(m, 5)
+        with pytest.raises(Crash):
+            train(config, tmp_path / "run")
+    train(config, tmp_path / "run")
+    assert_same_weights_and_optimizer(state(tmp_path / "run", 6), state(tmp_path / "reference", 6))
+
+
+def test_background_saves_write_the_same_checkpoints(config, reference, tmp_path):
+    config["checkpoint"]["async"] = True
+    result, log = train(config, tmp_path / "async")
+    assert log.count("written in the background") == 3, log
+    assert result.summary["checkpoint_saves"] == 3
+    for step in (2, 4, 6):
+        got, expected = state(tmp_path / "async", step), state(reference, step)
+        assert_same_weights_and_optimizer(got, expected)
+        assert got["loader"] == expected["loader"] and got["counters"]["step"] == step
+    assert (tmp_path / "async" / "checkpoints" / LATEST).read_text().strip() == "step-00000006"
+    meta = json.loads((tmp_path / "async" / "checkpoints" / "step-00000006" / "meta.json").read_text())
+    assert meta["fixed"]["train.grad_accum"] == 2 and len(meta["config_hash"]) == 16
