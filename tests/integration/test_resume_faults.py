@@ -21,7 +21,9 @@ from trainforge.checkpoint import scan_checkpoints
 from trainforge.config import RunConfig
 
 write_config = root_conftest().write_config
-TIMING = {"tokens_per_s", "elapsed_s"}  # wall-clock fields: the only ones allowed to differ
+from trainforge.metrics.tracker import MEASURED_FIELDS
+
+TIMING = MEASURED_FIELDS  # wall-clock and machine fields: the only ones allowed to differ
 
 
 @pytest.fixture

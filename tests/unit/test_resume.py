@@ -22,7 +22,9 @@ from trainforge.engine.resume import OutputDirError, ResumeError
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.tracker import read_metrics
 
-TIMING = {"tokens_per_s", "elapsed_s"}
+from trainforge.metrics.tracker import MEASURED_FIELDS
+
+TIMING = MEASURED_FIELDS
 
 
 class Crash(BaseException):

@@ -10,18 +10,25 @@ import torch.nn.functional as F
 from ..data.formats import IGNORE
 from ..data.loader import Batch
 from ..hardware import Precision
+from .loss import fused_head, linear_cross_entropy
 from .nonfinite import skip_update_if
 
 
-def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32."""
+def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32.
+
+    ``fused``: through the chunked LM-head + cross-entropy (no full logits) where the model allows.
+    """
+    head = fused_head(model) if fused else None
+    # use_cache=False: a KV cache is useless here, and with one transformers skips the
+    # packed-document mask built from position_ids (documents would attend to each other)
     with precision.autocast(batch.input_ids.device):
-        # use_cache=False: a KV cache is useless here, and with one transformers skips the
-        # packed-document mask built from position_ids (documents would attend to each other)
+        if head is not None:
+            decoder, lm_head = head
+            hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
+            return linear_cross_entropy(hidden.flatten(0, 1), lm_head, batch.labels.flatten())
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum"
-    )
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def forward_backward(

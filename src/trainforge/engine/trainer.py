@@ -29,6 +29,7 @@ from ..hardware import (
     resolve_precision,
 )
 from ..metrics.console import ConsoleReporter
+from ..metrics.flops import flops_per_token, peak_flops
 from ..metrics.tracker import MetricsLog
 from ..metrics.window import LogWindow
 from ..model.load import build_model, count_parameters
@@ -164,6 +165,8 @@ class Run:
     stop: StopRequest
     grad_accum: int  # micro-batches per step: train.grad_accum, multiplied after an out-of-memory back-off
     schedule_steps: int  # horizon of the LR schedule: max_steps, or the original one after a resume
+    flops_per_token: float = 0.0  # model FLOPs per trained token (forward + backward), for MFU
+    peak_flops: float = 0.0  # of the device in the run's precision; 0: unknown, no MFU
     batches: Iterator[Batch] | None = None
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0
@@ -261,6 +264,12 @@ def setup(
         grad_accum=cfg.train.grad_accum,
         schedule_steps=max_steps,
     )
+    run.flops_per_token = flops_per_token(model, cfg.data.max_length)
+    run.peak_flops, source = peak_flops(device, precision.name, cfg.data.cache_dir)
+    reporter.info(
+        f"compute: {run.flops_per_token / 1e6:.1f} MFLOP per token; device peak "
+        + (f"{run.peak_flops / 1e12:.2f} TFLOP/s ({source})" if run.peak_flops else source)
+    )
     warn_if_too_big(run)
     if resume_plan is not None:
         restore(run, resume_plan)  # last: it restores the random states that building the run consumed
@@ -300,7 +309,8 @@ def train_loop(run: Run) -> None:
         position = run.loader.state_dict()  # where this step's examples start: an out-of-memory retry re-reads them
         t = time.perf_counter()
         micro_batches = fetch_step(run)
-        run.data_wait_s += time.perf_counter() - t
+        wait = time.perf_counter() - t
+        run.data_wait_s += wait
 
         loss, micro_batches = forward_backward_adaptive(run, micro_batches, position)
         grad_norm, skipped = optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
@@ -312,7 +322,7 @@ def train_loop(run: Run) -> None:
         run.guard.record(skipped, run.step, indices)  # raises after train.max_skipped_steps in a row
         step_tokens = sum(mb.n_tokens for mb in micro_batches)
         run.tokens_seen += step_tokens
-        run.window.add(loss, skipped, step_tokens, indices if cfg.log.example_indices else None)
+        run.window.add(loss, skipped, step_tokens, indices if cfg.log.example_indices else None, len(indices), wait)
         now = time.perf_counter()
         run.loop_time_s, tick = run.loop_time_s + now - tick, now
         step, last = run.step, run.step == run.max_steps
@@ -330,16 +340,25 @@ def train_loop(run: Run) -> None:
 def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
     """Write the window's record to metrics.jsonl and the console (the only host syncs of the loop)."""
     w, now = run.window, time.perf_counter()
+    span = max(now - w.started, 1e-9)
+    tokens_per_s = w.tokens / span
     rec = {
         "step": run.step,
         "loss": w.mean_loss(),
         "lr": lr,
         "grad_norm": grad_norm.item(),
         "tokens": run.tokens_seen,
-        "tokens_per_s": w.tokens / max(now - w.started, 1e-9),
+        "tokens_per_s": tokens_per_s,  # real (non-pad) input tokens
+        "samples_per_s": w.rows / span,
+        "steps_per_s": w.steps / span,
+        "mfu": tokens_per_s * run.flops_per_token / run.peak_flops if run.peak_flops else None,
+        "data_wait_pct": 100.0 * w.data_wait_s / span,
+        "peak_memory_bytes": peak_memory_bytes(run.device),
         "elapsed_s": run.loop_time_s,
         "skipped_steps": int(run.guard.total),
     }
+    if run.device.type == "cuda":
+        rec["reserved_memory_bytes"] = int(torch.cuda.max_memory_reserved(run.device))
     if run.cfg.log.example_indices:
         rec["example_indices"] = w.indices
     run.metrics.write(rec)
@@ -378,6 +397,8 @@ def finish(run: Run, wall_start: float) -> RunResult:
         "train_time_s": run.loop_time_s,
         "tokens": run.tokens_seen,
         "tokens_per_s": run.tokens_seen / max(run.loop_time_s, 1e-9),
+        "mfu": run.tokens_seen / max(run.loop_time_s, 1e-9) * run.flops_per_token / run.peak_flops if run.peak_flops else None,
+        "flops_per_token": run.flops_per_token,
         "data_wait_s": run.data_wait_s,
         "skipped_steps": int(run.guard.total),
         "micro_batch_size": run.loader.batch_size,

@@ -44,9 +44,11 @@ class ConsoleReporter:
         if self._task is not None:
             self.progress.update(self._task, completed=rec["step"], loss=loss, tps=tps)
         eta = f" | ETA {_fmt_time(eta_s)}" if eta_s is not None else ""
+        mfu = f" | MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
+        wait = f" | data {rec['data_wait_pct']:.1f}%" if "data_wait_pct" in rec else ""
         self._print(
             f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {loss} | lr {rec['lr']:.2e} "
-            f"| grad_norm {rec['grad_norm']:.3f} | {tps} tok/s{eta}"
+            f"| grad_norm {rec['grad_norm']:.3f} | {tps} tok/s{mfu}{wait}{eta}"
         )
 
     def advance(self, step: int) -> None:

@@ -7,6 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+# fields measured from the clock or the machine: they differ between identical runs, everything else must not
+MEASURED_FIELDS = frozenset(
+    {"tokens_per_s", "samples_per_s", "steps_per_s", "mfu", "data_wait_pct", "peak_memory_bytes", "reserved_memory_bytes", "elapsed_s"}
+)
+
 
 class MetricsLog:
     """Append-only JSONL writer; each line is complete on disk before training goes on.

@@ -17,13 +17,19 @@ class LogWindow:
     tokens: int = 0
     indices: list[list[int]] = field(default_factory=list)  # per step, when log.example_indices is on
     started: float = field(default_factory=time.perf_counter)
+    rows: int = 0  # samples (rows) trained in the window
+    data_wait_s: float = 0.0  # time the loop waited for batches in the window
 
     @classmethod
     def on(cls, device: torch.device) -> "LogWindow":
         return cls(torch.zeros((), device=device), torch.zeros((), device=device))
 
-    def add(self, loss: torch.Tensor, skipped: torch.Tensor, tokens: int, indices: list[int] | None) -> None:
+    def add(
+        self, loss: torch.Tensor, skipped: torch.Tensor, tokens: int, indices: list[int] | None, rows: int = 0, data_wait_s: float = 0.0
+    ) -> None:
         """Add a step without reading the device; a skipped (non-finite) step adds no loss."""
+        self.rows += rows
+        self.data_wait_s += data_wait_s
         self.loss_sum += torch.where(skipped, torch.zeros_like(loss), loss)
         self.finite_steps += (~skipped).to(self.finite_steps.dtype)
         self.steps += 1
@@ -40,6 +46,7 @@ class LogWindow:
         self.loss_sum.zero_()
         self.finite_steps.zero_()
         self.steps, self.tokens, self.indices, self.started = 0, 0, [], time.perf_counter()
+        self.rows, self.data_wait_s = 0, 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {

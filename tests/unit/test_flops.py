@@ -1,0 +1,39 @@
+"""FLOPs per token from the model's shape, LoRA-aware; the CPU peak probe is cached."""
+
+from __future__ import annotations
+
+import torch
+
+from trainforge.config import LoraSettings, ModelSettings
+from trainforge.metrics.flops import cpu_matmul_peak, flops_per_token, linear_params
+from trainforge.model.load import apply_lora, build_model
+from trainforge.model.tokenizer import load_tokenizer
+
+
+def test_full_model_counts_six_n_plus_attention(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    model = build_model(ModelSettings(path=tiny_model_dir), tok, seed=0)
+    c = model.config
+    per_layer = 4 * c.hidden_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size  # q,k,v,o (MHA) + mlp
+    matmul = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size  # + LM head; embeddings excluded
+    assert linear_params(model) == (matmul, 0)
+    attention = 2 * 2 * c.num_hidden_layers * c.hidden_size * 64 * 3
+    assert flops_per_token(model, 64) == 6 * matmul + attention
+
+
+def test_lora_frozen_weights_skip_weight_gradients(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    full = build_model(ModelSettings(path=tiny_model_dir), tok, seed=0)
+    n_full, _ = linear_params(full)
+    lora = apply_lora(build_model(ModelSettings(path=tiny_model_dir), tok, seed=0), LoraSettings(r=4))
+    trained, frozen = linear_params(lora)
+    adapters = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+    assert trained == adapters and frozen == n_full
+    assert flops_per_token(lora, 64) < flops_per_token(full, 64)
+
+
+def test_cpu_peak_probe_is_cached(tmp_path, monkeypatch):
+    first = cpu_matmul_peak("fp32", tmp_path)
+    assert first > 0 and (tmp_path / "cpu_peak.json").is_file()
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
+    assert cpu_matmul_peak("fp32", tmp_path) == first

@@ -1,0 +1,69 @@
+"""The fused chunked LM-head cross-entropy equals the standard path: loss and every gradient."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_store
+from trainforge.config import LoraSettings, ModelSettings
+from trainforge.data.loader import RowCollator
+from trainforge.data.packing import build_rows
+from trainforge.engine import loss as loss_module
+from trainforge.engine.loss import fused_head
+from trainforge.engine.step import loss_sum
+from trainforge.hardware import PRECISIONS
+from trainforge.model.load import apply_lora, build_model
+from trainforge.model.tokenizer import load_tokenizer
+
+FP32 = PRECISIONS["fp32"]
+
+
+def batch_for(tok, tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    seqs = []
+    for n, masked in ((12, 5), (30, 0), (7, 6), (19, 19)):  # one sequence with no target at all
+        ids = torch.randint(2, len(tok), (n,), generator=gen).tolist()
+        seqs.append((ids, [0] * masked + [1] * (n - masked)))
+    store = make_store(tmp_path / "s", seqs, len(tok))
+    return RowCollator(store, tok.pad_token_id, True, 40)(build_rows(store, np.arange(4), True, 40), [0])
+
+
+def grads(model, batch, fused):
+    model.zero_grad(set_to_none=True)
+    loss = loss_sum(model, batch, FP32, fused=fused)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("variant", ["untied", "tied", "lora", "small-chunks"])
+def test_fused_matches_standard(tiny_model_dir, tmp_path, monkeypatch, variant):
+    tok = load_tokenizer(tiny_model_dir)
+    model = build_model(ModelSettings(path=tiny_model_dir), tok, seed=0)
+    if variant == "tied":
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if variant == "lora":
+        model = apply_lora(model, LoraSettings(r=4, alpha=8))
+        for n, p in model.named_parameters():  # make B non-zero so adapter gradients are not trivially equal
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+    if variant == "small-chunks":
+        monkeypatch.setattr(loss_module, "CHUNK", 7)
+    assert fused_head(model) is not None
+    batch = batch_for(tok, tmp_path)
+    loss_f, g_f = grads(model, batch, fused=True)
+    loss_s, g_s = grads(model, batch, fused=False)
+    torch.testing.assert_close(loss_f, loss_s, rtol=1e-6, atol=1e-5)
+    assert g_f.keys() == g_s.keys() and g_f
+    for name in g_s:
+        torch.testing.assert_close(g_f[name], g_s[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_head_with_lora_or_logit_transforms_falls_back(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    model = build_model(ModelSettings(path=tiny_model_dir), tok, seed=0)
+    assert fused_head(apply_lora(model, LoraSettings(r=4, target_modules=["lm_head", "q_proj"]))) is None
+    model = build_model(ModelSettings(path=tiny_model_dir), tok, seed=0)
+    model.config.final_logit_softcapping = 30.0
+    assert fused_head(model) is None
