@@ -35,5 +35,15 @@ def test_lora_frozen_weights_skip_weight_gradients(tiny_model_dir):
 def test_cpu_peak_probe_is_cached(tmp_path, monkeypatch):
     first = cpu_matmul_peak("fp32", tmp_path)
     assert first > 0 and (tmp_path / "cpu_peak.json").is_file()
-    monkeypatch.setattr(torch, "randn", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
+    import trainforge.metrics.flops as flops
+
+    monkeypatch.setattr(flops, "measure_matmul", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
     assert cpu_matmul_peak("fp32", tmp_path) == first
+
+
+def test_probe_leaves_the_global_random_stream_alone(tmp_path):
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    cpu_matmul_peak("fp32", tmp_path / "fresh")
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)

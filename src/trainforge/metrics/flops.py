@@ -85,16 +85,7 @@ def cpu_matmul_peak(precision: str, cache_dir: Path | None = None) -> float:
             table = {}
     if key in table:
         return float(table[key])
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    n = 1024
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    value = 2 * n**3 / best
+    value = measure_matmul(torch.bfloat16 if precision == "bf16" else torch.float32)
     table[key] = value
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -102,3 +93,17 @@ def cpu_matmul_peak(precision: str, cache_dir: Path | None = None) -> float:
     except OSError:
         pass  # a read-only home only costs re-measuring next time
     return value
+
+
+def measure_matmul(dtype: torch.dtype, n: int = 1024) -> float:
+    """Best-of-5 FLOP/s of an n x n matmul. Uses its own generator: the run's random stream
+    (dropout, data order) must not depend on whether this probe ran."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, dtype=dtype, generator=gen), torch.randn(n, n, dtype=dtype, generator=gen)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
