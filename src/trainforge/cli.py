@@ -105,6 +105,40 @@ def prepare(
 
 
 @app.command()
+def bench(
+    config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
+    sweep: Annotated[
+        Optional[list[str]],
+        typer.Option("--sweep", help="KEY=V1,V2,... (repeatable; combinations are crossed). Sweeping "
+                     "train.micro_batch_size alone holds the global batch constant via grad_accum"),
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="measured optimizer steps per variant")] = 20,
+    warmup: Annotated[int, typer.Option("--warmup", min=1, help="steps run before measuring")] = 5,
+    synthetic: Annotated[bool, typer.Option("--synthetic", help="random-word documents instead of the config's data")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help="write the results as JSON here")] = None,
+) -> None:
+    """Measure tokens/s, MFU, peak memory and data wait of the training loop, per variant."""
+    import json
+
+    from rich.console import Console
+
+    from .config import ConfigError
+    from .tools.bench import bench as run_bench
+    from .tools.bench import render
+
+    try:
+        results = run_bench(str(config) if config else None, set_ or [], sweep or [], steps, warmup, synthetic)
+    except ConfigError as e:
+        _fail(str(e))
+    render(results, Console())
+    if out:
+        out.write_text(json.dumps(results, indent=2))
+    if any("error" in r for r in results):
+        raise typer.Exit(1)
+
+
+@app.command()
 def config(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,

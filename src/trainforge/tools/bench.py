@@ -1,0 +1,141 @@
+"""`trainforge bench`: measure the training loop on a config, across variants, side by side.
+
+Each variant runs the real training loop (the code `train` runs) in a fresh process, so
+peak memory is the variant's own: warm-up steps, then the measured steps as one metrics
+window (no checkpoints, no eval, no sample). Reported per variant: real tokens/s, MFU,
+peak memory, data-wait share of step time, and the mean loss of the measured steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, RunConfig, load_config, parse_override
+
+BATCH_KEY = "train.micro_batch_size"
+
+
+def parse_sweep(items: list[str]) -> list[tuple[str, list[Any]]]:
+    """``["train.micro_batch_size=1,2,4"]`` -> ``[("train.micro_batch_size", [1, 2, 4])]``."""
+    sweeps = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--sweep {item!r}: expected KEY=V1,V2,..., for example --sweep train.micro_batch_size=2,4,8")
+        key, values = item.split("=", 1)
+        sweeps.append((key.strip(), [parse_override(f"{key}={v}")[1] for v in values.split(",")]))
+    return sweeps
+
+
+def variants(base: RunConfig, sweeps: list[tuple[str, list[Any]]]) -> list[tuple[str, list[str]]]:
+    """(label, overrides) per combination. Sweeping the micro-batch without the accumulation
+    keeps the global batch constant: grad_accum = global batch / micro-batch."""
+    keys = [k for k, _ in sweeps]
+    hold_global = BATCH_KEY in keys and "train.grad_accum" not in keys
+    global_batch = base.train.micro_batch_size * base.train.grad_accum
+    out = []
+    for combo in itertools.product(*[vals for _, vals in sweeps]) if sweeps else [()]:
+        overrides = [f"{k}={json.dumps(v)}" for k, v in zip(keys, combo)]
+        if hold_global:
+            mbs = combo[keys.index(BATCH_KEY)]
+            if global_batch % mbs:
+                raise ConfigError(f"--sweep {BATCH_KEY}={mbs}: does not divide the global batch {global_batch}")
+            overrides.append(f"train.grad_accum={global_batch // mbs}")
+        label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(keys, combo)) or "config"
+        if hold_global:
+            label += f" (x{global_batch // combo[keys.index(BATCH_KEY)]} accum)"
+        out.append((label, overrides))
+    return out
+
+
+def synthetic_corpus(path: Path, documents: int = 400, seed: int = 0) -> Path:
+    """Random word documents (no real data needed) for throughput-only measurements."""
+    rng = random.Random(seed)
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+    with open(path, "w") as f:
+        for _ in range(documents):
+            f.write(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(rng.randint(200, 2000)))}) + "\n")
+    return path
+
+
+def bench_overrides(warmup: int, steps: int, workdir: Path, synthetic: bool) -> list[str]:
+    fixed = [
+        f"train.max_steps={warmup + steps}",
+        "train.epochs=null",
+        "train.eval_every=null",
+        "data.eval=null",
+        "checkpoint.every_steps=null",
+        "checkpoint.every_minutes=null",
+        "log.sample_prompt=null",
+        f"log.every_steps={warmup + steps + 1}",  # no log inside the window: it spans exactly the measured steps
+    ]
+    if synthetic:
+        fixed += [f"data.train={synthetic_corpus(workdir / 'synthetic.jsonl')}", "data.format=text", "data.too_long=split"]
+    return fixed
+
+
+def run_variant(config_path: str | None, overrides: list[str], warmup: int, out_dir: str, queue) -> None:
+    """In a child process: set up the run, train ``warmup`` steps, then the measured steps."""
+    try:
+        from rich.console import Console
+
+        from ..engine.trainer import setup, train_loop
+        from ..metrics.console import ConsoleReporter
+        from ..metrics.tracker import read_metrics
+
+        cfg = load_config(config_path, overrides)
+        run = setup(cfg, Path(out_dir), ConsoleReporter(Console(quiet=True)), resume="never")
+        total = run.max_steps
+        run.max_steps = warmup  # warm-up: compile, allocator, caches; logged at its last step and discarded
+        train_loop(run)
+        run.max_steps = total
+        train_loop(run)
+        run.metrics.close()
+        rec = [r for r in read_metrics(run.out / "metrics.jsonl") if "loss" in r][-1]
+        queue.put({k: rec.get(k) for k in ("tokens_per_s", "samples_per_s", "mfu", "data_wait_pct", "peak_memory_bytes", "loss")})
+    except BaseException as e:  # the parent reports it beside the other variants
+        queue.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def bench(config_path: str | None, overrides: list[str], sweeps: list[str], steps: int, warmup: int, synthetic: bool) -> list[dict]:
+    """Run every variant in its own process; returns one result dict per variant."""
+    base = load_config(config_path, overrides)
+    workdir = Path(tempfile.mkdtemp(prefix="trainforge-bench-"))
+    fixed = bench_overrides(warmup, steps, workdir, synthetic)
+    results = []
+    ctx = multiprocessing.get_context("spawn")  # a fresh process per variant: its own peak memory, no state carried over
+    for i, (label, extra) in enumerate(variants(base, parse_sweep(sweeps))):
+        load_config(config_path, [*overrides, *extra, *fixed])  # fail fast on a bad variant, before running any
+        queue = ctx.Queue()
+        proc = ctx.Process(target=run_variant, args=(config_path, [*overrides, *extra, *fixed], warmup, str(workdir / f"v{i}"), queue))
+        proc.start()
+        result = queue.get()
+        proc.join()
+        results.append({"variant": label, "overrides": extra, **result})
+    return results
+
+
+def render(results: list[dict], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="trainforge bench")
+    for col in ("variant", "tokens/s", "MFU", "peak memory", "data wait", "loss"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in results:
+        if "error" in r:
+            table.add_row(r["variant"], "[red]failed[/red]", r["error"][:60], "", "", "")
+            continue
+        table.add_row(
+            r["variant"],
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-",
+            f"{r['peak_memory_bytes'] / 2**30:.2f} GiB",
+            f"{r['data_wait_pct']:.2f}%",
+            f"{r['loss']:.4f}",
+        )
+    console.print(table)

@@ -1,0 +1,33 @@
+"""Bench variants: sweeps are crossed; a micro-batch sweep holds the global batch constant."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainforge.config import ConfigError, load_config
+from trainforge.tools.bench import parse_sweep, variants
+
+
+def test_micro_batch_sweep_holds_global_batch():
+    base = load_config(None, ["train.micro_batch_size=8", "train.grad_accum=2"])
+    got = variants(base, parse_sweep(["train.micro_batch_size=2,4,16"]))
+    assert [o for _, o in got] == [
+        ["train.micro_batch_size=2", "train.grad_accum=8"],
+        ["train.micro_batch_size=4", "train.grad_accum=4"],
+        ["train.micro_batch_size=16", "train.grad_accum=1"],
+    ]
+    with pytest.raises(ConfigError, match="does not divide the global batch 16"):
+        variants(base, parse_sweep(["train.micro_batch_size=3"]))
+
+
+def test_sweeps_are_crossed_and_explicit_accum_is_kept():
+    base = load_config(None)
+    got = variants(base, parse_sweep(["train.micro_batch_size=2,4", "train.grad_accum=1,3", "optim.lr=1e-3"]))
+    assert len(got) == 4
+    assert got[3][1] == ["train.micro_batch_size=4", "train.grad_accum=3", "optim.lr=0.001"]
+    assert variants(base, [])[0] == ("config", [])
+
+
+def test_malformed_sweep():
+    with pytest.raises(ConfigError, match="KEY=V1,V2"):
+        parse_sweep(["train.micro_batch_size"])
