@@ -237,6 +237,11 @@ class TrainSettings(Section):
     )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="auto: CUDA when present, else CPU")
     seed: int = Field(0, description="seeds initialization, data order, eval split and sampling")
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile the decoder; auto: after timing the first steps, only when the time "
+        "it saves over the remaining steps exceeds the expected compile time",
+    )
     eval_every: int | None = Field(None, gt=0, description="evaluate every N steps (always at start and end)")
     eval_max_batches: int | None = Field(None, gt=0, description="cap on eval batches (default: all)")
     max_skipped_steps: int = Field(

@@ -32,6 +32,7 @@ from ..metrics.console import ConsoleReporter
 from ..metrics.flops import flops_per_token, peak_flops
 from ..metrics.tracker import MetricsLog
 from ..metrics.window import LogWindow
+from ..model.compile import PROBE_STEPS, compile_decoder, compile_pays_off
 from ..model.load import build_model, count_parameters
 from ..model.tokenizer import load_tokenizer, train_bpe_tokenizer
 from ..tools.generate import sample
@@ -165,6 +166,7 @@ class Run:
     stop: StopRequest
     grad_accum: int  # micro-batches per step: train.grad_accum, multiplied after an out-of-memory back-off
     schedule_steps: int  # horizon of the LR schedule: max_steps, or the original one after a resume
+    compiled: bool = False  # the decoder runs through torch.compile
     flops_per_token: float = 0.0  # model FLOPs per trained token (forward + backward), for MFU
     peak_flops: float = 0.0  # of the device in the run's precision; 0: unknown, no MFU
     batches: Iterator[Batch] | None = None
@@ -301,9 +303,16 @@ def train_loop(run: Run) -> None:
         run.eval_before = run_eval(run, "before training")
     run.batches = iter(run.loader)
     first_step, loop_start = run.step, time.perf_counter()
+    probe_start = loop_start
     tick = run.window.started = loop_start
     run.reporter.start(run.max_steps, first_step)
+    if cfg.train.compile is True and not run.compiled:
+        run.compiled = compile_decoder(run.model, run.reporter.warn)
     while run.step < run.max_steps:
+        if run.step - first_step == PROBE_STEPS and cfg.train.compile == "auto" and not run.compiled:
+            decide_compile(run, (time.perf_counter() - probe_start) / (PROBE_STEPS - 1))
+        if run.step - first_step == 1:
+            probe_start = time.perf_counter()  # the first step warms up; time the next ones
         if run.stop.requested:
             stop_on_signal(run)
         position = run.loader.state_dict()  # where this step's examples start: an out-of-memory retry re-reads them
@@ -335,6 +344,14 @@ def train_loop(run: Run) -> None:
             run_eval(run, f"at step {step}")
         run.saver.maybe_save(step, last, run.checkpoint_state)
     run.reporter.stop()
+
+
+def decide_compile(run: Run, step_time_s: float) -> None:
+    """``train.compile: auto``: compile now if it pays off over the steps left."""
+    remaining = run.max_steps - run.step
+    if compile_pays_off(step_time_s, remaining, run.device):
+        run.reporter.info(f"compile: {step_time_s:.3f}s per eager step x {remaining} steps left: compiling the decoder")
+        run.compiled = compile_decoder(run.model, run.reporter.warn)
 
 
 def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
@@ -399,6 +416,7 @@ def finish(run: Run, wall_start: float) -> RunResult:
         "tokens_per_s": run.tokens_seen / max(run.loop_time_s, 1e-9),
         "mfu": run.tokens_seen / max(run.loop_time_s, 1e-9) * run.flops_per_token / run.peak_flops if run.peak_flops else None,
         "flops_per_token": run.flops_per_token,
+        "compiled": run.compiled,
         "data_wait_s": run.data_wait_s,
         "skipped_steps": int(run.guard.total),
         "micro_batch_size": run.loader.batch_size,
