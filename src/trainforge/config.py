@@ -299,6 +299,12 @@ class LogSettings(Section):
     every_steps: int = Field(10, gt=0, description="write metrics.jsonl and the console line every N steps")
     sample_prompt: str | None = Field(None, description="after training, print a sample continuing this prompt")
     sample_tokens: int = Field(64, gt=0, description="length of that sample")
+    profile_steps: list[int] = Field(
+        default_factory=list,
+        description="steps to profile: time split into data/forward/backward/optimizer, and a torch profiler "
+        "trace in profile/ of the run directory",
+    )
+    tensorboard: bool = Field(True, description="also write metrics as TensorBoard scalars (tb/) when tensorboard is installed")
     example_indices: bool = Field(
         False, description="add to each train record the example indices of every step since the previous one"
     )

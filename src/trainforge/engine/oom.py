@@ -37,7 +37,7 @@ def forward_backward_adaptive(run: Run, micro_batches: list[Batch], position: di
     """
     while True:
         try:
-            return forward_backward(run.model, micro_batches, run.precision, run.device, run.scaler), micro_batches
+            return forward_backward(run.model, micro_batches, run.precision, run.device, run.scaler, run.timer), micro_batches
         except torch.OutOfMemoryError:
             pass  # leave the except block first: its traceback keeps the failed step's activations alive
         micro_batches = back_off(run, position)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ..data.formats import IGNORE
 from ..data.loader import Batch
 from ..hardware import Precision
+from ..metrics.profile import NULL_TIMER, StepTimer
 from .loss import fused_head, linear_cross_entropy
 from .nonfinite import skip_update_if
 
@@ -37,6 +38,7 @@ def forward_backward(
     precision: Precision,
     device: torch.device,
     scaler: torch.amp.GradScaler | None = None,
+    timer: StepTimer = NULL_TIMER,
 ) -> torch.Tensor:
     """Accumulate gradients of (sum of all target-token losses) / (number of target tokens).
 
@@ -48,9 +50,11 @@ def forward_backward(
     total = torch.zeros((), device=device)
     for mb in micro_batches:
         mb = mb.to(device)
-        summed = loss_sum(model, mb, precision)
+        with timer.phase("forward"):
+            summed = loss_sum(model, mb, precision)
         scaled = summed / n_targets
-        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        with timer.phase("backward"):
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
         total += summed.detach()
     return total / n_targets
 

@@ -29,6 +29,8 @@ from ..hardware import (
     resolve_precision,
 )
 from ..metrics.console import ConsoleReporter
+from ..metrics.profile import StepProfile, StepTimer
+from ..metrics.sinks import TensorBoardSink
 from ..metrics.flops import flops_per_token, peak_flops
 from ..metrics.tracker import MetricsLog
 from ..metrics.window import LogWindow
@@ -166,6 +168,7 @@ class Run:
     stop: StopRequest
     grad_accum: int  # micro-batches per step: train.grad_accum, multiplied after an out-of-memory back-off
     schedule_steps: int  # horizon of the LR schedule: max_steps, or the original one after a resume
+    timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu")))  # phases of profiled steps
     compiled: bool = False  # the decoder runs through torch.compile
     flops_per_token: float = 0.0  # model FLOPs per trained token (forward + backward), for MFU
     peak_flops: float = 0.0  # of the device in the run's precision; 0: unknown, no MFU
@@ -255,7 +258,8 @@ def setup(
         eval_set=eval_batches(data.eval_rows, data.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
         if data.eval_collate
         else [],
-        metrics=MetricsLog(out / "metrics.jsonl"),
+        metrics=MetricsLog(out / "metrics.jsonl", [TensorBoardSink.create(out / "tb")] if cfg.log.tensorboard else []),
+        timer=StepTimer(device),
         max_steps=max_steps,
         data_format=data.prepared.format,
         data_stats=data_stats,
@@ -316,13 +320,18 @@ def train_loop(run: Run) -> None:
         if run.stop.requested:
             stop_on_signal(run)
         position = run.loader.state_dict()  # where this step's examples start: an out-of-memory retry re-reads them
+        profile = StepProfile(run.timer, run.step + 1, run.out / "profile") if run.step + 1 in cfg.log.profile_steps else None
         t = time.perf_counter()
-        micro_batches = fetch_step(run)
+        with run.timer.phase("data"):
+            micro_batches = fetch_step(run)
         wait = time.perf_counter() - t
         run.data_wait_s += wait
 
         loss, micro_batches = forward_backward_adaptive(run, micro_batches, position)
-        grad_norm, skipped = optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
+        with run.timer.phase("optimizer"):
+            grad_norm, skipped = optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
+        if profile is not None:
+            report_profile(run, profile)
         lr = run.scheduler.get_last_lr()[0]
         run.scheduler.step()
         run.step += 1
@@ -344,6 +353,15 @@ def train_loop(run: Run) -> None:
             run_eval(run, f"at step {step}")
         run.saver.maybe_save(step, last, run.checkpoint_state)
     run.reporter.stop()
+
+
+def report_profile(run: Run, profile: StepProfile) -> None:
+    """A profiled step's time split, to metrics.jsonl and the console; the trace is on disk."""
+    phases = profile.finish()
+    run.metrics.write({"step": profile.step, "profile": phases})
+    total = sum(phases.values())
+    split = ", ".join(f"{k[:-2]} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in phases.items())
+    run.reporter.info(f"profile of step {profile.step}: {split}; trace {profile.trace}")
 
 
 def decide_compile(run: Run, step_time_s: float) -> None:

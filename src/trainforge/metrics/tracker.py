@@ -17,18 +17,22 @@ class MetricsLog:
     """Append-only JSONL writer; each line is complete on disk before training goes on.
 
     ``records`` counts the complete lines in the file, so a checkpoint can note how far the
-    log had come and a resume can cut it back to exactly that point.
+    log had come and a resume can cut it back to exactly that point. Records also go to the
+    optional sinks (TensorBoard).
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sinks: list | None = None):
         self.path = path
         self.records = _complete_lines(path)
+        self.sinks = [s for s in (sinks or []) if s is not None]
         self._file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
         self.records += 1
+        for sink in self.sinks:
+            sink.write(record)
 
     def truncate(self, records: int) -> int:
         """Keep the first ``records`` lines (a torn last line goes too); returns how many were dropped."""
@@ -48,6 +52,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def _complete_lines(path: Path) -> int:
