@@ -20,10 +20,10 @@ B. Prompt/completion: documented stdlib functions (`builtin:python-functions`: s
    - `trl-sft-packed`: the same with `packing=True` (TRL's BFD packing, padding-free).
    - `trainforge-sft`: trainforge, its defaults (packing on, precision auto).
    Equal examples: every run makes one epoch over the same rows. A packed step holds more
-   examples than an unpacked one, so packed runs take fewer optimizer steps; each run's
-   warmup is the same fraction of its own steps.
+   examples than an unpacked one, so packed runs take fewer optimizer steps (the schedule
+   spans each run's own steps).
 
-Hyperparameters are equal everywhere: lr, cosine decay to `min_lr_ratio` x lr, warmup,
+Hyperparameters are equal everywhere: lr, cosine decay to `min_lr_ratio` x lr (no warmup),
 AdamW betas/eps/weight decay (not on norms), grad clipping, seed, micro-batch size, max
 length, no checkpoints, no in-training eval.
 
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -84,8 +83,8 @@ def settings(args: argparse.Namespace) -> dict:
             # ~5.5M parameters: 4 x 0.85M in the blocks, 2 x 1M in embeddings and LM head
             "model": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4},
             "vocab_size": 4096,
-            "a": {"documents": 60, "eval_documents": 8, "max_length": 256, "batch_size": 8, "steps": 20},
-            "b": {"rows": 160, "eval_rows": 64, "max_length": 512, "batch_size": 4},
+            "a": {"documents": 60, "eval_documents": 8, "max_length": 256, "batch_size": 8, "steps": 16},
+            "b": {"rows": 100, "eval_rows": 64, "max_length": 256, "batch_size": 4},
             "eval_max_batches": 16,
         }
     if args.steps:
@@ -95,7 +94,10 @@ def settings(args: argparse.Namespace) -> dict:
     s["optim"] = {
         "lr": 1.0e-3,
         "min_lr_ratio": 0.1,
-        "warmup_ratio": 0.1,
+        # No warmup: HF's linear warmup starts at lr 0 (step / warmup), trainforge's at lr / warmup
+        # ((step + 1) / warmup), so any warmup makes the two schedules differ; without one, the
+        # cosine-to-floor schedules are identical step for step.
+        "warmup_steps": 0,
         "weight_decay": 0.1,
         "betas": [0.9, 0.95],
         "eps": 1.0e-8,
@@ -145,10 +147,7 @@ def build_inputs(work: Path, s: dict) -> dict:
         "sft_train": str(work / "sft_train.jsonl"),
         "sft_eval": str(work / "sft_eval.jsonl"),
     }
-    s = {**s, "paths": paths, "pad_token_id": tok.pad_token_id}
-    s["a"]["warmup_steps"] = math.ceil(s["a"]["steps"] * s["optim"]["warmup_ratio"])
-    s["b"]["trainforge_steps"] = trainforge_epoch_steps(s, work)
-    return s
+    return {**s, "paths": paths, "pad_token_id": tok.pad_token_id}
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -178,7 +177,7 @@ def save_initial_model(model_dir: Path, tok, s: dict) -> None:
     s["parameters"] = sum(p.numel() for p in model.parameters())
 
 
-def trainforge_config(s: dict, pair: str, cache_dir: Path, warmup_steps: int) -> dict:
+def trainforge_config(s: dict, pair: str, cache_dir: Path) -> dict:
     """trainforge's config for a pair: only what both sides must agree on; everything else its defaults."""
     p, o = s["paths"], s["optim"]
     if pair == "a":
@@ -197,26 +196,12 @@ def trainforge_config(s: dict, pair: str, cache_dir: Path, warmup_steps: int) ->
             "betas": o["betas"],
             "eps": o["eps"],
             "schedule": "cosine",
-            "warmup_steps": warmup_steps,
+            "warmup_steps": o["warmup_steps"],
             "min_lr_ratio": o["min_lr_ratio"],
             "max_grad_norm": o["max_grad_norm"],
         },
         "checkpoint": {"every_minutes": None},  # the HF runs save no checkpoints either (save_strategy="no")
     }
-
-
-def trainforge_epoch_steps(s: dict, work: Path) -> int:
-    """Steps of trainforge's one-epoch SFT run (to set its warmup as a fraction), from a dry data plan."""
-    from rich.console import Console
-
-    from trainforge.config import RunConfig
-    from trainforge.engine.trainer import prepare_only
-    from trainforge.metrics.console import ConsoleReporter
-
-    cfg = RunConfig.model_validate(trainforge_config(s, "b", work / "plan-cache", 0))
-    rows = prepare_only(cfg, ConsoleReporter(Console(quiet=True)))["rows"]
-    shutil.rmtree(work / "plan-cache", ignore_errors=True)
-    return math.ceil(rows / s["b"]["batch_size"])
 
 
 # ---------------------------------------------------------------- children: one run each
@@ -257,8 +242,7 @@ def run_trainforge(s: dict, name: str, out: Path) -> dict:
     from trainforge.metrics.console import ConsoleReporter
 
     pair = "a" if name == "trainforge-blocks" else "b"
-    warmup = s["a"]["warmup_steps"] if pair == "a" else math.ceil(s["b"]["trainforge_steps"] * s["optim"]["warmup_ratio"])
-    cfg_dict = trainforge_config(s, pair, out / "cache", warmup)
+    cfg_dict = trainforge_config(s, pair, out / "cache")
     import yaml
 
     (out / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
@@ -320,6 +304,7 @@ def hf_common_args(s: dict, out: Path) -> dict:
         "adam_beta2": o["betas"][1],
         "adam_epsilon": o["eps"],
         "max_grad_norm": o["max_grad_norm"],
+        "warmup_steps": o["warmup_steps"],
         "seed": s["seed"],
         "report_to": "none",
         "logging_steps": 1_000_000,  # sparse: the loss is logged once, at the end
@@ -387,7 +372,6 @@ def run_hf_trainer(s: dict, out: Path, bf16: bool) -> dict:
         **hf_common_args(s, out),
         per_device_train_batch_size=a["batch_size"],
         max_steps=a["steps"],
-        warmup_steps=a["warmup_steps"],
         bf16=bf16,
     )
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[counter.callback()])
@@ -412,7 +396,6 @@ def run_trl(s: dict, out: Path, packing: bool) -> dict:
         per_device_train_batch_size=b["batch_size"],
         num_train_epochs=1,
         max_length=b["max_length"],
-        warmup_steps=s["optim"]["warmup_ratio"],  # < 1: a fraction of this run's own steps
         packing=packing,
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[counter.callback()])
