@@ -59,10 +59,10 @@ class ModelSettings(Section):
         "full", description="full: train every weight; lora: train PEFT adapters only; qlora: planned"
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
-    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+    attention: Literal["auto", "sdpa", "packed_sdpa", "eager", "flash_attention_2"] = Field(
         "auto",
-        description="attention kernel; auto: flash_attention_2 (varlen over packed documents) on CUDA "
-        "when flash-attn is installed, else sdpa",
+        description="attention kernel; auto: flash_attention_2 (varlen over packed documents) on CUDA when "
+        "flash-attn is installed, else sdpa; on CPU packed_sdpa (SDPA per packed document, no row-sized mask)",
     )
 
     @field_validator("path")

@@ -29,6 +29,11 @@ def compile_decoder(model: torch.nn.Module, warn: Callable[[str], None]) -> bool
         return False
     import torch._dynamo
 
+    from .packed_attention import NAME
+
+    if getattr(base.config, "_attn_implementation", None) == NAME and hasattr(base, "set_attn_implementation"):
+        base.set_attn_implementation("sdpa")  # its per-document Python loop would break the compiled graph
+
     # a graph that fails to compile runs eagerly (dynamo logs why) instead of killing the run
     torch._dynamo.config.suppress_errors = True
     try:

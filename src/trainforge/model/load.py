@@ -28,7 +28,12 @@ def init_config(init: dict[str, Any], tokenizer):
 
 def attention_implementation(requested: str, device: torch.device) -> str:
     """``auto``: flash-attention 2 on CUDA when installed (packed documents go through its varlen
-    kernel, no mask materialized), else PyTorch SDPA (packed documents get a block-diagonal mask)."""
+    kernel), stock SDPA elsewhere on CUDA (a block-diagonal mask for packed rows), and on CPU
+    SDPA per packed document (no row-sized mask; see packed_attention.py)."""
+    if requested == "packed_sdpa" or (requested == "auto" and device.type == "cpu"):
+        from .packed_attention import register
+
+        return register()
     if requested != "auto":
         return requested
     if device.type == "cuda":
