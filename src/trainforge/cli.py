@@ -76,7 +76,7 @@ def train(
         from .launch import launch_torchrun
 
         args = [*([str(config)] if config else []), *(a for s in set_ or [] for a in ("--set", s))]
-        raise typer.Exit(launch_torchrun(nproc, [*args, "--output", str(output), "--resume", resume]))
+        launch_torchrun(nproc, [*args, "--output", str(output), "--resume", resume])  # does not return
 
     from .data.sources import DataError
     from .dist import DistError, launched_by_torchrun

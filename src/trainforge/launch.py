@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 
@@ -17,9 +16,12 @@ def torchrun_command(nproc: int, train_args: list[str]) -> list[str]:
     ]
 
 
-def launch_torchrun(nproc: int, train_args: list[str]) -> int:
-    """Run the job and return its exit code (torchrun stops every process when one fails)."""
-    env = dict(os.environ)
-    if "OMP_NUM_THREADS" not in env:  # torchrun would set 1: share this machine's cores between the processes
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    return subprocess.call(torchrun_command(nproc, train_args), env=env)
+def launch_torchrun(nproc: int, train_args: list[str]) -> None:
+    """Become torchrun (exec): signals reach it directly and it stops every process when one fails;
+    its exit code is the job's."""
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun would set 1: share this machine's cores between the processes
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    cmd = torchrun_command(nproc, train_args)
+    os.execv(cmd[0], cmd)
