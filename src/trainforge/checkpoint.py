@@ -58,6 +58,11 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
+def staging_dir(target: Path) -> Path:
+    """The hidden temporary directory ``atomic_write_dir`` fills before renaming it to ``target``."""
+    return Path(target).parent / f".{Path(target).name}.tmp"
+
+
 def atomic_write_dir(target: Path, write: Callable[[Path], None]) -> Path:
     """Run ``write(tmp_dir)``, flush everything, then rename ``tmp_dir`` to ``target``.
 
@@ -65,7 +70,7 @@ def atomic_write_dir(target: Path, write: Callable[[Path], None]) -> Path:
     hidden ``.NAME.old`` for the two renames; ``recover_hidden`` puts it back after a crash).
     """
     target = Path(target)
-    tmp = target.parent / f".{target.name}.tmp"
+    tmp = staging_dir(target)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -88,11 +93,24 @@ def atomic_write_dir(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def save_checkpoint(root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int) -> Path:
-    """Write ``root/step-NNNNNNNN`` atomically, move ``latest`` to it, prune to ``keep_last``."""
+def save_checkpoint(
+    root: Path,
+    step: int,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    keep_last: int,
+    write_shards: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``root/step-NNNNNNNN`` atomically, move ``latest`` to it, prune to ``keep_last``.
+
+    ``write_shards(tmp)``: files written into the staging directory before ``state.pt`` (sharded
+    weights that all ranks write together); they are covered by ``meta.json`` like ``state.pt``.
+    """
     root.mkdir(parents=True, exist_ok=True)
 
     def write(tmp: Path) -> None:
+        if write_shards is not None:
+            write_shards(tmp)
         _write_state(tmp, state)
         _write_meta(tmp, {"step": step, **meta})
 
@@ -107,8 +125,8 @@ def _write_state(tmp: Path, state: dict[str, Any]) -> None:
 
 
 def _write_meta(tmp: Path, meta: dict[str, Any]) -> None:
-    """The completion marker: written last, it records the size ``state.pt`` must have."""
-    files = {STATE_FILE: (tmp / STATE_FILE).stat().st_size}
+    """The completion marker: written last, it records the size every file must have."""
+    files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
     record = {**meta, "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (tmp / COMPLETE_MARKER).write_text(json.dumps(record, indent=2))
 
@@ -132,10 +150,13 @@ def inspect_checkpoint(path: Path) -> CheckpointInfo | str:
         return f"{COMPLETE_MARKER} is unreadable ({e})"
     if not state_file.is_file():
         return f"{STATE_FILE} is missing"
-    expected = meta.get("files", {}).get(STATE_FILE)
-    size = state_file.stat().st_size
-    if expected is not None and size != expected:
-        return f"{STATE_FILE} is truncated ({size:,} of {expected:,} bytes)"
+    for name, expected in meta.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != expected:
+            return f"{name} is truncated ({size:,} of {expected:,} bytes)"
     return CheckpointInfo(path, step, meta)
 
 

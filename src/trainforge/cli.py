@@ -9,6 +9,7 @@ A second signal ends the process at once, by the signal (128 + its number in a s
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,6 +54,15 @@ def train(
             "that holds a run; or a checkpoint / run directory to continue from",
         ),
     ] = "auto",
+    nproc: Annotated[
+        Optional[int],
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="run data-parallel on this many processes of this machine (launches torchrun; "
+            "for several machines run torchrun yourself: torchrun ... -m trainforge train CONFIG)",
+        ),
+    ] = None,
 ) -> None:
     """Train a model and write config.yaml, metrics.jsonl, checkpoints/, final/ and summary.json."""
     from .config import ConfigError, load_config
@@ -62,8 +72,14 @@ def train(
     except ConfigError as e:
         _fail(str(e))
     output = output or Path("runs") / f"{config.stem if config else 'default'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if nproc is not None and nproc > 1:
+        from .launch import launch_torchrun
+
+        args = [*([str(config)] if config else []), *(a for s in set_ or [] for a in ("--set", s))]
+        launch_torchrun(nproc, [*args, "--output", str(output), "--resume", resume])  # does not return
 
     from .data.sources import DataError
+    from .dist import DistError, launched_by_torchrun
     from .engine.nonfinite import NonFiniteError
     from .engine.oom import OutOfMemory
     from .engine.preempt import Interrupted
@@ -73,7 +89,7 @@ def train(
 
     try:
         run_training(cfg, output, resume=resume)
-    except (DataError, OutputDirError, ResumeError) as e:
+    except (DataError, OutputDirError, ResumeError, DistError) as e:
         _fail(str(e))
     except NonFiniteError as e:
         _fail(str(e), EXIT_NONFINITE)
@@ -81,6 +97,19 @@ def train(
         _fail(str(e), EXIT_OUT_OF_MEMORY)
     except Interrupted as e:
         _fail(str(e), EXIT_INTERRUPTED, label="stopped")
+    except Exception as e:
+        if not (launched_by_torchrun() and _peer_failure(e)):
+            raise
+        # not this rank's fault: one line here, the failing rank shows its own error (and torchrun names it)
+        _fail(f"rank {os.environ.get('RANK')}: stopping because another process of the job failed ({type(e).__name__})", 1)
+
+
+def _peer_failure(e: BaseException) -> bool:
+    """A collective that failed because another rank died, hung or closed its connections."""
+    import torch.distributed as dist
+
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("connection closed by peer", "connection reset by peer"))
 
 
 @app.command()

@@ -249,6 +249,16 @@ class TrainSettings(Section):
         ge=1,
         description="stop (exit code 3) after this many steps in a row skipped for a non-finite loss or grad norm",
     )
+    distributed: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="under torchrun: ddp (full replica per process) or fsdp (FSDP2, weights/grads/optimizer sharded); "
+        "auto: ddp when weights+grads+optimizer state fit on one device, else fsdp",
+    )
+    dist_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="under torchrun: a collective waiting longer than this for another process fails the job",
+    )
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSettings":

@@ -6,6 +6,8 @@ Faults (all optional; steps are 1-based optimizer steps):
   {"signal_in_step": [5, "SIGKILL"]}   send the signal to this process inside step 5's forward/backward
   {"signal_in_save": [6, "SIGKILL"]}   send it while step 6's checkpoint is written (state.pt done, meta.json not)
   {"nan_in_steps": [3, 4]}             make the loss of those steps NaN
+  {"raise_in_step": [2, "message"]}    raise RuntimeError(message) inside step 2's forward/backward
+  {"rank": 1, ...}                     under torchrun: inject the faults into rank 1 only
 
 The faults hook into trainforge by monkeypatching, so the product code carries no test switches.
 """
@@ -26,6 +28,8 @@ from trainforge.cli import main
 
 
 def install(faults: dict) -> None:
+    if "rank" in faults and int(os.environ.get("RANK", 0)) != faults["rank"]:
+        return
     now = {"step": 0}  # the step being computed, counted over the whole run (a resume starts past 1)
     kill_step = faults.get("signal_in_step")
     nan_steps = set(faults.get("nan_in_steps", []))
@@ -36,6 +40,8 @@ def install(faults: dict) -> None:
         now["step"] = run.step + 1
         if kill_step and now["step"] == kill_step[0]:
             os.kill(os.getpid(), getattr(signal, kill_step[1]))
+        if faults.get("raise_in_step") and now["step"] == faults["raise_in_step"][0]:
+            raise RuntimeError(faults["raise_in_step"][1])
         return forward_backward(run, *args, **kwargs)
 
     def poisoned_loss_sum(*args, **kwargs):

@@ -35,10 +35,13 @@ def root_conftest() -> ModuleType:
 FAULT_RUNNER = Path(__file__).resolve().with_name("fault_runner.py")
 
 
-def run_cli(args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S, faults: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S, faults: dict | None = None, nproc: int = 0
+) -> subprocess.CompletedProcess:
     """``python -m trainforge <args>`` in ``cwd``; stdout and stderr captured as text.
 
-    With ``faults``, the CLI runs under ``fault_runner.py``, which injects them (see there).
+    With ``faults``, the CLI runs under ``fault_runner.py``, which injects them (see there);
+    with ``nproc``, under ``torchrun --standalone --nproc_per_node nproc``.
     """
     env = dict(os.environ)
     env.update(
@@ -48,6 +51,9 @@ def run_cli(args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S, faults: dict 
         TOKENIZERS_PARALLELISM="false",
     )
     entry = ["-m", "trainforge"] if faults is None else [str(FAULT_RUNNER), json.dumps(faults)]
+    if nproc:  # under torchrun, as a user would start it: every process gets this environment
+        entry = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry]
+        env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(
         [sys.executable, *entry, *(str(a) for a in args)],
         cwd=cwd,

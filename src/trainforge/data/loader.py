@@ -99,10 +99,26 @@ class TrainLoader:
     doubling accumulation consumes the same rows in the same order). Unpacked rows are
     sorted by length within groups of a fixed number of rows, so the order does not
     depend on the batch size either.
+
+    With ``world_size`` ranks, every rank walks the same seeded order and each yield takes one
+    global micro-batch of ``batch_size x world_size`` rows, of which rank ``rank`` keeps its
+    contiguous share: nothing is dropped or duplicated, and the position (in global rows) is
+    the same on every rank. A rank whose share of a short epoch tail is empty gets a row with
+    no targets, so it still joins the step's collectives but adds nothing to the loss.
     """
 
-    def __init__(self, rows: Sequence[np.ndarray], collate: RowCollator, batch_size: int, seed: int, group_by_length: bool):
+    def __init__(
+        self,
+        rows: Sequence[np.ndarray],
+        collate: RowCollator,
+        batch_size: int,
+        seed: int,
+        group_by_length: bool,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.rows, self.collate, self.batch_size, self.seed = rows, collate, batch_size, seed
+        self.rank, self.world_size = rank, world_size
         self.group_by_length = group_by_length
         self.lengths = np.asarray([row_tokens(r, collate.concat) for r in rows]) if group_by_length else None
         self.epoch = 0
@@ -110,7 +126,8 @@ class TrainLoader:
 
     @property
     def batches_per_epoch(self) -> int:
-        return -(-len(self.rows) // self.batch_size)
+        """Global micro-batches per epoch (each of ``batch_size x world_size`` rows)."""
+        return -(-len(self.rows) // (self.batch_size * self.world_size))
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
@@ -131,9 +148,21 @@ class TrainLoader:
             if self.offset >= len(self.rows):
                 self.epoch, self.offset = self.epoch + 1, 0
                 order = self.epoch_order(self.epoch)
-            idx = order[self.offset : self.offset + self.batch_size].tolist()
-            self.offset += len(idx)
-            yield self.collate([self.rows[i] for i in idx], idx)
+            glob = order[self.offset : self.offset + self.batch_size * self.world_size].tolist()
+            self.offset += len(glob)
+            n, r, w = len(glob), self.rank, self.world_size
+            idx = glob[r * n // w : (r + 1) * n // w]  # contiguous shares: rank order rebuilds the global batch
+            if idx:
+                yield self.collate([self.rows[i] for i in idx], idx)
+            else:
+                yield self.empty_share(glob[0])
+
+    def empty_share(self, row: int) -> Batch:
+        """A batch of one row without targets: the same computation as a real one, no effect on the loss."""
+        b = self.collate([self.rows[row]], [])
+        b.labels.fill_(IGNORE)
+        b.n_tokens, b.n_targets = 0, 0
+        return b
 
     def padding_efficiency(self) -> float:
         """Real input tokens / tensor positions over one epoch in this batching (1.0: no padding)."""

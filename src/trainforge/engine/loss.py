@@ -72,6 +72,10 @@ def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     None for heads that are not a plain Linear (LoRA on the head, quantized) and for models
     that transform logits (soft-capping, scaling): those take the standard path.
     """
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return None  # sharded: the head's weight lives in shards that only the root's forward gathers
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):

@@ -27,20 +27,32 @@ def fetch_step(run: Run) -> list[Batch]:
     return [next(run.batches) for _ in range(run.grad_accum)]
 
 
-def forward_backward_adaptive(run: Run, micro_batches: list[Batch], position: dict) -> tuple[torch.Tensor, list[Batch]]:
+def forward_backward_adaptive(
+    run: Run, micro_batches: list[Batch], position: dict, n_targets: int | None = None
+) -> tuple[torch.Tensor, list[Batch]]:
     """``forward_backward``; on out-of-memory, back off and redo the step's examples from ``position``.
 
     ``position`` is the loader's state before this step's batches were drawn; it counts
     examples, so the smaller micro-batches re-read the same examples in the same order and
     the step's gradient is the same sum over the same target tokens.
+    Data-parallel runs do not back off (the other ranks would be left waiting in a collective):
+    they stop with ``OutOfMemory``. ``n_targets``: the step's target tokens over all ranks.
     Returns (mean loss, the micro-batches finally used).
     """
     while True:
         try:
-            return forward_backward(run.model, micro_batches, run.precision, run.device, run.scaler, run.timer), micro_batches
+            loss = forward_backward(
+                run.train_model, micro_batches, run.precision, run.device, run.scaler, n_targets, run.sync, run.timer
+            )
+            return loss, micro_batches
         except torch.OutOfMemoryError:
-            pass  # leave the except block first: its traceback keeps the failed step's activations alive
-        micro_batches = back_off(run, position)
+            if run.dist.enabled:
+                raise OutOfMemory(
+                    f"rank {run.dist.rank}: out of memory at step {run.step + 1} with micro-batch {run.loader.batch_size}; "
+                    "data-parallel runs do not back off: lower train.micro_batch_size and raise train.grad_accum "
+                    "(the same global batch), or use train.distributed: fsdp"
+                ) from None
+        micro_batches = back_off(run, position)  # outside the except block: its traceback keeps the failed step's activations alive
 
 
 def back_off(run: Run, position: dict) -> list[Batch]:

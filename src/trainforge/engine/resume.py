@@ -34,6 +34,7 @@ from ..checkpoint import (
 from ..config import RunConfig
 from ..metrics.console import ConsoleReporter
 from .schedule import build_scheduler
+from .sharded import load_sharded, sharded_state
 
 if TYPE_CHECKING:
     from .trainer import Run
@@ -91,11 +92,42 @@ def data_fingerprint(tokenizer: Any, data_stats: dict[str, Any]) -> dict[str, An
     return fp
 
 
-def checkpoint_meta(cfg: RunConfig, tokenizer: Any, data_stats: dict[str, Any]) -> dict[str, Any]:
-    """meta.json fields beside the step: version, the fixed settings and their hash, the data fingerprint."""
+def checkpoint_meta(
+    cfg: RunConfig, tokenizer: Any, data_stats: dict[str, Any], world_size: int = 1, mode: str = "none"
+) -> dict[str, Any]:
+    """meta.json fields beside the step: version, the fixed settings and their hash, the data fingerprint,
+    and the processes that wrote it (``world_size``, ``mode``: none | ddp | fsdp)."""
     fixed = fixed_settings(cfg)
     digest = hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
-    return {"version": __version__, "config_hash": digest, "fixed": fixed, "data": data_fingerprint(tokenizer, data_stats)}
+    return {
+        "version": __version__,
+        "config_hash": digest,
+        "fixed": fixed,
+        "data": data_fingerprint(tokenizer, data_stats),
+        "world_size": world_size,
+        "distributed": mode,
+    }
+
+
+def check_world(info: CheckpointInfo, world_size: int, mode: str) -> None:
+    """The same number of processes (and the same format) as the run that wrote the checkpoint.
+
+    The global batch is micro_batch_size x grad_accum x processes, so another world size would
+    change the optimization mid-run; the data position itself is global and would carry over.
+    """
+    saved_world, saved_mode = info.meta.get("world_size", 1), info.meta.get("distributed", "none")
+    if saved_world != world_size:
+        raise ResumeError(
+            f"cannot resume from {info.path}: it was written by {saved_world} process(es), this run has {world_size}. "
+            f"The global batch (micro_batch_size x grad_accum x processes) would change mid-run: resume with "
+            f"{saved_world} process(es) (torchrun --nproc_per_node / trainforge train --nproc), "
+            "or start a new run (another --output)"
+        )
+    if saved_world > 1 and (saved_mode == "fsdp") != (mode == "fsdp"):
+        raise ResumeError(
+            f"cannot resume from {info.path}: it holds {saved_mode} state and this run uses {mode}; "
+            f"set train.distributed: {saved_mode} to resume it"
+        )
 
 
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -239,16 +271,26 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def capture_state(run: Run) -> dict[str, Any]:
-    """Everything a resume needs to continue exactly where the run is now."""
+    """Everything a resume needs to continue exactly where the run is now.
+
+    Data-parallel: all ranks call it together; the random states of every rank are gathered
+    (``rng_ranks``), and under FSDP model and optimizer are this rank's shards.
+    """
+    if run.dist.mode == "fsdp":
+        weights = sharded_state(run.model, run.optimizer)
+    else:
+        weights = {"model": trainable_state(run.model), "optimizer": run.optimizer.state_dict()}
+    rng = capture_rng()
+    extra = {"rng_ranks": run.dist.all_gather_object(rng)} if run.dist.enabled else {}
     return {
-        "model": trainable_state(run.model),
-        "optimizer": run.optimizer.state_dict(),
+        **weights,
         "scheduler": run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict() if run.scaler is not None else None,
         "loader": run.loader.state_dict(),
         "micro_batch_size": run.loader.batch_size,  # after any out-of-memory back-off
         "grad_accum": run.grad_accum,
-        "rng": capture_rng(),
+        "rng": rng,
+        **extra,
         "window": run.window.state_dict(),
         "nonfinite": run.guard.state_dict(),
         "counters": {
@@ -278,18 +320,23 @@ def restore(run: Run, plan: ResumePlan) -> None:
         raise ResumeError(
             f"train.max_steps={run.max_steps} is below the step of {info.path} ({info.step}); give at least {info.step}"
         )
-    expected = set(trainable_state(run.model))
-    if set(state["model"]) != expected:
-        raise ResumeError(
-            f"cannot resume from {info.path}: its weights do not match this model "
-            f"({len(state['model'])} tensors, {len(expected)} expected)"
-        )
+    check_world(info, run.dist.world_size, run.dist.mode)
+    if run.dist.mode != "fsdp":
+        expected = set(trainable_state(run.model))
+        if set(state["model"]) != expected:
+            raise ResumeError(
+                f"cannot resume from {info.path}: its weights do not match this model "
+                f"({len(state['model'])} tensors, {len(expected)} expected)"
+            )
 
-    run.model.load_state_dict(state["model"], strict=False)
     o = run.cfg.optim
     run.schedule_steps = c["schedule_steps"]
     run.scheduler = build_scheduler(run.optimizer, o.schedule, o.warmup_steps, run.schedule_steps, o.min_lr_ratio)
-    run.optimizer.load_state_dict(state["optimizer"])
+    if run.dist.mode == "fsdp":
+        load_sharded(run.model, run.optimizer, info.path)
+    else:
+        run.model.load_state_dict(state["model"], strict=False)
+        run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     if run.scaler is not None and state["scaler"] is not None:
         run.scaler.load_state_dict(state["scaler"])
@@ -305,8 +352,9 @@ def restore(run: Run, plan: ResumePlan) -> None:
         dropped = run.metrics.truncate(c["metrics_records"])
         if dropped:
             run.reporter.info(f"metrics.jsonl: dropped {dropped} records written after {info.path.name}")
-    (run.out / "config.yaml").write_text(run.cfg.to_yaml())
-    restore_rng(state["rng"])
+    if run.dist.is_main:
+        (run.out / "config.yaml").write_text(run.cfg.to_yaml())
+    restore_rng(state["rng_ranks"][run.dist.rank] if "rng_ranks" in state else state["rng"])
 
     notes = [f"resuming from {info.path} (step {info.step} of {run.max_steps})"]
     if run.max_steps != run.schedule_steps:

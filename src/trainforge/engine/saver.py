@@ -16,6 +16,7 @@ from ..config import CheckpointSettings
 from ..metrics.console import ConsoleReporter
 
 StateFn = Callable[[], dict[str, Any]]
+Writer = Callable[[Path, int, dict[str, Any], dict[str, Any], int], Any]  # save_checkpoint's signature
 
 
 def cpu_snapshot(obj: Any) -> Any:
@@ -39,8 +40,11 @@ class Checkpointer:
         meta: dict[str, Any],
         reporter: ConsoleReporter,
         clock: Callable[[], float] = time.monotonic,
+        writer: Writer = save_checkpoint,
     ):
+        """``writer``: how a state reaches the disk (data-parallel: rank 0 only, or all ranks' shards)."""
         self.root, self.settings, self.meta, self.reporter, self.clock = root, settings, meta, reporter, clock
+        self.writer = writer
         self.enabled = settings.every_steps is not None or settings.every_minutes is not None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if settings.async_ else None
         self._pending: tuple[int, Future, float] | None = None  # (step, write, pause it cost)
@@ -48,18 +52,23 @@ class Checkpointer:
         self.saved_step: int | None = None  # newest step saved successfully by this process
         self.saves, self.failures, self.stall_s = 0, 0, 0.0
 
-    def due(self, step: int, last: bool) -> bool:
+    def time_due(self) -> bool:
+        s = self.settings
+        return s.every_minutes is not None and self.clock() - self._last_time >= s.every_minutes * 60
+
+    def due(self, step: int, last: bool, time_due: bool | None = None) -> bool:
+        """``time_due``: the time-based decision when given (ranks agree on one), else this clock's."""
         s = self.settings
         if not self.enabled:
             return False
         if last or (s.every_steps and step % s.every_steps == 0):
             return True
-        return s.every_minutes is not None and self.clock() - self._last_time >= s.every_minutes * 60
+        return self.time_due() if time_due is None else time_due
 
-    def maybe_save(self, step: int, last: bool, state: StateFn) -> None:
+    def maybe_save(self, step: int, last: bool, state: StateFn, time_due: bool | None = None) -> None:
         """Report a finished background save; save when an interval (or the end) is reached."""
         self._poll(wait=False)
-        if self.due(step, last):
+        if self.due(step, last, time_due):
             self.save(step, state, background=self._pool is not None)
 
     def save(self, step: int, state: StateFn, background: bool = False) -> None:
@@ -73,7 +82,7 @@ class Checkpointer:
             self._pending = (step, future, time.perf_counter() - t0)
             return
         try:
-            save_checkpoint(self.root, step, state(), self.meta, self.settings.keep_last)
+            self.writer(self.root, step, state(), self.meta, self.settings.keep_last)
         except Exception as e:  # disk full, permissions, ...: training goes on, the next interval retries
             self._failed(step, e)
             return
@@ -112,7 +121,7 @@ class Checkpointer:
 
     def _write_timed(self, step: int, snapshot: dict[str, Any]) -> float:
         t0 = time.perf_counter()
-        save_checkpoint(self.root, step, snapshot, self.meta, self.settings.keep_last)
+        self.writer(self.root, step, snapshot, self.meta, self.settings.keep_last)
         return time.perf_counter() - t0
 
     def _succeeded(self, step: int, paused: float, how: str) -> None:

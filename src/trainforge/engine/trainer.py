@@ -19,6 +19,7 @@ from ..config import RunConfig, resolve_max_steps
 from ..data.loader import Batch, RowCollator, TrainLoader, eval_batches
 from ..data.packing import build_rows, weighted_indices
 from ..data.prepare import PreparedData, prepare_data, resolve_format, training_texts
+from ..dist import DistContext, choose_mode, device_for, init_distributed, shutdown
 from ..hardware import (
     Precision,
     available_memory_bytes,
@@ -29,10 +30,10 @@ from ..hardware import (
     resolve_precision,
 )
 from ..metrics.console import ConsoleReporter
+from ..metrics.flops import flops_per_token, peak_flops
 from ..metrics.profile import StepProfile, StepTimer
 from ..metrics.sinks import TensorBoardSink
-from ..metrics.flops import flops_per_token, peak_flops
-from ..metrics.tracker import MetricsLog
+from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
 from ..model.compile import PROBE_STEPS, compile_decoder, compile_pays_off
 from ..model.load import build_model, count_parameters
@@ -47,6 +48,7 @@ from .preempt import Interrupted, StopRequest
 from .resume import CHECKPOINTS, OutputDirError, capture_state, checkpoint_meta, open_run_dir, restore
 from .saver import Checkpointer
 from .schedule import build_scheduler
+from .sharded import checkpoint_writer, full_model_state
 from .step import optimizer_step
 
 __all__ = ["OutputDirError", "Run", "RunResult", "train"]
@@ -172,6 +174,9 @@ class Run:
     compiled: bool = False  # the decoder runs through torch.compile
     flops_per_token: float = 0.0  # model FLOPs per trained token (forward + backward), for MFU
     peak_flops: float = 0.0  # of the device in the run's precision; 0: unknown, no MFU
+    dist: DistContext = field(default_factory=DistContext)
+    train_model: torch.nn.Module | None = None  # what the step runs: the DDP wrapper, else ``model`` itself
+    sync: Any = None  # sync(last): context of a micro-batch's backward (gradient exchange on the last only)
     batches: Iterator[Batch] | None = None
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0
@@ -197,36 +202,57 @@ def train(
     ``never`` refuses a directory that holds a run, a path names the checkpoint to continue.
     """
     wall_start = time.perf_counter()
-    with StopRequest() as stop:
-        run = setup(cfg, output_dir, reporter or ConsoleReporter(), resume, stop)
-        try:
-            train_loop(run)
-            run.saver.close()  # the end-of-run checkpoint is reported before final/ and the summary
-            return finish(run, wall_start)
-        finally:
-            run.saver.close()
-            run.reporter.stop()
-            run.metrics.close()
+    ctx = init_distributed(pick_device(cfg.train.device).type, cfg.train.dist_timeout_s)
+    try:
+        if not ctx.is_main:  # only rank 0 prints
+            from rich.console import Console
+
+            reporter = ConsoleReporter(Console(quiet=True))
+        output_dir = ctx.broadcast_object(Path(output_dir))  # a default name holds the time: rank 0's wins
+        with StopRequest() as stop:
+            run = setup(cfg, output_dir, reporter or ConsoleReporter(), resume, stop, ctx)
+            try:
+                train_loop(run)
+                run.saver.close()  # the end-of-run checkpoint is reported before final/ and the summary
+                return finish(run, wall_start)
+            finally:
+                run.saver.close()
+                run.reporter.stop()
+                run.metrics.close()
+    finally:
+        if ctx.enabled:
+            shutdown()
 
 
 def setup(
-    cfg: RunConfig, output_dir: Path, reporter: ConsoleReporter, resume: str = "auto", stop: StopRequest | None = None
+    cfg: RunConfig,
+    output_dir: Path,
+    reporter: ConsoleReporter,
+    resume: str = "auto",
+    stop: StopRequest | None = None,
+    ctx: DistContext | None = None,
 ) -> Run:
     """Data, tokenizer, model, optimizer, schedule, loaders: everything before the first step."""
     from transformers.utils import logging as hf_logging
 
+    ctx = ctx or DistContext()
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
-    device = pick_device(cfg.train.device)
+    device = device_for(pick_device(cfg.train.device), ctx)
     precision = resolve_precision(cfg.train.precision, device)
     configure_backends(device)
-    reporter.info(f"trainforge {__version__} | {describe(device)} | precision {precision.name}")
+    procs = f" | {ctx.world_size} processes" if ctx.enabled else ""
+    reporter.info(f"trainforge {__version__} | {describe(device)}{procs} | precision {precision.name}")
 
-    tokenizer = get_tokenizer(cfg, reporter)
-    data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
-    out, resume_plan = open_run_dir(output_dir, cfg, resume, reporter)
+    with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
+        tokenizer = get_tokenizer(cfg, reporter)
+        data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
+        out, resume_plan = open_run_dir(output_dir, cfg, resume, reporter)
     reporter.info(f"output: {out}")
-    loader = TrainLoader(data.train_rows, data.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False)
+    loader = TrainLoader(
+        data.train_rows, data.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False,
+        rank=ctx.rank, world_size=ctx.world_size,
+    )
     efficiency = loader.padding_efficiency()
     reporter.info(describe_data(data, efficiency))
     data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
@@ -238,6 +264,7 @@ def setup(
         f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
         f"attention {model.config._attn_implementation}"
     )
+    train_model = wrap_for_ranks(ctx, cfg, model, loader, precision, device, reporter)
     optimizer = build_optimizer(model, cfg.optim, device)
 
     max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
@@ -258,20 +285,32 @@ def setup(
         eval_set=eval_batches(data.eval_rows, data.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
         if data.eval_collate
         else [],
-        metrics=MetricsLog(out / "metrics.jsonl", [TensorBoardSink.create(out / "tb")] if cfg.log.tensorboard else []),
+        metrics=MetricsLog(out / "metrics.jsonl", [TensorBoardSink.create(out / "tb")] if cfg.log.tensorboard else [])
+        if ctx.is_main
+        else NullMetricsLog(),
         timer=StepTimer(device),
         max_steps=max_steps,
         data_format=data.prepared.format,
         data_stats=data_stats,
-        saver=Checkpointer(out / CHECKPOINTS, cfg.checkpoint, checkpoint_meta(cfg, tokenizer, {**data_stats, "store": data.prepared.cache_path.name}), reporter),
+        saver=Checkpointer(
+            out / CHECKPOINTS,
+            cfg.checkpoint.model_copy(update={"async_": False}) if ctx.mode == "fsdp" else cfg.checkpoint,
+            checkpoint_meta(cfg, tokenizer, {**data_stats, "store": data.prepared.cache_path.name}, ctx.world_size, ctx.mode),
+            reporter,
+            writer=checkpoint_writer(ctx),
+        ),
         guard=NonFiniteGuard(cfg.train.max_skipped_steps, device),
         window=LogWindow.on(device),
         stop=stop or StopRequest(),
         grad_accum=cfg.train.grad_accum,
         schedule_steps=max_steps,
+        dist=ctx,
+        train_model=train_model,
+        sync=ctx.no_sync(train_model),
     )
     run.flops_per_token = flops_per_token(model, cfg.data.max_length)
-    run.peak_flops, source = peak_flops(device, precision.name, cfg.data.cache_dir)
+    device_peak, source = peak_flops(device, precision.name, cfg.data.cache_dir)
+    run.peak_flops = device_peak * ctx.world_size  # tokens/s is the global figure: so is the peak
     reporter.info(
         f"compute: {run.flops_per_token / 1e6:.1f} MFLOP per token; device peak "
         + (f"{run.peak_flops / 1e12:.2f} TFLOP/s ({source})" if run.peak_flops else source)
@@ -280,6 +319,29 @@ def setup(
     if resume_plan is not None:
         restore(run, resume_plan)  # last: it restores the random states that building the run consumed
     return run
+
+
+def wrap_for_ranks(
+    ctx: DistContext, cfg: RunConfig, model: torch.nn.Module, loader: TrainLoader, precision: Precision,
+    device: torch.device, reporter: ConsoleReporter,
+) -> torch.nn.Module:
+    """Choose DDP or FSDP2 (``train.distributed``) and wrap; alone, the model itself."""
+    if not ctx.enabled:
+        return model
+    est = estimate_memory(model, loader.batch_size, cfg.data.max_length, precision)
+    known = [a for a in ctx.all_gather_object(available_memory_bytes(device)) if a is not None]
+    ctx.mode, why = choose_mode(  # the same inputs on every rank: all ranks choose alike
+        cfg.train.distributed, est.weights + est.grads + est.optimizer, min(known) if known else None, ctx.local_world_size
+    )
+    g = loader.batch_size * cfg.train.grad_accum * ctx.world_size
+    reporter.info(
+        f"data parallel: {ctx.mode} over {ctx.world_size} processes ({why}); global batch {g} rows = "
+        f"micro-batch {loader.batch_size} x accumulation {cfg.train.grad_accum} x {ctx.world_size} processes"
+    )
+    wrapped = ctx.wrap(model, device)
+    if ctx.rank:
+        torch.manual_seed(cfg.train.seed + 1_000_003 * ctx.rank)  # own dropout masks per rank; rank 0 keeps its stream
+    return wrapped
 
 
 def warn_if_too_big(run: Run) -> None:
@@ -292,7 +354,7 @@ def warn_if_too_big(run: Run) -> None:
 
 def run_eval(run: Run, label: str) -> dict[str, float]:
     """Evaluate, log to metrics.jsonl and the console."""
-    result = evaluate(run.model, run.eval_set, run.precision, run.device)
+    result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist)
     if result:
         run.metrics.write({"step": run.step, **result})
         run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} (ppl {result['eval_ppl']:.1f})")
@@ -317,8 +379,6 @@ def train_loop(run: Run) -> None:
             decide_compile(run, (time.perf_counter() - probe_start) / (PROBE_STEPS - 1))
         if run.step - first_step == 1:
             probe_start = time.perf_counter()  # the first step warms up; time the next ones
-        if run.stop.requested:
-            stop_on_signal(run)
         position = run.loader.state_dict()  # where this step's examples start: an out-of-memory retry re-reads them
         profile = StepProfile(run.timer, run.step + 1, run.out / "profile") if run.step + 1 in cfg.log.profile_steps else None
         t = time.perf_counter()
@@ -326,8 +386,20 @@ def train_loop(run: Run) -> None:
             micro_batches = fetch_step(run)
         wait = time.perf_counter() - t
         run.data_wait_s += wait
+        # all ranks' token counts (the loss divisor) and agreement on stopping / a time-based save
+        n_targets, step_tokens, stop, time_due = run.dist.step_totals(
+            sum(mb.n_targets for mb in micro_batches),
+            sum(mb.n_tokens for mb in micro_batches),
+            run.stop.requested,
+            run.saver.time_due(),
+            run.device,
+        )
+        if stop:
+            run.loader.load_state_dict(position)  # these batches are not trained: the checkpoint resumes at them
+            stop_on_signal(run)
 
-        loss, micro_batches = forward_backward_adaptive(run, micro_batches, position)
+        loss, micro_batches = forward_backward_adaptive(run, micro_batches, position, n_targets)
+        loss = run.dist.all_reduce(loss)  # the global mean: every rank logs and guards the same value
         with run.timer.phase("optimizer"):
             grad_norm, skipped = optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
         if profile is not None:
@@ -336,9 +408,8 @@ def train_loop(run: Run) -> None:
         run.scheduler.step()
         run.step += 1
 
-        indices = [i for mb in micro_batches for i in mb.indices]
+        indices = step_indices(run, micro_batches)
         run.guard.record(skipped, run.step, indices)  # raises after train.max_skipped_steps in a row
-        step_tokens = sum(mb.n_tokens for mb in micro_batches)
         run.tokens_seen += step_tokens
         run.window.add(loss, skipped, step_tokens, indices if cfg.log.example_indices else None, len(indices), wait)
         now = time.perf_counter()
@@ -351,7 +422,7 @@ def train_loop(run: Run) -> None:
             run.reporter.advance(step)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
             run_eval(run, f"at step {step}")
-        run.saver.maybe_save(step, last, run.checkpoint_state)
+        run.saver.maybe_save(step, last, run.checkpoint_state, time_due if run.dist.enabled else None)
     run.reporter.stop()
 
 
@@ -370,6 +441,16 @@ def decide_compile(run: Run, step_time_s: float) -> None:
     if compile_pays_off(step_time_s, remaining, run.device):
         run.reporter.info(f"compile: {step_time_s:.3f}s per eager step x {remaining} steps left: compiling the decoder")
         run.compiled = compile_decoder(run.model, run.reporter.warn)
+
+
+def step_indices(run: Run, micro_batches: list[Batch]) -> list[int]:
+    """The step's example indices in global order; gathered from all ranks only when
+    ``log.example_indices`` asks for them (a collective of host objects every step)."""
+    local = [mb.indices for mb in micro_batches]
+    if not (run.dist.enabled and run.cfg.log.example_indices):
+        return [i for part in local for i in part]
+    ranks = run.dist.all_gather_object(local)
+    return [i for m in range(len(local)) for part in ranks for i in part[m]]  # rank shares are contiguous
 
 
 def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
@@ -417,12 +498,18 @@ def finish(run: Run, wall_start: float) -> RunResult:
     if run.eval_before and run.last_eval:
         run.reporter.info(f"eval loss {run.eval_before['eval_loss']:.4f} before -> {run.last_eval['eval_loss']:.4f} after")
 
+    # FSDP: every rank hands its shards to rank 0, which writes a plain (unsharded) HF directory
+    weights = full_model_state(run.model) if run.dist.mode == "fsdp" else None
+
     def write_final(tmp: Path) -> None:
-        run.model.save_pretrained(tmp)
+        run.model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
         run.tokenizer.save_pretrained(tmp)
 
-    final_dir = atomic_write_dir(out / "final", write_final)
-    run.reporter.info(f"saved {final_dir}")
+    final_dir = out / "final"
+    if run.dist.is_main:
+        atomic_write_dir(final_dir, write_final)
+        run.reporter.info(f"saved {final_dir}")
+    peak = int(run.dist.all_reduce(torch.tensor(peak_memory_bytes(run.device), device=run.device), "max").item())
 
     trainable, total = count_parameters(run.model)
     summary = {
@@ -442,7 +529,9 @@ def finish(run: Run, wall_start: float) -> RunResult:
         "oom_backoffs": run.oom_backoffs,
         "resumed_from_step": run.resumed_from,
         **run.saver.summary(),
-        "peak_memory_bytes": peak_memory_bytes(run.device),
+        "peak_memory_bytes": peak,  # the largest of any process
+        "world_size": run.dist.world_size,
+        "distributed": run.dist.mode,
         "final_train_loss": run.last_train_loss,
         "eval_loss_before": run.eval_before.get("eval_loss"),
         "eval_loss": run.last_eval.get("eval_loss"),
@@ -454,12 +543,13 @@ def finish(run: Run, wall_start: float) -> RunResult:
         "data": {"format": run.data_format, **run.data_stats},
         "final_dir": str(final_dir),
     }
-    if cfg.log.sample_prompt:
+    if cfg.log.sample_prompt and (run.dist.is_main or run.dist.mode == "fsdp"):  # FSDP: generating is collective
         text = sample(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed)
         summary["sample"] = text
         run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
     summary["wall_time_s"] = time.perf_counter() - wall_start
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if run.dist.is_main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     run.reporter.info(
         f"done: {run.step} steps, {run.tokens_seen:,} tokens in {run.loop_time_s:.1f}s "
         f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"

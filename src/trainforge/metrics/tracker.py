@@ -56,6 +56,21 @@ class MetricsLog:
             sink.close()
 
 
+class NullMetricsLog:
+    """What ranks other than 0 hold instead of a ``MetricsLog``: only rank 0 writes metrics."""
+
+    records = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def truncate(self, records: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
 def _complete_lines(path: Path) -> int:
     try:
         with open(path, "rb") as f:

@@ -1,0 +1,168 @@
+"""Two processes under torchrun (gloo, CPU): the same training as one process with the same global
+batch, exact resume after a rank is killed, FSDP2 with sharded checkpoints, and no hang when a
+rank fails."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from integration_helpers import root_conftest, run_cli, show
+from safetensors.torch import load_file
+
+from trainforge.checkpoint import scan_checkpoints
+from trainforge.config import RunConfig
+from trainforge.engine.resume import ResumeError
+
+write_config = root_conftest().write_config
+from trainforge.metrics.tracker import MEASURED_FIELDS
+
+TIMING = MEASURED_FIELDS  # wall-clock and machine fields: the only ones allowed to differ
+FAILURE_BOUND_S = 60  # a failing rank must end the whole job well within this
+
+
+def dist_config(tokenizer_dir: Path, data_dir: Path, micro_batch_size: int) -> dict:
+    """Global batch 8 rows: 2 processes x micro-batch 2 x accumulation 2, or 1 x 4 x 2."""
+    return {
+        "model": {
+            "init": {
+                "architecture": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "max_position_embeddings": 128,
+            },
+            "tokenizer": str(tokenizer_dir),
+        },
+        "data": {"train": str(data_dir / "pc_train.jsonl"), "eval": str(data_dir / "pc_eval.jsonl"), "max_length": 64},
+        "train": {"max_steps": 6, "micro_batch_size": micro_batch_size, "grad_accum": 2, "precision": "fp32", "device": "cpu"},
+        "optim": {"lr": 1.0e-3, "warmup_steps": 2},
+        "checkpoint": {"every_steps": 3, "keep_last": 2},
+        "log": {"every_steps": 1, "example_indices": True},
+    }
+
+
+def records(run: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "final" / "model.safetensors")
+
+
+def assert_close_records(got: list[dict], expected: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    for g, e in zip(got, expected):
+        assert g.keys() == e.keys(), (g, e)
+        for k in e:
+            if isinstance(e[k], float):
+                assert g[k] == pytest.approx(e[k], abs=1e-5, rel=1e-5), (k, g, e)
+            else:
+                assert g[k] == e[k], (k, g, e)
+
+
+def assert_close_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=atol, msg=k)
+
+
+@pytest.fixture(scope="module")
+def two_proc(tmp_path_factory, tiny_tokenizer_dir, toy_data_dir) -> tuple[Path, Path]:
+    """(config, run directory) of an uninterrupted 2-process DDP run, started with --nproc."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    config = write_config(tmp / "ddp.yaml", dist_config(tiny_tokenizer_dir, toy_data_dir, 2))
+    proc = run_cli(["train", config, "--output", tmp / "run", "--nproc", 2], tmp)
+    assert proc.returncode == 0, show(proc)
+    return config, tmp / "run"
+
+
+def test_two_processes_train_like_one_with_the_same_global_batch(two_proc, tmp_path, tiny_tokenizer_dir, toy_data_dir):
+    from rich.console import Console
+
+    from trainforge.engine.trainer import train
+    from trainforge.metrics.console import ConsoleReporter
+
+    _, run2 = two_proc
+    run1 = tmp_path / "one"
+    train(RunConfig.model_validate(dist_config(tiny_tokenizer_dir, toy_data_dir, 4)), run1, ConsoleReporter(Console(quiet=True)))
+
+    # same losses, grad norms, eval losses, token counts and examples (in the same order) at every step
+    assert_close_records(records(run2), records(run1))
+    assert [r["step"] for r in records(run2) if "loss" in r] == list(range(1, 7))  # rank 0 alone wrote them
+    assert_close_weights(final_weights(run2), final_weights(run1))
+    summary = json.loads((run2 / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["distributed"] == "ddp"
+    assert summary["tokens"] == json.loads((run1 / "summary.json").read_text())["tokens"]
+
+
+def test_killed_rank_resumes_exactly_and_needs_the_same_world_size(two_proc, tmp_path):
+    config, reference = two_proc
+    run = tmp_path / "run"
+
+    # rank 1 dies (SIGKILL) inside step 5: torchrun stops rank 0 too; step-3 is the newest checkpoint
+    t0 = time.monotonic()
+    proc = run_cli(["train", config, "--output", run], tmp_path, faults={"rank": 1, "signal_in_step": [5, "SIGKILL"]}, nproc=2)
+    assert proc.returncode != 0, show(proc)
+    assert time.monotonic() - t0 < FAILURE_BOUND_S, show(proc)
+    assert [c.step for c in scan_checkpoints(run / "checkpoints")[0]] == [3]
+
+    # another world size: refused with a message, before any step
+    with pytest.raises(ResumeError, match="written by 2 process"):
+        from rich.console import Console
+
+        from trainforge.engine.trainer import train
+        from trainforge.metrics.console import ConsoleReporter
+
+        import yaml
+
+        train(RunConfig.model_validate(yaml.safe_load(Path(config).read_text())), run, ConsoleReporter(Console(quiet=True)))
+
+    proc = run_cli(["train", config, "--output", run], tmp_path, nproc=2)
+    assert proc.returncode == 0, show(proc)
+    assert "resuming from" in proc.stdout and "step-00000003" in proc.stdout, show(proc)
+    expected = torch.load(reference / "checkpoints" / "step-00000006" / "state.pt")
+    got = torch.load(run / "checkpoints" / "step-00000006" / "state.pt")
+    for name, value in expected["model"].items():
+        assert torch.equal(got["model"][name], value), f"weight {name} differs"
+    for pid, pstate in expected["optimizer"]["state"].items():
+        for key, value in pstate.items():
+            assert torch.equal(got["optimizer"]["state"][pid][key], value), f"optimizer state {pid}.{key} differs"
+    assert got["loader"] == expected["loader"] and len(got["rng_ranks"]) == 2
+    assert records(run) == records(reference)
+
+
+def test_fsdp2_trains_like_ddp_and_resumes_from_sharded_checkpoints(two_proc, tmp_path):
+    config, reference = two_proc
+    run = tmp_path / "fsdp"
+    fsdp = ["train", config, "--output", run, "--set", "train.distributed=fsdp"]
+    proc = run_cli(fsdp, tmp_path, faults={"rank": 1, "signal_in_step": [5, "SIGKILL"]}, nproc=2)
+    assert proc.returncode != 0, show(proc)
+    (step3,) = scan_checkpoints(run / "checkpoints")[0]
+    assert (step3.path / "sharded" / ".metadata").is_file() and step3.meta["distributed"] == "fsdp"
+
+    proc = run_cli(fsdp, tmp_path, nproc=2)
+    assert proc.returncode == 0, show(proc)
+    assert "fsdp over 2 processes" in proc.stdout and "resuming from" in proc.stdout, show(proc)
+    assert_close_records(records(run), records(reference))
+    assert_close_weights(final_weights(run), final_weights(reference))  # final/ is a plain HF directory
+
+
+def test_a_failing_rank_ends_the_job_with_its_error(two_proc, tmp_path):
+    config, _ = two_proc
+    t0 = time.monotonic()
+    proc = run_cli(
+        ["train", config, "--output", tmp_path / "run"],
+        tmp_path,
+        faults={"rank": 1, "raise_in_step": [2, "injected failure on rank 1"]},
+        nproc=2,
+        timeout=FAILURE_BOUND_S,
+    )
+    assert proc.returncode not in (0, -signal.SIGKILL), show(proc)
+    assert time.monotonic() - t0 < FAILURE_BOUND_S
+    assert proc.stderr.count("RuntimeError: injected failure on rank 1") == 1, show(proc)
