@@ -1,7 +1,12 @@
 """Side by side: trainforge against Hugging Face `Trainer` and TRL `SFTTrainer`, one command.
 
     python benchmarks/compare_hf.py [--quick] [--steps N] [--sft-rows N] [--out results.json]
-                                    [--runs NAME,NAME] [--workdir DIR] [--threads 2]
+                                    [--runs NAME,NAME] [--repeat N] [--workdir DIR] [--threads 2]
+
+The full default takes ~15 minutes on 2 cores, almost all of it in the two runs that use
+bf16 autocast on a CPU without native bf16 (hf-trainer-bf16, trl-sft); --quick ~1-2 minutes.
+Timings are only as clean as the machine: check the load column, and use --repeat 3 on the
+fast runs (--runs hf-trainer,trainforge-blocks,...) for medians.
 
 One Llama-shaped model from scratch (byte-level BPE trained once on the corpus; the initial
 weights saved once, so every run starts from the identical weights), two pairs of jobs:
@@ -39,6 +44,10 @@ thread count):
   with one function (token-weighted mean cross-entropy, fp32) on the same held-out rows:
   every token of held-out documents for A, completion tokens of held-out pairs for B.
 
+Informational extras (--runs ...,trl-sft-fp32,trl-sft-packed-fp32,trainforge-sft-unpacked):
+TRL with bf16 and gradient checkpointing off, and trainforge without packing (as many
+steps as trl-sft: separates packing's fewer optimizer steps from numerical differences).
+
 Needs the dev extra (pip install 'trainforge[bench]'). No network: HF_HUB_OFFLINE=1.
 """
 
@@ -59,6 +68,12 @@ T_START = time.perf_counter()  # a child's whole-job clock starts before torch /
 PAIR_A = ("hf-trainer", "hf-trainer-bf16", "trainforge-blocks")
 PAIR_B = ("trl-sft", "trl-sft-packed", "trainforge-sft")
 RUNS = PAIR_A + PAIR_B
+# informational, not in the default list: TRL with its two CPU-hostile defaults turned off
+# (bf16=False, gradient_checkpointing=False), i.e. what a TRL user who tunes for CPU would run;
+# and trainforge without packing (same optimizer steps as trl-sft: separates the effect of
+# packing's fewer, larger steps on the eval loss from any numerical difference)
+EXTRA_B = ("trl-sft-fp32", "trl-sft-packed-fp32", "trainforge-sft-unpacked")
+PAIR_B_ALL = PAIR_B[:2] + EXTRA_B + PAIR_B[2:]  # trainforge last: the report compares it with each run above
 TARGETS = {  # trainforge tokens/s over the baseline's (issue 5)
     "hf-trainer": 2.0,
     "hf-trainer-bf16": 1.3,
@@ -177,7 +192,7 @@ def save_initial_model(model_dir: Path, tok, s: dict) -> None:
     s["parameters"] = sum(p.numel() for p in model.parameters())
 
 
-def trainforge_config(s: dict, pair: str, cache_dir: Path) -> dict:
+def trainforge_config(s: dict, pair: str, cache_dir: Path, packing: bool = True) -> dict:
     """trainforge's config for a pair: only what both sides must agree on; everything else its defaults."""
     p, o = s["paths"], s["optim"]
     if pair == "a":
@@ -185,6 +200,8 @@ def trainforge_config(s: dict, pair: str, cache_dir: Path) -> dict:
         train = {"max_steps": s["a"]["steps"], "micro_batch_size": s["a"]["batch_size"]}
     else:
         data = {"train": p["sft_train"], "max_length": s["b"]["max_length"]}  # packing: true is the default
+        if not packing:
+            data["packing"] = False
         train = {"epochs": 1, "micro_batch_size": s["b"]["batch_size"]}
     return {
         "model": {"path": p["model_dir"]},
@@ -224,7 +241,7 @@ def child(name: str, spec_path: Path, result_path: Path) -> None:
     elif name.startswith("hf-trainer"):
         r = run_hf_trainer(s, out, bf16=name.endswith("bf16"))
     else:
-        r = run_trl(s, out, packing=name.endswith("packed"))
+        r = run_trl(s, out, packing="packed" in name, tuned=name.endswith("fp32"))
     import resource
 
     r["wall_s"] = time.perf_counter() - T_START
@@ -241,12 +258,23 @@ def run_trainforge(s: dict, name: str, out: Path) -> dict:
     from trainforge.engine.trainer import train
     from trainforge.metrics.console import ConsoleReporter
 
-    pair = "a" if name == "trainforge-blocks" else "b"
-    cfg_dict = trainforge_config(s, pair, out / "cache")
+    import trainforge.engine.trainer as trainer_module
     import yaml
 
+    pair = "a" if name == "trainforge-blocks" else "b"
+    cfg_dict = trainforge_config(s, pair, out / "cache", packing=not name.endswith("unpacked"))
     (out / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
     cfg = load_config(out / "config.yaml")
+    clock, loop = {}, trainer_module.train_loop
+
+    def timed_loop(run):  # the CPU seconds of the loop, as the HF runs' callback measures them (nothing in the loop)
+        c = time.process_time()
+        try:
+            return loop(run)
+        finally:
+            clock["cpu_s"] = time.process_time() - c
+
+    trainer_module.train_loop = timed_loop
     result = train(cfg, out / "run", ConsoleReporter(Console(quiet=True)))
     sm = result.summary
     return {
@@ -254,6 +282,7 @@ def run_trainforge(s: dict, name: str, out: Path) -> dict:
         "examples": None,
         "tokens": sm["tokens"],
         "train_s": sm["train_time_s"],
+        "train_cpu_s": clock.get("cpu_s"),
         "tokens_per_s": sm["tokens_per_s"],
         "precision": sm["precision"],
         "final_dir": sm["final_dir"],
@@ -268,6 +297,7 @@ class Counter:
 
     def __init__(self, pad_id: int):
         self.pad_id, self.tokens, self.forwards, self.t0, self.t1 = pad_id, 0, 0, None, None
+        self.cpu0 = self.cpu1 = None
 
     def hook(self, module, args, kwargs):
         import torch
@@ -284,10 +314,10 @@ class Counter:
 
         class Timer(TrainerCallback):
             def on_train_begin(self, args, state, control, **kw):
-                counter.t0 = time.perf_counter()
+                counter.t0, counter.cpu0 = time.perf_counter(), time.process_time()
 
             def on_train_end(self, args, state, control, **kw):
-                counter.t1 = time.perf_counter()
+                counter.t1, counter.cpu1 = time.perf_counter(), time.process_time()
 
         return Timer()
 
@@ -331,6 +361,7 @@ def finish_hf(trainer, counter: Counter, out: Path, train_result) -> dict:
         "forwards": counter.forwards,
         "tokens": counter.tokens,
         "train_s": counter.t1 - counter.t0,
+        "train_cpu_s": counter.cpu1 - counter.cpu0,
         "tokens_per_s": counter.tokens / (counter.t1 - counter.t0),
         "train_runtime_s": train_result.metrics.get("train_runtime"),
         "final_train_loss": train_result.training_loss,
@@ -379,8 +410,9 @@ def run_hf_trainer(s: dict, out: Path, bf16: bool) -> dict:
     return {**finish_hf(trainer, counter, out, r), "blocks": len(ds), "examples": a["steps"] * a["batch_size"]}
 
 
-def run_trl(s: dict, out: Path, packing: bool) -> dict:
-    """TRL SFTTrainer on prompt/completion rows: SFTConfig defaults, one epoch."""
+def run_trl(s: dict, out: Path, packing: bool, tuned: bool = False) -> dict:
+    """TRL SFTTrainer on prompt/completion rows: SFTConfig defaults, one epoch (tuned: bf16 and
+    gradient checkpointing off, the two defaults that cost most on a CPU)."""
     import datasets
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -397,6 +429,7 @@ def run_trl(s: dict, out: Path, packing: bool) -> dict:
         num_train_epochs=1,
         max_length=b["max_length"],
         packing=packing,
+        **({"bf16": False, "gradient_checkpointing": False} if tuned else {}),
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[counter.callback()])
     rows = len(trainer.train_dataset)
@@ -471,7 +504,8 @@ def run_child(name: str, spec: Path, work: Path, threads: int) -> dict:
     }
     result = work / f"result-{name}.json"
     log = work / f"log-{name}.txt"
-    t = time.perf_counter()
+    result.unlink(missing_ok=True)
+    load_before, t = os.getloadavg()[0], time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, __file__, "--child", name, "--spec", str(spec), "--result", str(result)],
                               env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -481,32 +515,58 @@ def run_child(name: str, spec: Path, work: Path, threads: int) -> dict:
         print(f"  {name}: FAILED (exit {proc.returncode}); log tail:\n{tail}")
         return {"name": name, "error": f"exit {proc.returncode}", "log_tail": tail}
     r = json.loads(result.read_text())
-    r.update(name=name, process_s=process_s)
+    # 1-minute load average before and after: anything above `threads` means other work shared the cores
+    r.update(name=name, process_s=process_s, load_before=load_before, load_after=os.getloadavg()[0])
+    r["tokens_per_cpu_s"] = r["tokens"] / r["train_cpu_s"] if r.get("train_cpu_s") else None
     print(f"  {name}: {r['steps']} steps, {r['tokens']:,} tokens in {r['train_s']:.1f}s "
-          f"({r['tokens_per_s']:,.0f} tok/s), wall {r['wall_s']:.1f}s, peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB")
+          f"({r['tokens_per_s']:,.0f} tok/s), wall {r['wall_s']:.1f}s, peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, "
+          f"load {load_before:.1f} -> {r['load_after']:.1f}", flush=True)
     return r
+
+
+def combine(rounds: list[dict]) -> dict:
+    """One row per run: medians over the rounds of the timings (the last round's weights are evaluated)."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return rounds[-1]
+    import statistics
+
+    out = dict(ok[-1])
+    for key in ("tokens_per_s", "tokens_per_cpu_s", "train_s", "wall_s", "peak_rss_bytes", "load_before"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    if len(rounds) > 1:
+        out["rounds"] = [{k: r.get(k) for k in ("tokens_per_s", "tokens_per_cpu_s", "wall_s", "peak_rss_bytes",
+                                                 "load_before", "load_after", "error")} for r in rounds]
+    return out
+
+
+HEADER = (f"{'run':<23} {'steps':>5} {'tokens':>8} {'train s':>7} {'tok/s':>7} {'tok/cpu-s':>9} {'wall s':>6} "
+          f"{'peak MiB':>8} {'load':>4} {'eval loss':>9}")
 
 
 def fmt_row(r: dict) -> str:
     if "error" in r:
-        return f"{r['name']:<18} FAILED: {r['error']}"
-    return (f"{r['name']:<18} {r['steps']:>5} {r['tokens']:>9,} {r['train_s']:>8.1f} {r['tokens_per_s']:>8,.0f} "
-            f"{r['wall_s']:>7.1f} {r['peak_rss_bytes'] / 2**20:>9,.0f} {r.get('eval_loss', float('nan')):>9.4f}")
+        return f"{r['name']:<23} FAILED: {r['error']}"
+    cpu = f"{r['tokens_per_cpu_s']:>9,.0f}" if r.get("tokens_per_cpu_s") else f"{'-':>9}"
+    return (f"{r['name']:<23} {r['steps']:>5} {r['tokens']:>8,} {r['train_s']:>7.1f} {r['tokens_per_s']:>7,.0f} {cpu} "
+            f"{r['wall_s']:>6.1f} {r['peak_rss_bytes'] / 2**20:>8,.0f} {r['load_before']:>4.1f} "
+            f"{r.get('eval_loss', float('nan')):>9.4f}")
 
 
-def report(pair_name: str, title: str, names: tuple[str, ...], results: dict, s: dict) -> list[dict]:
-    tf = results.get(names[-1])
-    print(f"\n{title}")
-    print(f"{'run':<18} {'steps':>5} {'tokens':>9} {'train s':>8} {'tok/s':>8} {'wall s':>7} {'peak MiB':>9} {'eval loss':>9}")
+def report(pair_name: str, title: str, names: list[str], results: dict) -> list[dict]:
+    """The pair's table, then trainforge (the last name) against each other run."""
+    print(f"\n{title}\n{HEADER}")
     for n in names:
-        if n in results:
-            print(fmt_row(results[n]))
+        print(fmt_row(results[n]))
+    tf = results.get(names[-1]) if names else None
     comparisons = []
-    if not tf or "error" in tf:
+    if not tf or "error" in tf or names[-1] not in ("trainforge-blocks", "trainforge-sft"):
         return comparisons
     for n in names[:-1]:
-        base = results.get(n)
-        if not base or "error" in base:
+        base = results[n]
+        if "error" in base:
             continue
         c = {
             "pair": pair_name,
@@ -520,14 +580,24 @@ def report(pair_name: str, title: str, names: tuple[str, ...], results: dict, s:
             "eval_loss_baseline": base.get("eval_loss"),
         }
         c["eval_loss_rel_diff"] = (c["eval_loss_trainforge"] - c["eval_loss_baseline"]) / c["eval_loss_baseline"]
+        target = c["target_tokens_per_s_ratio"]
         c["meets"] = {
-            "tokens_per_s": c["tokens_per_s_ratio"] >= (c["target_tokens_per_s_ratio"] or 0),
+            "tokens_per_s": None if target is None else c["tokens_per_s_ratio"] >= target,
             "peak_memory": c["peak_memory_ratio"] <= 1.0,
             "eval_loss": c["eval_loss_rel_diff"] <= MAX_EVAL_LOSS_REL,
         }
         comparisons.append(c)
-        ok = lambda b: "ok" if b else "MISSED"  # noqa: E731
-        print(f"  trainforge vs {n}: tokens/s {c['tokens_per_s_ratio']:.2f}x (target >= {c['target_tokens_per_s_ratio']}x: "
+
+        def ok(b):
+            return "ok" if b else "MISSED"
+
+        if target is None:  # an informational run: numbers only, no verdicts
+            c["meets"] = None
+            print(f"  trainforge vs {n} (informational): tokens/s {c['tokens_per_s_ratio']:.2f}x | whole job "
+                  f"{c['wall_speedup']:.2f}x faster | peak memory {c['peak_memory_ratio']:.2f}x | eval loss "
+                  f"{c['eval_loss_trainforge']:.4f} vs {c['eval_loss_baseline']:.4f} ({c['eval_loss_rel_diff']:+.2%})")
+            continue
+        print(f"  trainforge vs {n}: tokens/s {c['tokens_per_s_ratio']:.2f}x (target >= {target}x: "
               f"{ok(c['meets']['tokens_per_s'])}) | whole job {c['wall_speedup']:.2f}x faster | peak memory "
               f"{c['peak_memory_ratio']:.2f}x ({ok(c['meets']['peak_memory'])}) | eval loss {c['eval_loss_trainforge']:.4f} "
               f"vs {c['eval_loss_baseline']:.4f} ({c['eval_loss_rel_diff']:+.2%}, {ok(c['meets']['eval_loss'])})")
@@ -539,7 +609,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny settings: a smoke check in about two minutes")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps of pair A (pretraining blocks)")
     ap.add_argument("--sft-rows", type=int, default=None, help="training rows of pair B (one epoch each)")
-    ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help=f"comma-separated, in this order: {', '.join(RUNS)} (default); also {', '.join(EXTRA_B)}")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over all runs (interleaved); timings are medians")
     ap.add_argument("--threads", type=int, default=2, help="torch/OMP threads of every run")
     ap.add_argument("--workdir", type=Path, default=None, help="keep inputs, runs and logs here (default: a temp dir, removed)")
     ap.add_argument("--out", type=Path, default=None, help="write all settings and results as JSON")
@@ -551,10 +623,10 @@ def main() -> int:
         child(args.child, args.spec, args.result)
         return 0
 
-    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    unknown = set(runs) - set(RUNS)
+    runs = list(dict.fromkeys(r.strip() for r in args.runs.split(",") if r.strip()))
+    unknown = set(runs) - set(RUNS + EXTRA_B)
     if unknown:
-        ap.error(f"unknown runs: {', '.join(sorted(unknown))}; choose from {', '.join(RUNS)}")
+        ap.error(f"unknown runs: {', '.join(sorted(unknown))}; choose from {', '.join(RUNS + EXTRA_B)}")
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tf-compare-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -573,13 +645,18 @@ def main() -> int:
               f"{args.threads} threads per run; torch {torch.__version__}")
         print(f"A: {a['documents']} stdlib files, {a['steps']} steps x {a['batch_size']} blocks of {a['max_length']} tokens")
         print(f"B: {b['rows']} prompt/completion rows, one epoch, micro-batch {b['batch_size']}, max_length {b['max_length']}")
-        results = {}
-        for name in runs:
-            results[name] = run_child(name, spec, work, args.threads)
+        rounds: dict[str, list[dict]] = {n: [] for n in runs}
+        for k in range(args.repeat):
+            if args.repeat > 1:
+                print(f"round {k + 1} of {args.repeat}")
+            for name in runs:
+                rounds[name].append(run_child(name, spec, work, args.threads))
+        results = {n: combine(rs) for n, rs in rounds.items()}
 
         print("evaluating every run's final weights with one function ...")
-        for pair, names in (("a", PAIR_A), ("b", PAIR_B)):
-            todo = [n for n in names if n in results and "error" not in results[n]]
+        order = {"a": [n for n in PAIR_A if n in results], "b": [n for n in PAIR_B_ALL if n in results]}
+        for pair, names in order.items():
+            todo = [n for n in names if "error" not in results[n]]
             if not todo:
                 continue
             batches = eval_batches_for(s, pair, work)
@@ -588,19 +665,28 @@ def main() -> int:
             for n in todo:
                 results[n]["eval_loss"] = eval_loss(results[n]["final_dir"], batches)
 
-        print(f"\nall timings on {os.cpu_count()} cores, {args.threads} threads per run, runs one after another; "
-              "tokens: real (non-pad) input tokens; wall: whole job incl. imports and data preparation (cold caches); "
-              "peak: process peak RSS")
-        comparisons = report("a", f"A. pretraining blocks (eval: {a['eval_tokens']:,} held-out tokens, "
-                                  f"initial loss {a.get('eval_loss_initial', float('nan')):.4f})", PAIR_A, results, s)
-        comparisons += report("b", f"B. prompt/completion, one epoch over {b['rows']} rows (eval: {b.get('eval_tokens', 0):,} "
-                                   f"held-out completion tokens, initial loss {b.get('eval_loss_initial', float('nan')):.4f})",
-                              PAIR_B, results, s)
+        print(f"\n{os.cpu_count()} cores, {args.threads} threads per run, runs one after another"
+              + (f", medians of {args.repeat} rounds" if args.repeat > 1 else "")
+              + ". tokens: real (non-pad) input tokens trained; tok/s: over the training loop; tok/cpu-s: over its "
+              "process CPU time; wall: the whole job (imports, data preparation from cold caches, model load, "
+              "training, saving); peak: process peak RSS; load: 1-min load average when the run started "
+              f"(above {args.threads}: other work shared the cores); eval: one function, fp32, same held-out rows")
+        comparisons = []
+        if order["a"]:
+            comparisons += report("a", f"A. pretraining blocks, {a['steps']} steps x {a['batch_size']} x {a['max_length']} "
+                                       f"(eval: {a['eval_tokens']:,} held-out tokens, initial loss "
+                                       f"{a['eval_loss_initial']:.4f})" if "eval_tokens" in a else "A. pretraining blocks",
+                                  order["a"], results)
+        if order["b"]:
+            comparisons += report("b", f"B. prompt/completion, one epoch over {b['rows']} rows, micro-batch {b['batch_size']}, "
+                                       f"max_length {b['max_length']} (eval: {b['eval_tokens']:,} held-out completion "
+                                       f"tokens, initial loss {b['eval_loss_initial']:.4f})" if "eval_tokens" in b
+                                  else "B. prompt/completion", order["b"], results)
         total = time.perf_counter() - started
         print(f"\nbenchmark total {total:.0f}s")
         if args.out:
             args.out.write_text(json.dumps({"settings": s, "runs": results, "comparisons": comparisons,
-                                            "total_s": total}, indent=2, default=str))
+                                            "total_s": total, "command": sys.argv}, indent=2, default=str))
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
