@@ -14,6 +14,16 @@ import pytest
 import torch
 import yaml
 
+TINY_LLAMA_INIT = {
+    "architecture": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+}
+"""The tiny from-scratch model of the tests, as a ``model.init`` block."""
+
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
 
 

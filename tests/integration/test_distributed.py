@@ -29,14 +29,7 @@ def dist_config(tokenizer_dir: Path, data_dir: Path, micro_batch_size: int) -> d
     """Global batch 8 rows: 2 processes x micro-batch 2 x accumulation 2, or 1 x 4 x 2."""
     return {
         "model": {
-            "init": {
-                "architecture": "llama",
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "max_position_embeddings": 128,
-            },
+            "init": dict(root_conftest().TINY_LLAMA_INIT),
             "tokenizer": str(tokenizer_dir),
         },
         "data": {"train": str(data_dir / "pc_train.jsonl"), "eval": str(data_dir / "pc_eval.jsonl"), "max_length": 64},

@@ -30,15 +30,7 @@ TIMING = MEASURED_FIELDS  # wall-clock and machine fields: the only ones allowed
 def scratch_config(tiny_tokenizer_dir, toy_data_dir) -> dict:
     return {
         "model": {
-            "init": {
-                "architecture": "llama",
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "max_position_embeddings": 128,
-                "attention_dropout": 0.1,
-            },
+            "init": {**root_conftest().TINY_LLAMA_INIT, "attention_dropout": 0.1},
             "tokenizer": str(tiny_tokenizer_dir),
         },
         "data": {"train": str(toy_data_dir / "pc_train.jsonl"), "eval": str(toy_data_dir / "pc_eval.jsonl"), "max_length": 64},
