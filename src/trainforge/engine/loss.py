@@ -19,51 +19,64 @@ CHUNK = 4096  # target positions per head matmul: large enough for efficient GEM
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
-        keep = (labels != IGNORE).nonzero().flatten()
-        dense = len(keep) == len(labels)  # every position a target (pretraining): slices, no gather/scatter
-        h_all, y_all = (hidden, labels) if dense else (hidden.index_select(0, keep), labels.index_select(0, keep))
-        grad_h = torch.empty_like(hidden) if dense else torch.zeros_like(hidden)
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
-        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        for s in range(0, len(keep), CHUNK):
-            h, y = h_all[s : s + CHUNK], y_all[s : s + CHUNK]
-            logits = torch.nn.functional.linear(h, weight, bias).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
-            # d(sum CE)/d logits = softmax - onehot, computed in place over the logits chunk
-            g = logits.sub_(lse[:, None]).exp_()
-            g[torch.arange(len(y), device=g.device), y] -= 1.0
-            g = g.to(h.dtype)
+    def forward(ctx, hidden, weight, bias, labels, compute_dtype):  # no annotations: autograd.Function checks none
+        # the head's matmuls run in ``compute_dtype`` (bf16/fp16 under mixed precision: that is their speed);
+        # logits, softmax statistics, the loss and the weight-gradient accumulator stay fp32
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here; autocast would recast per chunk
+            keep = (labels != IGNORE).nonzero().flatten()
+            dense = len(keep) == len(labels)  # every position a target (pretraining): slices, no gather/scatter
+            h_all = hidden if dense else hidden.index_select(0, keep)
+            y_all = labels if dense else labels.index_select(0, keep)
+            h_all = h_all.to(compute_dtype)
+            w = weight.to(compute_dtype)  # cast once per call, not once per chunk
+            b = bias.to(compute_dtype) if bias is not None else None
+            grad_kept = torch.empty_like(h_all)  # d loss / d hidden at the target positions, in compute dtype
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+            grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
+            total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+            for s in range(0, len(y_all), CHUNK):
+                h, y = h_all[s : s + CHUNK], y_all[s : s + CHUNK]
+                logits = torch.nn.functional.linear(h, w, b).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+                # d(sum CE)/d logits = softmax - onehot, computed in place over the fp32 logits chunk
+                g = logits.sub_(lse[:, None]).exp_()
+                g[torch.arange(len(y), device=g.device), y] -= 1.0
+                g = g.to(compute_dtype)
+                torch.matmul(g, w, out=grad_kept[s : s + CHUNK])
+                if grad_w is not None:
+                    grad_w += (g.t() @ h).float()
+                if grad_b is not None:
+                    grad_b += g.sum(0, dtype=torch.float32)
+            # the gradient handed back has the hidden state's dtype, zero where there is no target
             if dense:
-                torch.matmul(g, weight.to(h.dtype), out=grad_h[s : s + CHUNK])
+                grad_h = grad_kept.to(hidden.dtype)
             else:
-                grad_h.index_copy_(0, keep[s : s + CHUNK], g @ weight.to(h.dtype))
-            if grad_w is not None:
-                grad_w += (g.t() @ h).float()
-            if grad_b is not None:
-                grad_b += g.float().sum(0)
+                grad_h = torch.zeros_like(hidden).index_copy_(0, keep, grad_kept.to(hidden.dtype))
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         return total
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         return (
             grad_h * grad_out.to(grad_h.dtype),
             grad_w * grad_out if grad_w is not None else None,
             grad_b * grad_out if grad_b is not None else None,
             None,
+            None,
         )
 
 
 def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over positions whose label is not IGNORE.
+    """Sum of next-token cross-entropy over positions whose label is not IGNORE, as an fp32 scalar.
 
-    ``hidden``: (N, H) final hidden states; ``labels``: (N,) targets aligned with them.
+    ``hidden``: (N, H) final hidden states; ``labels``: (N,) targets aligned with them. Under
+    autocast the head's matmuls run in the autocast dtype, as ``head(hidden)`` would.
     """
-    return _LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels)
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    return _LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, compute_dtype)
 
 
 def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
