@@ -235,6 +235,12 @@ class TrainSettings(Section):
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="auto: bf16 where native, fp16 + loss scaling on older GPUs, else fp32"
     )
+    fused_loss: bool = Field(
+        True,
+        description="LM head and cross-entropy fused and chunked over target positions only (no full logits "
+        "tensor); false: the model's own head and a standard cross-entropy. Models whose head is not a plain "
+        "linear layer (LoRA on the head, soft-capped logits) always take the standard path",
+    )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="auto: CUDA when present, else CPU")
     seed: int = Field(0, description="seeds initialization, data order, eval split and sampling")
     compile: bool | Literal["auto"] = Field(

@@ -130,10 +130,10 @@ def simulate_oom_above(monkeypatch, rows: int) -> None:
     """Micro-batches of more than ``rows`` rows raise the CUDA out-of-memory error."""
     loss_sum = step_module.loss_sum
 
-    def limited(model, batch, precision):
+    def limited(model, batch, precision, fused=True):
         if batch.input_ids.shape[0] > rows:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return loss_sum(model, batch, precision)
+        return loss_sum(model, batch, precision, fused)
 
     monkeypatch.setattr(step_module, "loss_sum", limited)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from trainforge.config import LoraSettings, ModelSettings
-from trainforge.metrics.flops import cpu_matmul_peak, flops_per_token, linear_params
+from trainforge.hardware import cpu_matmul_flops
+from trainforge.metrics.flops import flops_per_token, linear_params
 from trainforge.model.load import apply_lora, build_model
 from trainforge.model.tokenizer import load_tokenizer
 
@@ -33,17 +34,17 @@ def test_lora_frozen_weights_skip_weight_gradients(tiny_model_dir):
 
 
 def test_cpu_peak_probe_is_cached(tmp_path, monkeypatch):
-    first = cpu_matmul_peak("fp32", tmp_path)
+    first = cpu_matmul_flops("fp32", tmp_path)
     assert first > 0 and (tmp_path / "cpu_peak.json").is_file()
-    import trainforge.metrics.flops as flops
+    import trainforge.hardware as hardware
 
-    monkeypatch.setattr(flops, "measure_matmul", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
-    assert cpu_matmul_peak("fp32", tmp_path) == first
+    monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
+    assert cpu_matmul_flops("fp32", tmp_path) == first
 
 
 def test_probe_leaves_the_global_random_stream_alone(tmp_path):
     torch.manual_seed(3)
     expected = torch.rand(4)
     torch.manual_seed(3)
-    cpu_matmul_peak("fp32", tmp_path / "fresh")
+    cpu_matmul_flops("fp32", tmp_path / "fresh")
     torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)

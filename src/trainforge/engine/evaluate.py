@@ -15,7 +15,12 @@ from .step import loss_sum
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, batches: Sequence[Batch], precision: Precision, device: torch.device, ctx: DistContext | None = None
+    model: torch.nn.Module,
+    batches: Sequence[Batch],
+    precision: Precision,
+    device: torch.device,
+    ctx: DistContext | None = None,
+    fused: bool = True,
 ) -> dict:
     """Token-weighted mean loss over all eval batches (one host sync, at the end).
 
@@ -32,7 +37,7 @@ def evaluate(
     n = 0
     rounds = -(-len(batches) // ctx.world_size)
     for i in range(ctx.rank, rounds * ctx.world_size, ctx.world_size):
-        summed = loss_sum(model, batches[i % len(batches)].to(device), precision).double()
+        summed = loss_sum(model, batches[i % len(batches)].to(device), precision, fused).double()
         if i < len(batches):
             total += summed
             n += batches[i].n_targets

@@ -42,7 +42,8 @@ def forward_backward_adaptive(
     while True:
         try:
             loss = forward_backward(
-                run.train_model, micro_batches, run.precision, run.device, run.scaler, n_targets, run.sync, run.timer
+                run.train_model, micro_batches, run.precision, run.device, run.scaler, n_targets, run.sync, run.timer,
+                run.cfg.train.fused_loss,
             )
             return loss, micro_batches
         except torch.OutOfMemoryError:

@@ -42,6 +42,7 @@ def forward_backward(
     n_targets: int | None = None,
     sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
     timer: StepTimer = NULL_TIMER,
+    fused: bool = True,
 ) -> torch.Tensor:
     """Accumulate gradients of (sum of all target-token losses) / (number of target tokens).
 
@@ -49,6 +50,7 @@ def forward_backward(
     1 x 4 micro-batching give the same gradient (a mean of per-micro-batch means would not).
     Data-parallel: ``n_targets`` is the count over all ranks, and ``sync(last)`` is the context
     of each backward (gradients are exchanged on the last micro-batch only).
+    ``fused``: the chunked LM-head + cross-entropy where the model allows (see ``loss_sum``).
     Returns this process's share of the step's mean loss as a device tensor: reading it is left to log steps.
     """
     if n_targets is None:
@@ -58,7 +60,7 @@ def forward_backward(
         mb = mb.to(device)
         with sync(i == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():
             with timer.phase("forward"):
-                summed = loss_sum(model, mb, precision)
+                summed = loss_sum(model, mb, precision, fused)
             scaled = summed / n_targets
             with timer.phase("backward"):
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()

@@ -25,12 +25,13 @@ from ..hardware import (
     available_memory_bytes,
     configure_backends,
     describe,
+    peak_flops,
     peak_memory_bytes,
     pick_device,
     resolve_precision,
 )
 from ..metrics.console import ConsoleReporter
-from ..metrics.flops import flops_per_token, peak_flops
+from ..metrics.flops import flops_per_token
 from ..metrics.profile import StepProfile, StepTimer
 from ..metrics.sinks import TensorBoardSink
 from ..metrics.tracker import MetricsLog, NullMetricsLog
@@ -187,6 +188,7 @@ class Run:
     last_eval: dict[str, float] = field(default_factory=dict)
     oom_backoffs: list[dict[str, int]] = field(default_factory=list)
     resumed_from: int | None = None
+    precision_reason: str = ""  # why this precision: configured, or what `auto` found on this device
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds (LoRA: adapter weights only); see ``resume.capture_state``."""
@@ -239,10 +241,12 @@ def setup(
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
     device = device_for(pick_device(cfg.train.device), ctx)
-    precision = resolve_precision(cfg.train.precision, device)
+    precision, why = resolve_precision(cfg.train.precision, device, cfg.data.cache_dir)
     configure_backends(device)
     procs = f" | {ctx.world_size} processes" if ctx.enabled else ""
-    reporter.info(f"trainforge {__version__} | {describe(device)}{procs} | precision {precision.name}")
+    reporter.info(f"trainforge {__version__} | {describe(device)}{procs} | precision {precision.name} ({why})")
+    if precision.name == "fp16" and device.type == "cpu":
+        reporter.warn("fp16 on a CPU is emulated and slow: it checks the fp16 + loss-scaling path that older GPUs take; use bf16 or fp32 to train")
 
     with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
         tokenizer = get_tokenizer(cfg, reporter)
@@ -307,6 +311,7 @@ def setup(
         dist=ctx,
         train_model=train_model,
         sync=ctx.no_sync(train_model),
+        precision_reason=why,
     )
     run.flops_per_token = flops_per_token(model, cfg.data.max_length)
     device_peak, source = peak_flops(device, precision.name, cfg.data.cache_dir)
@@ -354,7 +359,7 @@ def warn_if_too_big(run: Run) -> None:
 
 def run_eval(run: Run, label: str) -> dict[str, float]:
     """Evaluate, log to metrics.jsonl and the console."""
-    result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist)
+    result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist, run.cfg.train.fused_loss)
     if result:
         run.metrics.write({"step": run.step, **result})
         run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} (ppl {result['eval_ppl']:.1f})")
@@ -538,6 +543,7 @@ def finish(run: Run, wall_start: float) -> RunResult:
         "eval_ppl": run.last_eval.get("eval_ppl"),
         "device": str(run.device),
         "precision": run.precision.name,
+        "precision_reason": run.precision_reason,
         "parameters": total,
         "trainable_parameters": trainable,
         "data": {"format": run.data_format, **run.data_stats},

@@ -1,0 +1,47 @@
+"""``train.precision: auto`` on a CPU, whatever CPU runs the test: the native-bf16 probe and the
+matmul probe are made to answer each way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainforge.hardware as hardware
+from trainforge.hardware import BF16_MIN_SPEEDUP, resolve_precision
+
+CPU = torch.device("cpu")
+
+
+def fake_probe(monkeypatch, native: bool, bf16_speedup: float) -> None:
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native)
+    rates = {"fp32": 100e9, "bf16": 100e9 * bf16_speedup}
+    monkeypatch.setattr(hardware, "cpu_matmul_flops", lambda precision, cache_dir=None: rates[precision])
+
+
+def test_auto_takes_bf16_where_native_and_faster(monkeypatch):
+    fake_probe(monkeypatch, native=True, bf16_speedup=4.0)
+    precision, why = resolve_precision("auto", CPU)
+    assert precision.name == "bf16" and precision.autocast_dtype is torch.bfloat16
+    assert "4.0x" in why
+
+
+def test_auto_keeps_fp32_without_native_bf16(monkeypatch):
+    fake_probe(monkeypatch, native=False, bf16_speedup=4.0)
+    precision, why = resolve_precision("auto", CPU)
+    assert precision.name == "fp32" and precision.autocast_dtype is None
+    assert "no native bf16" in why
+
+
+def test_auto_keeps_fp32_when_native_bf16_is_not_faster(monkeypatch):
+    fake_probe(monkeypatch, native=True, bf16_speedup=BF16_MIN_SPEEDUP * 0.9)
+    precision, why = resolve_precision("auto", CPU)
+    assert precision.name == "fp32"
+    assert "train.precision=bf16" in why  # the user is told how to force it
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp16"])
+def test_explicit_precision_is_honoured_on_cpu(monkeypatch, name):
+    fake_probe(monkeypatch, native=False, bf16_speedup=1.0)
+    precision, why = resolve_precision(name, CPU)
+    assert precision.name == name and why == "as configured"
+    assert precision.needs_grad_scaler is (name == "fp16")
