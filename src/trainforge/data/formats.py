@@ -9,7 +9,7 @@ assistant header cannot confuse the mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -131,6 +131,8 @@ class TokenizedChunk:
     ids: np.ndarray  # int64, all sequences back to back
     learn: np.ndarray  # uint8, 1 where the token is a target
     lengths: np.ndarray  # int64, tokens per sequence
+    # bool per sequence: a split continuation, whose first token is the previous sequence's last
+    continues: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     truncated: int = 0
     dropped_too_long: int = 0
     split: int = 0
@@ -208,7 +210,7 @@ def tokenize_rendered(
     if key not in _ENCODERS:
         _ENCODERS[key] = _Encoder(tokenizer, special_tokens)
     encodings = _ENCODERS[key]([r.text for r in items])
-    out_ids, out_learn, lengths = [], [], []
+    out_ids, out_learn, lengths, continues = [], [], [], []
     limit = max_length + 1
     for r, enc in zip(items, encodings):
         ids = np.asarray(enc.ids, dtype=np.int64)
@@ -227,21 +229,29 @@ def tokenize_rendered(
                 chunk.dropped_too_long += 1
                 continue
             if too_long == "split":
-                # consecutive blocks overlapping by one token: every token after the first is a target once
+                # Blocks of max_length + 1 tokens overlapping by one: a block's first token is the
+                # previous block's last, so in a row of its own (packing true/false) it is an input
+                # there and a target here, and every token after the first is a target once. A
+                # concat stream is continuous, so it skips that repeated token (``continues``).
                 pieces = [(ids[s : s + limit], learn[s : s + limit]) for s in range(0, len(ids) - 1, max_length)]
                 chunk.split += 1
             else:
                 pieces = [(ids[:limit], learn[:limit])]
                 chunk.truncated += 1
-        for p_ids, p_learn in pieces:
+        kept = False  # whether the previous piece of this document was stored
+        for p, (p_ids, p_learn) in enumerate(pieces):
             if len(p_ids) < 2 or not p_learn[1:].any():  # nothing to learn: a prompt filled the row
                 chunk.dropped_masked += 1
+                kept = False
                 continue
             out_ids.append(p_ids)
             out_learn.append(p_learn)
             lengths.append(len(p_ids))
+            continues.append(p > 0 and kept)
+            kept = True
     if out_ids:
         chunk.ids = np.concatenate(out_ids)
         chunk.learn = np.concatenate(out_learn).astype(np.uint8)
         chunk.lengths = np.asarray(lengths, dtype=np.int64)
+        chunk.continues = np.asarray(continues, dtype=bool)
     return chunk

@@ -70,8 +70,15 @@ def concat_rows(store: TokenStore, index: np.ndarray, max_length: int) -> list[n
     """The classic pretraining stream: sequences joined and cut into blocks of ``max_length`` inputs.
 
     Consecutive blocks overlap by one token, so every token after the first is a target once.
+    A split continuation that follows its predecessor in ``index`` drops its first token (a repeat
+    of the predecessor's last, kept in the store for rows of their own): the stream holds each
+    token of the corpus once.
     """
     starts, ends = store.offsets[index], store.offsets[index + 1]
+    if len(index) > 1:
+        follows = np.zeros(len(index), dtype=bool)
+        follows[1:] = index[1:] == index[:-1] + 1
+        starts = starts + (follows & store.continues[index])
     cum = np.concatenate([[0], np.cumsum(ends - starts)])
     total = int(cum[-1])
     rows = []

@@ -28,6 +28,9 @@ from .sources import BadRows, DataError, Row, iter_source, source_files
 from .store import StoreWriter, TokenStore
 
 STORE_VERSION = 1  # bump when the store layout or tokenization rules change
+# too_long: split stores mark split continuations (continues.npy) from version 2 on; a key of its
+# own, so the stores (and checkpoints' store keys) of every other setting stay valid
+SPLIT_VERSION = 2
 CHUNK_ROWS = 1024
 
 
@@ -91,7 +94,10 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int) -> str:
     h = hashlib.blake2b(digest_size=16)
     settings = cfg.model_dump(mode="json", exclude={"packing", "cache_dir", "num_workers", "train"})
     settings["train"] = [s.path for s in cfg.sources()]  # weights are applied when loading, not stored
-    h.update(json.dumps({"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}, sort_keys=True).encode())
+    key = {"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}
+    if cfg.too_long == "split":
+        key["split_v"] = SPLIT_VERSION
+    h.update(json.dumps(key, sort_keys=True).encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
     specs = [s.path for s in cfg.sources()] + ([cfg.eval] if isinstance(cfg.eval, str) else [])
     for spec in specs:
@@ -202,7 +208,7 @@ def _write_store(path: Path, rows_by_source: Iterator[Iterator[Row]], tok: Chunk
         for chunk, bad_messages in tok.map(_chunks(counted(rows))):
             for message in bad_messages:
                 bad.report(message)
-            writer.append(chunk.ids, chunk.learn, chunk.lengths)
+            writer.append(chunk.ids, chunk.learn, chunk.lengths, chunk.continues)
             counts.add(chunk)
     writer.close({"rows": counts.rows})
     return counts

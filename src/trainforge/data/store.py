@@ -5,6 +5,7 @@ Layout of a store directory:
   learn.bin    uint8, 1 where the token is a target
   offsets.npy  int64, sequence i is [offsets[i], offsets[i+1])
   sources.npy  int64, sequences of source k are [sources[k], sources[k+1])
+  continues.npy  bool, sequence i is a split continuation of i - 1 (its first token repeats i - 1's last)
   meta.json    dtype, counts, statistics
 """
 
@@ -31,16 +32,18 @@ class StoreWriter:
         self._ids = open(path / "ids.bin", "wb")
         self._learn = open(path / "learn.bin", "wb")
         self._lengths: list[np.ndarray] = []
+        self._continues: list[np.ndarray] = []
         self.source_starts: list[int] = []
         self.n_sequences = 0
 
     def start_source(self) -> None:
         self.source_starts.append(self.n_sequences)
 
-    def append(self, ids: np.ndarray, learn: np.ndarray, lengths: np.ndarray) -> None:
+    def append(self, ids: np.ndarray, learn: np.ndarray, lengths: np.ndarray, continues: np.ndarray | None = None) -> None:
         self._ids.write(ids.astype(self.dtype, copy=False).tobytes())
         self._learn.write(learn.astype(np.uint8, copy=False).tobytes())
         self._lengths.append(lengths.astype(np.int64, copy=False))
+        self._continues.append(np.zeros(len(lengths), bool) if continues is None else np.asarray(continues, bool))
         self.n_sequences += len(lengths)
 
     def close(self, meta: dict[str, Any]) -> None:
@@ -51,6 +54,8 @@ class StoreWriter:
         np.cumsum(lengths, out=offsets[1:])
         np.save(self.path / "offsets.npy", offsets)
         np.save(self.path / "sources.npy", np.asarray([*self.source_starts, self.n_sequences], dtype=np.int64))
+        continues = np.concatenate(self._continues) if self._continues else np.zeros(0, bool)
+        np.save(self.path / "continues.npy", continues)
         (self.path / "meta.json").write_text(json.dumps({"dtype": self.dtype.name, "sequences": int(len(lengths)), **meta}, indent=2))
 
 
@@ -62,6 +67,8 @@ class TokenStore:
         self.meta = json.loads((path / "meta.json").read_text())
         self.offsets = np.load(path / "offsets.npy")
         self.source_starts = np.load(path / "sources.npy")
+        cont = path / "continues.npy"
+        self.continues = np.load(cont) if cont.is_file() else np.zeros(len(self.offsets) - 1, bool)
         n = int(self.offsets[-1])
         # np.memmap cannot map an empty file; an empty store is legal (e.g. no eval rows)
         self.ids = np.memmap(path / "ids.bin", dtype=self.meta["dtype"], mode="r") if n else np.zeros(0, self.meta["dtype"])
