@@ -110,6 +110,7 @@ def test_too_long_policies(tok):
     assert len(tokenize_rendered([long], tok, 16, "drop").lengths) == 0
     split = tokenize_rendered([long], tok, 16, "split")
     assert split.split == 1 and int(split.lengths.sum()) - (len(split.lengths) - 1) == n  # one shared token per cut
+    assert split.continues.tolist() == [False] + [True] * (len(split.lengths) - 1)  # concat skips the shared token
     pc = Renderer("prompt_completion", FieldNames(), tok)(Row({"prompt": " ".join(["alpha"] * 50), "completion": " beta"}, "x"))
     assert tokenize_rendered([pc], tok, 16, "truncate").dropped_masked == 1  # the completion was cut away
 
