@@ -10,6 +10,7 @@ import copy
 import difflib
 import glob
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,11 @@ BUILTIN_STDLIB = "builtin:python-stdlib"
 """Text source: the Python standard library's own sources, present on every install."""
 BUILTIN_FUNCTIONS = "builtin:python-functions"
 """Prompt/completion source: stdlib functions, signature + docstring -> body."""
+
+
+def default_cache_dir() -> Path:
+    """Where token caches and machine probes live: $TRAINFORGE_CACHE, else ~/.cache/trainforge."""
+    return Path(os.environ.get("TRAINFORGE_CACHE") or Path.home() / ".cache" / "trainforge")
 
 
 class ConfigError(ValueError):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .config import default_cache_dir
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -132,7 +134,7 @@ def cpu_matmul_flops(precision: str, cache_dir: Path | None = None) -> float:
     cached per machine, thread count and torch version (the probe takes about a second)."""
     threads = torch.get_num_threads()
     key = f"{platform.node()}-{platform.processor() or platform.machine()}-{threads}t-{precision}-torch{torch.__version__}"
-    cache = (cache_dir or Path(os.environ.get("TRAINFORGE_CACHE") or Path.home() / ".cache" / "trainforge")) / "cpu_peak.json"
+    cache = (cache_dir or default_cache_dir()) / "cpu_peak.json"
     table = {}
     if cache.is_file():
         try:

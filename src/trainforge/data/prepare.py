@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint import atomic_write_dir
-from ..config import DataSettings
+from ..config import DataSettings, default_cache_dir
 from .formats import Renderer, TokenizedChunk, detect_format, format_fields, tokenize_rendered
 from .sources import BadRows, DataError, Row, iter_source, source_files
 from .store import StoreWriter, TokenStore
@@ -42,10 +42,6 @@ class PreparedData:
     stats: dict[str, Any]
     cache_path: Path
     cache_hit: bool
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("TRAINFORGE_CACHE") or Path.home() / ".cache" / "trainforge")
 
 
 def train_rows(cfg: DataSettings, bad: BadRows) -> Iterator[tuple[int, Row]]:
