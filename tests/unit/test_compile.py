@@ -2,21 +2,96 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from rich.console import Console
 
 from trainforge.config import RunConfig
 from trainforge.engine.trainer import train
 from trainforge.metrics.console import ConsoleReporter
-from trainforge.model.compile import compile_pays_off
+import trainforge.engine.compile_auto as compile_auto
+from trainforge.engine.compile_auto import CompileAuto, compile_key
 
 CPU = torch.device("cpu")
 
 
-def test_auto_rule_weighs_saved_time_against_compile_time():
-    assert not compile_pays_off(0.2, 600, CPU)  # the demo: ~28 s saved < ~90 s compiling
-    assert compile_pays_off(0.2, 10_000, CPU)
-    assert not compile_pays_off(5.0, 10, CPU)
+def probe(auto: CompileAuto, step_s: float, remaining: int) -> str | None:
+    """Feed PROBE_STEPS eager steps of ``step_s`` (the first a slow warm-up), return the decision."""
+    reason = None
+    for i in range(compile_auto.PROBE_STEPS):
+        auto.record_step(step_s * (5 if i == 0 else 1), compiled=False)
+        reason = auto.after_eager_steps(remaining)
+    return reason
+
+
+def test_unknown_config_weighs_assumed_speedup_against_a_cold_compile(tmp_path):
+    key = compile_key({"model": "a"})
+    # the demo: 0.2 s x 600 steps x (1 - 1/1.3) = 28 s saved < ~90 s of compiling
+    assert probe(CompileAuto("auto", key, tmp_path / "h.json", CPU), 0.2, 600) is None
+    assert probe(CompileAuto("auto", key, tmp_path / "h.json", CPU), 0.2, 10_000) is not None
+    assert probe(CompileAuto(False, key, tmp_path / "h.json", CPU), 0.2, 10_000) is None
+
+
+def measured_compile(history, key, eager_s=0.2, compiled_s=0.1, first_s=40.0):
+    """A run that probes, compiles and measures: leaves its record in ``history``."""
+    auto = CompileAuto(True, key, history, CPU)
+    assert auto.at_start(1000) == "compile: as configured"
+    for _ in range(compile_auto.PROBE_STEPS):  # as if the run had timed eager steps (a resume with compile: true has none)
+        auto.record_step(eager_s, compiled=False)
+    auto.record_step(first_s, compiled=True)
+    for _ in range(compile_auto.MEASURE_STEPS):
+        auto.record_step(compiled_s, compiled=True)
+    return auto
+
+
+def test_a_compiled_run_records_compile_time_and_speedup(tmp_path):
+    history, key = tmp_path / "h.json", compile_key({"model": "a"})
+    measured_compile(history, key)
+    entry = json.loads(history.read_text())[key]
+    assert entry["speedup"] == pytest.approx(2.0)
+    assert entry["compile_s"] == pytest.approx(39.9)
+    assert entry["eager_step_s"] == pytest.approx(0.2) and entry["compiled_step_s"] == pytest.approx(0.1)
+
+
+def test_known_config_with_warm_cache_compiles_from_the_first_step(tmp_path, monkeypatch):
+    history, key = tmp_path / "h.json", compile_key({"model": "a"})
+    measured_compile(history, key)
+    monkeypatch.setattr(compile_auto, "torch_cache_present", lambda: True)
+    auto = CompileAuto("auto", key, history, CPU)
+    # 0.2 s x 2000 steps x (1 - 1/2) = 200 s saved > the 40 s compile measured (no warm figure yet)
+    assert "compiling from the first step" in auto.at_start(2000)
+    assert auto.after_eager_steps(2000) is None  # decided once
+    # a short rerun does not pay for it
+    assert CompileAuto("auto", key, history, CPU).at_start(50) is None
+    # the warm compile is measured too, and from then on decides
+    warm = CompileAuto("auto", key, history, CPU)
+    warm.at_start(2000)
+    for s in (3.1, 0.1, 0.1, 0.1):
+        warm.record_step(s, compiled=True)
+    entry = json.loads(history.read_text())[key]
+    assert entry["warm_compile_s"] == pytest.approx(3.0) and entry["compile_s"] == pytest.approx(39.9)
+    assert "~3s to load" in CompileAuto("auto", key, history, CPU).at_start(200)  # 20 s saved > 3 s
+
+
+def test_cleared_torch_cache_means_probing_again(tmp_path, monkeypatch):
+    history, key = tmp_path / "h.json", compile_key({"model": "a"})
+    measured_compile(history, key)
+    monkeypatch.setattr(compile_auto, "torch_cache_present", lambda: False)
+    auto = CompileAuto("auto", key, history, CPU)
+    assert auto.at_start(100_000) is None
+    assert probe(auto, 0.2, 100_000) is not None  # with the measured speed-up and cold compile time
+
+
+def test_config_measured_no_faster_is_not_compiled_again(tmp_path, monkeypatch):
+    history, key = tmp_path / "h.json", compile_key({"model": "a"})
+    measured_compile(history, key, eager_s=0.2, compiled_s=0.21)
+    monkeypatch.setattr(compile_auto, "torch_cache_present", lambda: True)
+    auto = CompileAuto("auto", key, history, CPU)
+    assert auto.at_start(10**6) is None and probe(auto, 0.2, 10**6) is None
+    assert "0.95x" in auto.skipped_reason()
+    assert compile_key({"model": "b"}) != key
 
 
 def test_failed_compile_trains_eager_with_a_warning(finetune_config, tmp_path, monkeypatch):
@@ -32,6 +107,7 @@ def test_failed_compile_trains_eager_with_a_warning(finetune_config, tmp_path, m
 
 
 def test_auto_does_not_compile_a_short_run(finetune_config, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINFORGE_CACHE", str(tmp_path / "cache"))  # no compile history of other tests
     calls = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: calls.append(self))
     result = train(RunConfig.model_validate(finetune_config), tmp_path / "run", ConsoleReporter(Console(quiet=True)))

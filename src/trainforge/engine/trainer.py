@@ -15,7 +15,7 @@ import torch
 
 from .. import __version__
 from ..checkpoint import atomic_write_dir, step_dir_name
-from ..config import RunConfig, resolve_max_steps
+from ..config import RunConfig, default_cache_dir, resolve_max_steps
 from ..data.loader import Batch, RowCollator, TrainLoader, eval_batches
 from ..data.packing import build_rows, weighted_indices
 from ..data.prepare import PreparedData, prepare_data, resolve_format, training_texts
@@ -36,10 +36,11 @@ from ..metrics.profile import StepProfile, StepTimer
 from ..metrics.sinks import TensorBoardSink
 from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
-from ..model.compile import PROBE_STEPS, compile_decoder, compile_pays_off
+from ..model.compile import compile_decoder
 from ..model.load import build_model, count_parameters
 from ..model.tokenizer import load_tokenizer, train_bpe_tokenizer
 from ..tools.generate import sample
+from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .evaluate import evaluate
 from .memory import estimate_memory, memory_warning
 from .nonfinite import NonFiniteGuard
@@ -173,6 +174,7 @@ class Run:
     schedule_steps: int  # horizon of the LR schedule: max_steps, or the original one after a resume
     timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu")))  # phases of profiled steps
     compiled: bool = False  # the decoder runs through torch.compile
+    compile_auto: CompileAuto | None = None  # when to compile (train.compile), from this machine's past measurements
     flops_per_token: float = 0.0  # model FLOPs per trained token (forward + backward), for MFU
     peak_flops: float = 0.0  # of the device in the run's precision; 0: unknown, no MFU
     dist: DistContext = field(default_factory=DistContext)
@@ -313,6 +315,10 @@ def setup(
         sync=ctx.no_sync(train_model),
         precision_reason=why,
     )
+    run.compile_auto = CompileAuto(
+        cfg.train.compile, compile_key(compile_shape(cfg, model, precision, device, ctx)),
+        (cfg.data.cache_dir or default_cache_dir()) / HISTORY_FILE, device,
+    )
     run.flops_per_token = flops_per_token(model, cfg.data.max_length)
     device_peak, source = peak_flops(device, precision.name, cfg.data.cache_dir)
     run.peak_flops = device_peak * ctx.world_size  # tokens/s is the global figure: so is the peak
@@ -324,6 +330,21 @@ def setup(
     if resume_plan is not None:
         restore(run, resume_plan)  # last: it restores the random states that building the run consumed
     return run
+
+
+def compile_shape(cfg: RunConfig, model: torch.nn.Module, precision: Precision, device: torch.device, ctx: DistContext) -> dict:
+    """What decides the compiled graphs and their speed: the key of ``compile_history.json``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {
+        "model": base.config.to_dict(),
+        "method": cfg.model.method,
+        "lora": cfg.model.lora.model_dump() if cfg.model.method != "full" else None,
+        "batch": [cfg.train.micro_batch_size, cfg.data.max_length, str(cfg.data.packing)],
+        "precision": precision.name,
+        "fused_loss": cfg.train.fused_loss,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}t",
+        "world": [ctx.world_size, ctx.mode],
+    }
 
 
 def wrap_for_ranks(
@@ -374,16 +395,12 @@ def train_loop(run: Run) -> None:
         run.eval_before = run_eval(run, "before training")
     run.batches = iter(run.loader)
     first_step, loop_start = run.step, time.perf_counter()
-    probe_start = loop_start
     tick = run.window.started = loop_start
     run.reporter.start(run.max_steps, first_step)
-    if cfg.train.compile is True and not run.compiled:
-        run.compiled = compile_decoder(run.model, run.reporter.warn)
+    if not run.compiled:
+        compile_if(run, run.compile_auto.at_start(run.max_steps - run.step))
     while run.step < run.max_steps:
-        if run.step - first_step == PROBE_STEPS and cfg.train.compile == "auto" and not run.compiled:
-            decide_compile(run, (time.perf_counter() - probe_start) / (PROBE_STEPS - 1))
-        if run.step - first_step == 1:
-            probe_start = time.perf_counter()  # the first step warms up; time the next ones
+        step_start = time.perf_counter()
         position = run.loader.state_dict()  # where this step's examples start: an out-of-memory retry re-reads them
         profile = StepProfile(run.timer, run.step + 1, run.out / "profile") if run.step + 1 in cfg.log.profile_steps else None
         t = time.perf_counter()
@@ -420,6 +437,9 @@ def train_loop(run: Run) -> None:
         now = time.perf_counter()
         run.loop_time_s, tick = run.loop_time_s + now - tick, now
         step, last = run.step, run.step == run.max_steps
+        run.compile_auto.record_step(now - step_start, run.compiled)  # compile: auto learns from measured steps
+        if not run.compiled:
+            compile_if(run, run.compile_auto.after_eager_steps(run.max_steps - step))
 
         if step % cfg.log.every_steps == 0 or last:
             log_step(run, lr, grad_norm, eta=(now - loop_start) / (step - first_step) * (run.max_steps - step))
@@ -440,12 +460,13 @@ def report_profile(run: Run, profile: StepProfile) -> None:
     run.reporter.info(f"profile of step {profile.step}: {split}; trace {profile.trace}")
 
 
-def decide_compile(run: Run, step_time_s: float) -> None:
-    """``train.compile: auto``: compile now if it pays off over the steps left."""
-    remaining = run.max_steps - run.step
-    if compile_pays_off(step_time_s, remaining, run.device):
-        run.reporter.info(f"compile: {step_time_s:.3f}s per eager step x {remaining} steps left: compiling the decoder")
+def compile_if(run: Run, reason: str | None) -> None:
+    """Compile the decoder now when ``train.compile`` (via ``run.compile_auto``) gave a reason."""
+    if reason:
+        run.reporter.info(reason)
         run.compiled = compile_decoder(run.model, run.reporter.warn)
+    elif (skipped := run.compile_auto.skipped_reason()) and run.step == 0:
+        run.reporter.info(skipped)
 
 
 def step_indices(run: Run, micro_batches: list[Batch]) -> list[int]:

@@ -6,18 +6,13 @@ from collections.abc import Callable
 
 import torch
 
-# Assumptions of the `auto` rule, from measurements on this project's benchmark model: the
-# decoder ran 1.9x faster compiled on a 2-core CPU after ~70 s of compiling; GPUs compile
-# faster. The rule is conservative: it assumes a smaller speedup than measured.
+# Assumptions of the `auto` rule for a config never compiled on this machine (engine/compile_auto.py
+# uses measured figures once it has them), from this project's benchmark model: the decoder ran
+# 1.9x faster compiled on a 2-core CPU after ~70 s of compiling; GPUs compile faster. Conservative:
+# a smaller speed-up than measured.
 ASSUMED_SPEEDUP = 1.3
 ASSUMED_COMPILE_S = {"cpu": 90.0, "cuda": 60.0}
 PROBE_STEPS = 4  # eager steps timed before `auto` decides (the first one warms up and is not counted)
-
-
-def compile_pays_off(step_time_s: float, remaining_steps: int, device: torch.device) -> bool:
-    """True when the time saved over the remaining steps exceeds the expected compile time."""
-    saved = step_time_s * remaining_steps * (1.0 - 1.0 / ASSUMED_SPEEDUP)
-    return saved > ASSUMED_COMPILE_S.get(device.type, 90.0)
 
 
 def compile_decoder(model: torch.nn.Module, warn: Callable[[str], None]) -> bool:
