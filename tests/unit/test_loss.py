@@ -70,7 +70,7 @@ def test_head_with_lora_or_logit_transforms_falls_back(tiny_model_dir):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("variant", ["untied", "tied", "lora", "dense"])
+@pytest.mark.parametrize("variant", ["untied", "tied", "lora", "dense", "bias"])
 def test_fused_matches_standard_under_autocast(tiny_model_dir, tmp_path, precision, variant):
     """Under bf16/fp16 autocast the fused head runs its matmuls in the low precision, as the
     standard head does, and hands back gradients in the hidden state's dtype: the two paths
@@ -84,6 +84,13 @@ def test_fused_matches_standard_under_autocast(tiny_model_dir, tmp_path, precisi
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)
+    if variant == "bias":  # a head with a bias (GPT-2-style heads have none, some others do)
+        head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(model.lm_head.weight)
+            head.bias.normal_(std=0.1, generator=torch.Generator().manual_seed(0))
+        model.lm_head = head
+        assert fused_head(model)[1] is head
     batch = batch_for(tok, tmp_path)
     if variant == "dense":  # every position a target: the slicing path
         batch.labels = torch.where(batch.labels == -100, batch.input_ids, batch.labels)
