@@ -41,7 +41,8 @@ def measured_compile(history, key, eager_s=0.2, compiled_s=0.1, first_s=40.0):
     for _ in range(compile_auto.PROBE_STEPS):  # as if the run had timed eager steps (a resume with compile: true has none)
         auto.record_step(eager_s, compiled=False)
     auto.record_step(first_s, compiled=True)
-    for _ in range(compile_auto.MEASURE_STEPS):
+    auto.record_step(compiled_s + 5.0, compiled=True)  # a recompile
+    for _ in range(compile_auto.MEASURE_STEPS - 2):
         auto.record_step(compiled_s, compiled=True)
     return auto
 
@@ -51,7 +52,7 @@ def test_a_compiled_run_records_compile_time_and_speedup(tmp_path):
     measured_compile(history, key)
     entry = json.loads(history.read_text())[key]
     assert entry["speedup"] == pytest.approx(2.0)
-    assert entry["compile_s"] == pytest.approx(39.9)
+    assert entry["compile_s"] == pytest.approx(39.9 + 5.0)
     assert entry["eager_step_s"] == pytest.approx(0.2) and entry["compiled_step_s"] == pytest.approx(0.1)
 
 
@@ -60,7 +61,7 @@ def test_known_config_with_warm_cache_compiles_from_the_first_step(tmp_path, mon
     measured_compile(history, key)
     monkeypatch.setattr(compile_auto, "torch_cache_present", lambda: True)
     auto = CompileAuto("auto", key, history, CPU)
-    # 0.2 s x 2000 steps x (1 - 1/2) = 200 s saved > the 40 s compile measured (no warm figure yet)
+    # 0.2 s x 2000 steps x (1 - 1/2) = 200 s saved > the 45 s compile measured (no warm figure yet)
     assert "compiling from the first step" in auto.at_start(2000)
     assert auto.after_eager_steps(2000) is None  # decided once
     # a short rerun does not pay for it
@@ -68,10 +69,10 @@ def test_known_config_with_warm_cache_compiles_from_the_first_step(tmp_path, mon
     # the warm compile is measured too, and from then on decides
     warm = CompileAuto("auto", key, history, CPU)
     warm.at_start(2000)
-    for s in (3.1, 0.1, 0.1, 0.1):
+    for s in [3.1] + [0.1] * (compile_auto.MEASURE_STEPS - 1):
         warm.record_step(s, compiled=True)
     entry = json.loads(history.read_text())[key]
-    assert entry["warm_compile_s"] == pytest.approx(3.0) and entry["compile_s"] == pytest.approx(39.9)
+    assert entry["warm_compile_s"] == pytest.approx(3.0) and entry["compile_s"] == pytest.approx(44.9)
     assert "~3s to load" in CompileAuto("auto", key, history, CPU).at_start(200)  # 20 s saved > 3 s
 
 
@@ -82,6 +83,22 @@ def test_cleared_torch_cache_means_probing_again(tmp_path, monkeypatch):
     auto = CompileAuto("auto", key, history, CPU)
     assert auto.at_start(100_000) is None
     assert probe(auto, 0.2, 100_000) is not None  # with the measured speed-up and cold compile time
+
+
+def test_compiled_step_time_from_a_forced_compile_gives_the_speedup(tmp_path, monkeypatch):
+    """A run with compile: true has no eager steps to compare; a later auto run probes eager steps
+    and takes the speed-up against the compiled step time recorded then."""
+    history, key = tmp_path / "h.json", compile_key({"model": "a"})
+    forced = CompileAuto(True, key, history, CPU)
+    forced.at_start(100)
+    for s in [40.0] + [0.1] * (compile_auto.MEASURE_STEPS - 1):
+        forced.record_step(s, compiled=True)
+    entry = json.loads(history.read_text())[key]
+    assert "speedup" not in entry and entry["compiled_step_s"] == pytest.approx(0.1)
+    monkeypatch.setattr(compile_auto, "torch_cache_present", lambda: True)
+    auto = CompileAuto("auto", key, history, CPU)
+    assert auto.at_start(10**6) is None  # no measured speed-up yet: probe first
+    assert "2.00x" in probe(auto, 0.2, 1000)  # 0.2 / 0.1; 100 s saved > the recorded 40 s
 
 
 def test_config_measured_no_faster_is_not_compiled_again(tmp_path, monkeypatch):

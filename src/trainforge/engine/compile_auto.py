@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from ..model.compile import ASSUMED_COMPILE_S, ASSUMED_SPEEDUP, PROBE_STEPS
 
 MIN_SPEEDUP = 1.05  # a compiled step measured less than this much faster is not worth compiling again
-MEASURE_STEPS = 3  # compiled steps timed after the first (which compiles) for the steady step time
+MEASURE_STEPS = 8  # compiled steps timed: the first ones compile (recompiles included), the last half give the steady time
 HISTORY_FILE = "compile_history.json"
 
 
@@ -87,8 +88,12 @@ class CompileAuto:
         if self.decided or len(self.eager_times) < PROBE_STEPS:
             return None
         self.decided = True
-        step_s = sum(self.eager_times[1:]) / (len(self.eager_times) - 1)  # the first step warms up
-        speedup = self.known.get("speedup") or ASSUMED_SPEEDUP
+        step_s = self._eager_step_s()
+        # the measured speed-up, or from a compiled step time measured before (a run with compile: true)
+        compiled_s = self.known.get("compiled_step_s")
+        speedup = self.known.get("speedup") or (step_s / compiled_s if compiled_s else ASSUMED_SPEEDUP)
+        if speedup < MIN_SPEEDUP:
+            return None
         cost = self.known.get("warm_compile_s") if self.warm else None
         cost = cost or self.known.get("compile_s") or ASSUMED_COMPILE_S.get(self.device.type, 90.0)
         if self._pays_off(step_s, remaining_steps, speedup, cost):
@@ -108,22 +113,27 @@ class CompileAuto:
 
     # ------------------------------------------------------------ measurements
 
+    def _eager_step_s(self) -> float | None:
+        """Mean eager step time of this run, the first (warm-up) step left out."""
+        return statistics.mean(self.eager_times[1:]) if len(self.eager_times) > 1 else None
+
     def record_step(self, seconds: float, compiled: bool) -> None:
-        """One optimizer step's wall time; after a compile's first ``1 + MEASURE_STEPS`` steps, save the record."""
+        """One optimizer step's wall time; after a compile's first ``MEASURE_STEPS`` steps, save the record."""
         if not compiled:
             self.eager_times.append(seconds)
             return
         self.compiled_times.append(seconds)
-        if len(self.compiled_times) == 1 + MEASURE_STEPS:
+        if len(self.compiled_times) == MEASURE_STEPS:
             self._save_measurement()
 
     def _save_measurement(self) -> None:
-        first, steady = self.compiled_times[0], sum(self.compiled_times[1:]) / MEASURE_STEPS
+        times = self.compiled_times
+        steady = statistics.median(times[len(times) // 2 :])
         entry = dict(self.known)
-        compile_s = max(first - steady, 0.0)
+        compile_s = sum(max(t - steady, 0.0) for t in times)  # time above the steady pace: compiling and recompiling
         entry["warm_compile_s" if self.warm else "compile_s"] = compile_s
         entry["compiled_step_s"] = steady
-        eager = sum(self.eager_times[1:]) / (len(self.eager_times) - 1) if len(self.eager_times) > 1 else entry.get("eager_step_s")
+        eager = self._eager_step_s() or entry.get("eager_step_s")
         if eager:
             entry["eager_step_s"] = eager
             entry["speedup"] = eager / steady
