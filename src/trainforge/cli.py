@@ -168,6 +168,37 @@ def bench(
 
 
 @app.command()
+def selftest(
+    device: Annotated[
+        str, typer.Option("--device", help="auto: CUDA when present, else CPU; or cpu, cuda, cuda:N")
+    ] = "auto",
+    quick: Annotated[
+        bool, typer.Option("--quick", help="a subset: every precision and data shape, LoRA and the standard head; no compile")
+    ] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help="write every result (with per-step losses) as JSON here")] = None,
+) -> None:
+    """Train every path (precision x data x method x head, compiled) a few steps on a tiny model on this
+    machine and check it against fp32; run it first on a new machine. Exit code 1 if any path fails."""
+    import json
+    import re
+
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        _fail(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
+    from .hardware import describe, pick_device
+    from .tools.selftest import results_json, run_selftest
+
+    try:
+        resolved = pick_device(device)
+    except RuntimeError as e:  # --device cuda without CUDA
+        _fail(str(e))
+    results = run_selftest(str(resolved), quick)
+    if out:
+        out.write_text(json.dumps(results_json(results, describe(resolved)), indent=2))
+    if not all(r.ok for r in results):
+        raise typer.Exit(1)
+
+
+@app.command()
 def config(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,

@@ -1,0 +1,185 @@
+"""The selftest matrix as tests: every precision x data shape x method x head (and one compiled
+case) trains through the real entry point and tracks fp32; the checks beside it; and broken
+paths, to show that the checks catch what they are there for.
+
+The matrix, its tolerances and their justification live in ``trainforge/tools/selftest.py``:
+``trainforge selftest`` runs the same cases on the user's machine. Every precision is forced,
+so this runs alike on CPUs with and without native bf16 (fp16 is emulated on any CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import trainforge.engine.loss as loss_module
+import trainforge.engine.step as step_module
+import trainforge.model.packed_attention as packed_attention
+from trainforge.data.loader import TrainLoader
+from trainforge.tools.selftest import CASES, CHECKS, QUICK, STEPS, Case, SelfTest, matrix
+
+
+@pytest.fixture(scope="session")
+def selftest(tmp_path_factory) -> SelfTest:
+    """One runner for the session: tokenizer, model and data built once, each fp32 reference run once."""
+    return SelfTest("cpu", workdir=tmp_path_factory.mktemp("selftest"))
+
+
+def runner_with(selftest: SelfTest, tmp_path, *done: Case) -> SelfTest:
+    """A fresh runner that shares the session's assets and already has ``done`` (run cleanly)."""
+    fresh = SelfTest("cpu", workdir=tmp_path, assets=selftest.assets)
+    for case in done:
+        result = selftest.case(case)
+        assert result.status == "ok", result.error
+        fresh.results[case.name], fresh.weights[case.name] = result, selftest.weights[case.name]
+    return fresh
+
+
+# ---------------------------------------------------------------- the matrix
+
+
+def test_matrix_covers_every_combination_once():
+    names = [c.name for c in CASES]
+    assert len(names) == len(set(names)) == 3 * 4 * 2 * 2 + 1
+    assert names.index("fp32-chat-lora-standard") < names.index("bf16-concat-full-fused")  # references first
+    assert [c.name for c in CASES if c.compiled] == ["bf16-packed-full-fused-compiled"]
+    quick = matrix(quick=True)
+    assert len(quick) == 3 * len(QUICK) and not any(c.compiled for c in quick)
+    for p in ("fp32", "bf16", "fp16"):  # the quick subset still has every data shape, LoRA and the standard head
+        mine = [c for c in quick if c.precision == p]
+        assert {c.data for c in mine} == {"concat", "packed", "completion", "chat"}
+        assert {c.method for c in mine} == {"full", "lora"} and {c.head for c in mine} == {"fused", "standard"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_training_path(selftest, case):
+    result = selftest.case(case)
+    assert result.status == "ok", result.error
+    assert len(result.losses) == STEPS and all(math.isfinite(x) for x in result.losses)
+    assert result.tokens_per_s > 0 and math.isfinite(result.eval_loss)
+    if case.precision != "fp32":
+        assert result.loss_gap is not None and result.grad_norm_gap is not None
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_check(selftest, name):
+    result = selftest.check(name)
+    if result.status == "skipped":
+        assert name == "pinned-memory" and not torch.cuda.is_available()
+        pytest.skip(result.detail)
+    assert result.status == "ok", result.error
+
+
+# ---------------------------------------------------------------- the checks can fail
+
+
+def test_gradients_left_scaled_by_the_grad_scaler_fail(selftest, tmp_path, monkeypatch):
+    """fp16 gradients that stay multiplied by the loss scale: AdamW's update hardly changes
+    (scale-invariant, and clipping hides the size), so only the grad-norm comparison sees it."""
+    case = Case("fp16", "packed", "full", "fused")
+    runner = runner_with(selftest, tmp_path, case.reference)
+    unscale = torch.amp.GradScaler.unscale_
+
+    def unscale_forgotten(self, optimizer):
+        unscale(self, optimizer)  # the scaler's bookkeeping (inf checks) as usual...
+        for group in optimizer.param_groups:  # ...but the gradients keep their scale
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(self.get_scale())
+
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", unscale_forgotten)
+    result = runner.case(case)
+    assert result.status == "FAILED"
+    assert "grad norm departs from fp32" in result.error, result.error
+
+
+def test_a_wrongly_scaled_bf16_loss_fails(selftest, tmp_path, monkeypatch):
+    case = Case("bf16", "chat", "full", "fused")
+    runner = runner_with(selftest, tmp_path, case.reference)
+    loss_sum = step_module.loss_sum
+
+    def doubled_in_bf16(model, batch, precision, fused=True):
+        loss = loss_sum(model, batch, precision, fused)
+        return loss * 2 if precision.name == "bf16" else loss  # e.g. a token count off by a factor
+
+    monkeypatch.setattr(step_module, "loss_sum", doubled_in_bf16)
+    result = runner.case(case)
+    assert result.status == "FAILED"
+    assert "loss departs from fp32" in result.error, result.error
+
+
+def _overflow_in_step(monkeypatch, step: int) -> None:
+    """An fp16 gradient overflow in ``step``: an inf in a gradient before the scaler checks them."""
+    unscale, calls = torch.amp.GradScaler.unscale_, {"n": 0}
+
+    def unscale_with_overflow(self, optimizer):
+        calls["n"] += 1
+        if calls["n"] == step:
+            p = next(p for g in optimizer.param_groups for p in g["params"] if p.grad is not None)
+            p.grad.view(-1)[0] = float("inf")
+        unscale(self, optimizer)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "unscale_", unscale_with_overflow)
+
+
+def test_an_fp16_overflow_is_skipped_and_backs_the_scale_off(selftest, tmp_path, monkeypatch):
+    """The overflow path on any CPU: the step is skipped, the scale halves, training goes on."""
+    case = Case("fp16", "completion", "full", "fused")
+    runner = runner_with(selftest, tmp_path, case.reference)
+    _overflow_in_step(monkeypatch, 3)
+    result = runner.case(case)
+    assert result.status == "ok", result.error
+    assert result.overflows == [3] and "overflow at step 3" in result.detail
+
+
+def test_an_fp16_overflow_the_scaler_does_not_back_off_from_fails(selftest, tmp_path, monkeypatch):
+    case = Case("fp16", "completion", "full", "fused")
+    runner = runner_with(selftest, tmp_path, case.reference)
+    _overflow_in_step(monkeypatch, 3)
+    update = torch.amp.GradScaler.update
+
+    def update_keeping_the_scale(self, new_scale=None):
+        scale = self._scale.clone()
+        update(self, new_scale)
+        self._scale.copy_(scale)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "update", update_keeping_the_scale)
+    result = runner.case(case)
+    assert result.status == "FAILED"
+    assert "overflows were not handled by the scaler" in result.error, result.error
+
+
+def test_a_wrong_fused_head_gradient_fails(selftest, tmp_path, monkeypatch):
+    runner = runner_with(selftest, tmp_path)
+    backward = loss_module._LinearCrossEntropy.backward
+
+    def halved(ctx, grad_out):
+        grad_h, *rest = backward(ctx, grad_out)
+        return (grad_h * 0.5, *rest)
+
+    monkeypatch.setattr(loss_module._LinearCrossEntropy, "backward", staticmethod(halved))
+    result = runner.check("head-grads-bf16")
+    assert result.status == "FAILED"
+    assert "fused and standard head differ under bf16" in result.error, result.error
+
+
+def test_documents_that_see_each_other_fail(selftest, tmp_path, monkeypatch):
+    runner = runner_with(selftest, tmp_path)
+    plan = packed_attention._plan
+    # every row one document: position_ids' restarts ignored
+    monkeypatch.setattr(packed_attention, "_plan", lambda pos: plan(torch.arange(pos.shape[1]).expand(pos.shape[0], -1).contiguous()))
+    monkeypatch.setattr(packed_attention, "_cache", None)
+    result = runner.check("attention-fp32")
+    packed_attention._cache = None
+    assert result.status == "FAILED"
+    assert "trainforge_packed_sdpa: packed documents differ from one-at-a-time" in result.error, result.error
+
+
+def test_a_resume_that_loses_the_data_position_fails(selftest, tmp_path, monkeypatch):
+    runner = runner_with(selftest, tmp_path, Case("bf16", "packed", "full", "fused"))
+    monkeypatch.setattr(TrainLoader, "load_state_dict", lambda self, state: None)
+    result = runner.check("resume-bf16")
+    assert result.status == "FAILED"
+    assert "the resumed run differs from the uninterrupted one" in result.error, result.error
