@@ -68,7 +68,7 @@ class ModelSettings(Section):
     attention: Literal["auto", "sdpa", "packed_sdpa", "eager", "flash_attention_2"] = Field(
         "auto",
         description="attention kernel; auto: flash_attention_2 (varlen over packed documents) on CUDA when "
-        "flash-attn is installed, else sdpa; on CPU packed_sdpa (SDPA per packed document, no row-sized mask)",
+        "flash-attn is installed, else sdpa; on CPU packed_sdpa (packed documents batched by length, causal SDPA, no row-sized mask)",
     )
 
     @field_validator("path")
