@@ -131,7 +131,7 @@ def test_an_fp16_overflow_is_skipped_and_backs_the_scale_off(selftest, tmp_path,
     _overflow_in_step(monkeypatch, 3)
     result = runner.case(case)
     assert result.status == "ok", result.error
-    assert result.overflows == [3] and "overflow at step 3" in result.detail
+    assert result.overflows == [3] and "step 3 overflowed" in result.detail
 
 
 def test_an_fp16_overflow_the_scaler_does_not_back_off_from_fails(selftest, tmp_path, monkeypatch):
