@@ -18,7 +18,7 @@ import trainforge.engine.loss as loss_module
 import trainforge.engine.step as step_module
 import trainforge.model.packed_attention as packed_attention
 from trainforge.data.loader import TrainLoader
-from trainforge.tools.selftest import CASES, CHECKS, QUICK, STEPS, Case, SelfTest, matrix
+from trainforge.tools.selftest import CASES, CHECKS, QUICK, STEPS, Case, SelfTest, matrix, plan
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +70,16 @@ def test_check(selftest, name):
         assert name == "pinned-memory" and not torch.cuda.is_available()
         pytest.skip(result.detail)
     assert result.status == "ok", result.error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_matrix_on_cuda(tmp_path):
+    """The same matrix on the GPU: flash-attention varlen (when installed), pinned memory, the lagged guard."""
+    cases, checks = plan(torch.device("cuda"))
+    results = SelfTest("cuda", workdir=tmp_path).run(cases, checks)
+    failed = [f"{r.name}: {r.error}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
 
 
 # ---------------------------------------------------------------- the checks can fail
