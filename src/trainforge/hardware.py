@@ -143,7 +143,9 @@ def cpu_matmul_flops(precision: str, cache_dir: Path | None = None) -> float:
             table = {}
     if key in table:
         return float(table[key])
-    value = measure_matmul({"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    # fp16 has no CPU kernels (emulated, ~1000x slower than fp32): a small matrix keeps the probe short
+    value = measure_matmul(dtype, 256 if dtype is torch.float16 else 1024)
     table[key] = value
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)

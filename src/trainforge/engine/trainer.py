@@ -263,7 +263,7 @@ def setup(
     reporter.info(describe_data(data, efficiency))
     data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
 
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, device).to(device)
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None).to(device)
     model.train()
     trainable, total = count_parameters(model)
     reporter.info(

@@ -26,17 +26,18 @@ def init_config(init: dict[str, Any], tokenizer):
     return CONFIG_MAPPING[init["architecture"]](**fields)
 
 
-def attention_implementation(requested: str, device: torch.device) -> str:
-    """``auto``: flash-attention 2 on CUDA when installed (packed documents go through its varlen
-    kernel), stock SDPA elsewhere on CUDA (a block-diagonal mask for packed rows), and on CPU
-    SDPA per packed document (no row-sized mask; see packed_attention.py)."""
+def attention_implementation(requested: str, device: torch.device, half_precision: bool = True) -> str:
+    """``auto``: flash-attention 2 on CUDA when installed and the run computes in bf16/fp16
+    (packed documents go through its varlen kernel; it refuses fp32 inputs), stock SDPA
+    elsewhere on CUDA (a block-diagonal mask for packed rows), and on CPU packed documents
+    batched by length (no row-sized mask; see packed_attention.py)."""
     if requested == "packed_sdpa" or (requested == "auto" and device.type == "cpu"):
         from .packed_attention import register
 
         return register()
     if requested != "auto":
         return requested
-    if device.type == "cuda":
+    if device.type == "cuda" and half_precision:
         import importlib.util
 
         if importlib.util.find_spec("flash_attn") is not None:
@@ -44,11 +45,14 @@ def attention_implementation(requested: str, device: torch.device) -> str:
     return "sdpa"
 
 
-def build_model(cfg: ModelSettings, tokenizer, seed: int, device: torch.device | None = None) -> torch.nn.Module:
-    """The trainable model: weights loaded or seeded-initialized, LoRA-wrapped when asked."""
+def build_model(
+    cfg: ModelSettings, tokenizer, seed: int, device: torch.device | None = None, half_precision: bool = True
+) -> torch.nn.Module:
+    """The trainable model: weights loaded or seeded-initialized, LoRA-wrapped when asked.
+    ``half_precision``: the run computes in bf16/fp16 (decides whether flash-attention can serve)."""
     from transformers import AutoModelForCausalLM
 
-    attn = attention_implementation(cfg.attention, device or torch.device("cpu"))
+    attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision)
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
     if cfg.init is not None:
         model = AutoModelForCausalLM.from_config(
