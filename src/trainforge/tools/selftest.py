@@ -622,14 +622,16 @@ class SelfTest:
         from ..model.tokenizer import load_tokenizer
 
         mode, tol = MODES[precision], self.tolerance(HEAD_GRAD_TOL, precision)
+        half = mode.autocast_dtype is not None  # flash-attention (CUDA) serves bf16/fp16 only
         tok = load_tokenizer(self.assets.tokenizer)
         notes = []
         for label in ("full", "lora"):
             with _rng_kept():
                 if label == "full":
-                    model = build_model(ModelSettings(init=dict(MODEL_INIT), tokenizer=self.assets.tokenizer), tok, 0, self.device)
+                    model = build_model(ModelSettings(init=dict(MODEL_INIT), tokenizer=self.assets.tokenizer), tok, 0, self.device, half)
                 else:
-                    model = apply_lora(build_model(ModelSettings(path=self.assets.pretrained), tok, 0, self.device), LoraSettings(r=4, alpha=8))
+                    base = build_model(ModelSettings(path=self.assets.pretrained), tok, 0, self.device, half)
+                    model = apply_lora(base, LoraSettings(r=4, alpha=8))
                     torch.manual_seed(1)
                     for n, p in model.named_parameters():
                         if "lora_B" in n:  # B starts at zero, which would make A's gradient zero on both paths
