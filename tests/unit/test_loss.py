@@ -30,6 +30,26 @@ def batch_for(tok, tmp_path):
     return RowCollator(store, tok.pad_token_id, True, 40)(build_rows(store, np.arange(4), True, 40), [0])
 
 
+def model_variant(model_dir, tok, variant: str) -> torch.nn.Module:
+    """The tiny model with an untied head (default), a tied one, LoRA adapters, or a biased head."""
+    model = build_model(ModelSettings(path=model_dir), tok, seed=0)
+    if variant == "tied":
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if variant == "lora":
+        model = apply_lora(model, LoraSettings(r=4, alpha=8))
+        for n, p in model.named_parameters():  # make B non-zero so adapter gradients are not trivially equal
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+    if variant == "bias":  # a head with a bias (GPT-2-style heads have none, some others do)
+        head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(model.lm_head.weight)
+            head.bias.normal_(std=0.1, generator=torch.Generator().manual_seed(0))
+        model.lm_head = head
+        assert fused_head(model)[1] is head
+    return model
+
+
 def grads(model, batch, fused):
     model.zero_grad(set_to_none=True)
     loss = loss_sum(model, batch, FP32, fused=fused)
@@ -40,14 +60,7 @@ def grads(model, batch, fused):
 @pytest.mark.parametrize("variant", ["untied", "tied", "lora", "small-chunks"])
 def test_fused_matches_standard(tiny_model_dir, tmp_path, monkeypatch, variant):
     tok = load_tokenizer(tiny_model_dir)
-    model = build_model(ModelSettings(path=tiny_model_dir), tok, seed=0)
-    if variant == "tied":
-        model.lm_head.weight = model.model.embed_tokens.weight
-    if variant == "lora":
-        model = apply_lora(model, LoraSettings(r=4, alpha=8))
-        for n, p in model.named_parameters():  # make B non-zero so adapter gradients are not trivially equal
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.02)
+    model = model_variant(tiny_model_dir, tok, variant)
     if variant == "small-chunks":
         monkeypatch.setattr(loss_module, "CHUNK", 7)
     assert fused_head(model) is not None
@@ -76,21 +89,7 @@ def test_fused_matches_standard_under_autocast(tiny_model_dir, tmp_path, precisi
     standard head does, and hands back gradients in the hidden state's dtype: the two paths
     agree to that precision's rounding (both round the same logits' inputs)."""
     tok = load_tokenizer(tiny_model_dir)
-    model = build_model(ModelSettings(path=tiny_model_dir), tok, seed=0)
-    if variant == "tied":
-        model.lm_head.weight = model.model.embed_tokens.weight
-    if variant == "lora":
-        model = apply_lora(model, LoraSettings(r=4, alpha=8))
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.02)
-    if variant == "bias":  # a head with a bias (GPT-2-style heads have none, some others do)
-        head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
-        with torch.no_grad():
-            head.weight.copy_(model.lm_head.weight)
-            head.bias.normal_(std=0.1, generator=torch.Generator().manual_seed(0))
-        model.lm_head = head
-        assert fused_head(model)[1] is head
+    model = model_variant(tiny_model_dir, tok, variant)
     batch = batch_for(tok, tmp_path)
     if variant == "dense":  # every position a target: the slicing path
         batch.labels = torch.where(batch.labels == -100, batch.input_ids, batch.labels)
