@@ -62,7 +62,7 @@ def test_fused_matches_standard(tiny_model_dir, tmp_path, monkeypatch, variant):
     tok = load_tokenizer(tiny_model_dir)
     model = model_variant(tiny_model_dir, tok, variant)
     if variant == "small-chunks":
-        monkeypatch.setattr(loss_module, "CHUNK", 7)
+        monkeypatch.setattr(loss_module, "CPU_CHUNK", 7)
     assert fused_head(model) is not None
     batch = batch_for(tok, tmp_path)
     loss_f, g_f = grads(model, batch, fused=True)
