@@ -73,10 +73,10 @@ def train(
         _fail(str(e))
     output = output or Path("runs") / f"{config.stem if config else 'default'}-{time.strftime('%Y%m%d-%H%M%S')}"
     if nproc is not None and nproc > 1:
-        from .launch import launch_torchrun
+        from .launch import launch
 
         args = [*([str(config)] if config else []), *(a for s in set_ or [] for a in ("--set", s))]
-        launch_torchrun(nproc, [*args, "--output", str(output), "--resume", resume])  # does not return
+        raise typer.Exit(launch(nproc, [*args, "--output", str(output), "--resume", resume]))
 
     from .data.sources import DataError
     from .dist import DistError, launched_by_torchrun
@@ -87,21 +87,51 @@ def train(
     from .engine.trainer import OutputDirError
     from .engine.trainer import train as run_training
 
+    worker = launched_by_torchrun()
+    # errors every rank meets alike (the same data, config, run directory, loss) are printed by rank 0 only
+    alike = worker and os.environ.get("RANK", "0") != "0"
+    code = 1
     try:
-        run_training(cfg, output, resume=resume)
-    except (DataError, OutputDirError, ResumeError, DistError) as e:
-        _fail(str(e))
-    except NonFiniteError as e:
-        _fail(str(e), EXIT_NONFINITE)
-    except OutOfMemory as e:
-        _fail(str(e), EXIT_OUT_OF_MEMORY)
-    except Interrupted as e:
-        _fail(str(e), EXIT_INTERRUPTED, label="stopped")
-    except Exception as e:
-        if not (launched_by_torchrun() and _peer_failure(e)):
-            raise
-        # not this rank's fault: one line here, the failing rank shows its own error (and torchrun names it)
-        _fail(f"rank {os.environ.get('RANK')}: stopping because another process of the job failed ({type(e).__name__})", 1)
+        try:
+            run_training(cfg, output, resume=resume)
+            code = 0
+        except (DataError, OutputDirError, ResumeError, DistError) as e:
+            _fail(str(e), quiet=alike)
+        except NonFiniteError as e:
+            _fail(str(e), EXIT_NONFINITE, quiet=alike)
+        except OutOfMemory as e:
+            _fail(str(e), EXIT_OUT_OF_MEMORY)
+        except Interrupted as e:
+            _fail(str(e), EXIT_INTERRUPTED, label="stopped", quiet=alike)
+        except Exception as e:
+            if not (worker and _peer_failure(e)):
+                raise
+            # not this rank's fault: one line here, the failing rank shows its own error (and torchrun names it)
+            _fail(f"rank {os.environ.get('RANK')}: stopping because another process of the job failed ({type(e).__name__})", 1)
+    except typer.Exit as e:
+        code = e.exit_code
+        raise
+    except BaseException:
+        if worker:
+            import traceback
+
+            traceback.print_exc()
+        raise
+    finally:
+        if worker:
+            _end_worker(code)
+
+
+def _end_worker(code: int) -> None:
+    """A torchrun worker ends here: its exit code for ``--nproc``'s launcher, then ``os._exit``:
+    the interpreter's own shutdown would free what is left of the process group's threads, which
+    can hang (see dist.shutdown); everything the run writes is closed by now."""
+    from .launch import record_exit_code
+
+    record_exit_code(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _peer_failure(e: BaseException) -> bool:
@@ -218,11 +248,13 @@ def config(
         _fail(str(e))
 
 
-def _fail(message: str, code: int = EXIT_BAD_INPUT, label: str = "error") -> None:
+def _fail(message: str, code: int = EXIT_BAD_INPUT, label: str = "error", quiet: bool = False) -> None:
+    """Print the message (unless ``quiet``: another process prints it) and exit with ``code``."""
     from rich.markup import escape
 
-    # the message quotes user input, which may contain "[...]": escape it so rich shows it verbatim
-    err.print(f"[bold red]{label}:[/bold red] {escape(message)}", soft_wrap=True)
+    if not quiet:
+        # the message quotes user input, which may contain "[...]": escape it so rich shows it verbatim
+        err.print(f"[bold red]{label}:[/bold red] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 

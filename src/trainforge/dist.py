@@ -10,7 +10,10 @@ the others fail within that bound instead of waiting forever.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -176,9 +179,31 @@ def init_distributed(device_type: str, timeout_s: float) -> DistContext:
     return ctx
 
 
-def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(wait_for_peers: bool = True, timeout_s: float = 30.0) -> None:
+    """Tear the process group down without risking a hang at exit.
+
+    gloo's worker threads may still be releasing finished work that holds Python tensors, which
+    needs the GIL. A thread that destroys the group joins those workers: if it held the GIL while
+    doing so (as a destructor run from Python does) the two would wait for each other forever.
+    So: free wrappers left in reference cycles while the group lives, wait until every rank is
+    done, let the workers run (sleeping releases the GIL), then destroy the group from a helper
+    thread that this one waits for with a bound. The CLI ends torchrun workers with ``os._exit``
+    after this, so nothing left can hang the interpreter's own shutdown either.
+    ``wait_for_peers``: false on a failure, where peers may be blocked in a collective this rank
+    left (a barrier would wait for them until the timeout).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    if wait_for_peers:
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer that already failed: tear down what is left
+            pass
+    time.sleep(0.05)
+    closer = threading.Thread(target=dist.destroy_process_group, name="trainforge-pg-shutdown", daemon=True)
+    closer.start()
+    closer.join(timeout_s)
 
 
 def choose_mode(requested: str, static_bytes: int, available: int | None, local_world_size: int) -> tuple[str, str]:

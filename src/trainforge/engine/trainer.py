@@ -206,6 +206,7 @@ def train(
     ``never`` refuses a directory that holds a run, a path names the checkpoint to continue.
     """
     wall_start = time.perf_counter()
+    completed = False
     ctx = init_distributed(pick_device(cfg.train.device).type, cfg.train.dist_timeout_s)
     try:
         if not ctx.is_main:  # only rank 0 prints
@@ -218,14 +219,19 @@ def train(
             try:
                 train_loop(run)
                 run.saver.close()  # the end-of-run checkpoint is reported before final/ and the summary
-                return finish(run, wall_start)
+                result = finish(run, wall_start)
+                completed = True
+                return result
             finally:
                 run.saver.close()
                 run.reporter.stop()
                 run.metrics.close()
+                # drop the DDP wrapper (and its gradient reducer) now, while the process group still
+                # lives: freed after it, the reducer would free the group from this thread (see dist.shutdown)
+                run.train_model = run.sync = None
     finally:
         if ctx.enabled:
-            shutdown()
+            shutdown(wait_for_peers=completed)  # a failed rank must not wait for peers stuck in its collective
 
 
 def setup(
