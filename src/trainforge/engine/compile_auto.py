@@ -26,6 +26,8 @@ import torch
 
 from ..model.compile import ASSUMED_COMPILE_S, ASSUMED_SPEEDUP, PROBE_STEPS
 
+WARM_FRACTION = 0.15  # a compile from torch's warm on-disk cache, as a share of the cold one, until measured
+# (the 6M benchmark model on CPU: ~32 s cold, ~3 s warm)
 MIN_SPEEDUP = 1.05  # a compiled step measured less than this much faster is not worth compiling again
 MEASURE_STEPS = 8  # compiled steps timed: the first ones compile (recompiles included), the last half give the steady time
 HISTORY_FILE = "compile_history.json"
@@ -74,7 +76,7 @@ class CompileAuto:
             return None
         if not (self.warm and speedup and eager):
             return None  # probe first, as for an unknown config
-        cost = self.known.get("warm_compile_s", self.known.get("compile_s", ASSUMED_COMPILE_S["cpu"]))
+        cost = self._compile_cost()
         if self._pays_off(eager, remaining_steps, speedup, cost):
             self.decided = True
             return (
@@ -94,11 +96,20 @@ class CompileAuto:
         speedup = self.known.get("speedup") or (step_s / compiled_s if compiled_s else ASSUMED_SPEEDUP)
         if speedup < MIN_SPEEDUP:
             return None
-        cost = self.known.get("warm_compile_s") if self.warm else None
-        cost = cost or self.known.get("compile_s") or ASSUMED_COMPILE_S.get(self.device.type, 90.0)
+        cost = self._compile_cost()
         if self._pays_off(step_s, remaining_steps, speedup, cost):
             return f"compile: {step_s:.3f}s per eager step x {remaining_steps} steps left at {speedup:.2f}x pays for ~{cost:.0f}s of compiling"
         return None
+
+    def _compile_cost(self) -> float:
+        """Expected seconds of compiling: measured warm or cold for this config, else assumed."""
+        cold = self.known.get("compile_s")
+        if self.warm:
+            if "warm_compile_s" in self.known:
+                return self.known["warm_compile_s"]
+            if cold is not None:
+                return cold * WARM_FRACTION
+        return cold if cold is not None else ASSUMED_COMPILE_S.get(self.device.type, 90.0)
 
     @staticmethod
     def _pays_off(step_s: float, remaining: int, speedup: float, compile_s: float) -> bool:
