@@ -108,7 +108,24 @@ def test_config_measured_no_faster_is_not_compiled_again(tmp_path, monkeypatch):
     monkeypatch.setattr(compile_auto, "torch_cache_present", lambda: True)
     auto = CompileAuto("auto", key, history, CPU)
     assert auto.at_start(10**6) is None and probe(auto, 0.2, 10**6) is None
-    assert "0.95x" in auto.skipped_reason()
+    assert "0.95x" in auto.skipped_reason() and "0.95x" in auto.skip_note
+
+
+def test_forced_compile_measured_slower_than_eager_is_remembered(tmp_path, monkeypatch):
+    """compile: true recorded 0.143 s compiled steps; eager steps of a later auto run take 0.123 s:
+    not compiled, said once, and the measured speed-up is kept so the next run skips the probe."""
+    history, key = tmp_path / "h.json", compile_key({"model": "a"})
+    forced = CompileAuto(True, key, history, CPU)
+    forced.at_start(100)
+    for s in [4.2] + [0.143] * (compile_auto.MEASURE_STEPS - 1):
+        forced.record_step(s, compiled=True)
+    monkeypatch.setattr(compile_auto, "torch_cache_present", lambda: True)
+    auto = CompileAuto("auto", key, history, CPU)
+    assert auto.at_start(600) is None
+    assert probe(auto, 0.123, 600) is None and "0.86x" in auto.skip_note
+    assert json.loads(history.read_text())[key]["speedup"] == pytest.approx(0.123 / 0.143)
+    again = CompileAuto("auto", key, history, CPU)
+    assert again.at_start(10**6) is None and "0.86x" in again.skip_note
     assert compile_key({"model": "b"}) != key
 
 

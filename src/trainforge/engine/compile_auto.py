@@ -60,6 +60,7 @@ class CompileAuto:
         self.eager_times: list[float] = []
         self.compiled_times: list[float] = []
         self.warm = bool(self.known) and torch_cache_present()
+        self.skip_note: str | None = None  # why auto decided against compiling, once, for the console
 
     # ------------------------------------------------------------ decisions
 
@@ -73,6 +74,7 @@ class CompileAuto:
         speedup, eager = self.known.get("speedup"), self.known.get("eager_step_s")
         if speedup is not None and speedup < MIN_SPEEDUP:
             self.decided = True  # measured not to help here: never compile this config
+            self.skip_note = self.skipped_reason()
             return None
         if not (self.warm and speedup and eager):
             return None  # probe first, as for an unknown config
@@ -95,6 +97,9 @@ class CompileAuto:
         compiled_s = self.known.get("compiled_step_s")
         speedup = self.known.get("speedup") or (step_s / compiled_s if compiled_s else ASSUMED_SPEEDUP)
         if speedup < MIN_SPEEDUP:
+            if "speedup" not in self.known:  # measured now, against a compiled run's step time: remember it
+                self._save({**self.known, "eager_step_s": step_s, "speedup": speedup})
+            self.skip_note = self.skipped_reason()
             return None
         cost = self._compile_cost()
         if self._pays_off(step_s, remaining_steps, speedup, cost):
@@ -119,7 +124,7 @@ class CompileAuto:
         """Why a config measured before is not compiled (for the console), or None."""
         speedup = self.known.get("speedup")
         if self.mode == "auto" and speedup is not None and speedup < MIN_SPEEDUP:
-            return f"compile: skipped, this config ran only {speedup:.2f}x faster compiled on this machine before"
+            return f"compile: skipped, this config measured only {speedup:.2f}x as fast compiled on this machine"
         return None
 
     # ------------------------------------------------------------ measurements
@@ -148,6 +153,9 @@ class CompileAuto:
         if eager:
             entry["eager_step_s"] = eager
             entry["speedup"] = eager / steady
+        self._save(entry)
+
+    def _save(self, entry: dict[str, Any]) -> None:
         history = self._load()
         history[self.key] = entry
         try:

@@ -471,8 +471,9 @@ def compile_if(run: Run, reason: str | None) -> None:
     if reason:
         run.reporter.info(reason)
         run.compiled = compile_decoder(run.model, run.reporter.warn)
-    elif (skipped := run.compile_auto.skipped_reason()) and run.step == 0:
-        run.reporter.info(skipped)
+    elif run.compile_auto.skip_note:
+        run.reporter.info(run.compile_auto.skip_note)
+        run.compile_auto.skip_note = None  # said once
 
 
 def step_indices(run: Run, micro_batches: list[Batch]) -> list[int]:
