@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import FieldNames
+from .chat import SHAREGPT_FIELD, ChatLocator, conversation, tool_role_of
 from .sources import DataError, Row
 
 IGNORE = -100
@@ -51,12 +52,14 @@ def format_fields(fmt: str, names: FieldNames) -> tuple[str, ...]:
 
 def detect_format(row: Row, names: FieldNames) -> str:
     """The format whose fields the row has (chat, alpaca, prompt/completion, then text)."""
+    if SHAREGPT_FIELD in row.data and isinstance(row.data[SHAREGPT_FIELD], list):
+        return "chat"  # ShareGPT: {"conversations": [{"from", "value"}, ...]}
     for fmt in ("chat", "alpaca", "prompt_completion", "text"):
         if all(k in row.data for k in format_fields(fmt, names)):
             return fmt
     raise DataError(
         f"{row.where}: cannot tell the data format from fields {sorted(row.data)}; expected "
-        f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' (chat) or "
+        f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' or '{SHAREGPT_FIELD}' (chat) or "
         f"'{names.instruction}'+'{names.output}' (alpaca); or set data.format / data.fields"
     )
 
@@ -77,7 +80,10 @@ class Renderer:
 
     def __init__(self, fmt: str, names: FieldNames, tokenizer=None, chat_template: str | None = None, train_on_prompt: bool = False):
         self.fmt, self.names, self.tokenizer, self.train_on_prompt = fmt, names, tokenizer, train_on_prompt
-        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        own = chat_template or getattr(tokenizer, "chat_template", None)
+        self.chat_template = own or DEFAULT_CHAT_TEMPLATE
+        self.tool_role = tool_role_of(self.chat_template, default_template=own is None)
+        self.chat = ChatLocator(tokenizer, self.chat_template)
 
     def __call__(self, row: Row) -> Rendered:
         n = self.names
@@ -95,33 +101,12 @@ class Renderer:
         text = prompt + completion
         return Rendered(text, None if self.train_on_prompt else [(len(prompt), len(text))], True, where)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=generation_prompt
-        )
-
     def _chat(self, row: Row) -> Rendered:
-        messages = row.data.get(self.names.messages)
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{row.where}: field {self.names.messages!r} must be a non-empty list of {{role, content}} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise DataError(f"{row.where}: {self.names.messages}[{i}] must be an object with string 'role' and 'content'")
-        full = self._render(messages, False)
+        messages = conversation(row, self.names.messages, self.tool_role)
+        text = self.chat.render(messages, row.where)
         if self.train_on_prompt:
-            return Rendered(full, None, False, row.where)
-        spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before, through = self._render(messages[:i], True), self._render(messages[: i + 1], False)
-            if not (through.startswith(before) and full.startswith(through)):
-                raise DataError(
-                    f"{row.where}: the chat template does not render conversations prefix by prefix, so "
-                    "assistant turns cannot be located; set data.chat_template or data.train_on_prompt: true"
-                )
-            spans.append((len(before), len(through)))
-        return Rendered(full, spans, False, row.where)
+            return Rendered(text, None, False, row.where)
+        return Rendered(text, self.chat.locate(messages, text, row.where), False, row.where)
 
 
 @dataclass
@@ -137,6 +122,7 @@ class TokenizedChunk:
     dropped_too_long: int = 0
     split: int = 0
     dropped_masked: int = 0
+    lost_tokens: int = 0  # tokens cut off by truncation or dropped with too-long examples
 
 
 def _first_token_from(enc, char: int, n_chars: int) -> int:
@@ -227,6 +213,7 @@ def tokenize_rendered(
         if len(ids) > limit:
             if too_long == "drop":
                 chunk.dropped_too_long += 1
+                chunk.lost_tokens += len(ids)
                 continue
             if too_long == "split":
                 # Blocks of max_length + 1 tokens overlapping by one: a block's first token is the
@@ -238,6 +225,7 @@ def tokenize_rendered(
             else:
                 pieces = [(ids[:limit], learn[:limit])]
                 chunk.truncated += 1
+                chunk.lost_tokens += len(ids) - limit
         kept = False  # whether the previous piece of this document was stored
         for p, (p_ids, p_learn) in enumerate(pieces):
             if len(p_ids) < 2 or not p_learn[1:].any():  # nothing to learn: a prompt filled the row

@@ -10,6 +10,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -23,9 +24,10 @@ import numpy as np
 
 from ..checkpoint import atomic_write_dir
 from ..config import DataSettings, default_cache_dir
+from .chat import conversation
 from .formats import Renderer, TokenizedChunk, detect_format, format_fields, tokenize_rendered
 from .sources import BadRows, DataError, Row, iter_source, source_files
-from .store import StoreWriter, TokenStore
+from .store import StoreWriter, TokenStore, split_store
 
 STORE_VERSION = 1  # bump when the store layout or tokenization rules change
 # too_long: split stores mark split continuations (continues.npy) from version 2 on; a key of its
@@ -63,12 +65,16 @@ def training_texts(cfg: DataSettings, fmt: str) -> Iterator[str]:
     """The training text, for training a tokenizer on (every string field the format reads)."""
     keys = format_fields(fmt, cfg.fields) + ((cfg.fields.input,) if fmt == "alpaca" else ())
     for _, row in train_rows(cfg, BadRows("skip")):
+        if fmt == "chat":  # the contents of the turns, in either message layout
+            try:
+                yield from (m["content"] for m in conversation(row, cfg.fields.messages, "tool"))
+            except DataError:
+                pass  # reported with its location when the data is tokenized
+            continue
         for key in keys:
             value = row.data.get(key)
             if isinstance(value, str):
                 yield value
-            elif isinstance(value, list):  # chat: the contents of the turns
-                yield from (m["content"] for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 def row_hash(row: Row, seed: int) -> int:
@@ -90,9 +96,12 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int) -> str:
     h = hashlib.blake2b(digest_size=16)
     settings = cfg.model_dump(mode="json", exclude={"packing", "cache_dir", "num_workers", "train"})
     settings["train"] = [s.path for s in cfg.sources()]  # weights are applied when loading, not stored
+    settings["too_long"] = cfg.too_long_for(fmt)  # the default and the same policy set by hand share a cache
     key = {"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}
-    if cfg.too_long == "split":
+    if settings["too_long"] == "split":
         key["split_v"] = SPLIT_VERSION
+        if isinstance(cfg.eval, float):
+            key["holdout"] = "blocks"
     h.update(json.dumps(key, sort_keys=True).encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
     specs = [s.path for s in cfg.sources()] + ([cfg.eval] if isinstance(cfg.eval, str) else [])
@@ -177,6 +186,7 @@ class _Counts:
     dropped_too_long: int = 0
     split: int = 0
     dropped_masked: int = 0
+    lost_tokens: int = 0
 
     def add(self, chunk: TokenizedChunk) -> None:
         self.sequences += len(chunk.lengths)
@@ -188,6 +198,7 @@ class _Counts:
         self.dropped_too_long += chunk.dropped_too_long
         self.split += chunk.split
         self.dropped_masked += chunk.dropped_masked
+        self.lost_tokens += chunk.lost_tokens
 
 
 def _write_store(path: Path, rows_by_source: Iterator[Iterator[Row]], tok: ChunkTokenizer, bad: BadRows, vocab: int) -> _Counts:
@@ -229,33 +240,84 @@ def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print) -> Prepared
     return PreparedData(TokenStore(root / "train"), eval_store, fmt, stats, root, hit)
 
 
+class _SpilledRows:
+    """Held-out rows written to a JSONL file as they stream by, read back once: memory stays flat."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "w", encoding="utf-8")
+
+    def add(self, row: Row) -> None:
+        self._file.write(json.dumps([row.where, row.data], ensure_ascii=False, default=str) + "\n")
+
+    def rows(self) -> Iterator[Row]:
+        self._file.close()
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                where, data = json.loads(line)
+                yield Row(data, where)
+        self.path.unlink()
+
+
+def _row_threshold(cfg: DataSettings, seed: int) -> int:
+    """The row-hash threshold holding out ``cfg.eval`` of the training rows (pass 1: 8 bytes a row)."""
+    hashes = np.fromiter((row_hash(r, seed) for _, r in train_rows(cfg, BadRows("skip"))), dtype=np.uint64)
+    if len(hashes) < 2:
+        raise DataError(
+            f"data.eval={cfg.eval}: a held-out fraction needs at least 2 rows, found {len(hashes)}; "
+            "set data.too_long: split to hold out blocks instead, give data.eval a file, or set data.eval: null"
+        )
+    k = min(len(hashes) - 1, max(1, round(cfg.eval * len(hashes))))
+    return int(np.partition(hashes, k - 1)[k - 1])
+
+
+def held_out_blocks(store: TokenStore, fraction: float, seed: int) -> np.ndarray:
+    """Which sequences (blocks) of ``store`` to hold out: the ``fraction`` with the smallest seeded
+    content hashes. Identical blocks hash alike, so they always land on the same side."""
+    n = len(store)
+    if n < 2:
+        raise DataError(
+            f"data.eval={fraction}: holding out a fraction of the blocks needs at least 2 blocks, found {n}; "
+            "lower data.max_length, give data.eval a file, or set data.eval: null"
+        )
+    key = seed.to_bytes(8, "little", signed=True)
+    hashes = np.fromiter(
+        (
+            int.from_bytes(hashlib.blake2b(store.ids[a:b].tobytes(), digest_size=8, key=key).digest(), "little")
+            for a, b in zip(store.offsets[:-1], store.offsets[1:])
+        ),
+        dtype=np.uint64,
+        count=n,
+    )
+    k = min(n - 1, max(1, round(fraction * n)))
+    return hashes <= np.partition(hashes, k - 1)[k - 1]
+
+
 def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path) -> None:
     bad = BadRows(cfg.on_bad_row)
     renderer = Renderer(fmt, cfg.fields, tokenizer, cfg.chat_template, cfg.train_on_prompt)
+    too_long = cfg.too_long_for(fmt)
     workers = cfg.num_workers or os.cpu_count() or 1
-    tok = ChunkTokenizer(renderer, tokenizer, cfg.max_length, cfg.too_long, workers)
+    tok = ChunkTokenizer(renderer, tokenizer, cfg.max_length, too_long, workers)
     vocab = len(tokenizer)
     n_sources = len(cfg.sources())
+    # a held-out fraction comes out of the rows, or, when long documents are split, out of the blocks:
+    # a one-file corpus is one row but many blocks
+    hold_blocks = isinstance(cfg.eval, float) and too_long == "split"
     try:
         eval_hashes: set[int] = set()
         threshold: int | None = None
         eval_counts = None
         if isinstance(cfg.eval, str):
-            eval_rows = list(iter_source(cfg.eval, bad, cfg.txt_mode))
-            if not eval_rows:
+            if next(iter_source(cfg.eval, BadRows("skip"), cfg.txt_mode), None) is None:
                 raise DataError(f"data.eval={cfg.eval!r}: no rows found")
-            eval_hashes = {row_hash(r, seed) for r in eval_rows}
-            eval_counts = _write_store(out / "eval", iter([iter(eval_rows)]), tok, bad, vocab)
-        elif isinstance(cfg.eval, float):
-            # pass 1: hashes only (8 bytes a row) -> the exact threshold holding out the asked fraction
-            hashes = np.fromiter((row_hash(r, seed) for _, r in train_rows(cfg, BadRows("skip"))), dtype=np.uint64)
-            if len(hashes) < 2:
-                raise DataError(f"data.eval={cfg.eval}: a held-out fraction needs at least 2 rows, found {len(hashes)}")
-            k = min(len(hashes) - 1, max(1, round(cfg.eval * len(hashes))))
-            threshold = int(np.partition(hashes, k - 1)[k - 1])
+            eval_hashes = {row_hash(r, seed) for r in iter_source(cfg.eval, BadRows("skip"), cfg.txt_mode)}
+            eval_counts = _write_store(out / "eval", iter([iter_source(cfg.eval, bad, cfg.txt_mode)]), tok, bad, vocab)
+        elif isinstance(cfg.eval, float) and not hold_blocks:
+            threshold = _row_threshold(cfg, seed)
 
         overlap = 0
-        held_out: list[Row] = []
+        spill = _SpilledRows(out / "held_out.jsonl") if threshold is not None else None
 
         def train_side() -> Iterator[Iterator[Row]]:
             rows = train_rows(cfg, bad)
@@ -268,8 +330,8 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path) -> None
                         row = pending[1]
                         pending = next(rows, None)
                         h = row_hash(row, seed) if (threshold is not None or eval_hashes) else 0
-                        if threshold is not None and h <= threshold:
-                            held_out.append(row)  # identical rows share a hash: never on both sides
+                        if spill is not None and h <= threshold:
+                            spill.add(row)  # identical rows share a hash: never on both sides
                         elif h in eval_hashes:
                             overlap += 1
                         else:
@@ -277,19 +339,28 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path) -> None
 
                 yield of_source()
 
-        train_counts = _write_store(out / "train", train_side(), tok, bad, vocab)
-        if threshold is not None:
-            eval_counts = _write_store(out / "eval", iter([iter(held_out)]), tok, bad, vocab)
+        train_counts = _write_store(out / ("all" if hold_blocks else "train"), train_side(), tok, bad, vocab)
+        if spill is not None:
+            eval_counts = _write_store(out / "eval", iter([spill.rows()]), tok, bad, vocab)
     finally:
         tok.close()
+    if hold_blocks:
+        whole = TokenStore(out / "all")
+        if len(whole) == 0:
+            raise _nothing_to_learn(bad)
+        train_side_counts, eval_side_counts = split_store(whole, held_out_blocks(whole, cfg.eval, seed), out / "train", out / "eval", vocab)
+        del whole
+        shutil.rmtree(out / "all")
+        for name, value in train_side_counts.items():
+            setattr(train_counts, name, value)
+        eval_counts = _Counts(rows=0, **eval_side_counts)
     if train_counts.sequences == 0:
-        raise DataError(
-            "no training example has a token to learn (the data is empty, or every example is fully masked"
-            + (f"; {bad.count} bad rows skipped, first: {bad.first[0]}" if bad.count else "")
-            + ")"
-        )
+        raise _nothing_to_learn(bad)
+    stored = train_counts.tokens + train_counts.sequences + (eval_counts.tokens + eval_counts.sequences if eval_counts else 0)
     stats = {
         "format": fmt,
+        "too_long": too_long,
+        "eval_holdout": "blocks" if hold_blocks else "rows" if threshold is not None else "file" if eval_counts else "none",
         "train_rows": train_counts.rows,
         "eval_rows": eval_counts.rows if eval_counts else 0,
         "train_sequences": train_counts.sequences,
@@ -298,6 +369,8 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path) -> None
         "train_target_tokens": train_counts.target_tokens,
         "truncated": train_counts.truncated,
         "dropped_too_long": train_counts.dropped_too_long,
+        "lost_tokens": train_counts.lost_tokens + (eval_counts.lost_tokens if eval_counts else 0),
+        "lost_token_share": (lost := train_counts.lost_tokens + (eval_counts.lost_tokens if eval_counts else 0)) / max(1, lost + stored),
         "split": train_counts.split,
         "dropped_masked": train_counts.dropped_masked,
         "eval_overlap_dropped": overlap,
@@ -305,3 +378,11 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path) -> None
         "bad_row_examples": bad.first,
     }
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
+
+
+def _nothing_to_learn(bad: BadRows) -> DataError:
+    return DataError(
+        "no training example has a token to learn (the data is empty, or every example is fully masked"
+        + (f"; {bad.count} bad rows skipped, first: {bad.first[0]}" if bad.count else "")
+        + ")"
+    )

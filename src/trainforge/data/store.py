@@ -92,3 +92,43 @@ class TokenStore:
     @property
     def n_sources(self) -> int:
         return len(self.source_starts) - 1
+
+
+# tokens copied per slice when splitting a store: bounds memory for stores of any size
+_COPY_TOKENS = 1 << 24
+
+
+def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_path: Path, vocab_size: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Write ``src``'s sequences into a train store (sources kept) and an eval store (``to_eval``), in order.
+
+    A split continuation stays one only when the sequence before it went to the same side.
+    Returns each side's counts: sequences, input tokens and target tokens.
+    """
+    side = np.asarray(to_eval, dtype=np.int64)
+    continues = src.continues.copy()
+    continues[1:] &= side[1:] == side[:-1]
+    writers = (StoreWriter(train_path, vocab_size), StoreWriter(eval_path, vocab_size))
+    counts = ({"sequences": 0, "tokens": 0, "target_tokens": 0}, {"sequences": 0, "tokens": 0, "target_tokens": 0})
+    writers[1].start_source()
+    offsets, lengths = src.offsets, src.lengths
+    for k in range(src.n_sources):
+        writers[0].start_source()
+        seqs = src.source_of(k)
+        # runs of consecutive sequences bound for the same side, each copied in bounded slices
+        cuts = seqs.start + 1 + np.flatnonzero(side[seqs.start + 1 : seqs.stop] != side[seqs.start : seqs.stop - 1])
+        bounds = [seqs.start, *cuts.tolist(), seqs.stop]
+        for i, j in zip(bounds[:-1], bounds[1:]):
+            while i < j:
+                stop = max(i + 1, min(j, int(np.searchsorted(offsets, offsets[i] + _COPY_TOKENS, "right")) - 1))
+                a, b = int(offsets[i]), int(offsets[stop])
+                ids, learn = np.asarray(src.ids[a:b]), np.asarray(src.learn[a:b])
+                s = int(side[i])
+                writers[s].append(ids, learn, lengths[i:stop], continues[i:stop])
+                c = counts[s]
+                c["sequences"] += stop - i
+                c["tokens"] += (b - a) - (stop - i)  # inputs: all but each sequence's last token
+                c["target_tokens"] += int(learn.sum()) - int(learn[offsets[i:stop] - a].sum())
+                i = stop
+    writers[0].close({"held_out": "blocks"})
+    writers[1].close({"held_out": "blocks"})
+    return counts

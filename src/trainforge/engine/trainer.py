@@ -97,6 +97,8 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     """Tokenize (or reuse the cache), mix sources by weight, pack into rows."""
     d = cfg.data
     prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info)
+    if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
+        reporter.warn(warning)
     weights = [s.weight for s in d.sources()]
     index = weighted_indices(prepared.train, weights, cfg.train.seed)
     train_rows = build_rows(prepared.train, index, d.packing, d.max_length)
@@ -121,6 +123,26 @@ def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None) -> dic
     return stats
 
 
+# share of the data's tokens that truncation (or too_long: drop) may discard before the console says so
+LOST_TOKENS_WARN = 0.03
+
+
+def lost_tokens_warning(stats: dict[str, Any], max_length: int) -> str | None:
+    """A console line when more than ``LOST_TOKENS_WARN`` of the tokens were cut off or dropped."""
+    if stats.get("lost_token_share", 0.0) <= LOST_TOKENS_WARN:
+        return None
+    how = "truncation" if stats.get("too_long") == "truncate" else "dropping too-long examples"
+    fix = (
+        "set data.too_long: split to keep long documents as consecutive blocks"
+        if stats["format"] == "text"
+        else "raise data.max_length if the model's context allows it"
+    )
+    return (
+        f"data: {how} at data.max_length={max_length} discarded {stats['lost_tokens']:,} tokens, "
+        f"{stats['lost_token_share']:.0%} of the data; {fix}"
+    )
+
+
 def describe_data(plan: DataPlan, efficiency: float) -> str:
     s = plan.prepared.stats
     mode = {True: "packed", False: "unpacked", "concat": "concatenated"}[plan.collate.packed or ("concat" if plan.collate.concat else False)]
@@ -139,7 +161,8 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
     return (
         f"data: {s['format']}, {s['train_rows']:,} train rows -> {s['train_sequences']:,} sequences "
         f"({s['train_tokens']:,} tokens) -> {len(plan.train_rows):,} {mode} rows, "
-        f"{efficiency:.1%} of row capacity is real tokens; eval {s['eval_rows']:,} rows"
+        f"{efficiency:.1%} of row capacity is real tokens; "
+        + (f"eval {s['eval_sequences']:,} blocks held out" if s.get("eval_holdout") == "blocks" else f"eval {s['eval_rows']:,} rows")
         + ("; " + ", ".join(notes) if notes else "")
         + (f"\n  bad rows, first: {'; '.join(s['bad_row_examples'])}" if s.get("bad_row_examples") else "")
     )
