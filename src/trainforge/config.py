@@ -168,7 +168,9 @@ class DataSettings(Section):
         ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, or a list of these / of {{path, weight}}"
     )
     eval: str | float | None = Field(
-        0.05, description="a file/glob, or a fraction of the training rows held out (seeded, by content); null: none"
+        0.05,
+        description="a file/glob, or a fraction held out of the training data (seeded, by content): of the rows, "
+        "or of the blocks when too_long is split; null: none",
     )
     format: Literal["auto", "text", "prompt_completion", "chat", "alpaca"] = Field(
         "auto", description="auto: from the fields of the first row"
@@ -181,8 +183,10 @@ class DataSettings(Section):
         False, description="also learn prompt / user / system tokens (default: completion- / assistant-only)"
     )
     max_length: int = Field(1024, gt=0, description="tokens per training row")
-    too_long: Literal["truncate", "drop", "split"] = Field(
-        "truncate", description="examples longer than max_length: cut, skip, or (text only) split into blocks"
+    too_long: Literal["truncate", "drop", "split"] | None = Field(
+        None,
+        description="examples longer than max_length: cut, skip, or (text only) split into blocks; "
+        "default: split for text, truncate for prompt/completion, chat and alpaca",
     )
     packing: bool | Literal["concat"] = Field(
         True,
@@ -219,6 +223,10 @@ class DataSettings(Section):
         if self.too_long == "split" and self.format not in ("auto", "text"):
             raise ValueError(f"data.too_long: 'split' is for text only; data.format is {self.format!r}; use truncate or drop")
         return self
+
+    def too_long_for(self, fmt: str) -> str:
+        """The too-long policy for data of format ``fmt``: the set one, else split for text, truncate otherwise."""
+        return self.too_long or ("split" if fmt == "text" else "truncate")
 
     def sources(self) -> list[SourceSpec]:
         """The training sources as specs with weights."""
