@@ -211,3 +211,17 @@ def test_row_holdout_still_holds_out_rows_and_streams_them(tmp_path, tok):
     assert s["eval_holdout"] == "rows" and s["eval_rows"] == round(0.2 * len(rows)) and s["train_rows"] + s["eval_rows"] == len(rows)
     assert not list(data.cache_path.rglob("held_out.jsonl"))  # the spill file is gone
     assert json.loads((data.cache_path / "stats.json").read_text())["eval_sequences"] == s["eval_rows"]
+
+
+def test_block_holdout_keeps_each_sources_blocks_in_its_own_range(tmp_path, tok):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(" ".join(WORDS * 40))
+    b.write_text(" ".join(reversed(WORDS * 60)))
+    data = prepare(tmp_path, tok, train=[str(a), {"path": str(b), "weight": 2.0}], max_length=16, eval=0.1)
+    whole = prepare(tmp_path, tok, train=[str(a), str(b)], max_length=16, eval=None)
+    assert data.train.n_sources == 2
+    for k in range(2):
+        mine = {tuple(data.train.sequence(i)[0].tolist()) for i in data.train.source_of(k)}
+        theirs = {tuple(whole.train.sequence(i)[0].tolist()) for i in whole.train.source_of(k)}
+        assert mine and mine <= theirs
+    assert len(data.train) + len(data.eval) == len(whole.train)

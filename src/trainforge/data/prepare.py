@@ -281,14 +281,13 @@ def held_out_blocks(store: TokenStore, fraction: float, seed: int) -> np.ndarray
             "lower data.max_length, give data.eval a file, or set data.eval: null"
         )
     key = seed.to_bytes(8, "little", signed=True)
-    hashes = np.fromiter(
-        (
-            int.from_bytes(hashlib.blake2b(store.ids[a:b].tobytes(), digest_size=8, key=key).digest(), "little")
-            for a, b in zip(store.offsets[:-1], store.offsets[1:])
-        ),
-        dtype=np.uint64,
-        count=n,
-    )
+    hashes = np.empty(n, dtype=np.uint64)
+    for i, j in store.slices(1 << 24):  # read in slices: bounded memory for any corpus size
+        base = int(store.offsets[i])
+        ids = store.read(base, int(store.offsets[j]))[0]
+        for q in range(i, j):
+            block = ids[store.offsets[q] - base : store.offsets[q + 1] - base].tobytes()
+            hashes[q] = int.from_bytes(hashlib.blake2b(block, digest_size=8, key=key).digest(), "little")
     k = min(n - 1, max(1, round(fraction * n)))
     return hashes <= np.partition(hashes, k - 1)[k - 1]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -85,6 +86,23 @@ class TokenStore:
         a, b = self.offsets[i], self.offsets[i + 1]
         return np.asarray(self.ids[a:b], dtype=np.int64), np.asarray(self.learn[a:b], dtype=bool)
 
+    def read(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and learn flags ``[a, b)`` read from the files, not the maps: a pass over a large
+        store this way leaves no mapped pages behind in the process's memory."""
+        if b <= a:
+            return np.zeros(0, self.ids.dtype), np.zeros(0, np.uint8)
+        ids = np.fromfile(self.path / "ids.bin", dtype=self.ids.dtype, count=b - a, offset=a * self.ids.dtype.itemsize)
+        learn = np.fromfile(self.path / "learn.bin", dtype=np.uint8, count=b - a, offset=a)
+        return ids, learn
+
+    def slices(self, max_tokens: int) -> Iterator[tuple[int, int]]:
+        """Consecutive sequence ranges ``[i, j)`` of at most ``max_tokens`` tokens (one sequence when longer)."""
+        i, n = 0, len(self)
+        while i < n:
+            j = max(i + 1, int(np.searchsorted(self.offsets, self.offsets[i] + max_tokens, "right")) - 1)
+            yield i, min(j, n)
+            i = min(j, n)
+
     def source_of(self, k: int) -> range:
         """Sequence indices of the k-th source."""
         return range(int(self.source_starts[k]), int(self.source_starts[k + 1]))
@@ -110,25 +128,28 @@ def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_pat
     writers = (StoreWriter(train_path, vocab_size), StoreWriter(eval_path, vocab_size))
     counts = ({"sequences": 0, "tokens": 0, "target_tokens": 0}, {"sequences": 0, "tokens": 0, "target_tokens": 0})
     writers[1].start_source()
-    offsets, lengths = src.offsets, src.lengths
-    for k in range(src.n_sources):
-        writers[0].start_source()
-        seqs = src.source_of(k)
-        # runs of consecutive sequences bound for the same side, each copied in bounded slices
-        cuts = seqs.start + 1 + np.flatnonzero(side[seqs.start + 1 : seqs.stop] != side[seqs.start : seqs.stop - 1])
-        bounds = [seqs.start, *cuts.tolist(), seqs.stop]
+    source = np.searchsorted(src.source_starts, np.arange(len(src)), "right") - 1  # source of each sequence
+    k = -1
+    for i0, j0 in src.slices(_COPY_TOKENS):
+        base = int(src.offsets[i0])
+        ids, learn = src.read(base, int(src.offsets[j0]))
+        # runs of consecutive sequences bound for the same side and source
+        key = side[i0:j0] * (src.n_sources + 1) + source[i0:j0]
+        bounds = [i0, *(i0 + 1 + np.flatnonzero(key[1:] != key[:-1])).tolist(), j0]
         for i, j in zip(bounds[:-1], bounds[1:]):
-            while i < j:
-                stop = max(i + 1, min(j, int(np.searchsorted(offsets, offsets[i] + _COPY_TOKENS, "right")) - 1))
-                a, b = int(offsets[i]), int(offsets[stop])
-                ids, learn = np.asarray(src.ids[a:b]), np.asarray(src.learn[a:b])
-                s = int(side[i])
-                writers[s].append(ids, learn, lengths[i:stop], continues[i:stop])
-                c = counts[s]
-                c["sequences"] += stop - i
-                c["tokens"] += (b - a) - (stop - i)  # inputs: all but each sequence's last token
-                c["target_tokens"] += int(learn.sum()) - int(learn[offsets[i:stop] - a].sum())
-                i = stop
+            while k < source[i]:  # sources with no sequences still get their (empty) range
+                writers[0].start_source()
+                k += 1
+            a, b = int(src.offsets[i]) - base, int(src.offsets[j]) - base
+            s = int(side[i])
+            writers[s].append(ids[a:b], learn[a:b], src.lengths[i:j], continues[i:j])
+            c = counts[s]
+            c["sequences"] += j - i
+            c["tokens"] += (b - a) - (j - i)  # inputs: all but each sequence's last token
+            c["target_tokens"] += int(learn[a:b].sum()) - int(learn[src.offsets[i:j] - base].sum())
+    while k < src.n_sources - 1:
+        writers[0].start_source()
+        k += 1
     writers[0].close({"held_out": "blocks"})
     writers[1].close({"held_out": "blocks"})
     return counts
