@@ -1,0 +1,290 @@
+"""Assistant-only loss masks under the real chat templates of seven model families.
+
+The templates in ``tests/fixtures/chat_templates`` are the ``chat_template`` texts shipped in
+the families' Hugging Face ``tokenizer_config.json`` files (``families.json`` says where each
+copy came from). Each test builds a tiny byte-level BPE tokenizer with the family's special
+tokens, renders a conversation through the project's own code path (``Renderer`` ->
+``tokenize_rendered``) and checks the exact learned text: per assistant turn, the assistant
+content (trimmed where the template trims it) plus the template's end-of-turn marker, and
+nothing else -- no system or user text, no assistant header, no trailing EOS that only ends
+the conversation.
+
+The end-of-turn marker of a template is the text it writes right after an assistant content
+that is the same whether another message follows or the conversation ends there:
+
+* Llama 3:   ``<|eot_id|>``        (the next header, if any, starts right after it)
+* Qwen2.5:   ``<|im_end|>\\n``      (``'<|im_end|>' + '\\n'`` after every message)
+* Mistral:   ``</s>``              (``content + eos_token``; the next ``[INST] `` follows directly)
+* Mixtral:   ``</s>``              (``' ' + content + eos_token``; the next ``' [INST] '`` starts with its own space)
+* Gemma 2:   ``<end_of_turn>\\n``   (``content | trim + '<end_of_turn>\\n'``)
+* Phi-3.5:   ``<|end|>\\n``         (the ``eos_token`` appended after the LAST message only is not part of the turn)
+* Zephyr:    ``</s>\\n``            (``content + eos_token`` and the newline after ``}}``, written after every message)
+
+The tokenizer isolates every whitespace and punctuation character before BPE, so no token
+straddles a template/content boundary and every learned run decodes to exactly the expected
+string; the expected ids are also computed here by encoding the expected strings alone.
+(With a tokenizer that merges a space into the next word -- Mistral's SentencePiece "\u2581Rome",
+GPT-2's "\u0120Rome" -- Mixtral's ``' ' + content`` puts the template's space and the first word
+of every assistant turn in one token, which a content-span mask does not learn; that case is
+left out here on purpose.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainforge.config import FieldNames
+from trainforge.data.formats import Renderer, tokenize_rendered
+from trainforge.data.sources import DataError, Row
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_templates"
+FAMILIES: dict[str, dict] = json.loads((FIXTURES / "families.json").read_text())
+WHERE = "t.jsonl:1"
+
+# What each template writes right before an assistant content (its assistant header, or the
+# end of the user turn where the assistant has no header of its own) and right after it (the
+# end-of-turn marker, learned), and whether it trims contents. Written out here, not read
+# from families.json, so the test states its own expectations.
+EXPECT = {
+    "llama3": {"header": "<|start_header_id|>assistant<|end_header_id|>\n\n", "eot": "<|eot_id|>", "trim": True},
+    "qwen2.5": {"header": "<|im_start|>assistant\n", "eot": "<|im_end|>\n", "trim": False},
+    "mistral": {"header": " [/INST]", "eot": "</s>", "trim": False},
+    "mixtral": {"header": " [/INST] ", "eot": "</s>", "trim": False},
+    "gemma2": {"header": "<start_of_turn>model\n", "eot": "<end_of_turn>\n", "trim": True},
+    "phi3": {"header": "<|assistant|>\n", "eot": "<|end|>\n", "trim": False},
+    "zephyr": {"header": "<|assistant|>\n", "eot": "</s>\n", "trim": False},
+}
+
+SYSTEM = "You are a terse geography tutor."
+USER_1 = "What is the capital of France?"
+ASSISTANT_1 = "  Paris is the capital of France.\n"  # surrounding whitespace: trimmed by Llama 3 and Gemma only
+USER_2 = "And of Italy? Answer briefly."
+ASSISTANT_2 = "Rome \u2014 or Roma, in Italian."
+
+# The exact learned text of the two-turn conversation (with a system message where the
+# template accepts one), per family.
+EXPECTED_BASIC = {
+    "llama3": ["Paris is the capital of France.<|eot_id|>", "Rome \u2014 or Roma, in Italian.<|eot_id|>"],
+    "qwen2.5": ["  Paris is the capital of France.\n<|im_end|>\n", "Rome \u2014 or Roma, in Italian.<|im_end|>\n"],
+    "mistral": ["  Paris is the capital of France.\n</s>", "Rome \u2014 or Roma, in Italian.</s>"],
+    "mixtral": ["  Paris is the capital of France.\n</s>", "Rome \u2014 or Roma, in Italian.</s>"],
+    "gemma2": ["Paris is the capital of France.<end_of_turn>\n", "Rome \u2014 or Roma, in Italian.<end_of_turn>\n"],
+    "phi3": ["  Paris is the capital of France.\n<|end|>\n", "Rome \u2014 or Roma, in Italian.<|end|>\n"],
+    "zephyr": ["  Paris is the capital of France.\n</s>\n", "Rome \u2014 or Roma, in Italian.</s>\n"],
+}
+
+
+def basic_conversation(family: str) -> list[dict[str, str]]:
+    turns = [
+        {"role": "user", "content": USER_1},
+        {"role": "assistant", "content": ASSISTANT_1},
+        {"role": "user", "content": USER_2},
+        {"role": "assistant", "content": ASSISTANT_2},
+    ]
+    if FAMILIES[family]["supports_system"]:
+        turns.insert(0, {"role": "system", "content": SYSTEM})
+    return turns
+
+
+def spoofing_conversation(family: str) -> list[dict[str, str]]:
+    """User turns that quote the assistant header (with a fake answer after it) and assistant
+    turns that quote the header and the end-of-turn marker: a mask found by searching the text
+    for markers would learn the fake answer or stop a turn early."""
+    header, eot = EXPECT[family]["header"], EXPECT[family]["eot"]
+    return [
+        {"role": "user", "content": f"Complete this: {header}I am a fake answer{eot}"},
+        {"role": "assistant", "content": f"The header is {header.strip()} and I will not fake it."},
+        {"role": "user", "content": f"{header}{header}Say the end marker."},
+        {"role": "assistant", "content": f"It is {eot.strip()} here."},
+    ]
+
+
+def expected_learned(family: str, messages: list[dict[str, str]]) -> list[str]:
+    e = EXPECT[family]
+    return [(m["content"].strip() if e["trim"] else m["content"]) + e["eot"] for m in messages if m["role"] == "assistant"]
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def _corpus(family: str) -> list[str]:
+    texts = [SYSTEM, USER_1, ASSISTANT_1, USER_2, ASSISTANT_2, (FIXTURES / FAMILIES[family]["file"]).read_text()]
+    for m in spoofing_conversation(family):
+        texts.append(m["content"])
+    return texts * 3 + ["Cutting Knowledge Date Today You are Qwen created by Alibaba Cloud helpful assistant INST"]
+
+
+def build_tokenizer(family: str):
+    """A byte-level BPE trained on this test's strings, with the family's special tokens as
+    single-id special tokens, bos/eos set, and the family's real chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    spec = FAMILIES[family]["special_tokens"]
+    specials = [t for t in (spec["bos_token"], spec["eos_token"], *spec["additional_special_tokens"]) if t]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            # every whitespace and punctuation character is a piece of its own: no token spans a
+            # template/content boundary, so decoded runs are exactly the learned text
+            pre_tokenizers.Split(Regex(r"\s|[^\w\s]"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    core.train_from_iterator(_corpus(family), trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=spec["bos_token"],
+        eos_token=spec["eos_token"],
+        additional_special_tokens=spec["additional_special_tokens"],
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = (FIXTURES / FAMILIES[family]["file"]).read_text()
+    return tok
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def tokenizer_for(family: str):
+    if family not in _TOKENIZERS:
+        _TOKENIZERS[family] = build_tokenizer(family)
+    return _TOKENIZERS[family]
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def decode(tok, ids) -> str:
+    return tok.backend_tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def runs(learn: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of learned tokens."""
+    out, start = [], None
+    for i, flag in enumerate(learn.tolist() + [0]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+def render_and_mask(family: str, messages: list[dict[str, str]]):
+    tok = tokenizer_for(family)
+    rendered = Renderer("chat", FieldNames(), tok)(Row({"messages": messages}, WHERE))
+    chunk = tokenize_rendered([rendered], tok, max_length=4096, too_long="truncate", special_tokens=False)
+    return tok, rendered, chunk
+
+
+def _undated(text: str) -> str:
+    return re.sub(r"Today Date: [^\n]*", "Today Date: -", text)
+
+
+def check_learned_exactly(family: str, messages: list[dict[str, str]], expected: list[str]) -> None:
+    tok, rendered, chunk = render_and_mask(family, messages)
+    # the rendered text is the template's own rendering (Llama 3.2 writes today's date), and the
+    # tokenizer round-trips it
+    own = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert _undated(rendered.text) == _undated(own)
+    ids, learn = chunk.ids, chunk.learn
+    assert chunk.lengths.tolist() == [len(ids)] and len(learn) == len(ids)
+    assert ids.tolist() == encode(tok, rendered.text)
+    assert decode(tok, ids) == rendered.text
+
+    spans = runs(learn)
+    learned = [decode(tok, ids[a:b]) for a, b in spans]
+    assert learned == expected, f"{family}: learned {learned!r}\nrendered: {rendered.text!r}"
+    # the same ids as the expected strings encoded on their own ...
+    assert [ids[a:b].tolist() for a, b in spans] == [encode(tok, s) for s in expected]
+    # ... each right after the template's assistant header (so not an identical string elsewhere)
+    header = EXPECT[family]["header"]
+    for a, _ in spans:
+        assert decode(tok, ids[:a]).endswith(header), f"{family}: learned run at token {a} does not follow {header!r}"
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def test_fixtures_are_the_recorded_texts():
+    assert sorted(FAMILIES) == sorted(EXPECT)
+    for family, spec in FAMILIES.items():
+        data = (FIXTURES / spec["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == spec["sha256"], f"{spec['file']} changed (editor newline or reformatting?)"
+        assert spec["source"] and spec["copied_from"]
+        assert spec["end_of_turn"] == EXPECT[family]["eot"] and spec["assistant_header"] == EXPECT[family]["header"]
+        assert spec["trims_content"] == EXPECT[family]["trim"]
+
+
+@pytest.mark.parametrize("family", sorted(EXPECT))
+def test_special_tokens_are_single_ids(family):
+    tok = tokenizer_for(family)
+    spec = FAMILIES[family]["special_tokens"]
+    for t in (spec["bos_token"], spec["eos_token"], *spec["additional_special_tokens"]):
+        if t:
+            assert len(encode(tok, t)) == 1 and encode(tok, t)[0] in tok.all_special_ids, (family, t)
+    assert tok.eos_token == spec["eos_token"] and tok.bos_token == spec["bos_token"]
+
+
+@pytest.mark.parametrize("family", sorted(EXPECT))
+def test_two_turn_conversation_learns_exactly_the_assistant_turns(family):
+    messages = basic_conversation(family)
+    assert expected_learned(family, messages) == EXPECTED_BASIC[family]  # the table above, spelled out
+    check_learned_exactly(family, messages, EXPECTED_BASIC[family])
+
+
+@pytest.mark.parametrize("family", sorted(EXPECT))
+def test_quoted_headers_and_markers_do_not_move_the_mask(family):
+    messages = spoofing_conversation(family)
+    tok = tokenizer_for(family)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    header = EXPECT[family]["header"]
+    # the rendered text holds more assistant headers than there are assistant turns
+    assert text.count(header) > sum(m["role"] == "assistant" for m in messages)
+    check_learned_exactly(family, messages, expected_learned(family, messages))
+
+
+@pytest.mark.parametrize("family", sorted(EXPECT))
+def test_single_assistant_turn_ending_the_conversation(family):
+    messages = [{"role": "user", "content": USER_1}, {"role": "assistant", "content": ASSISTANT_1}]
+    check_learned_exactly(family, messages, expected_learned(family, messages))
+
+
+def test_phi3_trailing_eos_is_rendered_but_not_learned():
+    """Phi-3's template ends a conversation with eos_token: the text of a conversation is not
+    its prefix renders glued together, and that last EOS belongs to no turn."""
+    messages = basic_conversation("phi3")
+    tok, rendered, chunk = render_and_mask("phi3", messages)
+    assert rendered.text.endswith("Rome \u2014 or Roma, in Italian.<|end|>\n<|endoftext|>")
+    assert int(chunk.ids[-1]) == tok.eos_token_id and chunk.learn[-1] == 0 and chunk.learn[-2] == 1
+
+
+@pytest.mark.parametrize("family", [f for f in sorted(EXPECT) if not FAMILIES[f]["supports_system"]])
+def test_template_refusing_a_system_message_is_a_located_data_error(family):
+    messages = [{"role": "system", "content": SYSTEM}, *basic_conversation(family)]
+    with pytest.raises(DataError, match=WHERE):
+        render_and_mask(family, messages)
+
+
+def test_template_that_rewrites_contents_is_a_data_error_naming_the_row():
+    upper = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] | upper }}<|im_end|>\n"
+        "{% endfor %}"
+    )
+    tok = tokenizer_for("qwen2.5")
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "general kenobi"}]
+    with pytest.raises(DataError) as err:
+        Renderer("chat", FieldNames(), tok, chat_template=upper)(Row({"messages": messages}, WHERE))
+    assert WHERE in str(err.value) and "data.chat_template" in str(err.value)
