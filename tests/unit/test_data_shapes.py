@@ -225,3 +225,27 @@ def test_block_holdout_keeps_each_sources_blocks_in_its_own_range(tmp_path, tok)
         theirs = {tuple(whole.train.sequence(i)[0].tolist()) for i in whole.train.source_of(k)}
         assert mine and mine <= theirs
     assert len(data.train) + len(data.eval) == len(whole.train)
+
+
+def test_a_reply_whose_first_token_carries_the_templates_space_learns_that_token():
+    """Mixtral-style '[/INST] ' + reply: a byte-level BPE merges the space and 'Rome' into 'ĠRome'."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>", "<s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    core.train_from_iterator(["[INST] Hi [/INST] Rome is nice."] * 50, trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", bos_token="<s>")
+    assert "ĠRome" in tok.get_vocab()
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    )
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Rome is nice."}]}
+    r = Renderer("chat", FieldNames(), tok, chat_template=template)(Row(row, "x:1"))
+    chunk = tokenize_rendered([r], tok, 64, "truncate", special_tokens=False)
+    learned = chunk.ids[chunk.learn.astype(bool)].tolist()
+    assert learned == tok(" Rome is nice.</s>", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(learned[0]) == "ĠRome"

@@ -125,13 +125,19 @@ class TokenizedChunk:
     lost_tokens: int = 0  # tokens cut off by truncation or dropped with too-long examples
 
 
-def _first_token_from(enc, char: int, n_chars: int) -> int:
-    """Index of the first token that starts at or after character ``char`` (Rust-side look-ups)."""
-    for c in range(char, n_chars):
+def _first_token_from(enc, char: int, text: str) -> int:
+    """Index of the first token that starts at ``char`` or later (Rust-side look-ups).
+
+    A token straddling ``char`` counts as starting there when all of it before ``char`` is
+    whitespace: after Mistral's ``[/INST]`` or Llama 2's ``[/INST]`` the reply's first word is one
+    token with the template's space (``▁Rome``), and that token is what the model must produce.
+    """
+    for c in range(char, len(text)):
         t = enc.char_to_token(c)
         if t is not None:
-            return t if enc.token_to_chars(t)[0] >= char else t + 1  # a straddling token is not inside
-    for c in range(n_chars - 1, -1, -1):  # past the text: just after its last token
+            start = enc.token_to_chars(t)[0]
+            return t if start >= char or text[start:char].isspace() else t + 1
+    for c in range(len(text) - 1, -1, -1):  # past the text: just after its last token
         t = enc.char_to_token(c)
         if t is not None:
             return t + 1
@@ -205,7 +211,7 @@ def tokenize_rendered(
         else:
             learn = np.zeros(len(ids), dtype=bool)
             for a, b in r.spans:
-                learn[_first_token_from(enc, a, len(r.text)) : _first_token_from(enc, b, len(r.text))] = True
+                learn[_first_token_from(enc, a, r.text) : _first_token_from(enc, b, r.text)] = True
         if r.add_eos and eos is not None and (len(ids) == 0 or ids[-1] != eos):
             ids = np.append(ids, eos)
             learn = np.append(learn, r.spans is None or bool(learn[-1]) if len(learn) else True)

@@ -43,8 +43,9 @@ class StoreWriter:
     def append(self, ids: np.ndarray, learn: np.ndarray, lengths: np.ndarray, continues: np.ndarray | None = None) -> None:
         self._ids.write(ids.astype(self.dtype, copy=False).tobytes())
         self._learn.write(learn.astype(np.uint8, copy=False).tobytes())
-        self._lengths.append(lengths.astype(np.int64, copy=False))
-        self._continues.append(np.zeros(len(lengths), bool) if continues is None else np.asarray(continues, bool))
+        # copies: a view would keep the caller's whole array alive for the life of the writer
+        self._lengths.append(np.array(lengths, dtype=np.int64))
+        self._continues.append(np.zeros(len(lengths), bool) if continues is None else np.array(continues, dtype=bool))
         self.n_sequences += len(lengths)
 
     def close(self, meta: dict[str, Any]) -> None:
@@ -129,6 +130,7 @@ def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_pat
     counts = ({"sequences": 0, "tokens": 0, "target_tokens": 0}, {"sequences": 0, "tokens": 0, "target_tokens": 0})
     writers[1].start_source()
     source = np.searchsorted(src.source_starts, np.arange(len(src)), "right") - 1  # source of each sequence
+    lengths = src.lengths
     k = -1
     for i0, j0 in src.slices(_COPY_TOKENS):
         base = int(src.offsets[i0])
@@ -142,7 +144,7 @@ def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_pat
                 k += 1
             a, b = int(src.offsets[i]) - base, int(src.offsets[j]) - base
             s = int(side[i])
-            writers[s].append(ids[a:b], learn[a:b], src.lengths[i:j], continues[i:j])
+            writers[s].append(ids[a:b], learn[a:b], lengths[i:j], continues[i:j])
             c = counts[s]
             c["sequences"] += j - i
             c["tokens"] += (b - a) - (j - i)  # inputs: all but each sequence's last token
