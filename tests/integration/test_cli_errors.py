@@ -7,6 +7,7 @@ exist afterwards. Data errors name ``file:line``.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -123,3 +124,65 @@ def test_error_message_shows_values_verbatim(tmp_path, finetune_config):
     assert proc.returncode == 2, show(proc)
     assert "models[/v2]" in proc.stderr, show(proc)
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- input files that are not what they claim
+
+
+def _train_on(tmp_path, finetune_config, train: str, eval_: str | None, steps: int | None = None):
+    cfg = copy.deepcopy(finetune_config)
+    cfg["data"]["train"] = train
+    cfg["data"]["eval"] = eval_
+    if steps is not None:
+        cfg["train"]["max_steps"] = steps
+    config = write_config(tmp_path / "data.yaml", cfg)
+    out = tmp_path / "out"
+    return run_cli(["train", config, "--output", out], tmp_path, timeout=180), out
+
+
+def test_corrupt_parquet_exits_2_naming_the_file(tmp_path, finetune_config):
+    bad = tmp_path / "broken.parquet"
+    bad.write_bytes(b"PAR1" + b"\x13\x37" * 200)  # the magic at the start, garbage after it
+    proc, out = _train_on(tmp_path, finetune_config, str(bad), None)
+    assert proc.returncode == 2, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    assert "broken.parquet is not a readable Parquet file" in proc.stderr, show(proc)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("on_bad_row", ["error", "skip"])
+def test_binary_file_exits_2_saying_it_is_not_text(tmp_path, finetune_config, on_bad_row):
+    import random
+
+    blob = tmp_path / "blob.jsonl"
+    blob.write_bytes(random.Random(0).randbytes(3000))
+    cfg = copy.deepcopy(finetune_config)
+    cfg["data"].update(train=str(blob), eval=None, on_bad_row=on_bad_row)
+    config = write_config(tmp_path / "bin.yaml", cfg)
+    out = tmp_path / "out"
+    proc = run_cli(["train", config, "--output", out], tmp_path, timeout=120)
+    assert proc.returncode == 2, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    assert "blob.jsonl is not a text file (byte" in proc.stderr, show(proc)
+    assert "no rows found" not in proc.stderr, show(proc)
+    assert not out.exists()
+
+
+def test_jsonl_with_a_utf8_bom_trains(tmp_path, finetune_config, toy_data_dir):
+    for name in ("pc_train.jsonl", "pc_eval.jsonl"):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + (toy_data_dir / name).read_bytes())
+    proc, out = _train_on(tmp_path, finetune_config, str(tmp_path / "pc_train.jsonl"), str(tmp_path / "pc_eval.jsonl"), 2)
+    assert proc.returncode == 0, show(proc)
+    assert (out / "summary.json").exists()
+
+
+def test_trains_from_a_dataset_saved_with_save_to_disk(tmp_path, finetune_config):
+    datasets = pytest.importorskip("datasets")
+    toy_documents = root_conftest().toy_documents
+    datasets.Dataset.from_dict({"text": toy_documents(120, seed=1)}).save_to_disk(tmp_path / "train_ds")
+    split = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": toy_documents(20, seed=2)})})
+    split.save_to_disk(tmp_path / "eval_dd")
+    proc, out = _train_on(tmp_path, finetune_config, str(tmp_path / "train_ds"), str(tmp_path / "eval_dd"), 2)
+    assert proc.returncode == 0, show(proc)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["eval_loss"] is not None, summary

@@ -1,7 +1,9 @@
-"""Read raw rows from files (JSONL, JSON, CSV, Parquet, text) or the built-in corpus, with locations.
+"""Read raw rows from files (JSONL, JSON, CSV, Parquet, text), datasets saved with
+``datasets.Dataset.save_to_disk``, or the built-in corpus, with locations.
 
 Rows are streamed: no reader holds a whole file in memory (a JSON array file is the one
-exception; its format requires parsing it whole).
+exception; its format requires parsing it whole). Text files are read as UTF-8, a leading
+byte-order mark skipped; a file that is not text at all is an error whatever ``on_bad_row`` says.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import os
 import random
 import sysconfig
 from collections.abc import Iterator
@@ -49,16 +52,45 @@ class BadRows:
             self.first.append(message)
 
 
+def saved_dataset_kind(path: Path) -> str | None:
+    """``"dataset"`` for a directory written by ``Dataset.save_to_disk``, ``"dict"`` for one written by
+    ``DatasetDict.save_to_disk`` (``dataset_dict.json`` and a directory per split), else None."""
+    if (path / "dataset_dict.json").is_file():
+        return "dict"
+    if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        return "dataset"
+    return None
+
+
 def expand_paths(spec: str) -> list[Path]:
-    """A file, a directory (every supported file below it) or a glob, sorted."""
+    """A file, a directory (every supported file below it) or a glob, sorted.
+
+    A directory saved with ``datasets``' ``save_to_disk`` (at the top or anywhere below) is one
+    entry, the directory itself, never the JSON and Arrow files inside it."""
     p = Path(spec)
     if p.is_dir():
-        paths = [q for q in p.rglob("*") if q.is_file() and q.suffix in SUPPORTED_SUFFIXES]
+        paths = [p] if saved_dataset_kind(p) else _files_below(p)
     else:
         paths = [Path(q) for q in glob.glob(spec)]
     if not paths:
-        raise DataError(f"no data file matches {spec!r} (supported: {', '.join(SUPPORTED_SUFFIXES)})")
+        raise DataError(
+            f"no data file matches {spec!r} (supported: {', '.join(SUPPORTED_SUFFIXES)}, "
+            "or a directory saved with datasets' save_to_disk)"
+        )
     return sorted(paths)
+
+
+def _files_below(root: Path) -> list[Path]:
+    """Supported files below ``root``; a saved dataset below it counts as one entry (its directory)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for name in list(dirnames):
+            if saved_dataset_kind(here / name):
+                found.append(here / name)
+                dirnames.remove(name)  # its own files are not read one by one
+        found.extend(here / f for f in filenames if Path(f).suffix in SUPPORTED_SUFFIXES and (here / f).is_file())
+    return found
 
 
 def iter_source(spec: str, bad: BadRows, txt_mode: str = "file") -> Iterator[Row]:
@@ -67,13 +99,71 @@ def iter_source(spec: str, bad: BadRows, txt_mode: str = "file") -> Iterator[Row
         yield from BUILTIN_SOURCES[spec]()
         return
     for path in expand_paths(spec):
+        if path.is_dir() and saved_dataset_kind(path):
+            yield from read_saved_dataset(path)
+            continue
         reader = READERS.get(path.suffix)
         if reader is None:
             raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}")
+        if path.suffix in TEXT_SUFFIXES:
+            check_text_file(path)
         if path.suffix == ".txt":
             yield from read_txt(path, bad, txt_mode)
         else:
             yield from reader(path, bad)
+
+
+# ---------------------------------------------------------------- text files
+
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
+SNIFF_BYTES = 8192
+# a sample with more than this share of bytes that are not UTF-8 text (invalid or control bytes) is binary;
+# a text file in another encoding falls under it and gets the per-line "not valid UTF-8" messages instead
+BINARY_SHARE = 0.3
+_TEXT_CONTROLS = frozenset("\t\n\r\f\v\x1b")
+_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
+
+
+def check_text_file(path: Path) -> None:
+    """Raise a DataError when ``path`` is not UTF-8 text: a NUL byte, a UTF-16/32 byte-order mark, or
+    mostly undecodable or control bytes in its first bytes. Raised whatever the bad-row policy: a
+    binary file's "rows" are not bad rows to skip, the file is the wrong one."""
+    with open(path, "rb") as f:
+        sample = f.read(SNIFF_BYTES)
+        more = bool(f.read(1))
+    for bom, name in _OTHER_BOMS:
+        if sample.startswith(bom):
+            raise DataError(f"{path} is {name} text (it starts with a {name} byte-order mark); re-encode it as UTF-8")
+    nul = sample.find(b"\0")
+    if nul >= 0:
+        raise DataError(f"{path} is not a text file (byte {nul} is NUL); give a JSONL, JSON, CSV or text file in UTF-8")
+    n_bad, first, i = 0, None, 0  # bytes that are not text; the first one (offset, what it is)
+    while i < len(sample):
+        try:
+            text, err = sample[i:].decode("utf-8"), None
+        except UnicodeDecodeError as e:
+            text, err = sample[i : i + e.start].decode("utf-8"), e
+        for k, c in enumerate(text):
+            if (c < " " and c not in _TEXT_CONTROLS) or c == "\x7f":
+                n_bad += 1
+                if first is None:
+                    first = (i + len(text[:k].encode("utf-8")), f"control character 0x{ord(c):02x}")
+        if err is None or (more and err.reason == "unexpected end of data"):  # a character cut by the sample's end
+            break
+        n_bad += err.end - err.start
+        if first is None:
+            first = (i + err.start, f"0x{sample[i + err.start]:02x}, not valid UTF-8")
+        i += err.end
+    if first is not None and n_bad > BINARY_SHARE * len(sample):
+        byte, what = first
+        raise DataError(
+            f"{path} is not a text file (byte {byte} is {what}; {n_bad} of its first {len(sample)} bytes are not text); "
+            "give a JSONL, JSON, CSV or text file in UTF-8"
+        )
+
+
+def _strip_bom(raw: bytes) -> bytes:
+    return raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
 
 
 def read_jsonl(path: Path, bad: BadRows) -> Iterator[Row]:
@@ -81,6 +171,8 @@ def read_jsonl(path: Path, bad: BadRows) -> Iterator[Row]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
+            if lineno == 1:
+                raw = _strip_bom(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -102,7 +194,7 @@ def read_jsonl(path: Path, bad: BadRows) -> Iterator[Row]:
 def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
     """A JSON array of objects (rows are numbered from 1 in messages)."""
     try:
-        items = json.loads(path.read_bytes().decode("utf-8"))
+        items = json.loads(path.read_bytes().decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
     except json.JSONDecodeError as e:
@@ -118,7 +210,7 @@ def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
 
 def read_csv(path: Path, bad: BadRows) -> Iterator[Row]:
     """A header row of field names, then one row per record (``file:line`` counts the header as line 1)."""
-    with open(path, newline="", encoding="utf-8", errors="strict") as f:
+    with open(path, newline="", encoding="utf-8-sig", errors="strict") as f:
         reader = csv.DictReader(f)
         try:
             for row in reader:
@@ -136,20 +228,77 @@ def read_csv(path: Path, bad: BadRows) -> Iterator[Row]:
 def read_parquet(path: Path, bad: BadRows) -> Iterator[Row]:
     """Parquet, read one record batch at a time (memory bounded by the batch, not the file)."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'trainforge[parquet]'") from None
     n = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-        for obj in batch.to_pylist():
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+            for obj in batch.to_pylist():
+                n += 1
+                yield Row(obj, f"{path}: row {n}")
+    except (pa.ArrowException, OSError) as e:
+        after = f" (after row {n})" if n else ""
+        raise DataError(f"{path} is not a readable Parquet file{after}: {e}") from None
+
+
+def read_saved_dataset(path: Path, batch_rows: int = 1024) -> Iterator[Row]:
+    """A directory saved with ``datasets``' ``save_to_disk``, streamed from its memory-mapped Arrow
+    files a batch at a time. A ``DatasetDict`` directory gives its ``train`` split."""
+    target, where = saved_dataset_split(path)
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{path} is a dataset saved with datasets' save_to_disk; reading it needs the datasets package: "
+            "pip install 'trainforge[datasets]'"
+        ) from None
+    try:
+        ds = datasets.load_from_disk(str(target))
+    except Exception as e:  # noqa: BLE001 -- missing or corrupt files surface as many error types
+        raise DataError(f"{target}: not a readable saved dataset: {type(e).__name__}: {e}") from None
+    if not isinstance(ds, datasets.Dataset):
+        raise DataError(f"{target}: expected one dataset, found a {type(ds).__name__}; point at one split's directory")
+    n = 0
+    for batch in ds.with_format(None).iter(batch_size=batch_rows):
+        names = list(batch)
+        for values in zip(*(batch[k] for k in names)):
             n += 1
-            yield Row(obj, f"{path}: row {n}")
+            yield Row(dict(zip(names, values)), f"{where}: row {n}")
+
+
+def saved_dataset_split(path: Path) -> tuple[Path, str]:
+    """The directory of the dataset to read in a saved dataset (a DatasetDict's ``train`` split)
+    and how its rows are located in messages."""
+    if saved_dataset_kind(path) != "dict":
+        return path, str(path)
+    try:
+        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        splits = [str(s) for s in splits]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path / 'dataset_dict.json'}: not a readable DatasetDict index ({e})") from None
+    if "train" not in splits:
+        listed = ", ".join(splits) or "none"
+        example = path / (splits[0] if splits else "<split>")
+        raise DataError(
+            f"{path} is a DatasetDict with no 'train' split (splits: {listed}); "
+            f"point at one split's directory, e.g. {example}"
+        )
+    return path / "train", f"{path} (train split)"
+
+
+def saved_dataset_files(path: Path) -> list[Path]:
+    """The files that hold a saved dataset's rows and layout (its Arrow and JSON files), for fingerprinting."""
+    target, _ = saved_dataset_split(path)
+    own = [path / "dataset_dict.json"] if target != path else []
+    return own + sorted(q for q in target.iterdir() if q.is_file() and q.suffix in (".arrow", ".json"))
 
 
 def read_txt(path: Path, bad: BadRows, mode: str) -> Iterator[Row]:
     """``file``: the whole file is one document; ``paragraph``: each blank-line-separated block is one."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         bad.report(f"{path}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8")
         return
@@ -217,8 +366,14 @@ def iter_stdlib_sources() -> Iterator[Row]:
 
 
 def source_files(spec: str) -> list[Path]:
-    """The files a source spec reads (for fingerprinting); the built-in corpus lists its own."""
-    return _stdlib_files() if spec in BUILTIN_SOURCES else expand_paths(spec)
+    """The files a source spec reads (for fingerprinting); the built-in corpus lists its own, a saved
+    dataset its Arrow and JSON files."""
+    if spec in BUILTIN_SOURCES:
+        return _stdlib_files()
+    files = []
+    for path in expand_paths(spec):
+        files.extend(saved_dataset_files(path) if path.is_dir() and saved_dataset_kind(path) else [path])
+    return files
 
 
 BUILTIN_SOURCES = {BUILTIN_STDLIB: iter_stdlib_sources, BUILTIN_FUNCTIONS: iter_python_functions}

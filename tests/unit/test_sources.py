@@ -1,0 +1,253 @@
+"""Sources: datasets saved with save_to_disk, byte-order marks, corrupt Parquet, binary files."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import random
+
+import pytest
+
+from conftest import write_jsonl
+from trainforge.data.sources import BadRows, DataError, expand_paths, iter_source, source_files
+
+BOM = b"\xef\xbb\xbf"
+
+
+def rows_of(spec, policy="error", txt_mode="file"):
+    return list(iter_source(str(spec), BadRows(policy), txt_mode))
+
+
+# ---------------------------------------------------------------- datasets saved with save_to_disk
+
+
+@pytest.fixture
+def datasets():
+    return pytest.importorskip("datasets")
+
+
+def test_saved_dataset_rows_are_streamed_in_order_with_locations(tmp_path, datasets):
+    texts = [f"document {i}" for i in range(2500)]  # more than one read batch
+    datasets.Dataset.from_dict({"text": texts, "n": list(range(2500))}).save_to_disk(tmp_path / "ds")
+    got = rows_of(tmp_path / "ds")
+    assert [r.data for r in got] == [{"text": t, "n": i} for i, t in enumerate(texts)]
+    assert got[0].where == f"{tmp_path / 'ds'}: row 1" and got[-1].where == f"{tmp_path / 'ds'}: row 2500"
+    assert expand_paths(str(tmp_path / "ds")) == [tmp_path / "ds"]  # not its state.json / dataset_info.json
+
+
+def test_saved_dataset_keeps_nested_fields_and_ignores_a_stored_format(tmp_path, datasets):
+    convo = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    ds = datasets.Dataset.from_dict({"messages": [convo, convo]}).with_format("numpy")
+    ds.save_to_disk(tmp_path / "chat")
+    assert [r.data for r in rows_of(tmp_path / "chat")] == [{"messages": convo}] * 2
+
+
+def test_saved_dataset_dict_reads_its_train_split_and_says_so(tmp_path, datasets):
+    dd = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": ["a", "b"]}), "test": datasets.Dataset.from_dict({"text": ["z"]})}
+    )
+    dd.save_to_disk(tmp_path / "dd")
+    got = rows_of(tmp_path / "dd")
+    assert [r.data["text"] for r in got] == ["a", "b"]
+    assert [r.where for r in got] == [f"{tmp_path / 'dd'} (train split): row 1", f"{tmp_path / 'dd'} (train split): row 2"]
+    # one split's directory is a dataset of its own
+    assert [r.data["text"] for r in rows_of(tmp_path / "dd" / "test")] == ["z"]
+
+
+def test_saved_dataset_dict_without_train_split_names_the_splits(tmp_path, datasets):
+    one = datasets.Dataset.from_dict({"text": ["a"]})
+    datasets.DatasetDict({"validation": one, "test": one}).save_to_disk(tmp_path / "dd")
+    d = tmp_path / "dd"
+    expected = f"{d} is a DatasetDict with no 'train' split (splits: validation, test); point at one split's directory, e.g. {d / 'validation'}"
+    with pytest.raises(DataError) as e:
+        rows_of(d)
+    assert str(e.value) == expected
+    with pytest.raises(DataError, match="no 'train' split"):
+        source_files(str(d))
+
+
+def test_saved_dataset_below_a_directory_is_one_source_beside_files(tmp_path, datasets):
+    write_jsonl(tmp_path / "mix" / "a.jsonl", [{"text": "from jsonl"}])
+    datasets.Dataset.from_dict({"text": ["from arrow"]}).save_to_disk(tmp_path / "mix" / "b_saved")
+    assert expand_paths(str(tmp_path / "mix")) == [tmp_path / "mix" / "a.jsonl", tmp_path / "mix" / "b_saved"]
+    assert [r.data["text"] for r in rows_of(tmp_path / "mix")] == ["from jsonl", "from arrow"]
+
+
+def test_saved_dataset_source_files_cover_its_arrow_and_json_files(tmp_path, datasets):
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(tmp_path / "ds", num_shards=2)
+    names = [p.name for p in source_files(str(tmp_path / "ds"))]
+    assert names == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow", "dataset_info.json", "state.json"]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(tmp_path / "dd")
+    files = source_files(str(tmp_path / "dd"))
+    assert files[0] == tmp_path / "dd" / "dataset_dict.json"
+    assert {p.parent for p in files[1:]} == {tmp_path / "dd" / "train"} and any(p.suffix == ".arrow" for p in files)
+
+
+def test_saved_dataset_edit_changes_the_cache_fingerprint(tmp_path, datasets, tiny_tokenizer_dir):
+    from trainforge.config import DataSettings
+    from trainforge.data.prepare import fingerprint
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    datasets.Dataset.from_dict({"text": ["alpha beta", "gamma"]}).save_to_disk(tmp_path / "ds")
+    cfg = DataSettings(train=str(tmp_path / "ds"), eval=None, cache_dir=tmp_path / "cache")
+    before = fingerprint(cfg, "text", tok, 0)
+    assert fingerprint(cfg, "text", tok, 0) == before  # reading does not change it
+    rows_of(tmp_path / "ds")
+    assert fingerprint(cfg, "text", tok, 0) == before
+    datasets.Dataset.from_dict({"text": ["alpha beta", "gamma delta"]}).save_to_disk(tmp_path / "ds2")
+    cfg2 = DataSettings(train=str(tmp_path / "ds2"), eval=None, cache_dir=tmp_path / "cache")
+    assert fingerprint(cfg2, "text", tok, 0) != before
+
+
+def test_saved_dataset_is_accepted_by_the_config(tmp_path, datasets):
+    from trainforge.config import DataSettings
+
+    datasets.Dataset.from_dict({"text": ["a"]}).save_to_disk(tmp_path / "ds")
+    cfg = DataSettings(train=str(tmp_path / "ds"), eval=str(tmp_path / "ds"))
+    assert cfg.sources()[0].path == str(tmp_path / "ds")
+
+
+def test_saved_dataset_without_the_datasets_package_says_what_to_install(tmp_path, datasets, monkeypatch):
+    datasets.Dataset.from_dict({"text": ["a"]}).save_to_disk(tmp_path / "ds")
+    real_import = builtins.__import__
+
+    def no_datasets(name, *args, **kwargs):
+        if name == "datasets" or name.startswith("datasets."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    with pytest.raises(DataError) as e:
+        rows_of(tmp_path / "ds")
+    assert str(e.value) == (
+        f"{tmp_path / 'ds'} is a dataset saved with datasets' save_to_disk; reading it needs the datasets package: "
+        "pip install 'trainforge[datasets]'"
+    )
+    assert [p.name for p in source_files(str(tmp_path / "ds"))][-1] == "state.json"  # fingerprinting needs no datasets
+
+
+def test_saved_dataset_with_a_missing_arrow_file_is_a_data_error(tmp_path, datasets):
+    datasets.Dataset.from_dict({"text": ["a"]}).save_to_disk(tmp_path / "ds")
+    for arrow in (tmp_path / "ds").glob("*.arrow"):
+        arrow.unlink()
+    with pytest.raises(DataError, match=r"ds: not a readable saved dataset"):
+        rows_of(tmp_path / "ds")
+
+
+# ---------------------------------------------------------------- UTF-8 byte-order mark
+
+
+def test_bom_is_skipped_in_every_text_format(tmp_path):
+    rows = [{"text": "alpha"}, {"text": "beta"}]
+    (tmp_path / "a.jsonl").write_bytes(BOM + b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+    (tmp_path / "b.json").write_bytes(BOM + json.dumps(rows).encode())
+    (tmp_path / "c.csv").write_bytes(BOM + b"text\r\nalpha\r\nbeta\r\n")
+    for name in ("a.jsonl", "b.json", "c.csv"):
+        assert [r.data for r in rows_of(tmp_path / name)] == rows, name
+    assert rows_of(tmp_path / "a.jsonl")[0].where.endswith("a.jsonl:1")
+    (tmp_path / "d.txt").write_bytes(BOM + b"alpha\r\n\r\nbeta\r\n")
+    assert [r.data["text"] for r in rows_of(tmp_path / "d.txt", txt_mode="paragraph")] == ["alpha", "beta"]
+    assert [r.data["text"] for r in rows_of(tmp_path / "d.txt")] == ["alpha\n\nbeta\n"]
+
+
+def test_bom_only_skipped_at_the_start(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "ok"}\n' + BOM + b'{"text": "ok"}\n')
+    with pytest.raises(DataError, match=r"a\.jsonl:2: malformed JSON"):
+        rows_of(tmp_path / "a.jsonl")
+
+
+def test_utf16_file_says_to_re_encode(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes('{"text": "alpha"}\n'.encode("utf-16"))
+    with pytest.raises(DataError) as e:
+        rows_of(tmp_path / "a.jsonl", policy="skip")
+    assert str(e.value) == f"{tmp_path / 'a.jsonl'} is UTF-16 text (it starts with a UTF-16 byte-order mark); re-encode it as UTF-8"
+
+
+# ---------------------------------------------------------------- corrupt Parquet
+
+
+def test_corrupt_parquet_is_a_data_error_naming_the_file(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(b"this is not parquet at all" * 10)
+    with pytest.raises(DataError) as e:
+        rows_of(path, policy="skip")
+    assert str(e.value).startswith(f"{path} is not a readable Parquet file: ")
+    assert "magic bytes" in str(e.value)  # pyarrow's own words follow
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\.parquet is not a readable Parquet file: "):
+        rows_of(tmp_path / "empty.parquet")
+
+
+def test_truncated_parquet_is_a_data_error(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    texts = ["".join(rng.choice("abcdefgh ") for _ in range(200)) for _ in range(2000)]
+    pq.write_table(pa.Table.from_pylist([{"text": t} for t in texts]), tmp_path / "ok.parquet")
+    data = (tmp_path / "ok.parquet").read_bytes()
+    path = tmp_path / "cut.parquet"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"cut\.parquet is not a readable Parquet file"):
+        rows_of(path)
+
+
+# ---------------------------------------------------------------- binary files
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt", ".json", ".csv"])
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_binary_file_is_not_a_text_file_whatever_the_policy(tmp_path, suffix, policy):
+    path = tmp_path / f"blob{suffix}"
+    path.write_bytes(random.Random(1).randbytes(4096))
+    with pytest.raises(DataError, match=rf"blob\{suffix} is not a text file \(byte \d+ is "):
+        rows_of(path, policy=policy)
+
+
+def test_binary_message_names_the_first_bad_byte(tmp_path):
+    path = tmp_path / "nul.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n\x00\x01\x02')
+    with pytest.raises(DataError) as e:
+        rows_of(path, policy="skip")
+    assert str(e.value) == f"{path} is not a text file (byte 15 is NUL); give a JSONL, JSON, CSV or text file in UTF-8"
+    path = tmp_path / "junk.txt"
+    path.write_bytes(b"ab" + bytes([0x9F, 0x01, 0xFF, 0xC0]) * 8)
+    with pytest.raises(DataError) as e:
+        rows_of(path, policy="skip")
+    assert str(e.value) == (
+        f"{path} is not a text file (byte 2 is 0x9f, not valid UTF-8; 32 of its first 34 bytes are not text); "
+        "give a JSONL, JSON, CSV or text file in UTF-8"
+    )
+
+
+def test_binary_detection_leaves_text_alone(tmp_path):
+    # a 2-byte character cut by the end of the 8 KiB sample is text
+    (tmp_path / "a.txt").write_bytes(b"x" + ("é" * 5000 + "\n").encode())
+    assert len(rows_of(tmp_path / "a.txt")) == 1
+    # one undecodable line in a JSONL file is a bad row, located by line, not a binary file
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "ok"}\n\xff\xfe\n{"text": "ok"}\n')
+    with pytest.raises(DataError, match=r"b\.jsonl:2: not valid UTF-8"):
+        rows_of(tmp_path / "b.jsonl")
+    assert len(rows_of(tmp_path / "b.jsonl", policy="skip")) == 2
+    # Latin-1 text: per-line messages telling to re-encode, not "not a text file"
+    (tmp_path / "c.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1") * 3)
+    with pytest.raises(DataError, match=r"c\.jsonl:1: not valid UTF-8"):
+        rows_of(tmp_path / "c.jsonl")
+    # terminal escapes and form feeds are text
+    (tmp_path / "d.txt").write_bytes(b"\x1b[1mbold\x1b[0m\f\n" * 50)
+    assert len(rows_of(tmp_path / "d.txt")) == 1
+
+
+def test_binary_file_through_prepare_is_not_no_rows_found(tmp_path, tiny_tokenizer_dir):
+    from trainforge.config import DataSettings
+    from trainforge.data.prepare import prepare_data
+    from trainforge.model.tokenizer import load_tokenizer
+
+    path = tmp_path / "blob.jsonl"
+    path.write_bytes(os.urandom(2048))
+    cfg = DataSettings(train=str(path), eval=None, cache_dir=tmp_path / "cache", num_workers=1, on_bad_row="skip")
+    with pytest.raises(DataError, match=r"blob\.jsonl is not a text file"):
+        prepare_data(cfg, load_tokenizer(tiny_tokenizer_dir), seed=0, log=lambda *_: None)
