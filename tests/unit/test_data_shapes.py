@@ -249,3 +249,10 @@ def test_a_reply_whose_first_token_carries_the_templates_space_learns_that_token
     learned = chunk.ids[chunk.learn.astype(bool)].tolist()
     assert learned == tok(" Rome is nice.</s>", add_special_tokens=False)["input_ids"]
     assert tok.convert_ids_to_tokens(learned[0]) == "ĠRome"
+
+
+def test_data_whose_every_row_is_bad_names_the_first_bad_row(tmp_path, tok):
+    path = tmp_path / "broken.jsonl"
+    path.write_text("{not json\n[1, 2]\n")
+    with pytest.raises(DataError, match=r"no rows found; every row is bad, first: .*broken\.jsonl:1: malformed JSON"):
+        prepare(tmp_path, tok, train=str(path), eval=None)

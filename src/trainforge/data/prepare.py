@@ -55,9 +55,10 @@ def train_rows(cfg: DataSettings, bad: BadRows) -> Iterator[tuple[int, Row]]:
 def resolve_format(cfg: DataSettings) -> str:
     if cfg.format != "auto":
         return cfg.format
-    first = next(train_rows(cfg, BadRows("skip")), None)
+    bad = BadRows("skip")
+    first = next(train_rows(cfg, bad), None)
     if first is None:
-        raise DataError(f"data.train={cfg.train!r}: no rows found")
+        raise DataError(f"data.train={cfg.train!r}: no rows found" + (f"; every row is bad, first: {bad.first[0]}" if bad.count else ""))
     return detect_format(first[1], cfg.fields)
 
 
