@@ -57,7 +57,11 @@ class ModelSettings(Section):
     init: dict[str, Any] | None = Field(
         None, description="from scratch: {architecture: llama, ...any field of that transformers config}"
     )
-    tokenizer: Path | None = Field(None, description="local tokenizer directory (default: model.path)")
+    tokenizer: Literal["char"] | Path | None = Field(
+        None,
+        description="local tokenizer directory (default: model.path), or char: a character vocabulary "
+        "(the training text's characters plus EOS, PAD and UNK) built from the data",
+    )
     tokenizer_vocab_size: int = Field(
         8192, ge=260, description="vocabulary of the BPE tokenizer trained on the data when there is none"
     )
@@ -76,10 +80,16 @@ class ModelSettings(Section):
     def _path_exists(cls, v: Path | None) -> Path | None:
         return _check_exists(v, "model.path")
 
-    @field_validator("tokenizer")
+    @field_validator("tokenizer", mode="before")
     @classmethod
-    def _tokenizer_exists(cls, v: Path | None) -> Path | None:
-        return _check_exists(v, "model.tokenizer")
+    def _tokenizer_exists(cls, v: Any) -> Any:
+        if v is None or v == "char":
+            return v
+        if not isinstance(v, (str, os.PathLike)):
+            raise ValueError("expected a local tokenizer directory or 'char' (a character vocabulary built from the data)")
+        if not Path(v).exists():
+            raise ValueError(f"path does not exist: {v} (give an existing local tokenizer directory, or 'char')")
+        return v
 
     @field_validator("init")
     @classmethod

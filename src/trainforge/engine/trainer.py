@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -16,6 +17,7 @@ import torch
 from .. import __version__
 from ..checkpoint import atomic_write_dir, step_dir_name
 from ..config import RunConfig, default_cache_dir, resolve_max_steps
+from ..data.formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
 from ..data.loader import Batch, RowCollator, TrainLoader, eval_batches
 from ..data.packing import build_rows, weighted_indices
 from ..data.prepare import PreparedData, prepare_data, resolve_format, training_texts
@@ -38,7 +40,7 @@ from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
 from ..model.compile import compile_decoder
 from ..model.load import build_model, count_parameters
-from ..model.tokenizer import load_tokenizer, train_bpe_tokenizer
+from ..model.tokenizer import build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
 from ..tools.generate import sample
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .evaluate import evaluate
@@ -71,7 +73,21 @@ def seed_everything(seed: int) -> None:
 
 
 def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
-    """The configured tokenizer, the model directory's, or a BPE trained on the training text."""
+    """The configured tokenizer, the model directory's, or one built from the training text:
+    a character vocabulary (``model.tokenizer: char``) or a byte-level BPE.
+
+    Built tokenizers are deterministic functions of the data: a resumed run rebuilds the same
+    one (the checkpoint's vocabulary hash checks it), and ``final/`` gets a copy.
+    """
+    if cfg.model.tokenizer == "char":
+        t = time.perf_counter()
+        fmt = resolve_format(cfg.data)
+        texts = training_texts(cfg.data, fmt)
+        # characters the rendering adds around the data's fields: alpaca's prompt, the chat template and roles
+        added = {"alpaca": [ALPACA_PROMPT_WITH_INPUT], "chat": [cfg.data.chat_template or DEFAULT_CHAT_TEMPLATE, "system user assistant tool"]}
+        tok = build_char_tokenizer(itertools.chain(texts, added.get(fmt, [])))
+        reporter.info(f"tokenizer: characters of the data, {len(tok)} tokens ({time.perf_counter() - t:.1f}s)")
+        return tok
     source = cfg.model.tokenizer or cfg.model.path
     if source is not None:
         return load_tokenizer(source)

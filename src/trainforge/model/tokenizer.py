@@ -1,4 +1,5 @@
-"""Tokenizers: a local Hugging Face tokenizer, or a byte-level BPE trained on the data."""
+"""Tokenizers: a local Hugging Face tokenizer, a byte-level BPE trained on the data, or a
+character vocabulary built from the data."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+UNK_TOKEN = "<|unk|>"
 
 
 def load_tokenizer(path: str | Path):
@@ -37,3 +39,36 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
     )
     core.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+
+
+def build_char_tokenizer(texts: Iterable[str]):
+    """A character-level tokenizer (nanoGPT's shakespeare_char): one token per character.
+
+    The vocabulary is the sorted set of characters in ``texts`` (ids 0..n-1, as nanoGPT numbers
+    them), then EOS, PAD and UNK; a character not seen in ``texts`` encodes to UNK. Deterministic:
+    the same text gives the same ids. A BPE model with this vocabulary and no merges splits text
+    into characters without a pre-tokenizer, so every token's offsets span exactly its character,
+    and ``decoders.Fuse`` joins the characters back without inserted spaces.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars: set[str] = set()
+    for text in texts:
+        chars.update(text)
+    if not chars:
+        raise ValueError("no training text to build a character vocabulary from")
+    specials = [EOS_TOKEN, PAD_TOKEN, UNK_TOKEN]
+    vocab = {c: i for i, c in enumerate(sorted(chars))}
+    for token in specials:
+        vocab.setdefault(token, len(vocab))  # multi-character strings: never a character of the data
+    core = Tokenizer(models.BPE(vocab, [], unk_token=UNK_TOKEN, fuse_unk=False))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(specials)  # matched whole in the input, skipped by skip_special_tokens
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,  # " ." stays " .": decoding gives the text back exactly
+    )
