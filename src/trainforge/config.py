@@ -109,7 +109,42 @@ class ModelSettings(Section):
             )
         if self.method == "lora" and self.path is None:
             raise ValueError("model.method: lora needs a pretrained model.path to adapt; use 'full' with model.init")
+        if self.path is not None:
+            _check_model_dir(self.path, needs_tokenizer=self.tokenizer is None)
+        if isinstance(self.tokenizer, Path) and self.tokenizer.is_dir() and not _has_any(self.tokenizer, TOKENIZER_FILES):
+            raise ValueError(
+                f"model.tokenizer: {self.tokenizer} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
+                "save one there with tokenizer.save_pretrained(dir)"
+            )
         return self
+
+
+# what a Hugging Face model directory holds (save_pretrained / a hub snapshot)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _has_any(directory: Path, names: tuple[str, ...]) -> bool:
+    return any((directory / n).is_file() for n in names)
+
+
+def _check_model_dir(path: Path, needs_tokenizer: bool) -> None:
+    """``model.path`` must be a model directory: a config, weights and (unless given apart) a tokenizer."""
+    if not path.is_dir():
+        raise ValueError(f"model.path: {path} is not a directory; give a local Hugging Face model directory")
+    missing = []
+    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        missing.append("config.json")
+    if not _has_any(path, WEIGHT_FILES):
+        missing.append("weights (model.safetensors or pytorch_model.bin)")
+    if needs_tokenizer and not _has_any(path, TOKENIZER_FILES):
+        missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES)}; or set model.tokenizer)")
+    if missing:
+        raise ValueError(
+            f"model.path: {path} is not a Hugging Face model directory; it lacks {', '.join(missing)}. "
+            "Save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir), or download a hub "
+            "snapshot there beforehand (nothing is downloaded at run time)"
+        )
 
 
 def validate_init_fields(init: dict[str, Any]) -> None:

@@ -186,3 +186,15 @@ def test_trains_from_a_dataset_saved_with_save_to_disk(tmp_path, finetune_config
     assert proc.returncode == 0, show(proc)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["eval_loss"] is not None, summary
+
+
+def test_a_model_directory_without_model_files_exits_2_saying_what_it_lacks(tmp_path, finetune_config):
+    empty = tmp_path / "downloaded-model"  # e.g. a snapshot that was never fetched
+    empty.mkdir()
+    cfg = copy.deepcopy(finetune_config)
+    cfg["model"]["path"] = str(empty)
+    config = write_config(tmp_path / "bad-model.yaml", cfg)
+    proc = run_cli(["train", config, "--output", tmp_path / "out"], tmp_path, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, show(proc)
+    message = " ".join(proc.stderr.split())
+    assert f"{empty} is not a Hugging Face model directory" in message and "lacks config.json" in message, show(proc)

@@ -124,7 +124,24 @@ def test_examples_validate(name, tmp_path, monkeypatch):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    (tmp_path / "runs" / "demo" / "final").mkdir(parents=True)  # the model `make demo` leaves there
+    final = tmp_path / "runs" / "demo" / "final"  # the model `make demo` leaves there
+    final.mkdir(parents=True)
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+        (final / file).write_text("{}")
     monkeypatch.chdir(tmp_path)
     cfg = load_config(root / "examples" / name)
     assert cfg.model.path == Path("runs/demo/final")
+
+
+def test_a_model_path_that_is_not_a_model_directory_says_what_it_lacks(tmp_path, tiny_model_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    message = error_of([f"model.path={empty}", "model.init=null"])
+    assert "model.path" in message and "config.json, weights (model.safetensors or pytorch_model.bin), tokenizer files" in message
+    weights_only = tmp_path / "no-tokenizer"
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (weights_only / name).write_bytes((tiny_model_dir / name).read_bytes())
+    message = error_of([f"model.path={weights_only}", "model.init=null"])
+    assert "lacks tokenizer files" in message and "model.tokenizer" in message
+    load_config(None, [f"model.path={weights_only}", "model.init=null", f"model.tokenizer={tiny_model_dir}"])
