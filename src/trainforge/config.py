@@ -419,7 +419,6 @@ def default_config() -> dict[str, Any]:
             "train": BUILTIN_STDLIB,
             "eval": 0.05,
             "max_length": 256,
-            "too_long": "split",
             "packing": True,
             "max_documents": 300,
         },
