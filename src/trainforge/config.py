@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import glob
+import importlib.util
 import math
 import os
 import re
@@ -50,6 +51,8 @@ class LoraSettings(Section):
     target_modules: str | list[str] = Field(
         "all-linear", description="'all-linear' (every linear layer of the blocks) or module names"
     )
+    use_dora: bool = Field(False, description="DoRA: adapters on the direction, plus a trained magnitude per output")
+    use_rslora: bool = Field(False, description="rank-stabilized LoRA: scale updates by alpha / sqrt(r) instead of alpha / r")
 
 
 class ModelSettings(Section):
@@ -66,7 +69,9 @@ class ModelSettings(Section):
         8192, ge=260, description="vocabulary of the BPE tokenizer trained on the data when there is none"
     )
     method: Literal["full", "lora", "qlora"] = Field(
-        "full", description="full: train every weight; lora: train PEFT adapters only; qlora: planned"
+        "full",
+        description="full: train every weight; lora: train PEFT adapters on a frozen base (stored in the run's "
+        "precision); qlora: the same on a 4-bit NF4 base (bitsandbytes)",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
     attention: Literal["auto", "sdpa", "packed_sdpa", "eager", "flash_attention_2"] = Field(
@@ -102,13 +107,10 @@ class ModelSettings(Section):
     def _one_source(self) -> "ModelSettings":
         if (self.path is None) == (self.init is None):
             raise ValueError("give exactly one of model.path (a pretrained model) or model.init (from scratch)")
-        if self.method == "qlora":
-            raise ValueError(
-                "model.method: qlora is not available yet (planned: 4-bit base + LoRA); "
-                "use 'lora' or 'full'"
-            )
-        if self.method == "lora" and self.path is None:
-            raise ValueError("model.method: lora needs a pretrained model.path to adapt; use 'full' with model.init")
+        if self.method in ("lora", "qlora") and self.path is None:
+            raise ValueError(f"model.method: {self.method} needs a pretrained model.path to adapt; use 'full' with model.init")
+        if self.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("model.method: qlora needs bitsandbytes for the 4-bit base: pip install 'trainforge[qlora]'")
         if self.path is not None:
             _check_model_dir(self.path, needs_tokenizer=self.tokenizer is None)
         if isinstance(self.tokenizer, Path) and self.tokenizer.is_dir() and not _has_any(self.tokenizer, TOKENIZER_FILES):
@@ -293,6 +295,9 @@ class TrainSettings(Section):
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="auto: bf16 where native, fp16 + loss scaling on older GPUs, else fp32"
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward: less memory, ~1/3 more compute"
     )
     fused_loss: bool = Field(
         True,

@@ -34,6 +34,10 @@ def _from_scratch_with_init_typo(cfg: dict) -> None:
     cfg["model"] = {"init": {"architecture": "llama", "hidden_sizee": 32, "num_hidden_layers": 1}}
 
 
+def _qlora_from_scratch(cfg: dict) -> None:
+    cfg["model"] = {"init": {"architecture": "llama", "hidden_size": 32, "num_hidden_layers": 1}, "method": "qlora"}
+
+
 def _line_of(text: str, needle: str) -> int:
     """1-based line of the first line of ``text`` that starts (after indentation) with ``needle``."""
     for n, line in enumerate(text.splitlines(), 1):
@@ -49,7 +53,7 @@ CASES = [
     ("negative-lr", None, ["optim.lr=-1"], ["optim.lr", "--set"], None),
     ("zero-max-length", _set("data.max_length", 0), [], ["data.max_length"], "max_length:"),
     ("missing-path", _set("model.path", "./nope"), [], ["model.path", "nope"], "path:"),
-    ("qlora", _set("model.method", "qlora"), [], ["qlora"], None),
+    ("qlora-from-scratch", _qlora_from_scratch, [], ["model.method: qlora needs a pretrained model.path"], None),
     ("init-typo", _from_scratch_with_init_typo, [], ["model.init.hidden_sizee", "hidden_size"], None),
 ]
 

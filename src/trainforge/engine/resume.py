@@ -240,8 +240,9 @@ def _load_first(
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights a checkpoint holds: LoRA adapters only, or everything for full training."""
-    lora = hasattr(model, "peft_config")
-    return {k: v for k, v in model.state_dict().items() if not lora or "lora_" in k}
+    if hasattr(model, "peft_config"):  # adapters only; the frozen (maybe 4-bit) base is rebuilt from model.path
+        return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+    return model.state_dict()
 
 
 def capture_rng() -> dict[str, Any]:

@@ -39,7 +39,7 @@ from ..metrics.sinks import TensorBoardSink
 from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
 from ..model.compile import compile_decoder
-from ..model.load import build_model, count_parameters
+from ..model.load import build_model, count_parameters, describe_storage, weight_storage
 from ..model.tokenizer import build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
 from ..tools.generate import sample
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
@@ -308,13 +308,18 @@ def setup(
     reporter.info(describe_data(data, efficiency))
     data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
 
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None).to(device)
+    model = build_model(
+        cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None,
+        compute_dtype=precision.autocast_dtype, activation_checkpointing=cfg.train.activation_checkpointing,
+    ).to(device)
     model.train()
     trainable, total = count_parameters(model)
     reporter.info(
         f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
         f"attention {model.config._attn_implementation}"
+        + (", activation checkpointing" if cfg.train.activation_checkpointing else "")
     )
+    reporter.info(f"weights: {describe_storage(weight_storage(model))}")
     train_model = wrap_for_ranks(ctx, cfg, model, loader, precision, device, reporter)
     optimizer = build_optimizer(model, cfg.optim, device)
 
@@ -613,11 +618,14 @@ def finish(run: Run, wall_start: float) -> RunResult:
         "precision_reason": run.precision_reason,
         "parameters": total,
         "trainable_parameters": trainable,
+        "weights": weight_storage(run.model),  # parameter counts by role and storage dtype
+        "activation_checkpointing": cfg.train.activation_checkpointing,
         "data": {"format": run.data_format, **run.data_stats},
         "final_dir": str(final_dir),
     }
     if cfg.log.sample_prompt and (run.dist.is_main or run.dist.mode == "fsdp"):  # FSDP: generating is collective
-        text = sample(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed)
+        text = sample(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed,
+                      autocast=run.precision.autocast(run.device))
         summary["sample"] = text
         run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
     summary["wall_time_s"] = time.perf_counter() - wall_start

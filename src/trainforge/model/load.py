@@ -1,4 +1,4 @@
-"""Build the model a run trains: pretrained from a local directory or from scratch, full or LoRA."""
+"""Build the model a run trains: pretrained from a local directory or from scratch; full, LoRA or QLoRA."""
 
 from __future__ import annotations
 
@@ -46,30 +46,98 @@ def attention_implementation(requested: str, device: torch.device, half_precisio
 
 
 def build_model(
-    cfg: ModelSettings, tokenizer, seed: int, device: torch.device | None = None, half_precision: bool = True
+    cfg: ModelSettings,
+    tokenizer,
+    seed: int,
+    device: torch.device | None = None,
+    half_precision: bool = True,
+    compute_dtype: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
 ) -> torch.nn.Module:
-    """The trainable model: weights loaded or seeded-initialized, LoRA-wrapped when asked.
-    ``half_precision``: the run computes in bf16/fp16 (decides whether flash-attention can serve)."""
+    """The trainable model: weights loaded or seeded-initialized, LoRA/QLoRA-wrapped when asked.
+
+    ``half_precision``: the run computes in bf16/fp16 (decides whether flash-attention can serve);
+    ``compute_dtype``: that dtype. Under LoRA and QLoRA the frozen base is stored in it (nothing
+    of the base trains, so fp32 master copies would buy nothing), while adapters stay fp32. A
+    full fine-tune keeps fp32 master weights; autocast does the low-precision compute.
+    ``activation_checkpointing``: each decoder layer recomputes its activations in backward.
+    """
     from transformers import AutoModelForCausalLM
 
     attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision)
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
+    adapters = cfg.method in ("lora", "qlora")
+    base_dtype = compute_dtype if adapters and compute_dtype is not None else torch.float32
     if cfg.init is not None:
         model = AutoModelForCausalLM.from_config(
             init_config(cfg.init, tokenizer), dtype=torch.float32, attn_implementation=attn
         )
     else:
-        # keep master weights in fp32: autocast handles the low-precision compute
-        model = AutoModelForCausalLM.from_pretrained(str(cfg.path.resolve()), dtype=torch.float32, attn_implementation=attn)
+        extra = {"quantization_config": nf4_config(compute_dtype)} if cfg.method == "qlora" else {}
+        # loaded straight in the storage dtype: no fp32 copy of a bf16 base is ever materialized
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.path.resolve()), dtype=base_dtype, attn_implementation=attn, **extra)
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
-    if cfg.method == "lora":
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if adapters:
+        if cfg.method == "qlora":
+            keep_norms_fp32(model)
         model = apply_lora(model, cfg.lora)
+        for param in model.parameters():  # adapters (and anything else that trains) in fp32, with fp32 Adam state
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.float()
     return model
 
 
+def nf4_config(compute_dtype: torch.dtype | None):
+    """QLoRA's base: 4-bit NormalFloat with double quantization (the quantization constants
+    quantized too), computing in the run's precision."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise QuantizationUnavailable("model.method: qlora needs bitsandbytes: pip install 'trainforge[qlora]'")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype or torch.float32,
+    )
+
+
+class QuantizationUnavailable(RuntimeError):
+    """QLoRA was asked for and bitsandbytes is not installed."""
+
+
+def keep_norms_fp32(model: torch.nn.Module) -> None:
+    """Normalization weights of a quantized base in fp32 (they are tiny; their statistics are
+    where low precision hurts). This is the useful part of PEFT's ``prepare_model_for_kbit_training``,
+    which also upcasts embeddings and the head to fp32 (gigabytes on a large vocabulary) and
+    enables input gradients, which non-reentrant checkpointing does not need."""
+    for name, module in model.named_modules():
+        if "norm" in type(module).__name__.lower() or name.endswith("norm"):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.float()
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder layer in backward (transformers' ``GradientCheckpointingLayer``s).
+
+    Non-reentrant ``torch.utils.checkpoint``: gradients reach LoRA adapters inside a layer whose
+    input needs no gradient, and transformers wraps the layer's ``forward`` (not ``__call__``), so
+    FSDP2's per-layer hooks stay outside the recomputation. Applied before LoRA, DDP and FSDP wrap
+    the model, so each checkpointed layer is also one ``fully_shard`` unit.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"train.activation_checkpointing: {type(model).__name__} does not support activation checkpointing")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+
 def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
-    """Wrap with PEFT LoRA adapters; only the adapters train."""
+    """Wrap with PEFT LoRA adapters (DoRA / rank-stabilized scaling when asked); only the adapters train."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -77,6 +145,8 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
         task_type="CAUSAL_LM",
     )
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
@@ -84,8 +154,30 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
         return get_peft_model(model, config)
 
 
+def weight_storage(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """Parameter counts by role and storage dtype: ``{"trainable": {"float32": n}, "frozen": {"bfloat16": m}}``.
+    A 4-bit weight counts as ``nf4`` with the number of weights it holds."""
+    out: dict[str, dict[str, int]] = {"trainable": {}, "frozen": {}}
+    for param in model.parameters():
+        role = "trainable" if param.requires_grad else "frozen"
+        kind, n = ("nf4", param.numel() * 2) if type(param).__name__ == "Params4bit" else (str(param.dtype).removeprefix("torch."), param.numel())
+        out[role][kind] = out[role].get(kind, 0) + n
+    return out
+
+
+def describe_storage(storage: dict[str, dict[str, int]]) -> str:
+    """``trainable fp32 (0.26M), frozen bf16 (12.3M)``: what each group of weights is stored in."""
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    parts = [
+        f"{role} {short.get(kind, kind)} ({n / 1e6:.2f}M)"
+        for role in ("trainable", "frozen")
+        for kind, n in sorted(storage[role].items())
+    ]
+    return ", ".join(parts)
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, total
+    """(trainable, total) parameter counts (a 4-bit weight counts the weights it holds)."""
+    storage = weight_storage(model)
+    trainable = sum(storage["trainable"].values())
+    return trainable, trainable + sum(storage["frozen"].values())
