@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -83,6 +84,7 @@ def build_model(
     if adapters:
         if cfg.method == "qlora":
             keep_norms_fp32(model)
+            one_weight_layout(model)
         model = apply_lora(model, cfg.lora)
         for param in model.parameters():  # adapters (and anything else that trains) in fp32, with fp32 Adam state
             if param.requires_grad and param.dtype != torch.float32:
@@ -120,6 +122,16 @@ def keep_norms_fp32(model: torch.nn.Module) -> None:
         if "norm" in type(module).__name__.lower() or name.endswith("norm"):
             for param in module.parameters(recurse=False):
                 param.data = param.data.float()
+
+
+def one_weight_layout(model: torch.nn.Module) -> None:
+    """Keep 4-bit weights in one layout. On CPUs with AVX512-BF16, bitsandbytes repacks a weight in
+    place the first time it runs in eval mode without gradients, and matmuls in that layout round
+    differently: training after an eval would then differ from training after a resume (which
+    skips the eval before training), and resume would not be exact."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -160,7 +172,8 @@ def weight_storage(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {"trainable": {}, "frozen": {}}
     for param in model.parameters():
         role = "trainable" if param.requires_grad else "frozen"
-        kind, n = ("nf4", param.numel() * 2) if type(param).__name__ == "Params4bit" else (str(param.dtype).removeprefix("torch."), param.numel())
+        quant = getattr(param, "quant_state", None)  # a bitsandbytes 4-bit weight: packed bytes, original shape here
+        kind, n = ("nf4", math.prod(quant.shape)) if quant is not None else (str(param.dtype).removeprefix("torch."), param.numel())
         out[role][kind] = out[role].get(kind, 0) + n
     return out
 
