@@ -159,3 +159,16 @@ def test_a_failing_rank_ends_the_job_with_its_error(two_proc, tmp_path):
     assert proc.returncode not in (0, -signal.SIGKILL), show(proc)
     assert time.monotonic() - t0 < FAILURE_BOUND_S
     assert proc.stderr.count("RuntimeError: injected failure on rank 1") == 1, show(proc)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_activation_checkpointing_under_ddp_and_fsdp2_trains_like_plain_ddp(two_proc, tmp_path, mode):
+    """Checkpointing is switched on before the wrap: under FSDP2 each recomputed layer is one shard unit."""
+    config, reference = two_proc
+    run = tmp_path / mode
+    args = ["train", config, "--output", run, "--set", f"train.distributed={mode}", "--set", "train.activation_checkpointing=true"]
+    proc = run_cli(args, tmp_path, nproc=2)
+    assert proc.returncode == 0, show(proc)
+    assert f"{mode} over 2 processes" in proc.stdout and "activation checkpointing" in proc.stdout, show(proc)
+    assert_close_records(records(run), records(reference))
+    assert_close_weights(final_weights(run), final_weights(reference))
