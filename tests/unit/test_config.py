@@ -56,7 +56,7 @@ def error_of(overrides=(), path=None) -> str:
         ("optim.lr=-1", "optim.lr", "greater than 0"),
         ("data.max_length=0", "data.max_length", "greater than 0"),
         ("data.train=./nope.jsonl", "data.train", "no file matches"),
-        ("model.method=qlora", "model.method", "not available yet"),
+        ("model.method=qlora", "model.method", "needs a pretrained model.path"),
         ("model.init.hidden_sizee=3", "model.init.hidden_sizee", "did you mean hidden_size"),
         ("model.init.architecture=lama", "model.init.architecture", "did you mean llama"),
         ("train.precision=fp8", "train.precision", "'fp32'"),
@@ -145,3 +145,12 @@ def test_a_model_path_that_is_not_a_model_directory_says_what_it_lacks(tmp_path,
     message = error_of([f"model.path={weights_only}", "model.init=null"])
     assert "lacks tokenizer files" in message and "model.tokenizer" in message
     load_config(None, [f"model.path={weights_only}", "model.init=null", f"model.tokenizer={tiny_model_dir}"])
+
+
+def test_qlora_without_bitsandbytes_names_the_extra(monkeypatch, tiny_model_dir):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    message = error_of([f"model.path={tiny_model_dir}", "model.init=null", "model.method=qlora"])
+    assert "model.method: qlora needs bitsandbytes" in message and "pip install 'trainforge[qlora]'" in message
