@@ -42,11 +42,15 @@ def runner_with(selftest: SelfTest, tmp_path, *done: Case) -> SelfTest:
 
 def test_matrix_covers_every_combination_once():
     names = [c.name for c in CASES]
-    assert len(names) == len(set(names)) == 3 * 4 * 2 * 2 + 1
+    assert len(names) == len(set(names)) == 3 * 4 * 2 * 2 + 1 + 2
     assert names.index("fp32-chat-lora-standard") < names.index("bf16-concat-full-fused")  # references first
     assert [c.name for c in CASES if c.compiled] == ["bf16-packed-full-fused-compiled"]
+    checkpointed = ["fp32-packed-full-fused-checkpointing", "bf16-chat-lora-fused-checkpointing"]
+    assert [c.name for c in CASES if c.checkpointing] == checkpointed
+    assert all(c.reference in CASES and not c.reference.checkpointing for c in CASES if c.checkpointing)
     quick = matrix(quick=True)
-    assert len(quick) == 3 * len(QUICK) and not any(c.compiled for c in quick)
+    assert len(quick) == 3 * len(QUICK) + 2 and not any(c.compiled for c in quick)
+    assert [c.name for c in quick if c.checkpointing] == checkpointed
     for p in ("fp32", "bf16", "fp16"):  # the quick subset still has every data shape, LoRA and the standard head
         mine = [c for c in quick if c.precision == p]
         assert {c.data for c in mine} == {"concat", "packed", "completion", "chat"}

@@ -13,6 +13,7 @@ and is checked against the fp32 run of the same (data, method, head):
   x method    {full: from model.init (untied head), lora: a local "pretrained" model (tied head)}
   x head      {fused: chunked LM-head loss, standard: the model's own head + cross-entropy}
   + compiled  train.compile: true, on one case
+  + checkpointing  train.activation_checkpointing: true, on a full and a LoRA case
 
 Beside the training cases, per precision: fused vs standard gradients on a batch with masked
 positions, a run stopped after a checkpoint and resumed against the uninterrupted one, and
@@ -104,10 +105,15 @@ class Case:
     method: str
     head: str
     compiled: bool = False
+    checkpointing: bool = False  # train.activation_checkpointing
 
     @property
     def name(self) -> str:
-        return f"{self.precision}-{self.data}-{self.method}-{self.head}" + ("-compiled" if self.compiled else "")
+        return (
+            f"{self.precision}-{self.data}-{self.method}-{self.head}"
+            + ("-compiled" if self.compiled else "")
+            + ("-checkpointing" if self.checkpointing else "")
+        )
 
     @property
     def reference(self) -> "Case":
@@ -133,6 +139,8 @@ def matrix(quick: bool = False, compiled_precision: str | None = "bf16") -> list
     ]
     if compiled_precision and not quick:
         cases.append(Case(compiled_precision, "packed", "full", "fused", compiled=True))
+    # activation checkpointing recomputes each layer in backward: it must track the plain run
+    cases += [Case("fp32", "packed", "full", "fused", checkpointing=True), Case(compiled_precision or "bf16", "chat", "lora", "fused", checkpointing=True)]
     return cases
 
 
@@ -358,6 +366,7 @@ def case_config(case: Case, assets: Assets, device: str, cache_dir: Path | None 
             "device": device,
             "fused_loss": case.head == "fused",
             "compile": case.compiled,
+            "activation_checkpointing": case.checkpointing,
             "eval_max_batches": 2,
             "seed": 0,
         },
