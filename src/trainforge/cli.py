@@ -155,7 +155,7 @@ def prepare(
     except ConfigError as e:
         _fail(str(e))
     from .data.sources import DataError
-    from .engine.trainer import prepare_only
+    from .data.plan import prepare_only
 
     try:
         prepare_only(cfg)

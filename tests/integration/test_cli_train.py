@@ -41,7 +41,7 @@ def _recompute_eval_loss(model: torch.nn.Module, tokenizer, run_config: Path) ->
     from trainforge.config import load_config
     from trainforge.data.loader import eval_batches
     from trainforge.engine.evaluate import evaluate
-    from trainforge.engine.trainer import plan_data
+    from trainforge.data.plan import plan_data
     from trainforge.hardware import PRECISIONS
     from trainforge.metrics.console import ConsoleReporter
 

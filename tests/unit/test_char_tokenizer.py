@@ -170,7 +170,7 @@ def _quiet():
 
 
 def test_trainer_builds_the_vocab_of_a_text_file(tmp_path):
-    from trainforge.engine.trainer import get_tokenizer
+    from trainforge.data.plan import get_tokenizer
 
     text = "".join(TRAIN).replace("\r\n", "\n")  # .txt files are read with universal newlines
     (tmp_path / "input.txt").write_text(text)
@@ -184,7 +184,7 @@ def test_characters_the_rendering_adds_are_in_the_vocab(tmp_path, fmt):
     """Chat templates and the alpaca prompt add characters the data's fields lack: none is UNK."""
     from trainforge.data.formats import Renderer
     from trainforge.data.sources import Row
-    from trainforge.engine.trainer import get_tokenizer
+    from trainforge.data.plan import get_tokenizer
 
     if fmt == "chat":
         rows = [{"messages": [{"role": "system", "content": "be"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 4

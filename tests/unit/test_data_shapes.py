@@ -13,7 +13,7 @@ from trainforge.data.formats import Renderer, tokenize_rendered
 from trainforge.data.prepare import held_out_blocks, prepare_data
 from trainforge.data.sources import DataError, Row
 from trainforge.data.store import TokenStore
-from trainforge.engine.trainer import lost_tokens_warning
+from trainforge.data.plan import lost_tokens_warning
 from trainforge.model.tokenizer import load_tokenizer
 
 

@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 
 import trainforge.engine.step as step_module
+import trainforge.engine.setup as engine_setup
 import trainforge.engine.trainer as trainer
 from trainforge.config import RunConfig
 from trainforge.engine.memory import GIB, estimate_memory, memory_warning
@@ -210,7 +211,7 @@ def test_memory_estimate_counts_weights_grads_adam_and_activations(tiny_model_di
 
 
 def test_run_warns_when_memory_is_short(config, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "available_memory_bytes", lambda device: 1024)
+    monkeypatch.setattr(engine_setup, "available_memory_bytes", lambda device: 1024)
     config["train"]["max_steps"] = 1
     _, log = train(config, tmp_path / "run")
     assert "warning: this run may not fit: estimated memory" in log

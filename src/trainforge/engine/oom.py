@@ -10,7 +10,7 @@ from ..data.loader import Batch
 from .step import forward_backward
 
 if TYPE_CHECKING:
-    from .trainer import Run
+    from .run import Run
 
 
 class OutOfMemory(RuntimeError):

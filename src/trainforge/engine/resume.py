@@ -37,7 +37,7 @@ from .schedule import build_scheduler
 from .sharded import load_sharded, sharded_state
 
 if TYPE_CHECKING:
-    from .trainer import Run
+    from .run import Run
 
 CHECKPOINTS = "checkpoints"
 FIXED_TRAIN_KEYS = ("seed", "micro_batch_size", "grad_accum", "epochs")

@@ -84,7 +84,8 @@ def run_variant(config_path: str | None, overrides: list[str], warmup: int, out_
     try:
         from rich.console import Console
 
-        from ..engine.trainer import setup, train_loop
+        from ..engine.setup import setup
+        from ..engine.trainer import train_loop
         from ..metrics.console import ConsoleReporter
         from ..metrics.tracker import read_metrics
 

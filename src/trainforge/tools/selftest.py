@@ -780,7 +780,7 @@ class SelfTest:
         if self.device.type != "cuda":
             raise Skip("CUDA only: pinned host memory needs a GPU")
         from ..config import RunConfig
-        from ..engine.trainer import get_tokenizer, plan_data
+        from ..data.plan import get_tokenizer, plan_data
 
         case = Case("fp32", "chat", "full", "fused")
         cfg = RunConfig.model_validate(case_config(case, self.assets, str(self.device), self.cache_dir))

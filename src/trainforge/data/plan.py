@@ -1,0 +1,134 @@
+"""Data planning: the tokenizer, the token stores, and the packed rows a run trains on.
+
+Shared by ``trainforge prepare`` (no model), ``train`` and ``plan``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..config import RunConfig
+from ..metrics.console import ConsoleReporter
+from ..model.tokenizer import build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
+from .formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
+from .loader import RowCollator, TrainLoader
+from .packing import build_rows, weighted_indices
+from .prepare import PreparedData, prepare_data, resolve_format, training_texts
+
+
+def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
+    """The configured tokenizer, the model directory's, or one built from the training text:
+    a character vocabulary (``model.tokenizer: char``) or a byte-level BPE.
+
+    Built tokenizers are deterministic functions of the data: a resumed run rebuilds the same
+    one (the checkpoint's vocabulary hash checks it), and ``final/`` gets a copy.
+    """
+    if cfg.model.tokenizer == "char":
+        t = time.perf_counter()
+        fmt = resolve_format(cfg.data)
+        texts = training_texts(cfg.data, fmt)
+        # characters the rendering adds around the data's fields: alpaca's prompt, the chat template and roles
+        added = {"alpaca": [ALPACA_PROMPT_WITH_INPUT], "chat": [cfg.data.chat_template or DEFAULT_CHAT_TEMPLATE, "system user assistant tool"]}
+        tok = build_char_tokenizer(itertools.chain(texts, added.get(fmt, [])))
+        reporter.info(f"tokenizer: characters of the data, {len(tok)} tokens ({time.perf_counter() - t:.1f}s)")
+        return tok
+    source = cfg.model.tokenizer or cfg.model.path
+    if source is not None:
+        return load_tokenizer(source)
+    t = time.perf_counter()
+    texts = training_texts(cfg.data, resolve_format(cfg.data))
+    tok = train_bpe_tokenizer(texts, cfg.model.tokenizer_vocab_size)
+    reporter.info(f"tokenizer: byte-level BPE trained on the data, {len(tok)} tokens ({time.perf_counter() - t:.1f}s)")
+    return tok
+
+
+@dataclass
+class DataPlan:
+    """Tokenized data arranged into training and eval rows."""
+
+    prepared: PreparedData
+    train_rows: list
+    eval_rows: list
+    collate: RowCollator
+    eval_collate: RowCollator | None
+
+
+def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = False) -> DataPlan:
+    """Tokenize (or reuse the cache), mix sources by weight, pack into rows."""
+    d = cfg.data
+    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info)
+    if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
+        reporter.warn(warning)
+    weights = [s.weight for s in d.sources()]
+    index = weighted_indices(prepared.train, weights, cfg.train.seed)
+    train_rows = build_rows(prepared.train, index, d.packing, d.max_length)
+    eval_rows, eval_collate = [], None
+    if prepared.eval is not None and len(prepared.eval):
+        eval_rows = build_rows(prepared.eval, np.arange(len(prepared.eval)), d.packing, d.max_length)
+        eval_collate = RowCollator(prepared.eval, tokenizer.pad_token_id, d.packing, d.max_length)
+    collate = RowCollator(prepared.train, tokenizer.pad_token_id, d.packing, d.max_length, pin=pin)
+    return DataPlan(prepared, train_rows, eval_rows, collate, eval_collate)
+
+
+def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None) -> dict[str, Any]:
+    """``trainforge prepare``: tokenizer, token cache and packing, with the statistics; no model."""
+    reporter = reporter or ConsoleReporter()
+    tokenizer = get_tokenizer(cfg, reporter)
+    plan = plan_data(cfg, tokenizer, reporter)
+    loader = TrainLoader(plan.train_rows, plan.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False)
+    efficiency = loader.padding_efficiency()
+    reporter.info(describe_data(plan, efficiency))
+    stats = {**plan.prepared.stats, "rows": len(plan.train_rows), "row_efficiency": efficiency}
+    reporter.info(f"cache: {plan.prepared.cache_path} (prepared in {stats['prepare_s']:.1f}s)")
+    return stats
+
+
+# share of the data's tokens that truncation (or too_long: drop) may discard before the console says so
+LOST_TOKENS_WARN = 0.03
+
+
+def lost_tokens_warning(stats: dict[str, Any], max_length: int) -> str | None:
+    """A console line when more than ``LOST_TOKENS_WARN`` of the tokens were cut off or dropped."""
+    if stats.get("lost_token_share", 0.0) <= LOST_TOKENS_WARN:
+        return None
+    how = "truncation" if stats.get("too_long") == "truncate" else "dropping too-long examples"
+    fix = (
+        "set data.too_long: split to keep long documents as consecutive blocks"
+        if stats["format"] == "text"
+        else "raise data.max_length if the model's context allows it"
+    )
+    return (
+        f"data: {how} at data.max_length={max_length} discarded {stats['lost_tokens']:,} tokens, "
+        f"{stats['lost_token_share']:.0%} of the data; {fix}"
+    )
+
+
+def describe_data(plan: DataPlan, efficiency: float) -> str:
+    s = plan.prepared.stats
+    mode = {True: "packed", False: "unpacked", "concat": "concatenated"}[plan.collate.packed or ("concat" if plan.collate.concat else False)]
+    notes = [
+        f"{s[k]} {label}"
+        for k, label in (
+            ("truncated", "truncated"),
+            ("split", "split into blocks"),
+            ("dropped_too_long", "dropped as too long"),
+            ("dropped_masked", "dropped with nothing to learn"),
+            ("bad_rows", "bad rows skipped"),
+            ("eval_overlap_dropped", "dropped as duplicates of eval rows"),
+        )
+        if s.get(k)
+    ]
+    return (
+        f"data: {s['format']}, {s['train_rows']:,} train rows -> {s['train_sequences']:,} sequences "
+        f"({s['train_tokens']:,} tokens) -> {len(plan.train_rows):,} {mode} rows, "
+        f"{efficiency:.1%} of row capacity is real tokens; "
+        + (f"eval {s['eval_sequences']:,} blocks held out" if s.get("eval_holdout") == "blocks" else f"eval {s['eval_rows']:,} rows")
+        + ("; " + ", ".join(notes) if notes else "")
+        + (f"\n  bad rows, first: {'; '.join(s['bad_row_examples'])}" if s.get("bad_row_examples") else "")
+    )
+

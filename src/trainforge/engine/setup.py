@@ -1,0 +1,203 @@
+"""Everything before the first step: device and precision, data, model, optimizer, schedule, resume."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import __version__
+from ..config import RunConfig, default_cache_dir, resolve_max_steps
+from ..data.loader import TrainLoader, eval_batches
+from ..data.plan import describe_data, get_tokenizer, plan_data
+from ..dist import DistContext, choose_mode, device_for
+from ..hardware import (
+    Precision,
+    available_memory_bytes,
+    configure_backends,
+    describe,
+    peak_flops,
+    pick_device,
+    resolve_precision,
+)
+from ..metrics.console import ConsoleReporter
+from ..metrics.flops import flops_per_token
+from ..metrics.profile import StepTimer
+from ..metrics.sinks import TensorBoardSink
+from ..metrics.tracker import MetricsLog, NullMetricsLog
+from ..metrics.window import LogWindow
+from ..model.load import build_model, count_parameters, describe_storage, weight_storage
+from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
+from .memory import estimate_memory, memory_warning
+from .nonfinite import NonFiniteGuard
+from .optim import build_optimizer
+from .preempt import StopRequest
+from .resume import CHECKPOINTS, checkpoint_meta, open_run_dir, restore
+from .run import Run
+from .saver import Checkpointer
+from .schedule import build_scheduler
+from .sharded import checkpoint_writer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup(
+    cfg: RunConfig,
+    output_dir: Path,
+    reporter: ConsoleReporter,
+    resume: str = "auto",
+    stop: StopRequest | None = None,
+    ctx: DistContext | None = None,
+) -> Run:
+    """Data, tokenizer, model, optimizer, schedule, loaders: everything before the first step."""
+    from transformers.utils import logging as hf_logging
+
+    ctx = ctx or DistContext()
+    hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
+    seed_everything(cfg.train.seed)
+    device = device_for(pick_device(cfg.train.device), ctx)
+    precision, why = resolve_precision(cfg.train.precision, device, cfg.data.cache_dir)
+    configure_backends(device)
+    procs = f" | {ctx.world_size} processes" if ctx.enabled else ""
+    reporter.info(f"trainforge {__version__} | {describe(device)}{procs} | precision {precision.name} ({why})")
+    if precision.name == "fp16" and device.type == "cpu":
+        reporter.warn("fp16 on a CPU is emulated and slow: it checks the fp16 + loss-scaling path that older GPUs take; use bf16 or fp32 to train")
+
+    with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
+        tokenizer = get_tokenizer(cfg, reporter)
+        data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
+        out, resume_plan = open_run_dir(output_dir, cfg, resume, reporter)
+    reporter.info(f"output: {out}")
+    loader = TrainLoader(
+        data.train_rows, data.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False,
+        rank=ctx.rank, world_size=ctx.world_size,
+    )
+    efficiency = loader.padding_efficiency()
+    reporter.info(describe_data(data, efficiency))
+    data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
+
+    model = build_model(
+        cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None,
+        compute_dtype=precision.autocast_dtype, activation_checkpointing=cfg.train.activation_checkpointing,
+    ).to(device)
+    model.train()
+    trainable, total = count_parameters(model)
+    reporter.info(
+        f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
+        f"attention {model.config._attn_implementation}"
+        + (", activation checkpointing" if cfg.train.activation_checkpointing else "")
+    )
+    reporter.info(f"weights: {describe_storage(weight_storage(model))}")
+    train_model = wrap_for_ranks(ctx, cfg, model, loader, precision, device, reporter)
+    optimizer = build_optimizer(model, cfg.optim, device)
+
+    max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
+    o = cfg.optim
+    run = Run(
+        cfg=cfg,
+        out=out,
+        reporter=reporter,
+        device=device,
+        precision=precision,
+        tokenizer=tokenizer,
+        model=model,
+        params=[p for p in model.parameters() if p.requires_grad],
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, o.schedule, o.warmup_steps, max_steps, o.min_lr_ratio),
+        scaler=torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None,
+        loader=loader,
+        eval_set=eval_batches(data.eval_rows, data.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
+        if data.eval_collate
+        else [],
+        metrics=MetricsLog(out / "metrics.jsonl", [TensorBoardSink.create(out / "tb")] if cfg.log.tensorboard else [])
+        if ctx.is_main
+        else NullMetricsLog(),
+        timer=StepTimer(device),
+        max_steps=max_steps,
+        data_format=data.prepared.format,
+        data_stats=data_stats,
+        saver=Checkpointer(
+            out / CHECKPOINTS,
+            cfg.checkpoint.model_copy(update={"async_": False}) if ctx.mode == "fsdp" else cfg.checkpoint,
+            checkpoint_meta(cfg, tokenizer, {**data_stats, "store": data.prepared.cache_path.name}, ctx.world_size, ctx.mode),
+            reporter,
+            writer=checkpoint_writer(ctx),
+        ),
+        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device),
+        window=LogWindow.on(device),
+        stop=stop or StopRequest(),
+        grad_accum=cfg.train.grad_accum,
+        schedule_steps=max_steps,
+        dist=ctx,
+        train_model=train_model,
+        sync=ctx.no_sync(train_model),
+        precision_reason=why,
+    )
+    run.compile_auto = CompileAuto(
+        cfg.train.compile, compile_key(compile_shape(cfg, model, precision, device, ctx)),
+        (cfg.data.cache_dir or default_cache_dir()) / HISTORY_FILE, device,
+    )
+    run.flops_per_token = flops_per_token(model, cfg.data.max_length)
+    device_peak, source = peak_flops(device, precision.name, cfg.data.cache_dir)
+    run.peak_flops = device_peak * ctx.world_size  # tokens/s is the global figure: so is the peak
+    reporter.info(
+        f"compute: {run.flops_per_token / 1e6:.1f} MFLOP per token; device peak "
+        + (f"{run.peak_flops / 1e12:.2f} TFLOP/s ({source})" if run.peak_flops else source)
+    )
+    warn_if_too_big(run)
+    if resume_plan is not None:
+        restore(run, resume_plan)  # last: it restores the random states that building the run consumed
+    return run
+
+
+def compile_shape(cfg: RunConfig, model: torch.nn.Module, precision: Precision, device: torch.device, ctx: DistContext) -> dict:
+    """What decides the compiled graphs and their speed: the key of ``compile_history.json``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {
+        "model": base.config.to_dict(),
+        "method": cfg.model.method,
+        "lora": cfg.model.lora.model_dump() if cfg.model.method != "full" else None,
+        "batch": [cfg.train.micro_batch_size, cfg.data.max_length, str(cfg.data.packing)],
+        "precision": precision.name,
+        "fused_loss": cfg.train.fused_loss,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}t",
+        "world": [ctx.world_size, ctx.mode],
+    }
+
+
+def wrap_for_ranks(
+    ctx: DistContext, cfg: RunConfig, model: torch.nn.Module, loader: TrainLoader, precision: Precision,
+    device: torch.device, reporter: ConsoleReporter,
+) -> torch.nn.Module:
+    """Choose DDP or FSDP2 (``train.distributed``) and wrap; alone, the model itself."""
+    if not ctx.enabled:
+        return model
+    est = estimate_memory(model, loader.batch_size, cfg.data.max_length, precision)
+    known = [a for a in ctx.all_gather_object(available_memory_bytes(device)) if a is not None]
+    ctx.mode, why = choose_mode(  # the same inputs on every rank: all ranks choose alike
+        cfg.train.distributed, est.weights + est.grads + est.optimizer, min(known) if known else None, ctx.local_world_size
+    )
+    g = loader.batch_size * cfg.train.grad_accum * ctx.world_size
+    reporter.info(
+        f"data parallel: {ctx.mode} over {ctx.world_size} processes ({why}); global batch {g} rows = "
+        f"micro-batch {loader.batch_size} x accumulation {cfg.train.grad_accum} x {ctx.world_size} processes"
+    )
+    wrapped = ctx.wrap(model, device)
+    if ctx.rank:
+        torch.manual_seed(cfg.train.seed + 1_000_003 * ctx.rank)  # own dropout masks per rank; rank 0 keeps its stream
+    return wrapped
+
+
+def warn_if_too_big(run: Run) -> None:
+    """Estimate the run's memory before the first step; warn when the device has less available."""
+    estimate = estimate_memory(run.model, run.loader.batch_size, run.cfg.data.max_length, run.precision)
+    warning = memory_warning(estimate, available_memory_bytes(run.device), run.device)
+    if warning:
+        run.reporter.warn(warning)
+
