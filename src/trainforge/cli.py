@@ -95,7 +95,7 @@ def train(
         try:
             run_training(cfg, output, resume=resume)
             code = 0
-        except (DataError, OutputDirError, ResumeError, DistError) as e:
+        except (DataError, OutputDirError, ResumeError, DistError, ConfigError) as e:
             _fail(str(e), quiet=alike)
         except NonFiniteError as e:
             _fail(str(e), EXIT_NONFINITE, quiet=alike)

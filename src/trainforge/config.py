@@ -293,6 +293,10 @@ class TrainSettings(Section):
     epochs: float | None = Field(None, gt=0, description="passes over the training data (or give max_steps)")
     micro_batch_size: int = Field(8, gt=0, description="rows per forward pass")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    global_batch_size: int | None = Field(
+        None, gt=0, description="rows per optimizer step over all processes; sets grad_accum to "
+        "global_batch_size / (micro_batch_size x processes), which must divide it",
+    )
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="auto: bf16 where native, fp16 + loss scaling on older GPUs, else fp32"
     )
@@ -427,7 +431,7 @@ def default_config() -> dict[str, Any]:
             "packing": True,
             "max_documents": 300,
         },
-        "train": {"max_steps": 600, "micro_batch_size": 8, "grad_accum": 1, "eval_every": 200, "eval_max_batches": 16},
+        "train": {"max_steps": 600, "micro_batch_size": 8, "eval_every": 200, "eval_max_batches": 16},
         "optim": {"lr": 2.0e-3, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 50},
         "log": {"every_steps": 50, "sample_prompt": "def ", "sample_tokens": 60},
     }
@@ -586,6 +590,25 @@ def _allowed_keys_hint(loc: tuple[str, ...]) -> str:
     close = difflib.get_close_matches(loc[-1], allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{hint} allowed here: {', '.join(allowed)}"
+
+
+def resolve_grad_accum(train: "TrainSettings", world_size: int) -> int:
+    """Micro-batches per optimizer step: ``train.grad_accum``, or derived from ``train.global_batch_size``."""
+    if train.global_batch_size is None:
+        return train.grad_accum
+    per_pass = train.micro_batch_size * world_size
+    if train.global_batch_size % per_pass:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} is not a multiple of micro_batch_size x processes = "
+            f"{train.micro_batch_size} x {world_size} = {per_pass}; use a multiple of {per_pass} or change train.micro_batch_size"
+        )
+    accum = train.global_batch_size // per_pass
+    if "grad_accum" in train.model_fields_set and train.grad_accum != accum:
+        raise ConfigError(
+            f"train.grad_accum={train.grad_accum} contradicts train.global_batch_size={train.global_batch_size} "
+            f"(which needs grad_accum {accum} at micro_batch_size {train.micro_batch_size} x {world_size} processes); give one of them"
+        )
+    return accum
 
 
 def resolve_max_steps(train: TrainSettings, batches_per_epoch: int) -> int:

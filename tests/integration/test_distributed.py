@@ -172,3 +172,16 @@ def test_activation_checkpointing_under_ddp_and_fsdp2_trains_like_plain_ddp(two_
     assert f"{mode} over 2 processes" in proc.stdout and "activation checkpointing" in proc.stdout, show(proc)
     assert_close_records(records(run), records(reference))
     assert_close_weights(final_weights(run), final_weights(reference))
+
+
+def test_global_batch_size_sets_the_accumulation_for_the_process_count(two_proc, tmp_path):
+    """The reference is 2 processes x micro-batch 2 x accumulation 2; global_batch_size 8 must derive the 2."""
+    config, reference = two_proc
+    run = tmp_path / "global"
+    args = ["train", config, "--output", run, "--set", "train.global_batch_size=8"]  # the config's grad_accum 2 agrees
+    proc = run_cli(args, tmp_path, nproc=2)
+    assert proc.returncode == 0, show(proc)
+    assert "micro-batch 2 x accumulation 2 x 2 processes" in proc.stdout, show(proc)
+    assert_close_records(records(run), records(reference))
+    bad = run_cli(["train", config, "--output", tmp_path / "bad", "--set", "train.global_batch_size=5"], tmp_path)
+    assert bad.returncode == 2 and "not a multiple of micro_batch_size x processes = 2 x 1 = 2" in " ".join(bad.stderr.split()), show(bad)

@@ -154,3 +154,18 @@ def test_qlora_without_bitsandbytes_names_the_extra(monkeypatch, tiny_model_dir)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     message = error_of([f"model.path={tiny_model_dir}", "model.init=null", "model.method=qlora"])
     assert "model.method: qlora needs bitsandbytes" in message and "pip install 'trainforge[qlora]'" in message
+
+
+def test_global_batch_size_derives_grad_accum_per_process_count():
+    from trainforge.config import resolve_grad_accum
+
+    cfg = load_config(None, ["train.global_batch_size=32", "train.micro_batch_size=4"])
+    assert resolve_grad_accum(cfg.train, 1) == 8 and resolve_grad_accum(cfg.train, 2) == 4 and resolve_grad_accum(cfg.train, 8) == 1
+    with pytest.raises(ConfigError, match=r"not a multiple of micro_batch_size x processes = 4 x 3 = 12"):
+        resolve_grad_accum(cfg.train, 3)
+    both = load_config(None, ["train.global_batch_size=32", "train.micro_batch_size=4", "train.grad_accum=2"])
+    with pytest.raises(ConfigError, match=r"train.grad_accum=2 contradicts train.global_batch_size=32"):
+        resolve_grad_accum(both.train, 1)
+    agreeing = load_config(None, ["train.global_batch_size=32", "train.micro_batch_size=4", "train.grad_accum=8"])
+    assert resolve_grad_accum(agreeing.train, 1) == 8  # a run directory's config.yaml holds both, agreeing
+    assert resolve_grad_accum(load_config(None, ["train.grad_accum=3"]).train, 4) == 3  # without it: as given

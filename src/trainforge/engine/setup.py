@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..config import RunConfig, default_cache_dir, resolve_max_steps
+from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_max_steps
 from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import describe_data, get_tokenizer, plan_data
 from ..dist import DistContext, choose_mode, device_for
@@ -59,6 +59,9 @@ def setup(
     from transformers.utils import logging as hf_logging
 
     ctx = ctx or DistContext()
+    # train.global_batch_size fixes the rows per step whatever the process count: grad_accum follows
+    accum = resolve_grad_accum(cfg.train, ctx.world_size)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})})
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
     device = device_for(pick_device(cfg.train.device), ctx)
