@@ -18,7 +18,7 @@ from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepProfile
 from ..model.compile import compile_decoder
 from ..model.load import count_parameters, weight_storage
-from ..tools.generate import sample
+from ..model.generate import sample
 from .evaluate import evaluate
 from .oom import fetch_step, forward_backward_adaptive
 from .preempt import Interrupted, StopRequest

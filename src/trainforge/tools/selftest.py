@@ -497,7 +497,7 @@ class SelfTest:
         from ..engine.trainer import train
         from ..hardware import PRECISIONS as MODES
         from ..metrics.tracker import read_metrics
-        from ..tools.generate import sample
+        from ..model.generate import sample
 
         if case.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise Skip("this GPU has no bf16")
