@@ -1,6 +1,7 @@
 """Checkpoints that are complete or invisible.
 
-A checkpoint is written into a hidden temporary directory, every file is flushed to disk,
+A checkpoint is written into a hidden temporary directory named after the writing process
+(``.step-NNNNNNNN.tmp-HOST-PID-RANDOM``, see atomic.py), every file is flushed to disk,
 and only then is the directory renamed to ``step-NNNNNNNN``; the ``latest`` pointer moves
 after that, and old checkpoints are pruned last. ``meta.json`` is written last inside the
 temporary directory and records the size of ``state.pt``, so a directory that was cut short
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .atomic import OLD_MARK, TMP_MARK, atomic_write_dir, process_tag, staging_dir  # noqa: F401 (re-exported)
+
 STEP_PREFIX = "step-"
 LATEST = "latest"
 STATE_FILE = "state.pt"
@@ -42,57 +45,6 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb+") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-def staging_dir(target: Path) -> Path:
-    """The hidden temporary directory ``atomic_write_dir`` fills before renaming it to ``target``."""
-    return Path(target).parent / f".{Path(target).name}.tmp"
-
-
-def atomic_write_dir(target: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp_dir)``, flush everything, then rename ``tmp_dir`` to ``target``.
-
-    An existing ``target`` is replaced only after the new one is complete (it is parked as a
-    hidden ``.NAME.old`` for the two renames; ``recover_hidden`` puts it back after a crash).
-    """
-    target = Path(target)
-    tmp = staging_dir(target)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        write(tmp)
-        _fsync_tree(tmp)
-        if target.exists():
-            old = target.parent / f".{target.name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(target)
-        _fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
-
-
 def save_checkpoint(
     root: Path,
     step: int,
@@ -100,11 +52,13 @@ def save_checkpoint(
     meta: dict[str, Any],
     keep_last: int,
     write_shards: Callable[[Path], None] | None = None,
+    staging: Path | None = None,
 ) -> Path:
     """Write ``root/step-NNNNNNNN`` atomically, move ``latest`` to it, prune to ``keep_last``.
 
     ``write_shards(tmp)``: files written into the staging directory before ``state.pt`` (sharded
     weights that all ranks write together); they are covered by ``meta.json`` like ``state.pt``.
+    ``staging``: the temporary directory (default: one named after this process).
     """
     root.mkdir(parents=True, exist_ok=True)
 
@@ -114,7 +68,7 @@ def save_checkpoint(
         _write_state(tmp, state)
         _write_meta(tmp, {"step": step, **meta})
 
-    path = atomic_write_dir(root / step_dir_name(step), write)
+    path = atomic_write_dir(root / step_dir_name(step), write, staging)
     _move_latest(root, path.name)
     prune_checkpoints(root, keep_last)
     return path
@@ -132,7 +86,7 @@ def _write_meta(tmp: Path, meta: dict[str, Any]) -> None:
 
 
 def _move_latest(root: Path, name: str) -> None:
-    pointer_tmp = root / f".{LATEST}.tmp"
+    pointer_tmp = root / f".{LATEST}{TMP_MARK}{process_tag()}"
     pointer_tmp.write_text(name + "\n")
     os.replace(pointer_tmp, root / LATEST)  # atomic: readers see the old or the new name, never half
 
@@ -189,24 +143,28 @@ def load_checkpoint_state(path: Path) -> dict[str, Any]:
 def recover_hidden(root: Path) -> list[str]:
     """Clean up after a process that died while saving; returns what was done, for the log.
 
-    ``.step-N.tmp`` (a save that never finished) is deleted. ``.step-N.old`` is a complete
-    checkpoint parked while being replaced: it is put back when the replacement is missing.
+    Call it only as the run directory's one writer (the lease holder): ``.step-N.tmp-TAG`` (a
+    save that never finished) is deleted. ``.step-N.old-TAG`` is a complete checkpoint parked
+    while being replaced: it is put back when the replacement is missing.
     """
     done: list[str] = []
     if not Path(root).is_dir():
         return done
     for p in sorted(Path(root).iterdir()):
-        if p.name.startswith(f".{STEP_PREFIX}") and p.name.endswith(".tmp") and p.is_dir():
+        name = p.name
+        if not name.startswith("."):
+            continue
+        if name.startswith(f".{STEP_PREFIX}") and (TMP_MARK in name or name.endswith(".tmp")) and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
-            done.append(f"removed unfinished {p.name}")
-        elif p.name.startswith(f".{STEP_PREFIX}") and p.name.endswith(".old") and p.is_dir():
-            target = p.with_name(p.name[1:-4])
+            done.append(f"removed unfinished {name}")
+        elif name.startswith(f".{STEP_PREFIX}") and (OLD_MARK in name or name.endswith(".old")) and p.is_dir():
+            target = p.with_name(name[1:].split(OLD_MARK)[0].removesuffix(".old"))
             if target.exists():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.rename(target)
                 done.append(f"restored {target.name}")
-        elif p.name == f".{LATEST}.tmp":
+        elif name.startswith(f".{LATEST}.tmp"):
             p.unlink(missing_ok=True)
     return done
 

@@ -33,7 +33,7 @@ def test_failed_write_leaves_nothing_visible(tmp_path):
 def test_partial_directories_are_ignored(tmp_path):
     save_checkpoint(tmp_path, 5, {"w": 1}, {}, keep_last=3)
     (tmp_path / "step-00000009").mkdir()  # e.g. copied by hand, no completion marker
-    (tmp_path / ".step-00000010.tmp").mkdir()
+    (tmp_path / ".step-00000010.tmp-node1-123-abcdef").mkdir()
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-00000005"]
 
 
@@ -88,8 +88,8 @@ def test_recover_hidden_removes_unfinished_and_restores_a_parked_checkpoint(tmp_
     from trainforge.checkpoint import recover_hidden
 
     path = save_checkpoint(tmp_path, 4, {"w": 1}, {}, keep_last=2)
-    path.rename(tmp_path / ".step-00000004.old")  # died between the two renames of a replacement
-    (tmp_path / ".step-00000006.tmp").mkdir()  # died while writing
+    path.rename(tmp_path / ".step-00000004.old-node1-123-abcdef")  # died between the two renames of a replacement
+    (tmp_path / ".step-00000006.tmp-node1-123-abcdef").mkdir()  # died while writing
     notes = recover_hidden(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-00000004"]
-    assert notes == ["restored step-00000004", "removed unfinished .step-00000006.tmp"]
+    assert notes == ["restored step-00000004", "removed unfinished .step-00000006.tmp-node1-123-abcdef"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from rich.console import Console
 
+import trainforge.atomic as atomic
 import trainforge.checkpoint as ckpt
 import trainforge.engine.trainer as trainer
 from trainforge.checkpoint import LATEST, scan_checkpoints
@@ -97,7 +98,7 @@ def _fail_writing_state(monkeypatch, target: str) -> None:
     write = ckpt._write_state
 
     def partial(tmp, st):
-        if tmp.name == f".{target}.tmp":
+        if tmp.name.startswith(f".{target}.tmp-"):  # its temporary, named after this process
             (tmp / "state.pt").write_bytes(b"PK\x03\x04 half a zip")
             raise Crash("died while writing state.pt")
         write(tmp, st)
@@ -105,16 +106,16 @@ def _fail_writing_state(monkeypatch, target: str) -> None:
     monkeypatch.setattr(ckpt, "_write_state", partial)
 
 
-def _fail_at(name: str):
+def _fail_at(name: str, module=ckpt):
     def inject(monkeypatch, target: str) -> None:
-        original = getattr(ckpt, name)
+        original = getattr(module, name)
 
         def failing(*args, **kwargs):
             if target in " ".join(str(a) for a in args):
                 raise Crash(f"died in {name}")
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(ckpt, name, failing)
+        monkeypatch.setattr(module, name, failing)
 
     return inject
 
@@ -123,7 +124,7 @@ def _fail_renaming(monkeypatch, target: str) -> None:
     rename = Path.rename
 
     def failing(self, dest):
-        if self.name == f".{target}.tmp":
+        if self.name.startswith(f".{target}.tmp-"):
             raise Crash("died before the rename")
         return rename(self, dest)
 
@@ -156,7 +157,7 @@ def _fail_pruning(monkeypatch, target: str) -> None:
 STAGES = [
     ("writing state.pt", _fail_writing_state, 2),
     ("writing meta.json", _fail_at("_write_meta"), 2),
-    ("flushing to disk", _fail_at("_fsync_tree"), 2),
+    ("flushing to disk", _fail_at("fsync_tree", atomic), 2),
     ("renaming into place", _fail_renaming, 2),
     ("moving latest", _fail_moving_latest, 4),
     ("pruning", _fail_pruning, 4),
@@ -179,14 +180,14 @@ def test_crash_at_any_stage_of_a_save_resumes_from_a_complete_checkpoint(
     assert f"resuming from {run / 'checkpoints' / f'step-{resumes_from:08d}'}" in log
     assert_same_weights_and_optimizer(state(run, 6), state(reference, 6))
     assert train_records(run) == train_records(reference)
-    assert not [p for p in (run / "checkpoints").iterdir() if p.name.endswith((".tmp", ".old"))]
+    assert not [p for p in (run / "checkpoints").iterdir() if atomic.TMP_MARK in p.name or atomic.OLD_MARK in p.name]
 
 
 def test_disk_full_save_is_reported_keeps_earlier_and_is_retried(config, tmp_path, monkeypatch):
     write = ckpt._write_state
 
     def disk_full(tmp, st):
-        if tmp.name == ".step-00000004.tmp":
+        if tmp.name.startswith(".step-00000004.tmp-"):
             (tmp / "state.pt").write_bytes(b"half")
             raise OSError(errno.ENOSPC, "No space left on device")
         write(tmp, st)

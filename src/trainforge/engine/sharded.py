@@ -73,8 +73,10 @@ def _save_fsdp(ctx: DistContext, root: Path, step: int, state: dict[str, Any], m
         dcp.save(shards, checkpoint_id=str(tmp / SHARDED_DIR))
         ctx.barrier()  # every shard is on disk before rank 0 writes meta.json and renames
 
+    # one staging directory for all ranks: rank 0 names it (after itself), the others write into it
+    staging = Path(ctx.broadcast_object(str(staging_dir(root / step_dir_name(step))) if ctx.is_main else None))
     if ctx.is_main:
-        save_checkpoint(root, step, rest, meta, keep_last, write_shards=write_shards)
+        save_checkpoint(root, step, rest, meta, keep_last, write_shards=write_shards, staging=staging)
     else:
-        write_shards(staging_dir(root / step_dir_name(step)))
+        write_shards(staging)
     ctx.barrier()  # nobody starts the next step (or a resume scan) before the rename
