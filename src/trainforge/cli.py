@@ -248,6 +248,127 @@ def config(
         _fail(str(e))
 
 
+MODEL_ARG_HELP = "a run directory (its final/), a Hugging Face model directory, or a LoRA adapter directory"
+GENERATE_EPILOG = (
+    "--chat reads the conversation from stdin: JSON (a list of {\"role\", \"content\"} messages, or "
+    "{\"messages\": [...]}) or lines 'user: ...', 'assistant: ...', 'system: ...' (a line without a role continues "
+    "the turn above; text without any role is one user turn). The model's reply is rendered with the chat template "
+    "it was trained with. Exit code 2: the directory is not a model, or the input is malformed."
+)
+
+
+@app.command(epilog=GENERATE_EPILOG)
+def generate(
+    model: Annotated[Path, typer.Argument(help=MODEL_ARG_HELP)],
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="text to continue")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="answer the conversation read from stdin (see below)")] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="tokens to generate at most")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0: greedy; higher: more varied (top-k 50)")] = 0.7,
+    seed: Annotated[int, typer.Option("--seed", help="seeds sampling: the same seed gives the same text")] = 0,
+    device: Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda, cuda:N")] = "auto",
+    precision: Annotated[
+        Optional[str], typer.Option("--precision", help="bf16, fp16 or fp32 (default: the run's, else auto)")
+    ] = None,
+) -> None:
+    """Generate text: continue --prompt, or reply to the chat turns on stdin (--chat); the text streams
+    to stdout as it is generated, everything else goes to stderr."""
+    if (prompt is None) == (not chat):
+        _fail("give exactly one of --prompt TEXT or --chat (turns on stdin)")
+    if precision is not None and precision not in ("bf16", "fp16", "fp32", "auto"):
+        _fail(f"--precision {precision!r}: use bf16, fp16, fp32 or auto")
+    from .data.sources import DataError
+    from .model.resolve import ModelSourceError
+    from .tools.generate import run_generate
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()  # stream: each piece reaches the terminal (or pipe) as it is generated
+
+    try:
+        run_generate(
+            model, prompt, sys.stdin.read() if chat else None, max_new_tokens, temperature, seed, device, precision,
+            write, _stderr_reporter(),
+        )
+    except (ModelSourceError, DataError) as e:
+        _fail(str(e))
+    sys.stdout.write("\n")
+
+
+@app.command(name="eval")
+def eval_(
+    model: Annotated[Path, typer.Argument(help=MODEL_ARG_HELP)],
+    data: Annotated[str, typer.Option("--data", help="JSONL/Parquet/text file, directory or glob to evaluate on")],
+    set_: Annotated[
+        Optional[list[str]],
+        typer.Option("--set", help="override a key of the run's config (data.max_length=512, data.format=chat, "
+                     "train.micro_batch_size=4, train.precision=fp32, ...; repeatable)"),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the figures as one JSON object")] = False,
+) -> None:
+    """Loss, perplexity and token count of a model on a dataset, through the training data pipeline and masks
+    (completion-only / assistant-only as the run trained). On a run directory its data settings and precision
+    apply; on the run's eval file the loss equals the run's final eval_loss. Progress goes to stderr."""
+    import json
+
+    from .config import ConfigError
+    from .data.sources import DataError
+    from .model.resolve import ModelSourceError
+    from .tools.evaluate import evaluate_model, render
+
+    try:
+        result = evaluate_model(model, data, set_ or [], _stderr_reporter())
+    except (ModelSourceError, DataError, ConfigError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps(result) if as_json else render(result))
+
+
+@app.command()
+def export(
+    model: Annotated[Path, typer.Argument(help="a run directory, a LoRA adapter directory or a model directory")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="directory to write (must not exist, or be empty)")],
+    merge: Annotated[bool, typer.Option("--merge", help="fold the LoRA/DoRA/QLoRA adapter into its base: a plain HF model")] = False,
+    dtype: Annotated[
+        Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32 for the merged (or full) model; default: the base's")
+    ] = None,
+) -> None:
+    """Export a model: with --merge a plain Hugging Face directory (safetensors, config, generation config,
+    tokenizer) that loads without PEFT; without, the adapter or full model copied with its tokenizer."""
+    from .model.resolve import ModelSourceError
+    from .tools.export import export as run_export
+
+    try:
+        run_export(model, out, merge, dtype, _stderr_reporter())
+    except ModelSourceError as e:
+        _fail(str(e))
+
+
+def _stderr_reporter():
+    """Progress lines on stderr: stdout carries only the command's result (text, figures, JSON)."""
+    from .metrics.console import ConsoleReporter
+
+    return ConsoleReporter(Console(stderr=True, highlight=False, soft_wrap=True))
+
+
+@app.command()
+def report(
+    run_dirs: Annotated[list[Path], typer.Argument(help="one run directory, or several to compare", show_default=False)],
+    out: Annotated[
+        Optional[Path],
+        typer.Option("--out", "-o", help="HTML file to write (default: RUN_DIR/report.html for one run, ./report.html for several)"),
+    ] = None,
+) -> None:
+    """Write one self-contained HTML page of a run's curves (loss, learning rate, grad norm, tokens/s,
+    MFU, memory, data wait; resumes, checkpoints, out-of-memory back-offs and skipped steps marked);
+    with several runs, the curves overlaid and their summaries side by side, config differences first."""
+    from .metrics.report import ReportError, write_report
+
+    try:
+        path = write_report(run_dirs, out)
+    except ReportError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {path}")
+
+
 def _fail(message: str, code: int = EXIT_BAD_INPUT, label: str = "error", quiet: bool = False) -> None:
     """Print the message (unless ``quiet``: another process prints it) and exit with ``code``."""
     from rich.markup import escape

@@ -1,8 +1,9 @@
-"""Sample text from a model: a quick look at what training taught it."""
+"""Text from a model: the end-of-run sample (``sample``) and ``trainforge generate`` (``generate``, streamed)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -32,3 +33,55 @@ def sample(
         )
     model.train(was_training)
     return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def text_streamer(tokenizer, write: Callable[[str], None]):
+    """A transformers streamer that hands each finished piece of the new text to ``write``
+    (whole words at a time, as ``TextStreamer`` decides) instead of printing it."""
+    from transformers import TextStreamer
+
+    class Sink(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text:
+                write(text)
+
+    return Sink(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 128,
+    temperature: float = 0.7,
+    seed: int = 0,
+    top_k: int = 50,
+    write: Callable[[str], None] | None = None,
+    autocast: contextlib.AbstractContextManager | None = None,
+    stop_strings: list[str] | None = None,
+) -> str:
+    """Continue ``input_ids`` (1 x T) and return the new text only.
+
+    ``temperature`` 0: greedy decoding; above 0: seeded top-k sampling. ``write``: called with
+    each piece of text as soon as it is decoded (streaming). ``stop_strings``: end the text at
+    the first of these (a chat template's end-of-turn marker that is not a single token).
+    """
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature > 0 else {"do_sample": False}
+    extra = {"stop_strings": stop_strings, "tokenizer": tokenizer} if stop_strings else {}
+    torch.manual_seed(seed)
+    with autocast or contextlib.nullcontext():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            use_cache=True,
+            streamer=text_streamer(tokenizer, write) if write is not None else None,
+            **sampling,
+            **extra,
+        )
+    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)

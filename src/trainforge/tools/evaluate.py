@@ -1,0 +1,120 @@
+"""``trainforge eval``: loss, perplexity and token count of a model on a dataset, through the same
+data pipeline, masks and loss as training.
+
+The data settings are the run's (``config.yaml``: format, max_length, packing, chat template,
+train_on_prompt, too_long, ...) when the model is a run directory, else the defaults; ``--data``
+replaces the source and ``--set`` overrides any key. The file is tokenized as one source (cached
+like training data), packed in stored order and batched as the run's eval set is, so on the run's
+own eval file the loss equals the run's final ``eval_loss``.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import ValidationError
+
+from ..config import ConfigError, RunConfig, _format_errors, apply_override, parse_override
+from ..data.loader import RowCollator, eval_batches
+from ..data.packing import build_rows
+from ..data.plan import lost_tokens_warning
+from ..data.prepare import prepare_data
+from ..engine.evaluate import evaluate
+from ..hardware import PRECISIONS, Precision, configure_backends, pick_device, resolve_precision
+from ..metrics.console import ConsoleReporter
+from ..model.resolve import ModelSource, load_model, load_source_tokenizer, resolve_source, run_precision
+
+DEFAULT_MAX_LENGTH = 1024
+
+
+def eval_config(src: ModelSource, data: str, overrides: list[str], max_positions: int | None = None) -> RunConfig:
+    """The run's config (or the defaults) reading ``data`` as its only source, then ``overrides``.
+
+    Every row of ``data`` is evaluated: the run's ``data.max_documents`` and
+    ``train.eval_max_batches`` are cleared (set them with ``--set`` to cap). The model section
+    names the resolved model, so a base model or training data moved since the run does not matter.
+    """
+    if src.run_config is not None:
+        raw = copy.deepcopy(src.run_config)
+        source = f"{src.run_dir / 'config.yaml'}"
+    else:
+        raw = {"data": {"max_length": min(DEFAULT_MAX_LENGTH, max_positions or DEFAULT_MAX_LENGTH)}}
+        source = "eval defaults"
+    attention = raw.get("model", {}).get("attention", "auto")
+    raw["model"] = {"path": str(src.weights), "tokenizer": str(src.tokenizer_dir), "attention": attention}
+    raw.setdefault("data", {}).update(train=data, eval=None, max_documents=None)
+    raw.setdefault("train", {})["eval_max_batches"] = None
+    overridden: set[tuple[str, ...]] = set()
+    for item in overrides:
+        parts, value = parse_override(item)
+        apply_override(raw, parts, value)
+        overridden.add(tuple(parts))
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, raw, source, {}, overridden)) from None
+
+
+def eval_precision(src: ModelSource, cfg: RunConfig, overrides: list[str], device: torch.device) -> tuple[Precision, str]:
+    """``--set train.precision`` when given; else the run's own precision (summary.json), so the
+    figures are the run's; else ``train.precision`` (auto: the same rule as training)."""
+    if not any(o.split("=", 1)[0].strip() == "train.precision" for o in overrides) and run_precision(src) in PRECISIONS:
+        return PRECISIONS[run_precision(src)], "the run's precision (summary.json)"
+    return resolve_precision(cfg.train.precision, device, cfg.data.cache_dir)
+
+
+def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter: ConsoleReporter) -> dict[str, Any]:
+    """Evaluate the model that ``source`` names on ``data``; returns the figures as a dict."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    src = resolve_source(source)
+    max_positions = None
+    if src.adapter is None and src.run_config is None:
+        import json
+
+        max_positions = json.loads((src.weights / "config.json").read_text()).get("max_position_embeddings")
+    cfg = eval_config(src, data, overrides, max_positions)
+    device = pick_device(cfg.train.device)
+    precision, why = eval_precision(src, cfg, overrides, device)
+    configure_backends(device)
+    reporter.info(f"model: {src.describe()} | {device} | precision {precision.name} ({why})")
+
+    tokenizer = load_source_tokenizer(src)
+    d = cfg.data
+    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info)
+    if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
+        reporter.warn(warning)
+    store = prepared.train  # the file is read as the one training source: every row, in order
+    rows = build_rows(store, np.arange(len(store)), d.packing, d.max_length)
+    collate = RowCollator(store, tokenizer.pad_token_id, d.packing, d.max_length)
+    batches = eval_batches(rows, collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
+
+    model = load_model(src, device, precision, vocab_size=len(tokenizer))
+    result = evaluate(model, batches, precision, device, fused=cfg.train.fused_loss)
+    return {
+        "loss": result["eval_loss"],
+        "perplexity": result["eval_ppl"],
+        "tokens": result["eval_tokens"],  # target tokens the loss averages over
+        "sequences": len(store),
+        "rows": len(rows),
+        "format": prepared.format,
+        "data": data,
+        "model": str(src.path),
+        "precision": precision.name,
+        "device": str(device),
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    """The figures as lines for the console."""
+    return (
+        f"loss        {result['loss']:.6f}\n"
+        f"perplexity  {result['perplexity']:.4f}\n"
+        f"tokens      {result['tokens']:,} (targets, in {result['sequences']:,} {result['format']} sequences)\n"
+        f"precision   {result['precision']} on {result['device']}"
+    )

@@ -1,0 +1,148 @@
+"""``trainforge export``: a model directory ready to load elsewhere or upload.
+
+``--merge``: a LoRA / DoRA adapter folded into its base, written as a plain Hugging Face
+directory (safetensors, config, generation config, tokenizer) that
+``AutoModelForCausalLM.from_pretrained`` loads without PEFT. The base is loaded in fp32, the
+adapter applied and merged (``merge_and_unload``: W + scale * B @ A, DoRA's magnitude included),
+and the result cast to ``--dtype`` (default: the dtype the base was stored in).
+
+QLoRA: the adapters were trained against the 4-bit NF4 base, not the original weights, so the
+base is loaded in NF4 exactly as the run trained it and *dequantized* to fp32 before merging.
+The merged model computes what the QLoRA model computed (up to rounding), at full size; merging
+into the original unquantized weights instead would shift every layer by its quantization error.
+
+Without ``--merge``: the run's ``final/`` (or the given directory) is copied as it is, an adapter
+or a full model, with the tokenizer beside it; ``--dtype`` re-saves a full model in that dtype.
+
+The output is written to a temporary directory beside ``--out`` and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..metrics.console import ConsoleReporter
+from ..model.resolve import ModelSource, ModelSourceError, load_source_tokenizer, resolve_source
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_SHARD_SIZE = "5GB"  # the hub's usual shard size: uploads and partial downloads stay manageable
+
+
+def export(source: str | Path, out: Path, merge: bool, dtype: str | None, reporter: ConsoleReporter) -> dict[str, Any]:
+    """Export the model ``source`` names into ``out``; returns what was written."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    src = resolve_source(source)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelSourceError(f"--out {out} already exists and is not an empty directory; choose a new path")
+    if dtype is not None and dtype not in DTYPES:
+        raise ModelSourceError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if merge and src.adapter is None:
+        raise ModelSourceError(f"{src.weights} holds a full model, not an adapter: nothing to merge; drop --merge to copy it")
+    if not merge and dtype is not None and src.adapter is not None:
+        raise ModelSourceError("--dtype applies to a merged or full model; an adapter is copied as trained (add --merge)")
+    reporter.info(f"model: {src.describe()}")
+    if merge:
+        kind, written = "merged", _write_atomically(out, lambda tmp: merge_adapter(src, tmp, dtype, reporter))
+    elif dtype is not None:
+        kind, written = "full", _write_atomically(out, lambda tmp: _resave(src, tmp, DTYPES[dtype]))
+    else:
+        kind, written = ("adapter" if src.adapter else "full"), _write_atomically(out, lambda tmp: _copy(src, tmp))
+    files = sorted(p.name for p in out.iterdir())
+    reporter.info(f"exported {kind} model to {out}: {', '.join(files)}")
+    if kind == "adapter":
+        reporter.info(f"its adapter_config.json names the base {src.adapter.get('base_model_name_or_path')}; set it to the base's hub id before uploading")
+    return {"out": str(out), "kind": kind, "dtype": written, "files": files}
+
+
+def merge_adapter(src: ModelSource, out: Path, dtype: str | None, reporter: ConsoleReporter) -> str:
+    """Base (dequantized for QLoRA) + adapter, merged, cast and saved in ``out``; returns the dtype name."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_source_tokenizer(src)
+    target = DTYPES[dtype] if dtype else _stored_dtype(src.base)
+    if src.quantized:
+        from ..model.load import nf4_config
+
+        reporter.info("QLoRA: loading the base in 4-bit NF4 as it trained, dequantizing it to fp32, then merging")
+        base = AutoModelForCausalLM.from_pretrained(str(src.base), dtype=torch.float32, quantization_config=nf4_config(torch.float32))
+        base = base.dequantize(dtype=torch.float32)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(str(src.base), dtype=torch.float32)
+    if base.get_input_embeddings().num_embeddings < len(tokenizer):
+        base.resize_token_embeddings(len(tokenizer))  # as training did
+    with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = PeftModel.from_pretrained(base, str(src.weights))
+    merged = model.merge_and_unload(safe_merge=True)  # safe_merge: refuses to write NaNs into the weights
+    merged = merged.to(target)
+    merged.config.dtype = target
+    merged.save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
+    if not (out / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(merged.config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return _dtype_name(target)
+
+
+def _stored_dtype(model_dir: Path) -> torch.dtype:
+    """The dtype a model directory's config says its weights are stored in (fp32 when unknown)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, str(name), torch.float32) if str(name) in ("float32", "bfloat16", "float16") else torch.float32
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def _resave(src: ModelSource, out: Path, dtype: torch.dtype) -> str:
+    """A full model re-saved in ``dtype`` with its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src.weights), dtype=dtype)
+    model.save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
+    load_source_tokenizer(src).save_pretrained(out)
+    return _dtype_name(dtype)
+
+
+def _copy(src: ModelSource, out: Path) -> str | None:
+    """The model directory's files as they are, plus the tokenizer when it lives elsewhere."""
+    for item in src.weights.iterdir():
+        if item.is_file():
+            shutil.copy2(item, out / item.name)
+        elif item.is_dir():
+            shutil.copytree(item, out / item.name)
+    if src.tokenizer_dir != src.weights:
+        load_source_tokenizer(src).save_pretrained(out)
+    return None
+
+
+def _write_atomically(out: Path, write: Callable[[Path], Any]) -> Any:
+    """Run ``write(tmp)`` in a temporary directory beside ``out`` and rename it to ``out`` when done:
+    an interrupted export leaves no half-written model under the name users load."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        result = write(tmp)
+        if out.exists():
+            out.rmdir()  # checked empty above
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result

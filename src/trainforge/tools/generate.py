@@ -1,0 +1,118 @@
+"""``trainforge generate``: the command around ``model.generate.generate`` (the model operation):
+what to load, how to read the prompt or the chat turns, which chat template renders them.
+
+``--chat`` reads the conversation from stdin, in either of two layouts:
+
+- JSON: a list of ``{"role": ..., "content": ...}`` messages, or an object with a ``messages`` list;
+- text: lines ``role: content`` (roles ``system``, ``user``, ``assistant``); a line without a role
+  continues the turn above it, and text with no role at all is one user turn.
+
+The reply is the assistant's next turn, rendered with the run's ``data.chat_template``, else the
+tokenizer's, else trainforge's ChatML-style default: the template the model was trained with.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from ..data.formats import DEFAULT_CHAT_TEMPLATE
+from ..data.sources import DataError
+from ..hardware import PRECISIONS, configure_backends, pick_device, resolve_precision
+from ..metrics.console import ConsoleReporter
+from ..model.generate import generate
+from ..model.resolve import ModelSource, load_model, load_source_tokenizer, resolve_source, run_precision
+
+ROLES = ("system", "user", "assistant")
+_ROLE_LINE = re.compile(r"^(system|user|assistant)\s*:\s?(.*)$", re.IGNORECASE)
+CHATML_END = "<|im_end|>"
+
+
+def read_chat(text: str) -> list[dict[str, str]]:
+    """Chat turns from ``--chat``'s stdin (see the module docstring); DataError when malformed."""
+    stripped = text.strip()
+    if not stripped:
+        raise DataError("--chat: stdin is empty; give the conversation as JSON messages or lines 'user: ...'")
+    if stripped[0] in "[{":
+        try:
+            data = json.loads(stripped)
+        except json.JSONDecodeError as e:
+            raise DataError(f"--chat: stdin looks like JSON but does not parse: {e}") from None
+        messages = data.get("messages") if isinstance(data, dict) else data
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        ):
+            raise DataError('--chat: JSON must be a list of {"role": ..., "content": ...} messages (or {"messages": [...]})')
+        turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+    else:
+        turns = []
+        for line in text.splitlines():
+            m = _ROLE_LINE.match(line)
+            if m:
+                turns.append({"role": m.group(1).lower(), "content": m.group(2)})
+            elif turns:
+                turns[-1]["content"] += "\n" + line
+            elif line.strip():
+                turns.append({"role": "user", "content": line})
+        turns = [{"role": t["role"], "content": t["content"].strip()} for t in turns]
+    if not turns:
+        raise DataError("--chat: no turns found on stdin")
+    if turns[-1]["role"] == "assistant":
+        raise DataError("--chat: the last turn is the assistant's; end with a user turn for the model to answer")
+    return turns
+
+
+def chat_template(src: ModelSource, tokenizer) -> tuple[str, list[str] | None]:
+    """(template, stop strings): the template the model was trained with, and the end-of-turn
+    marker to stop at when the template is trainforge's default (its marker is text, not a token)."""
+    configured = (src.run_config or {}).get("data", {}).get("chat_template")
+    own = configured or getattr(tokenizer, "chat_template", None)
+    if own:
+        return own, None
+    end = None if CHATML_END in tokenizer.get_vocab() and tokenizer.convert_tokens_to_ids(CHATML_END) == tokenizer.eos_token_id else [CHATML_END]
+    return DEFAULT_CHAT_TEMPLATE, end
+
+
+def run_generate(
+    source: str | Path,
+    prompt: str | None,
+    chat: str | None,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    device: str,
+    precision: str | None,
+    write: Callable[[str], None],
+    reporter: ConsoleReporter,
+) -> str:
+    """Load the model ``source`` names and stream its continuation of ``prompt`` (or its reply to
+    the ``chat`` turns) to ``write``; returns the generated text."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    src = resolve_source(source)
+    turns = read_chat(chat) if chat is not None else None
+    dev = pick_device(device)
+    if precision is None and run_precision(src) in PRECISIONS:
+        prec, why = PRECISIONS[run_precision(src)], "the run's precision (summary.json)"
+    else:
+        prec, why = resolve_precision(precision or "auto", dev)
+    configure_backends(dev)
+    reporter.info(f"model: {src.describe()} | {dev} | precision {prec.name} ({why})")
+    tokenizer = load_source_tokenizer(src)
+    model = load_model(src, dev, prec, vocab_size=len(tokenizer))
+    stop = None
+    if turns is not None:
+        template, stop = chat_template(src, tokenizer)
+        text = tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False, add_generation_prompt=True)
+        input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # the template has its own
+    else:
+        input_ids = tokenizer(prompt or "", return_tensors="pt")["input_ids"]
+    if input_ids.shape[1] == 0:
+        input_ids = input_ids.new_full((1, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id)
+    return generate(
+        model, tokenizer, input_ids, max_new_tokens, temperature, seed, write=write,
+        autocast=prec.autocast(dev), stop_strings=stop,
+    )
