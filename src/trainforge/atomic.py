@@ -92,15 +92,35 @@ def staging_dir(target: Path, tag: str | None = None) -> Path:
 
 
 def temp_owner_gone(path: Path, stale_after_s: float) -> bool:
-    """Whether the temporary ``path`` (named by ``staging_dir``) belongs to a writer that is gone: its
-    process on this host no longer runs, or (another host's) nothing in it changed for ``stale_after_s``."""
+    """Whether the temporary ``path`` (named by ``staging_dir``, or a parked ``.NAME.old-TAG``) belongs
+    to a writer that is gone: its process on this host no longer runs, or (another host's, or a name
+    without a tag) nothing in it changed for ``stale_after_s`` seconds."""
     name = Path(path).name
-    if TMP_MARK not in name:
-        return False
-    owner = parse_tag(name.rsplit(TMP_MARK, 1)[1])
+    mark = TMP_MARK if TMP_MARK in name else OLD_MARK if OLD_MARK in name else None
+    if mark is None and not name.endswith((".tmp", ".old")):
+        return False  # not a temporary
+    owner = parse_tag(name.rsplit(mark, 1)[1]) if mark else None
     if owner is not None and owner[0] == _safe_host():
         return not process_alive(owner[1])
     return time.time() - newest_mtime(Path(path)) > stale_after_s
+
+
+def remove_stale_temps(directory: Path, stale_after_s: float) -> list[str]:
+    """Delete the hidden temporaries in ``directory`` whose writers are gone (``temp_owner_gone``);
+    returns their names. Several processes may clean one directory at once."""
+    removed: list[str] = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        if p.name.startswith(".") and temp_owner_gone(p, stale_after_s):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
 
 
 def newest_mtime(path: Path) -> float:

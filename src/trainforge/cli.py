@@ -1,7 +1,8 @@
 """Command line: parse, load the config, call one function.
 
 Exit codes of ``trainforge train``: 0 done; 1 an unexpected error (a traceback); 2 bad input
-(config, data, output directory, a checkpoint that does not fit); 3 stopped on non-finite
+(config, data, output directory, a checkpoint that does not fit) or a run directory another live
+run holds (runlock.py); 3 stopped on non-finite
 loss/gradients (train.max_skipped_steps in a row); 4 out of memory even at micro-batch 1;
 75 stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL: run it again to resume).
 A second signal ends the process at once, by the signal (128 + its number in a shell).
@@ -28,7 +29,7 @@ EXIT_INTERRUPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, retrying (
 
 TRAIN_EPILOG = (
     "Exit codes: 0 done; 1 unexpected error; 2 bad input (config, data, output dir, a checkpoint that does not "
-    "fit); 3 stopped after train.max_skipped_steps non-finite steps in a row; 4 out of memory even at "
+    "fit) or an output dir another live run holds (it is named); 3 stopped after train.max_skipped_steps non-finite steps in a row; 4 out of memory even at "
     "micro-batch 1; 75 stopped by SIGTERM/SIGINT after saving a checkpoint: run the same command to resume "
     "(a second signal stops at once, without saving)."
 )
@@ -86,6 +87,7 @@ def train(
     from .engine.resume import ResumeError
     from .engine.trainer import OutputDirError
     from .engine.trainer import train as run_training
+    from .runlock import LeaseLost, RunDirBusy
 
     worker = launched_by_torchrun()
     # errors every rank meets alike (the same data, config, run directory, loss) are printed by rank 0 only
@@ -95,7 +97,7 @@ def train(
         try:
             run_training(cfg, output, resume=resume)
             code = 0
-        except (DataError, OutputDirError, ResumeError, DistError, ConfigError) as e:
+        except (DataError, OutputDirError, ResumeError, DistError, ConfigError, RunDirBusy, LeaseLost) as e:
             _fail(str(e), quiet=alike)
         except NonFiniteError as e:
             _fail(str(e), EXIT_NONFINITE, quiet=alike)
@@ -326,7 +328,7 @@ def eval_(
 def export(
     model: Annotated[Path, typer.Argument(help="a run directory, a LoRA adapter directory or a model directory")],
     out: Annotated[Path, typer.Option("--out", "-o", help="directory to write (must not exist, or be empty)")],
-    merge: Annotated[bool, typer.Option("--merge", help="fold the LoRA/DoRA/QLoRA adapter into its base: a plain HF model")] = False,
+    merge: Annotated[bool, typer.Option("--merge", help="fold the LoRA/DoRA/QLoRA adapter into its base: a plain HF model (a full model is written as one)")] = False,
     dtype: Annotated[
         Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32 for the merged (or full) model; default: the base's")
     ] = None,

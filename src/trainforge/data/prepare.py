@@ -6,6 +6,7 @@ chunk size and the number of chunks in flight, not by the dataset.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import multiprocessing
@@ -13,7 +14,7 @@ import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint import atomic_write_dir
+from ..atomic import OLD_MARK, fsync_dir, fsync_tree, process_tag, remove_stale_temps, staging_dir
 from ..config import DataSettings, default_cache_dir
 from .chat import conversation
 from .formats import Renderer, TokenizedChunk, detect_format, format_fields, tokenize_rendered
@@ -34,6 +35,9 @@ STORE_VERSION = 1  # bump when the store layout or tokenization rules change
 # own, so the stores (and checkpoints' store keys) of every other setting stay valid
 SPLIT_VERSION = 2
 CHUNK_ROWS = 1024
+# a build temporary of another host is left over (its process gone) when nothing in it changed for
+# this long; on this host a build whose process no longer runs is removed at once
+STALE_BUILD_S = 2 * 3600
 
 
 @dataclass
@@ -233,12 +237,53 @@ def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print) -> Prepared
         log(f"data: cache hit, reusing tokens from {root}")
     else:
         log(f"data: tokenizing into {root}")
-        atomic_write_dir(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp))
+        if not publish_entry(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp)):
+            log(f"data: another process finished {root.name} first; using its tokens (the same ones)")
     stats = json.loads((root / "stats.json").read_text())
     stats["prepare_s"] = time.perf_counter() - start
     stats["cache_hit"] = hit
     eval_store = TokenStore(root / "eval") if (root / "eval" / "meta.json").is_file() else None
     return PreparedData(TokenStore(root / "train"), eval_store, fmt, stats, root, hit)
+
+
+def publish_entry(root: Path, build: Callable[[Path], None]) -> bool:
+    """Build a cache entry in a temporary directory of this process, then rename it to ``root``.
+
+    Parallel jobs building the same entry never share a temporary; the first rename wins and
+    the others drop their copy and use the winner's (a complete entry is never replaced: the
+    same fingerprint means the same tokens). Entries of other fingerprints are not waited for.
+    Returns False when another process's entry was used. Leftover temporaries of builds whose
+    process is gone are removed first.
+    """
+    root.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(root.parent, STALE_BUILD_S)
+    tmp = staging_dir(root)
+    tmp.mkdir()
+    try:
+        build(tmp)
+        fsync_tree(tmp)
+        if (root / "stats.json").is_file():  # another process finished while this one built
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        if root.exists():  # an entry without stats.json: damaged (a hand copy), replaced
+            aside = root.parent / f".{root.name}{OLD_MARK}{process_tag()}"
+            try:
+                root.rename(aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            except FileNotFoundError:
+                pass  # another process moved it first
+        try:
+            tmp.rename(root)
+        except OSError as e:  # ENOTEMPTY / EEXIST: another process's complete entry got there first
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not (root / "stats.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        fsync_dir(root.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return True
 
 
 class _SpilledRows:

@@ -14,6 +14,7 @@ import torch
 from ..checkpoint import save_checkpoint, scan_checkpoints, step_dir_name
 from ..config import CheckpointSettings
 from ..metrics.console import ConsoleReporter
+from ..runlock import check_writer
 
 StateFn = Callable[[], dict[str, Any]]
 Writer = Callable[[Path, int, dict[str, Any], dict[str, Any], int], Any]  # save_checkpoint's signature
@@ -66,13 +67,17 @@ class Checkpointer:
         return self.time_due() if time_due is None else time_due
 
     def maybe_save(self, step: int, last: bool, state: StateFn, time_due: bool | None = None) -> None:
-        """Report a finished background save; save when an interval (or the end) is reached."""
+        """Report a finished background save; save when an interval (or the end) is reached.
+
+        Raises ``LeaseLost`` once another process took over the run directory (runlock.py)."""
+        check_writer(self.root)
         self._poll(wait=False)
         if self.due(step, last, time_due):
             self.save(step, state, background=self._pool is not None)
 
     def save(self, step: int, state: StateFn, background: bool = False) -> None:
         """Save step ``step``; the pause it costs training is measured and logged."""
+        check_writer(self.root)  # never write a run directory another process took over
         t0 = time.perf_counter()  # the pause counts waiting for the previous background write, if any
         self._poll(wait=True)  # one save at a time: a slow disk must not pile up copies in memory
         self._last_time = self.clock()  # the next interval counts from this attempt, failed or not

@@ -19,6 +19,7 @@ from ..metrics.profile import StepProfile
 from ..model.compile import compile_decoder
 from ..model.load import count_parameters, weight_storage
 from ..model.generate import sample
+from ..runlock import hold_run_dir
 from .evaluate import evaluate
 from .oom import fetch_step, forward_backward_adaptive
 from .preempt import Interrupted, StopRequest
@@ -48,8 +49,12 @@ def train(
 
             reporter = ConsoleReporter(Console(quiet=True))
         output_dir = ctx.broadcast_object(Path(output_dir))  # a default name holds the time: rank 0's wins
-        with StopRequest() as stop:
-            run = setup(cfg, output_dir, reporter or ConsoleReporter(), resume, stop, ctx)
+        reporter = reporter or ConsoleReporter()
+        # one writer per run directory: a lease held (by rank 0) until everything is written (runlock.py)
+        with StopRequest() as stop, hold_run_dir(
+            output_dir, ctx, reporter, lambda: stop.requested, cfg.train.dist_timeout_s * 0.9 if ctx.enabled else None
+        ):
+            run = setup(cfg, output_dir, reporter, resume, stop, ctx)
             try:
                 train_loop(run)
                 run.saver.close()  # the end-of-run checkpoint is reported before final/ and the summary
