@@ -11,6 +11,9 @@ base is loaded in NF4 exactly as the run trained it and *dequantized* to fp32 be
 The merged model computes what the QLoRA model computed (up to rounding), at full size; merging
 into the original unquantized weights instead would shift every layer by its quantization error.
 
+A full model (a full fine-tune or from scratch) has nothing to merge: ``--merge`` re-saves it as the
+same plain directory, so one command exports any run.
+
 Without ``--merge``: the run's ``final/`` (or the given directory) is copied as it is, an adapter
 or a full model, with the tokenizer beside it; ``--dtype`` re-saves a full model in that dtype.
 
@@ -47,15 +50,16 @@ def export(source: str | Path, out: Path, merge: bool, dtype: str | None, report
         raise ModelSourceError(f"--out {out} already exists and is not an empty directory; choose a new path")
     if dtype is not None and dtype not in DTYPES:
         raise ModelSourceError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    if merge and src.adapter is None:
-        raise ModelSourceError(f"{src.weights} holds a full model, not an adapter: nothing to merge; drop --merge to copy it")
     if not merge and dtype is not None and src.adapter is not None:
         raise ModelSourceError("--dtype applies to a merged or full model; an adapter is copied as trained (add --merge)")
     reporter.info(f"model: {src.describe()}")
-    if merge:
+    if merge and src.adapter is not None:
         kind, written = "merged", _write_atomically(out, lambda tmp: merge_adapter(src, tmp, dtype, reporter))
-    elif dtype is not None:
-        kind, written = "full", _write_atomically(out, lambda tmp: _resave(src, tmp, DTYPES[dtype]))
+    elif merge or dtype is not None:
+        if merge:
+            reporter.info("a full model: nothing to merge; writing it as a plain Hugging Face directory")
+        target = DTYPES[dtype] if dtype else _stored_dtype(src.weights)
+        kind, written = "full", _write_atomically(out, lambda tmp: _resave(src, tmp, target))
     else:
         kind, written = ("adapter" if src.adapter else "full"), _write_atomically(out, lambda tmp: _copy(src, tmp))
     files = sorted(p.name for p in out.iterdir())
@@ -86,15 +90,20 @@ def merge_adapter(src: ModelSource, out: Path, dtype: str | None, reporter: Cons
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = PeftModel.from_pretrained(base, str(src.weights))
     merged = model.merge_and_unload(safe_merge=True)  # safe_merge: refuses to write NaNs into the weights
-    merged = merged.to(target)
-    merged.config.dtype = target
-    merged.save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
+    return _save_plain(merged, tokenizer, out, target)
+
+
+def _save_plain(model: torch.nn.Module, tokenizer, out: Path, dtype: torch.dtype) -> str:
+    """Weights in ``dtype`` as safetensors shards, config, generation config and tokenizer."""
+    model = model.to(dtype)
+    model.config.dtype = dtype
+    model.save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
     if not (out / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
-        GenerationConfig.from_model_config(merged.config).save_pretrained(out)
+        GenerationConfig.from_model_config(model.config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return _dtype_name(target)
+    return _dtype_name(dtype)
 
 
 def _stored_dtype(model_dir: Path) -> torch.dtype:
@@ -113,9 +122,7 @@ def _resave(src: ModelSource, out: Path, dtype: torch.dtype) -> str:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src.weights), dtype=dtype)
-    model.save_pretrained(out, max_shard_size=MAX_SHARD_SIZE)
-    load_source_tokenizer(src).save_pretrained(out)
-    return _dtype_name(dtype)
+    return _save_plain(model, load_source_tokenizer(src), out, dtype)
 
 
 def _copy(src: ModelSource, out: Path) -> str | None:

@@ -1,0 +1,165 @@
+"""``trainforge export``: LoRA / DoRA / QLoRA adapters merged into a plain model whose logits equal
+the adapter model's; copies without --merge; refusals that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from rich.console import Console
+
+from trainforge.metrics.console import ConsoleReporter
+from trainforge.model.resolve import ModelSourceError
+from trainforge.tools.export import export
+
+QUIET = ConsoleReporter(Console(quiet=True))
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 300, (2, 24), generator=g)
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits.float()
+
+
+def make_adapter(base_dir: Path, out: Path, use_dora: bool = False, quantized: bool = False) -> Path:
+    """A LoRA adapter on ``base_dir`` whose B matrices are not zero (so merging changes the weights)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    extra = {}
+    if quantized:
+        from trainforge.model.load import nf4_config
+
+        extra["quantization_config"] = nf4_config(torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, **extra)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=use_dora, task_type="CAUSAL_LM")
+    model = get_peft_model(base, config)
+    torch.manual_seed(7)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(out)
+    return out
+
+
+def _adapter_model(base_dir: Path, adapter: Path) -> torch.nn.Module:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter)
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_merged_logits_equal_the_adapter_models(tmp_path, tiny_model_dir, use_dora):
+    from transformers import AutoModelForCausalLM
+
+    adapter = make_adapter(tiny_model_dir, tmp_path / "adapter", use_dora=use_dora)
+    out = tmp_path / "merged"
+    result = export(adapter, out, merge=True, dtype=None, reporter=QUIET)
+    assert result["kind"] == "merged" and result["dtype"] == "fp32"  # the tiny base is stored in fp32
+
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names, names
+    assert not names & {"adapter_config.json", "adapter_model.safetensors"}, names
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert not hasattr(merged, "peft_config")
+    ids = _ids()
+    reference = _logits(_adapter_model(tiny_model_dir, adapter), ids)
+    base = _logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), ids)
+    assert (reference - base).abs().max() > 1e-3, "the adapter must change the model for this test to mean anything"
+    torch.testing.assert_close(_logits(merged, ids), reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_merge_in_half_precision_within_its_tolerance(tmp_path, tiny_model_dir, dtype, torch_dtype):
+    from transformers import AutoModelForCausalLM
+
+    adapter = make_adapter(tiny_model_dir, tmp_path / "adapter")
+    out = tmp_path / "merged"
+    assert export(adapter, out, merge=True, dtype=dtype, reporter=QUIET)["dtype"] == dtype
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert merged.dtype == torch_dtype
+    assert all(p.dtype == torch_dtype for p in merged.parameters())
+    ids = _ids(1)
+    reference = _logits(_adapter_model(tiny_model_dir, adapter), ids)
+    got = _logits(merged, ids)
+    eps = torch.finfo(torch_dtype).eps  # bf16: 2^-7, fp16: 2^-10, relative rounding of each weight and activation
+    torch.testing.assert_close(got, reference, atol=8 * eps * reference.abs().max().item(), rtol=0.0)
+
+
+def test_qlora_merges_into_the_dequantized_base(tmp_path, tiny_model_dir):
+    """A QLoRA run's adapter is merged into the NF4 base it trained on, dequantized: the merged
+    model computes what the QLoRA model computed, not what the adapter on the original base would."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    from trainforge.hardware import PRECISIONS
+    from trainforge.model.resolve import load_model, resolve_source
+
+    run = tmp_path / "run"
+    make_adapter(tiny_model_dir, run / "final", quantized=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(tiny_model_dir), "method": "qlora"}}))
+    (run / "summary.json").write_text(json.dumps({"precision": "fp32"}))
+
+    out = tmp_path / "merged"
+    export(run, out, merge=True, dtype="fp32", reporter=QUIET)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = _ids(2)
+    qlora = _logits(load_model(resolve_source(run), torch.device("cpu"), PRECISIONS["fp32"]), ids)
+    torch.testing.assert_close(_logits(merged, ids), qlora, atol=1e-4, rtol=1e-4)
+    on_original = _logits(_adapter_model(tiny_model_dir, run / "final"), ids)
+    assert (on_original - qlora).abs().max() > 1e-3  # the quantization error is real: merging into the original would differ
+
+
+def test_without_merge_copies_the_adapter_with_its_tokenizer(tmp_path, tiny_model_dir):
+    adapter = make_adapter(tiny_model_dir, tmp_path / "adapter")
+    for p in adapter.glob("tokenizer*"):
+        p.unlink()  # the tokenizer lives with the base only: export brings it along
+    out = tmp_path / "copy"
+    result = export(adapter, out, merge=False, dtype=None, reporter=QUIET)
+    assert result["kind"] == "adapter"
+    names = {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names, names
+    assert (out / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+
+
+def test_a_full_model_exports_as_a_plain_directory_in_the_asked_dtype(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "full"
+    result = export(tiny_model_dir, out, merge=True, dtype="bf16", reporter=QUIET)  # nothing to merge: written as is
+    assert result["kind"] == "full"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for (name, a), (_, b) in zip(model.named_parameters(), original.named_parameters()):
+        assert torch.equal(a, b.to(torch.bfloat16)), name
+
+
+def test_refusals_name_the_problem(tmp_path, tiny_model_dir):
+    adapter = make_adapter(tiny_model_dir, tmp_path / "adapter")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("keep me")
+    with pytest.raises(ModelSourceError, match="not an empty directory"):
+        export(adapter, taken, merge=True, dtype=None, reporter=QUIET)
+    assert (taken / "x").read_text() == "keep me"
+    with pytest.raises(ModelSourceError, match="--dtype"):
+        export(adapter, tmp_path / "a", merge=False, dtype="bf16", reporter=QUIET)
+    with pytest.raises(ModelSourceError, match="--dtype 'int4'"):
+        export(adapter, tmp_path / "b", merge=True, dtype="int4", reporter=QUIET)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary directory left behind"

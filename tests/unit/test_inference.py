@@ -1,0 +1,146 @@
+"""What generate / eval / export accept: model directories resolved (or refused with what they lack),
+chat turns read from stdin, streamed generation, and eval's config built from a run's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from trainforge.data.sources import DataError
+from trainforge.model.resolve import ModelSourceError, resolve_source
+from trainforge.tools.generate import read_chat
+
+# ---------------------------------------------------------------- chat turns from stdin
+
+
+def test_chat_turns_from_json_and_from_role_lines():
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert read_chat(json.dumps(msgs)) == msgs
+    assert read_chat(json.dumps({"messages": msgs})) == msgs
+    assert read_chat("system: be brief\nUser: first line\nsecond line\nassistant: ok\nuser: and now?\n") == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "first line\nsecond line"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "and now?"},
+    ]
+    assert read_chat("just a question\nover two lines\n") == [{"role": "user", "content": "just a question\nover two lines"}]
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("", "empty"),
+        ("[{\"role\": \"user\"", "does not parse"),
+        ('[{"role": "user", "text": "hi"}]', "role"),
+        ("user: hi\nassistant: hello", "last turn is the assistant"),
+    ],
+)
+def test_bad_chat_input_is_named(text, match):
+    with pytest.raises(DataError, match=match):
+        read_chat(text)
+
+
+# ---------------------------------------------------------------- streamed generation
+
+
+def test_generation_streams_pieces_that_make_up_the_text(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from trainforge.model.generate import generate
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ids = tok("alpha beta gamma", return_tensors="pt")["input_ids"]
+    pieces: list[str] = []
+    text = generate(model, tok, ids, max_new_tokens=24, temperature=0.9, seed=3, write=pieces.append)
+    assert len(pieces) > 1, pieces  # handed over while generating, not once at the end
+    assert "".join(pieces) == text and text
+    assert generate(model, tok, ids, max_new_tokens=24, temperature=0.9, seed=3) == text  # seeded
+    greedy = generate(model, tok, ids, max_new_tokens=8, temperature=0.0)
+    assert greedy == generate(model, tok, ids, max_new_tokens=8, temperature=0.0, seed=99)
+
+
+# ---------------------------------------------------------------- resolving what the user named
+
+
+def test_kinds_of_directory_resolve(tmp_path, tiny_model_dir):
+    plain = resolve_source(tiny_model_dir)
+    assert plain.adapter is None and plain.run_dir is None and plain.method == "full"
+    assert plain.tokenizer_dir == tiny_model_dir
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, run / "final")
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"method": "full"}, "data": {"max_length": 64}}))
+    (run / "summary.json").write_text(json.dumps({"precision": "fp32", "eval_loss": 1.0}))
+    for given in (run, run / "final"):  # the run, or its final/ named directly
+        src = resolve_source(given)
+        assert src.run_dir == run and src.weights == run / "final" and src.summary["precision"] == "fp32"
+
+
+def test_unusable_directories_are_refused_naming_what_they_lack(tmp_path, tiny_model_dir):
+    with pytest.raises(ModelSourceError, match="no such directory"):
+        resolve_source(tmp_path / "missing")
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(ModelSourceError, match="is a file"):
+        resolve_source(tmp_path / "file.txt")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelSourceError, match=r"lacks config.json and weights"):
+        resolve_source(empty)
+
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    (unfinished / "config.yaml").write_text("model: {}\n")
+    with pytest.raises(ModelSourceError, match="without final/"):
+        resolve_source(unfinished)
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    with pytest.raises(ModelSourceError, match="no adapter weights"):
+        resolve_source(adapter)
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelSourceError, match="not a local model directory"):
+        resolve_source(adapter)
+
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, no_tokenizer / name)
+    with pytest.raises(ModelSourceError, match="no tokenizer files"):
+        resolve_source(no_tokenizer)
+
+
+# ---------------------------------------------------------------- eval's config
+
+
+def test_eval_config_takes_the_runs_data_settings_and_reads_every_row(tmp_path, tiny_model_dir, toy_data_dir):
+    from trainforge.config import ConfigError
+    from trainforge.tools.evaluate import eval_config
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_model_dir, run / "final")
+    written = {
+        "model": {"path": str(tmp_path / "moved-away"), "method": "full", "attention": "eager"},
+        "data": {"train": str(tmp_path / "gone.jsonl"), "eval": 0.1, "max_length": 48, "packing": False, "max_documents": 5},
+        "train": {"micro_batch_size": 3, "eval_max_batches": 2},
+    }
+    (run / "config.yaml").write_text(yaml.safe_dump(written))
+    data = str(toy_data_dir / "pc_eval.jsonl")
+    cfg = eval_config(resolve_source(run), data, ["data.max_length=40"])
+    assert cfg.data.train == data and cfg.data.eval is None
+    assert cfg.data.max_length == 40 and cfg.data.packing is False  # --set wins; the rest is the run's
+    assert cfg.data.max_documents is None and cfg.train.eval_max_batches is None  # the whole file
+    assert cfg.train.micro_batch_size == 3 and cfg.model.attention == "eager"
+    assert cfg.model.path == run / "final"  # the run's base moved away: not needed for a full model
+
+    plain = eval_config(resolve_source(tiny_model_dir), data, [], max_positions=128)
+    assert plain.data.max_length == 128  # the model's context, below the 1024 default
+    with pytest.raises(ConfigError, match="data.packing"):
+        eval_config(resolve_source(tiny_model_dir), data, ["data.packing=sometimes"])
