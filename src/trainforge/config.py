@@ -388,10 +388,36 @@ class LogSettings(Section):
         description="steps to profile: time split into data/forward/backward/optimizer, and a torch profiler "
         "trace in profile/ of the run directory",
     )
-    tensorboard: bool = Field(True, description="also write metrics as TensorBoard scalars (tb/) when tensorboard is installed")
+    tensorboard: bool = Field(
+        True,
+        description="also write metrics as TensorBoard scalars (tb/) when tensorboard is installed; "
+        "only read when log.report_to is not set (the older spelling of report_to: [tensorboard])",
+    )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="trackers that get the metrics.jsonl scalars, the config and summary.json (rank 0 only): "
+        "tensorboard (tb/ in the run directory), wandb (offline into the run directory unless logged in or "
+        "WANDB_MODE is set; pip install 'trainforge[wandb]'), mlflow (./mlruns unless MLFLOW_TRACKING_URI is set; "
+        "pip install 'trainforge[mlflow]'); [] for none. Unset: tensorboard when installed (see log.tensorboard)",
+    )
+    project: str = Field("trainforge", min_length=1, description="the W&B project and MLflow experiment runs log to")
+    report: bool = Field(
+        True, description="write report.html (plots of the run) into the run directory at the end, also when stopped by a signal"
+    )
     example_indices: bool = Field(
         False, description="add to each train record the example indices of every step since the previous one"
     )
+
+    @field_validator("report_to")
+    @classmethod
+    def _unique_trackers(cls, v: list[str] | None) -> list[str] | None:
+        return list(dict.fromkeys(v)) if v is not None else None
+
+    def trackers(self) -> list[str]:
+        """The trackers this run logs to: ``report_to``, else TensorBoard when ``tensorboard`` is on."""
+        if self.report_to is not None:
+            return list(self.report_to)
+        return ["tensorboard"] if self.tensorboard else []
 
 
 class RunConfig(Section):

@@ -75,6 +75,7 @@ def back_off(run: Run, position: dict) -> list[Batch]:
     run.batches = iter(run.loader)
     event = {"step": run.step + 1, "micro_batch_size": b // f, "grad_accum": run.grad_accum}
     run.oom_backoffs.append(event)
+    run.metrics.event("oom_backoff", event["step"], micro_batch_size=b // f, grad_accum=run.grad_accum)
     run.reporter.warn(
         f"out of memory at step {run.step + 1} with micro-batch {b}: retrying the step with micro-batch "
         f"{b // f} x accumulation {run.grad_accum} (global batch unchanged); later steps and a resume keep it"

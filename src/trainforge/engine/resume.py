@@ -305,6 +305,7 @@ def capture_state(run: Run) -> dict[str, Any]:
             "last_eval": run.last_eval,
             "metrics_records": run.metrics.records,
             "oom_backoffs": run.oom_backoffs,
+            "trackers": run.metrics.tracker_state(),  # W&B / MLflow run ids: a resume continues the same runs
         },
     }
 

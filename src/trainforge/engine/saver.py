@@ -52,6 +52,8 @@ class Checkpointer:
         self._last_time = self.clock()
         self.saved_step: int | None = None  # newest step saved successfully by this process
         self.saves, self.failures, self.stall_s = 0, 0, 0.0
+        # on_event(name, step, **fields): each save (and the pause it cost) or failure, for events.jsonl
+        self.on_event: Callable[..., None] = lambda event, step, **fields: None
 
     def time_due(self) -> bool:
         s = self.settings
@@ -134,9 +136,11 @@ class Checkpointer:
         self.stall_s += paused
         self.saved_step = step
         self.reporter.info(f"checkpoint {step_dir_name(step)} {how}")
+        self.on_event("checkpoint", step, pause_s=round(paused, 4))
 
     def _failed(self, step: int, error: Exception) -> None:
         self.failures += 1
+        self.on_event("checkpoint_failed", step, error=str(error))
         complete, _ = scan_checkpoints(self.root)
         kept = f"newest complete checkpoint: {complete[-1].path.name}" if complete else "no complete checkpoint yet"
         self.reporter.warn(

@@ -25,7 +25,7 @@ from ..hardware import (
 from ..metrics.console import ConsoleReporter
 from ..metrics.flops import flops_per_token
 from ..metrics.profile import StepTimer
-from ..metrics.sinks import TensorBoardSink
+from ..metrics.sinks import build_sinks, require_trackers
 from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
 from ..model.load import build_model, count_parameters, describe_storage, weight_storage
@@ -34,7 +34,7 @@ from .memory import estimate_memory, memory_warning
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer
 from .preempt import StopRequest
-from .resume import CHECKPOINTS, checkpoint_meta, open_run_dir, restore
+from .resume import CHECKPOINTS, ResumePlan, checkpoint_meta, open_run_dir, restore
 from .run import Run
 from .saver import Checkpointer
 from .schedule import build_scheduler
@@ -59,6 +59,8 @@ def setup(
     from transformers.utils import logging as hf_logging
 
     ctx = ctx or DistContext()
+    if cfg.log.report_to:
+        require_trackers(cfg.log.report_to)  # a tracker asked for but not installed fails before any work
     # train.global_batch_size fixes the rows per step whatever the process count: grad_accum follows
     accum = resolve_grad_accum(cfg.train, ctx.world_size)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})})
@@ -118,9 +120,7 @@ def setup(
         eval_set=eval_batches(data.eval_rows, data.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
         if data.eval_collate
         else [],
-        metrics=MetricsLog(out / "metrics.jsonl", [TensorBoardSink.create(out / "tb")] if cfg.log.tensorboard else [])
-        if ctx.is_main
-        else NullMetricsLog(),
+        metrics=open_metrics(cfg, out, resume_plan, reporter) if ctx.is_main else NullMetricsLog(),
         timer=StepTimer(device),
         max_steps=max_steps,
         data_format=data.prepared.format,
@@ -154,9 +154,26 @@ def setup(
         + (f"{run.peak_flops / 1e12:.2f} TFLOP/s ({source})" if run.peak_flops else source)
     )
     warn_if_too_big(run)
+    run.saver.on_event = run.metrics.event  # checkpoints and the pauses they cost, to events.jsonl
     if resume_plan is not None:
         restore(run, resume_plan)  # last: it restores the random states that building the run consumed
+        run.metrics.event("resume", run.step, checkpoint=resume_plan.checkpoint.path.name)
     return run
+
+
+def open_metrics(cfg: RunConfig, out: Path, resume_plan: ResumePlan | None, reporter: ConsoleReporter) -> MetricsLog:
+    """metrics.jsonl and the trackers of ``log.report_to``; a resume of this run directory continues
+    the tracker runs (W&B id, MLflow run id) its checkpoint names."""
+    same_run = resume_plan is not None and resume_plan.same_run
+    resume = resume_plan.state["counters"].get("trackers", {}) if same_run else {}
+    sinks = build_sinks(
+        cfg.log.trackers(), cfg.log.report_to is not None, out, out.resolve().name, cfg.log.project,
+        cfg.model_dump(mode="json"), resume,
+    )
+    for sink in sinks:
+        if sink.name != "tensorboard":
+            reporter.info(f"{sink.name}: {sink.where}")
+    return MetricsLog(out / "metrics.jsonl", sinks)
 
 
 def compile_shape(cfg: RunConfig, model: torch.nn.Module, precision: Precision, device: torch.device, ctx: DistContext) -> dict:

@@ -64,7 +64,8 @@ def train(
             finally:
                 run.saver.close()
                 run.reporter.stop()
-                run.metrics.close()
+                write_report(run)  # report.html at the end, also after a signal or an error
+                run.metrics.close(ok=completed)
                 # drop the DDP wrapper (and its gradient reducer) now, while the process group still
                 # lives: freed after it, the reducer would free the group from this thread (see dist.shutdown)
                 run.train_model = run.sync = None
@@ -210,7 +211,24 @@ def stop_on_signal(run: Run) -> None:
     run.reporter.stop()
     saved = run.saver.save_now(run.step, run.checkpoint_state)
     where = f"checkpoint {step_dir_name(run.step)} saved" if saved else "saving a checkpoint failed (see above)"
+    run.metrics.event("stop", run.step, signal=run.stop.name, saved=saved)
     raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; run the same command again to resume")
+
+
+def write_report(run: Run) -> None:
+    """report.html into the run directory (rank 0, ``log.report``), and to the trackers that keep files.
+    A report that fails is a warning: the run's own files are already written."""
+    if not (run.dist.is_main and run.cfg.log.report):
+        return
+    from ..metrics.report import write_report as render_report
+
+    try:
+        path = render_report([run.out], run.out / "report.html")
+        run.metrics.artifact(path)
+    except Exception as e:  # a report must never hide the run's own outcome (or error)
+        run.reporter.warn(f"report.html not written: {type(e).__name__}: {e}")
+    else:
+        run.reporter.info(f"report: {path}")
 
 
 def finish(run: Run, wall_start: float) -> RunResult:
@@ -276,6 +294,7 @@ def finish(run: Run, wall_start: float) -> RunResult:
     summary["wall_time_s"] = time.perf_counter() - wall_start
     if run.dist.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        run.metrics.summary(summary)
     run.reporter.info(
         f"done: {run.step} steps, {run.tokens_seen:,} tokens in {run.loop_time_s:.1f}s "
         f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,17 @@ MEASURED_FIELDS = frozenset(
 )
 
 
+EVENTS_FILE = "events.jsonl"
+
+
 class MetricsLog:
     """Append-only JSONL writer; each line is complete on disk before training goes on.
 
     ``records`` counts the complete lines in the file, so a checkpoint can note how far the
     log had come and a resume can cut it back to exactly that point. Records also go to the
-    optional sinks (TensorBoard).
+    trackers (``sinks.py``: TensorBoard, W&B, MLflow). What happened to the run besides its
+    steps (a resume, a checkpoint and the pause it cost, an out-of-memory back-off, a stop on a
+    signal) goes to ``events.jsonl`` beside it (``event``): never cut back, it tells the whole story.
     """
 
     def __init__(self, path: Path, sinks: list | None = None):
@@ -26,6 +32,7 @@ class MetricsLog:
         self.records = _complete_lines(path)
         self.sinks = [s for s in (sinks or []) if s is not None]
         self._file = open(path, "a", encoding="utf-8")
+        self.events_path = path.with_name(EVENTS_FILE)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
@@ -50,10 +57,32 @@ class MetricsLog:
         self.records = kept
         return dropped
 
-    def close(self) -> None:
-        self._file.close()
+    def event(self, event: str, step: int, **fields: Any) -> None:
+        """Append ``{"event": event, "step": step, "time": unix time, **fields}`` to events.jsonl."""
+        line = json.dumps({"event": event, "step": step, "time": round(time.time(), 3), **fields})
+        with open(self.events_path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        """summary.json, at the end of the run, to the trackers."""
         for sink in self.sinks:
-            sink.close()
+            sink.summary(summary)
+
+    def artifact(self, path: Path) -> None:
+        """A file of the run (report.html) to the trackers that keep files."""
+        for sink in self.sinks:
+            sink.artifact(path)
+
+    def tracker_state(self) -> dict[str, Any]:
+        """Per tracker, what a resume needs to continue the same tracker run (kept in checkpoints)."""
+        return {sink.name: sink.state() for sink in self.sinks if sink.state()}
+
+    def close(self, ok: bool = True) -> None:
+        """``ok``: the run finished (trackers mark it so); otherwise it failed or stopped."""
+        self._file.close()
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close(ok)
 
 
 class NullMetricsLog:
@@ -67,7 +96,19 @@ class NullMetricsLog:
     def truncate(self, records: int) -> int:
         return 0
 
-    def close(self) -> None:
+    def event(self, event: str, step: int, **fields: Any) -> None:
+        pass
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def artifact(self, path: Path) -> None:
+        pass
+
+    def tracker_state(self) -> dict[str, Any]:
+        return {}
+
+    def close(self, ok: bool = True) -> None:
         pass
 
 
@@ -83,3 +124,18 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """All complete records of an events.jsonl file; none when it does not exist."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in text.splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:  # a line torn by a crash
+            continue
+    return events
