@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import netrc
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -40,7 +41,7 @@ class WandbSink:
         import wandb
 
         mode = wandb_mode()
-        run_id = (resume or {}).get("id") or wandb.util.generate_id()
+        run_id = (resume or {}).get("id") or secrets.token_hex(6)  # W&B ids: letters and digits
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or project,
             name=run_name,
