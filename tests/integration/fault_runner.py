@@ -8,6 +8,10 @@ Faults (all optional; steps are 1-based optimizer steps):
   {"nan_in_steps": [3, 4]}             make the loss of those steps NaN
   {"raise_in_step": [2, "message"]}    raise RuntimeError(message) inside step 2's forward/backward
   {"rank": 1, ...}                     under torchrun: inject the faults into rank 1 only
+  {"pause_in_step": [5, "PATH"]}      inside step 5's forward/backward create PATH.paused, then wait (at
+                                       most 10 minutes) for PATH to exist; signals sent meanwhile are handled
+  {"pause_in_build": "PATH"}           build the token cache entry, then create PATH.paused and wait (at
+                                       most 10 minutes) for PATH to exist before renaming it into place
 
 The faults hook into trainforge by monkeypatching, so the product code carries no test switches.
 """
@@ -36,8 +40,12 @@ def install(faults: dict) -> None:
     forward_backward = trainer.forward_backward_adaptive
     loss_sum = step_module.loss_sum
 
+    pause_step = faults.get("pause_in_step")
+
     def watched_forward_backward(run, *args, **kwargs):
         now["step"] = run.step + 1
+        if pause_step and now["step"] == pause_step[0]:
+            _wait_for(pause_step[1])
         if kill_step and now["step"] == kill_step[0]:
             os.kill(os.getpid(), getattr(signal, kill_step[1]))
         if faults.get("raise_in_step") and now["step"] == faults["raise_in_step"][0]:
@@ -51,6 +59,18 @@ def install(faults: dict) -> None:
     trainer.forward_backward_adaptive = watched_forward_backward
     step_module.loss_sum = poisoned_loss_sum
 
+    pause = faults.get("pause_in_build")
+    if pause:
+        import trainforge.data.prepare as prepare
+
+        build = prepare._build
+
+        def build_then_wait(*args, **kwargs):
+            build(*args, **kwargs)
+            _wait_for(pause)
+
+        prepare._build = build_then_wait
+
     save_fault = faults.get("signal_in_save")
     if save_fault:
         save = torch.save
@@ -62,6 +82,17 @@ def install(faults: dict) -> None:
                 os.kill(os.getpid(), getattr(signal, save_fault[1]))
 
         torch.save = save_then_signal
+
+
+def _wait_for(path: str) -> None:
+    """Say "paused" (PATH.paused), then wait for the test to create PATH (10 minutes at most)."""
+    import time
+    from pathlib import Path
+
+    Path(path + ".paused").touch()
+    deadline = time.monotonic() + 600
+    while not Path(path).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

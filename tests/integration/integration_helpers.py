@@ -35,14 +35,8 @@ def root_conftest() -> ModuleType:
 FAULT_RUNNER = Path(__file__).resolve().with_name("fault_runner.py")
 
 
-def run_cli(
-    args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S, faults: dict | None = None, nproc: int = 0
-) -> subprocess.CompletedProcess:
-    """``python -m trainforge <args>`` in ``cwd``; stdout and stderr captured as text.
-
-    With ``faults``, the CLI runs under ``fault_runner.py``, which injects them (see there);
-    with ``nproc``, under ``torchrun --standalone --nproc_per_node nproc``.
-    """
+def cli_command(args: list, faults: dict | None = None, nproc: int = 0) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of ``python -m trainforge <args>`` as the tests run it (see ``run_cli``)."""
     env = dict(os.environ)
     env.update(
         PYTHONUNBUFFERED="1",
@@ -54,14 +48,29 @@ def run_cli(
     if nproc:  # under torchrun, as a user would start it: every process gets this environment
         entry = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry]
         env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run(
-        [sys.executable, *entry, *(str(a) for a in args)],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return [sys.executable, *entry, *(str(a) for a in args)], env
+
+
+def run_cli(
+    args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S, faults: dict | None = None, nproc: int = 0
+) -> subprocess.CompletedProcess:
+    """``python -m trainforge <args>`` in ``cwd``; stdout and stderr captured as text.
+
+    With ``faults``, the CLI runs under ``fault_runner.py``, which injects them (see there);
+    with ``nproc``, under ``torchrun --standalone --nproc_per_node nproc``.
+    """
+    argv, env = cli_command(args, faults, nproc)
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(
+    args: list, cwd: Path, faults: dict | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """``run_cli`` without waiting: the process runs beside the test (``env``: extra variables);
+    read it with ``.communicate(timeout=...)``."""
+    argv, full_env = cli_command(args, faults)
+    full_env.update(env or {})
+    return subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def show(proc: subprocess.CompletedProcess) -> str:
