@@ -291,7 +291,11 @@ def _check_source(spec: str) -> None:
 class TrainSettings(Section):
     max_steps: int | None = Field(None, gt=0, description="optimizer steps (or give epochs)")
     epochs: float | None = Field(None, gt=0, description="passes over the training data (or give max_steps)")
-    micro_batch_size: int = Field(8, gt=0, description="rows per forward pass")
+    micro_batch_size: int | Literal["auto"] = Field(
+        8,
+        description="rows per forward pass; auto: the largest the plan predicts fits in 90% of the device's "
+        "memory (see trainforge plan), at most global_batch_size / processes",
+    )
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
     global_batch_size: int | None = Field(
         None, gt=0, description="rows per optimizer step over all processes; sets grad_accum to "
@@ -300,8 +304,10 @@ class TrainSettings(Section):
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="auto: bf16 where native, fp16 + loss scaling on older GPUs, else fp32"
     )
-    activation_checkpointing: bool = Field(
-        False, description="recompute each decoder layer's activations in backward: less memory, ~1/3 more compute"
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto",
+        description="recompute each decoder layer's activations in backward: less memory, ~1/3 more compute; "
+        "auto: on only when the plan predicts the run does not fit without it",
     )
     fused_loss: bool = Field(
         True,
@@ -333,6 +339,13 @@ class TrainSettings(Section):
         gt=0,
         description="under torchrun: a collective waiting longer than this for another process fails the job",
     )
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive_batch(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("must be a positive number of rows, or auto")
+        return v
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainSettings":
@@ -622,6 +635,8 @@ def resolve_grad_accum(train: "TrainSettings", world_size: int) -> int:
     """Micro-batches per optimizer step: ``train.grad_accum``, or derived from ``train.global_batch_size``."""
     if train.global_batch_size is None:
         return train.grad_accum
+    if train.micro_batch_size == "auto":
+        raise ConfigError("train.micro_batch_size: auto must be resolved (engine/fit.py) before grad_accum")
     per_pass = train.micro_batch_size * world_size
     if train.global_batch_size % per_pass:
         raise ConfigError(

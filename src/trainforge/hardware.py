@@ -68,32 +68,16 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-# dense peak TFLOP/s by GPU name fragment: (bf16/fp16 tensor core, tf32, fp32)
-GPU_PEAK_TFLOPS = {
-    "H200": (989.0, 494.0, 67.0),
-    "H100 SXM": (989.0, 494.0, 67.0),
-    "H100 PCIe": (756.0, 378.0, 51.0),
-    "H100": (989.0, 494.0, 67.0),
-    "A100": (312.0, 156.0, 19.5),
-    "L40S": (362.0, 183.0, 91.6),
-    "L4": (121.0, 60.0, 30.3),
-    "A10": (125.0, 62.5, 31.2),
-    "RTX 4090": (165.2, 82.6, 82.6),
-    "RTX 3090": (71.0, 35.6, 35.6),
-    "V100": (125.0, 15.7, 15.7),
-    "T4": (65.0, 8.1, 8.1),
-}
-
-
 def peak_flops(device: torch.device, precision: str, cache_dir: Path | None = None) -> tuple[float, str]:
     """(peak FLOP/s, where the figure comes from) for this device in this precision."""
     if device.type == "cuda":
+        from .profiles import profile_for_gpu_name
+
         name = torch.cuda.get_device_name(device)
-        for fragment, (half, tf32, fp32) in GPU_PEAK_TFLOPS.items():
-            if fragment in name:
-                tflops = half if precision in ("bf16", "fp16") else (tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32)
-                return tflops * 1e12, f"table ({fragment})"
-        return 0.0, f"unknown GPU {name!r}: no peak in the table, MFU not reported"
+        profile = profile_for_gpu_name(name)
+        if profile is None:
+            return 0.0, f"unknown GPU {name!r}: no profile in trainforge/profiles.py, MFU not reported"
+        return profile.peak_flops(precision, torch.backends.cuda.matmul.allow_tf32), f"profile {profile.name}"
     return cpu_matmul_flops(precision, cache_dir), "matmul probe"
 
 
@@ -132,8 +116,15 @@ def resolve_precision(requested: str, device: torch.device, cache_dir: Path | No
 def cpu_matmul_flops(precision: str, cache_dir: Path | None = None) -> float:
     """Measured FLOP/s of a large matmul on this CPU in ``precision`` with the current thread count;
     cached per machine, thread count and torch version (the probe takes about a second)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    # fp16 has no CPU kernels (emulated, ~1000x slower than fp32): a small matrix keeps the probe short
+    return cached_probe(precision, lambda: measure_matmul(dtype, 256 if dtype is torch.float16 else 1024), cache_dir)
+
+
+def cached_probe(name: str, measure, cache_dir: Path | None = None) -> float:
+    """``measure()`` once per machine, thread count and torch version, kept in ``cpu_peak.json``."""
     threads = torch.get_num_threads()
-    key = f"{platform.node()}-{platform.processor() or platform.machine()}-{threads}t-{precision}-torch{torch.__version__}"
+    key = f"{platform.node()}-{platform.processor() or platform.machine()}-{threads}t-{name}-torch{torch.__version__}"
     cache = (cache_dir or default_cache_dir()) / "cpu_peak.json"
     table = {}
     if cache.is_file():
@@ -143,9 +134,7 @@ def cpu_matmul_flops(precision: str, cache_dir: Path | None = None) -> float:
             table = {}
     if key in table:
         return float(table[key])
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    # fp16 has no CPU kernels (emulated, ~1000x slower than fp32): a small matrix keeps the probe short
-    value = measure_matmul(dtype, 256 if dtype is torch.float16 else 1024)
+    value = measure()
     table[key] = value
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +142,33 @@ def cpu_matmul_flops(precision: str, cache_dir: Path | None = None) -> float:
     except OSError:
         pass  # a read-only home only costs re-measuring next time
     return value
+
+
+def measure_bandwidth(n_bytes: int = 256 * 2**20) -> float:
+    """Best-of-5 bytes/s of copying a tensor larger than any cache (read + write counted)."""
+    src = torch.ones(n_bytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n_bytes / best
+
+
+def measure_op_overhead(n: int = 400) -> float:
+    """Seconds an eager op costs beyond its arithmetic: a chain of tiny ops recorded by autograd
+    and run backward, divided by the ops run (forward and backward)."""
+    x = torch.ones(16, requires_grad=True)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+        y.sum().backward()
+        best = min(best, time.perf_counter() - t)
+    return best / (2 * n)
 
 
 def measure_matmul(dtype: torch.dtype, n: int = 1024) -> float:
@@ -204,3 +220,51 @@ def available_memory_bytes(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
+
+
+def process_rss_bytes() -> int:
+    """This process's resident memory now (Linux), else its peak so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_memory_bytes(torch.device("cpu"))
+
+
+def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bool = True):
+    """The hardware profile of the machine at hand: a GPU's table entry with its real memory, or
+    this CPU as measured (matmul peak per precision, copy bandwidth, per-op overhead; cached).
+    ``timing=False``: memory only (no probes), for fitting a run."""
+    from dataclasses import replace
+
+    from .profiles import GIB, HardwareProfile, profile_for_gpu_name
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        known = profile_for_gpu_name(props.name)
+        if known is None:
+            raise ValueError(f"no hardware profile for {props.name!r}: add it to trainforge/profiles.py, or plan with --hardware NAME")
+        return replace(known, name="this", title=f"{props.name} (this machine)", memory_gib=props.total_memory / GIB)
+    if timing:
+        tflops = {p: cpu_matmul_flops(p, cache_dir) / 1e12 for p in ("fp32", "bf16", "fp16")}
+        bandwidth = cached_probe("bandwidth", measure_bandwidth, cache_dir)
+        overhead = cached_probe("op-overhead", measure_op_overhead, cache_dir)
+    else:
+        tflops, bandwidth, overhead = {"fp32": 0.0}, 0.0, 0.0
+    memory = available_memory_bytes(device) or 0
+    return HardwareProfile(
+        name="this",
+        title=f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads (this machine)",
+        memory_gib=(memory + process_rss_bytes()) / GIB,  # what is free now plus what this process already holds
+        peak_tflops=tflops,
+        bandwidth_gbs=bandwidth / 1e9,
+        bf16=cpu_has_native_bf16(),
+        kind="cpu",
+        source="measured here: matmul, copy-bandwidth and per-op probes (cached in cpu_peak.json)",
+        fixed_gib=process_rss_bytes() / GIB,  # torch, transformers and Python, already loaded by the planner
+        allocator_overhead=0.0,
+        op_overhead_s=overhead,
+        matmul_efficiency=1.0,  # the probes measure what this CPU reaches, not a datasheet peak
+        bandwidth_efficiency=1.0,
+        measured={"matmul_tflops": tflops, "bandwidth_gbs": bandwidth / 1e9, "op_overhead_us": overhead * 1e6},
+    )

@@ -10,13 +10,34 @@ completion-only loss, padding) never get logits at all.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..data.formats import IGNORE
 
 CHUNK = 4096  # target positions per head matmul on GPU: large enough for efficient GEMMs, small enough for memory
 CPU_CHUNK = 512  # on CPU a chunk's fp32 logits should stay in cache: 512 rows ran 1.6x faster than 4096 at a
 # 4k vocabulary (bf16, fwd+bwd of 2,048 positions) and no slower at 32k
+_chunk_device: str | None = None  # set by ``chunk_as``: the device type whose chunk size a plan traces
+
+
+def chunk_for(device_type: str) -> int:
+    """Target positions per head matmul on ``device_type`` (or the device a plan traces for)."""
+    return CPU_CHUNK if (_chunk_device or device_type) == "cpu" else CHUNK
+
+
+@contextlib.contextmanager
+def chunk_as(device_type: str) -> Iterator[None]:
+    """Chunk as on ``device_type`` while a plan traces a step for it on (fake) CPU tensors."""
+    global _chunk_device
+    before, _chunk_device = _chunk_device, device_type
+    try:
+        yield
+    finally:
+        _chunk_device = before
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -25,8 +46,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # the head's matmuls run in ``compute_dtype`` (bf16/fp16 under mixed precision: that is their speed);
         # logits, softmax statistics, the loss and the weight-gradient accumulator stay fp32
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here; autocast would recast per chunk
-            keep = (labels != IGNORE).nonzero().flatten()
-            dense = len(keep) == len(labels)  # every position a target (pretraining): slices, no gather/scatter
+            # a plan's fake step has no label values: it takes the worst case, every position a target
+            keep = None if is_fake(labels) else (labels != IGNORE).nonzero().flatten()
+            dense = keep is None or len(keep) == len(labels)  # every position a target (pretraining): slices, no gather/scatter
             h_all = hidden if dense else hidden.index_select(0, keep)
             y_all = labels if dense else labels.index_select(0, keep)
             h_all = h_all.to(compute_dtype)
@@ -36,7 +58,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
             grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
             total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-            chunk = CPU_CHUNK if hidden.device.type == "cpu" else CHUNK
+            chunk = chunk_for(hidden.device.type)
             for s in range(0, len(y_all), chunk):
                 h, y = h_all[s : s + chunk], y_all[s : s + chunk]
                 # one fused pass from the (bf16) logits to fp32 log-probabilities: no separate upcast copy

@@ -78,6 +78,7 @@ class Run:
     oom_backoffs: list[dict[str, int]] = field(default_factory=list)
     resumed_from: int | None = None
     precision_reason: str = ""  # why this precision: configured, or what `auto` found on this device
+    choices: dict[str, Any] = field(default_factory=dict)  # what auto settings resolved to and why (summary.json)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What a checkpoint holds (LoRA: adapter weights only); see ``resume.capture_state``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from ..hardware import (
     peak_flops,
     pick_device,
     resolve_precision,
+    this_profile,
 )
 from ..metrics.console import ConsoleReporter
 from ..metrics.flops import flops_per_token
@@ -28,8 +30,9 @@ from ..metrics.profile import StepTimer
 from ..metrics.sinks import build_sinks, require_trackers
 from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
-from ..model.load import build_model, count_parameters, describe_storage, weight_storage
+from ..model.load import build_model, build_model_skeleton, count_parameters, describe_storage, weight_storage
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
+from .fit import Fit, fit_run
 from .memory import estimate_memory, memory_warning
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer
@@ -61,9 +64,8 @@ def setup(
     ctx = ctx or DistContext()
     if cfg.log.report_to:
         require_trackers(cfg.log.report_to)  # a tracker asked for but not installed fails before any work
-    # train.global_batch_size fixes the rows per step whatever the process count: grad_accum follows
-    accum = resolve_grad_accum(cfg.train, ctx.world_size)
-    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})})
+    if cfg.train.micro_batch_size != "auto":  # a contradiction fails before any work (auto resolves below)
+        resolve_grad_accum(cfg.train, ctx.world_size)
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
     device = device_for(pick_device(cfg.train.device), ctx)
@@ -79,6 +81,10 @@ def setup(
         data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
         out, resume_plan = open_run_dir(output_dir, cfg, resume, reporter)
     reporter.info(f"output: {out}")
+    cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
+    # train.global_batch_size fixes the rows per step whatever the process count: grad_accum follows
+    accum = resolve_grad_accum(cfg.train, ctx.world_size)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})})
     loader = TrainLoader(
         data.train_rows, data.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False,
         rank=ctx.rank, world_size=ctx.world_size,
@@ -141,6 +147,7 @@ def setup(
         train_model=train_model,
         sync=ctx.no_sync(train_model),
         precision_reason=why,
+        choices=fit_summary(fit),
     )
     run.compile_auto = CompileAuto(
         cfg.train.compile, compile_key(compile_shape(cfg, model, precision, device, ctx)),
@@ -174,6 +181,53 @@ def open_metrics(cfg: RunConfig, out: Path, resume_plan: ResumePlan | None, repo
         if sink.name != "tensorboard":
             reporter.info(f"{sink.name}: {sink.where}")
     return MetricsLog(out / "metrics.jsonl", sinks)
+
+
+def fit_to_machine(
+    cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx: DistContext, reporter: ConsoleReporter,
+    resume_plan: Any = None,
+) -> tuple[RunConfig, Fit]:
+    """Resolve ``micro_batch_size: auto`` and ``activation_checkpointing: auto`` from the plan of this
+    run on this machine (engine/fit.py); rank 0 decides for all processes. A resumed run keeps the
+    micro-batch its checkpoint was trained with (the global batch must not change mid-run)."""
+    t = cfg.train
+    saved = resume_plan.checkpoint.meta.get("fixed", {}).get("train.micro_batch_size") if resume_plan is not None else None
+    if t.micro_batch_size == "auto" and isinstance(saved, int):
+        t = t.model_copy(update={"micro_batch_size": saved})
+        cfg = cfg.model_copy(update={"train": t})
+        reporter.info(f"micro_batch_size auto -> {saved}: as in the checkpoint being resumed")
+    if t.micro_batch_size != "auto" and t.activation_checkpointing != "auto":
+        return cfg, Fit(t.micro_batch_size, t.activation_checkpointing, "as configured", "as configured", None)
+    fit = None
+    if ctx.is_main:
+        profile = this_profile(device, cfg.data.cache_dir, timing=False)
+        rough = None
+        if t.micro_batch_size != "auto":
+            skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
+            rough = estimate_memory(skeleton, t.micro_batch_size, cfg.data.max_length, precision).total
+        mode = "fsdp" if t.distributed == "fsdp" else "ddp"
+        fit = fit_run(cfg, tokenizer, precision, profile, ctx.world_size, mode, rough)
+        if fit.memory is not None:
+            fit.memory.trace = None  # its ops are the plan's business; the run keeps the figures
+    fit = ctx.broadcast_object(fit)
+    if t.micro_batch_size == "auto":
+        reporter.info(f"micro_batch_size auto -> {fit.why_micro_batch}")
+    if t.activation_checkpointing == "auto":
+        reporter.info(f"activation checkpointing auto -> {fit.why_checkpointing}")
+    update = {"micro_batch_size": fit.micro_batch_size, "activation_checkpointing": fit.activation_checkpointing}
+    return cfg.model_copy(update={"train": t.model_copy(update=update)}), fit
+
+
+def fit_summary(fit: Fit) -> dict[str, Any]:
+    """What the run chose for itself and why, for summary.json."""
+    out: dict[str, Any] = {
+        "micro_batch_size_reason": fit.why_micro_batch,
+        "activation_checkpointing_reason": fit.why_checkpointing,
+    }
+    if fit.memory is not None:
+        out["predicted_peak_memory_bytes"] = fit.memory.process
+        out["predicted_peak_tensor_bytes"] = fit.memory.tensors
+    return out
 
 
 def compile_shape(cfg: RunConfig, model: torch.nn.Module, precision: Precision, device: torch.device, ctx: DistContext) -> dict:

@@ -283,6 +283,7 @@ def finish(run: Run, wall_start: float) -> RunResult:
         "trainable_parameters": trainable,
         "weights": weight_storage(run.model),  # parameter counts by role and storage dtype
         "activation_checkpointing": cfg.train.activation_checkpointing,
+        **run.choices,
         "data": {"format": run.data_format, **run.data_stats},
         "final_dir": str(final_dir),
     }

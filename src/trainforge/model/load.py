@@ -67,8 +67,7 @@ def build_model(
 
     attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision)
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
-    adapters = cfg.method in ("lora", "qlora")
-    base_dtype = compute_dtype if adapters and compute_dtype is not None else torch.float32
+    base_dtype = storage_dtype(cfg, compute_dtype)
     if cfg.init is not None:
         model = AutoModelForCausalLM.from_config(
             init_config(cfg.init, tokenizer), dtype=torch.float32, attn_implementation=attn
@@ -79,9 +78,20 @@ def build_model(
         model = AutoModelForCausalLM.from_pretrained(str(cfg.path.resolve()), dtype=base_dtype, attn_implementation=attn, **extra)
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
+    return adapt(model, cfg, activation_checkpointing)
+
+
+def storage_dtype(cfg: ModelSettings, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The base weights' dtype: the compute dtype under LoRA/QLoRA (nothing of the base trains), else fp32."""
+    adapters = cfg.method in ("lora", "qlora")
+    return compute_dtype if adapters and compute_dtype is not None else torch.float32
+
+
+def adapt(model: torch.nn.Module, cfg: ModelSettings, activation_checkpointing: bool) -> torch.nn.Module:
+    """Checkpointing, then LoRA/QLoRA adapters with everything trainable in fp32 (fp32 Adam state)."""
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    if adapters:
+    if cfg.method in ("lora", "qlora"):
         if cfg.method == "qlora":
             keep_norms_fp32(model)
             one_weight_layout(model)
@@ -90,6 +100,28 @@ def build_model(
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()
     return model
+
+
+def build_model_skeleton(
+    cfg: ModelSettings, tokenizer, compute_dtype: torch.dtype | None, activation_checkpointing: bool
+) -> torch.nn.Module:
+    """The run's model on the meta device (shapes and dtypes, no storage, nothing loaded), for a plan.
+
+    The same architecture, storage dtypes, checkpointing and adapters as ``build_model``; a QLoRA
+    base is left in the compute dtype (the plan accounts for its 4-bit storage itself), and
+    attention is plain SDPA (its memory is linear in the row length, like the kernels training uses).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base_dtype = storage_dtype(cfg, compute_dtype)
+    if cfg.init is not None:
+        config, base_dtype = init_config(cfg.init, tokenizer), torch.float32
+    else:
+        config = AutoConfig.from_pretrained(str(cfg.path.resolve()))
+        config.vocab_size = max(config.vocab_size, len(tokenizer))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation="sdpa")
+        return adapt(model, cfg, activation_checkpointing)
 
 
 def nf4_config(compute_dtype: torch.dtype | None):

@@ -1,0 +1,162 @@
+"""Fit a run to a machine: predicted peak memory of a step (traced, see trace.py), the largest
+micro-batch that fits, and whether activation checkpointing is needed.
+
+Shared by ``trainforge plan`` (any hardware profile) and ``train`` (this machine), so both
+decide alike. Process memory = tensors x (1 + the allocator's overhead) + the process's fixed
+cost (CUDA context on a GPU; Python, torch and transformers on a CPU), from the profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import RunConfig
+from ..hardware import Precision
+from ..profiles import GIB, HardwareProfile
+from .trace import StepTrace, trace_training_step
+
+FIT_MARGIN = 0.90  # micro_batch_size: auto and checkpointing: auto keep the predicted process peak under this share
+AUTO_MAX_MICRO_BATCH = 256  # auto never picks more rows per pass than this (nor more than the global batch)
+QUICK_SHARE = 0.25  # the rough estimate below this share of the device: fits without tracing
+
+
+@dataclass
+class MemoryPrediction:
+    """Predicted peak memory of one training step on one process, in bytes."""
+
+    parts: dict[str, int]  # weights, grads, optimizer, activations, temporaries (+ ddp_buckets, fsdp_gather)
+    tensors: int  # peak of live tensors
+    process: int  # tensors with the allocator's overhead, plus the fixed cost
+    capacity: int  # the device's memory
+    micro_batch_size: int
+    activation_checkpointing: bool
+    trace: StepTrace | None = field(default=None, repr=False)
+
+    @property
+    def share(self) -> float:
+        return self.process / self.capacity if self.capacity else 0.0
+
+    def fits(self, margin: float = 1.0) -> bool:
+        return self.process <= margin * self.capacity
+
+
+def predict_memory(
+    cfg: RunConfig,
+    tokenizer,
+    precision: Precision,
+    profile: HardwareProfile,
+    micro_batch_size: int,
+    activation_checkpointing: bool,
+    grad_accum: int = 1,
+    world_size: int = 1,
+    mode: str = "ddp",
+) -> MemoryPrediction:
+    """Trace one step of ``cfg`` at these settings and price it on ``profile`` for one of ``world_size`` processes."""
+    device_type = "cpu" if profile.kind == "cpu" else "cuda"
+    trace = trace_training_step(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type)
+    parts = dict(trace.parts)
+    if world_size > 1 and mode == "fsdp":
+        # FSDP2 shards weights, gradients and optimizer state; a layer is gathered whole for its
+        # forward and backward (the next one prefetched), and its gradients reduce-scattered
+        for k in ("weights", "grads", "optimizer"):
+            parts[k] = -(-parts[k] // world_size)
+        parts["fsdp_gather"] = 2 * trace.largest_layer + trace.largest_layer
+    elif world_size > 1:
+        parts["ddp_buckets"] = trace.trainable_grads  # DDP reduces gradients through flat bucket copies
+    tensors = sum(parts.values())
+    process = int(tensors * (1 + profile.allocator_overhead) + profile.fixed_gib * GIB)
+    return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size, activation_checkpointing, trace)
+
+
+@dataclass
+class Fit:
+    """What ``micro_batch_size: auto`` and ``activation_checkpointing: auto`` resolved to, and why."""
+
+    micro_batch_size: int
+    activation_checkpointing: bool
+    why_micro_batch: str
+    why_checkpointing: str
+    memory: MemoryPrediction | None  # the prediction at the chosen settings (None: not traced)
+
+
+def fit_run(
+    cfg: RunConfig,
+    tokenizer,
+    precision: Precision,
+    profile: HardwareProfile,
+    world_size: int = 1,
+    mode: str = "ddp",
+    rough_bytes: int | None = None,
+    margin: float = FIT_MARGIN,
+) -> Fit:
+    """Resolve ``train.micro_batch_size`` and ``train.activation_checkpointing`` when they are ``auto``.
+
+    Checkpointing turns on only when the run does not fit without it (at the configured micro-batch,
+    or at one row when the micro-batch is auto too). The auto micro-batch is the largest that fits in
+    ``margin`` of the device, from two traces (1 and 2 rows: memory grows linearly in rows) and a
+    check of the pick. ``rough_bytes``: a quick upper estimate; far below the device, nothing is traced.
+    """
+    t = cfg.train
+    auto_mbs, auto_ckpt = t.micro_batch_size == "auto", t.activation_checkpointing == "auto"
+    accum = t.grad_accum if isinstance(t.micro_batch_size, int) else 1
+    budget = margin * profile.memory_bytes
+
+    def predict(mbs: int, ckpt: bool) -> MemoryPrediction:
+        return predict_memory(cfg, tokenizer, precision, profile, mbs, ckpt, accum, world_size, mode)
+
+    if not auto_mbs and not auto_ckpt:
+        return Fit(t.micro_batch_size, t.activation_checkpointing, "as configured", "as configured", None)
+    if not auto_mbs and rough_bytes is not None and rough_bytes < QUICK_SHARE * profile.memory_bytes:
+        why = f"off: a rough estimate ({rough_bytes / GIB:.2f} GiB) is far below the {profile.memory_bytes / GIB:.1f} GiB of the device"
+        return Fit(t.micro_batch_size, False, "as configured", why, None)
+
+    ckpt_options = [False, True] if auto_ckpt else [t.activation_checkpointing]
+    if not auto_mbs:
+        for ckpt in ckpt_options:
+            m = predict(t.micro_batch_size, ckpt)
+            if m.fits(margin) or ckpt == ckpt_options[-1]:
+                return Fit(t.micro_batch_size, ckpt, "as configured", _why_ckpt(auto_ckpt, ckpt, m, profile), m)
+
+    cap = _auto_cap(cfg, world_size)
+    for ckpt in ckpt_options:
+        one, two = predict(1, ckpt), predict(2, ckpt)
+        if not one.fits(margin) and ckpt != ckpt_options[-1]:
+            continue
+        per_row = max(two.process - one.process, 1)
+        mbs = max(1, min(cap, int((budget - one.process) // per_row) + 1))
+        mbs = _allowed(mbs, cfg, world_size)
+        m = predict(mbs, ckpt) if mbs > 2 else (one if mbs == 1 else two)
+        while not m.fits(margin) and mbs > 1:  # the line was optimistic: step down until the check fits
+            mbs = _allowed(mbs - 1, cfg, world_size)
+            m = predict(mbs, ckpt)
+        why = (
+            f"{mbs}: the largest that fits in {margin:.0%} of {profile.memory_bytes / GIB:.1f} GiB "
+            f"(predicted {m.process / GIB:.2f} GiB; {per_row / GIB:.3f} GiB per row)"
+            + (f"; capped at {cap}" if mbs == cap else "")
+        )
+        if not m.fits(margin):
+            why = f"1: even one row is predicted at {m.process / GIB:.2f} GiB, over {margin:.0%} of {profile.memory_bytes / GIB:.1f} GiB"
+        return Fit(mbs, ckpt, why, _why_ckpt(auto_ckpt, ckpt, m, profile), m)
+    raise AssertionError("unreachable: the last checkpointing option always returns")
+
+
+def _why_ckpt(auto: bool, on: bool, m: MemoryPrediction, profile: HardwareProfile) -> str:
+    if not auto:
+        return "as configured"
+    if on:
+        return f"on: without it the run does not fit in {profile.memory_bytes / GIB:.1f} GiB"
+    return f"off: the run fits without it ({m.process / GIB:.2f} GiB of {profile.memory_bytes / GIB:.1f} GiB)"
+
+
+def _auto_cap(cfg: RunConfig, world_size: int) -> int:
+    g = cfg.train.global_batch_size
+    return min(AUTO_MAX_MICRO_BATCH, g // world_size) if g else AUTO_MAX_MICRO_BATCH
+
+
+def _allowed(mbs: int, cfg: RunConfig, world_size: int) -> int:
+    """The largest micro-batch <= ``mbs`` that divides the per-process global batch (when one is set)."""
+    g = cfg.train.global_batch_size
+    if not g:
+        return max(1, mbs)
+    per_process = g // world_size
+    return next(d for d in range(max(1, mbs), 0, -1) if per_process % d == 0)

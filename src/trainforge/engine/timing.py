@@ -1,0 +1,93 @@
+"""Step time from a traced step's ops on a hardware profile: a roofline per op.
+
+Each op takes the longer of its compute time (FLOPs over the profile's peak in the op's
+precision, times the share of peak real kernels reach) and its memory time (bytes read and
+written over the bandwidth, likewise), plus a fixed per-op overhead (Python, dispatcher,
+kernel launch: eager PyTorch pays it on every op, and on small models it dominates).
+A step is ``grad_accum`` forward/backward passes and one optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..profiles import HardwareProfile
+from .trace import StepTrace
+
+_PRECISION_OF = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp32"}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, and where they go."""
+
+    seconds: float
+    compute_s: float  # ops bound by FLOPs
+    memory_s: float  # ops bound by bytes moved
+    overhead_s: float  # per-op fixed cost
+    flops: float  # model FLOPs of the step (all micro-batches)
+    tokens: int  # tokens of the step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def predict_step_time(
+    trace: StepTrace, profile: HardwareProfile, grad_accum: int = 1, measured: dict[str, float] | None = None
+) -> StepTime:
+    """Seconds per optimizer step of ``trace`` (one micro-batch + optimizer) on ``profile``.
+
+    ``measured``: seconds per op key from ``measure_ops`` (this machine only); those ops take
+    their measured time instead of the roofline's.
+    """
+    measured = measured or {}
+    totals = {"compute": 0.0, "memory": 0.0, "overhead": 0.0}
+    flops = 0.0
+    bandwidth = profile.bandwidth_gbs * 1e9 * profile.bandwidth_efficiency
+    for op in trace.ops:
+        repeat = 1 if op.phase == "optimizer" else grad_accum
+        compute = op.flops / (profile.peak_flops(_PRECISION_OF.get(op.dtype, "fp32")) * profile.matmul_efficiency) if op.flops else 0.0
+        memory = op.bytes / bandwidth
+        key = "compute" if compute >= memory else "memory"
+        totals[key] += repeat * measured.get(op.key, max(compute, memory))
+        totals["overhead"] += repeat * profile.op_overhead_s
+        flops += repeat * op.flops
+    seconds = sum(totals.values())
+    return StepTime(seconds, totals["compute"], totals["memory"], totals["overhead"], flops, trace.tokens * grad_accum)
+
+
+REPLAY_BYTES_LIMIT = 256 * 2**20  # larger ops are not replayed (memory, time): the roofline prices them
+
+
+def measure_ops(trace: StepTrace, budget_s: float = 20.0) -> dict[str, float]:
+    """Seconds per distinct op of ``trace``, measured by running each once more on real random
+    tensors of its shapes on this CPU (best of 3 after a warm-up). Repeated layers share keys,
+    so a deep model costs little more than one layer. Stops measuring after ``budget_s``."""
+    import time
+
+    import torch
+    from torch.utils._pytree import tree_map_only
+
+    from .trace import TensorSpec
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    with torch.no_grad():
+        for op in trace.ops:
+            if op.key in seconds or op.func is None or op.bytes > REPLAY_BYTES_LIMIT:
+                continue
+            if time.perf_counter() - start > budget_s:
+                break
+            try:
+                args, kwargs = tree_map_only(TensorSpec, TensorSpec.materialize, op.args)
+                op.func(*args, **kwargs)
+                best = float("inf")
+                for _ in range(3):
+                    t = time.perf_counter()
+                    op.func(*args, **kwargs)
+                    best = min(best, time.perf_counter() - t)
+                seconds[op.key] = best
+            except Exception:  # an op that needs real values (or a view of an input): priced by the roofline
+                continue
+    return seconds

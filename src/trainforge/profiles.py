@@ -1,0 +1,141 @@
+"""Hardware profiles: what a device holds and computes, for ``trainforge plan`` and for MFU.
+
+One table serves both. Peak FLOP/s are dense (no 2:4 sparsity) tensor-core figures from the
+vendor's datasheets and architecture whitepapers; "fp32" is the non-tensor-core rate and "tf32"
+the tensor-core rate for fp32 matmuls. GeForce cards are listed at their FP16/BF16 rate with
+FP32 accumulation, which is what mixed-precision training uses.
+
+Sources (figures read from these documents):
+- NVIDIA H100 Tensor Core GPU datasheet (SXM5 and PCIe, 80 GB)
+- NVIDIA H200 Tensor Core GPU datasheet (SXM, 141 GB)
+- NVIDIA A100 Tensor Core GPU datasheet (40 GB and 80 GB SXM)
+- NVIDIA L40S datasheet; NVIDIA L4 datasheet; NVIDIA A10 datasheet (A10G is AWS's A10 variant:
+  same GA102 chip and memory size; NVIDIA publishes no separate sheet, so A10 figures are used)
+- NVIDIA Ada Lovelace architecture whitepaper (RTX 4090, RTX 4070)
+- NVIDIA Ampere GA102 whitepaper (RTX 3090)
+- NVIDIA T4 datasheet; NVIDIA V100 datasheet (SXM2 32 GB)
+
+Fixed costs of a GPU process, not in any tensor: the CUDA context with cuBLAS/cuDNN handles
+(``GPU_CONTEXT_GIB``, commonly 0.4-0.8 GiB with CUDA 12) and the caching allocator's rounding and
+fragmentation (``ALLOCATOR_OVERHEAD``, reserved over allocated). Both are assumptions until
+``trainforge selftest``/``plan --measure`` has measured them on the user's GPU; they are stated
+with every prediction.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+GPU_CONTEXT_GIB = 0.6
+ALLOCATOR_OVERHEAD = 0.08  # reserved memory is about 8% above the peak of live tensors in steady training
+GPU_OP_OVERHEAD_S = 8e-6  # eager PyTorch: Python, dispatcher and kernel launch per op (a few microseconds)
+GPU_MATMUL_EFFICIENCY = 0.7  # share of datasheet peak large training GEMMs reach
+GPU_BANDWIDTH_EFFICIENCY = 0.8  # share of datasheet bandwidth elementwise kernels reach
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device: memory, peak FLOP/s per precision, memory bandwidth, bf16 support."""
+
+    name: str  # short name, as --hardware takes it
+    title: str
+    memory_gib: float
+    peak_tflops: dict[str, float]  # keys: bf16, fp16, tf32, fp32
+    bandwidth_gbs: float  # GB/s
+    bf16: bool
+    kind: str = "gpu"  # gpu | cpu
+    source: str = ""
+    aliases: tuple[str, ...] = ()
+    fixed_gib: float = GPU_CONTEXT_GIB  # process memory that is not tensors
+    allocator_overhead: float = ALLOCATOR_OVERHEAD
+    op_overhead_s: float = GPU_OP_OVERHEAD_S
+    matmul_efficiency: float = GPU_MATMUL_EFFICIENCY
+    bandwidth_efficiency: float = GPU_BANDWIDTH_EFFICIENCY
+    measured: dict[str, float] = field(default_factory=dict)  # what a local probe measured, for the report
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+    def peak_flops(self, precision: str, tf32: bool = True) -> float:
+        """Peak FLOP/s for matmuls in ``precision`` (bf16 | fp16 | fp32); fp32 on tensor cores as TF32 when allowed."""
+        if precision == "fp32" and tf32 and self.peak_tflops.get("tf32"):
+            return self.peak_tflops["tf32"] * 1e12
+        return self.peak_tflops.get(precision, self.peak_tflops["fp32"]) * 1e12
+
+
+def _gpu(name: str, title: str, memory_gib: float, bf16: float | None, fp16: float, tf32: float | None, fp32: float,
+         bandwidth_gbs: float, source: str, aliases: tuple[str, ...] = ()) -> HardwareProfile:
+    tflops = {"fp16": fp16, "fp32": fp32, **({"bf16": bf16} if bf16 else {}), **({"tf32": tf32} if tf32 else {})}
+    return HardwareProfile(name, title, memory_gib, tflops, bandwidth_gbs, bf16 is not None, source=source, aliases=aliases)
+
+
+PROFILES: dict[str, HardwareProfile] = {
+    p.name: p
+    for p in (
+        _gpu("h100", "NVIDIA H100 SXM5 80GB", 80, 989.4, 989.4, 494.7, 66.9, 3350, "H100 datasheet (SXM5)", ("h100-sxm", "h100-80gb")),
+        _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", 80, 756.0, 756.0, 378.0, 51.2, 2000, "H100 datasheet (PCIe)"),
+        _gpu("h200", "NVIDIA H200 SXM 141GB", 141, 989.4, 989.4, 494.7, 66.9, 4800, "H200 datasheet (SXM)", ("h200-sxm",)),
+        _gpu("a100-80gb", "NVIDIA A100 SXM 80GB", 80, 312.0, 312.0, 156.0, 19.5, 2039, "A100 datasheet (80GB SXM)", ("a100",)),
+        _gpu("a100-40gb", "NVIDIA A100 SXM 40GB", 40, 312.0, 312.0, 156.0, 19.5, 1555, "A100 datasheet (40GB SXM)"),
+        _gpu("l40s", "NVIDIA L40S 48GB", 48, 362.05, 362.05, 183.0, 91.6, 864, "L40S datasheet"),
+        _gpu("l4", "NVIDIA L4 24GB", 24, 121.0, 121.0, 60.0, 30.3, 300, "L4 datasheet"),
+        _gpu("a10g", "NVIDIA A10G 24GB", 24, 125.0, 125.0, 62.5, 31.2, 600, "A10 datasheet (A10G: AWS variant)", ("a10",)),
+        _gpu("rtx4090", "NVIDIA GeForce RTX 4090 24GB", 24, 165.2, 165.2, 82.6, 82.6, 1008, "Ada Lovelace whitepaper", ("4090",)),
+        _gpu("rtx4070", "NVIDIA GeForce RTX 4070 12GB", 12, 58.3, 58.3, 29.1, 29.1, 504, "Ada Lovelace whitepaper", ("4070",)),
+        _gpu("rtx3090", "NVIDIA GeForce RTX 3090 24GB", 24, 71.0, 71.0, 35.6, 35.6, 936, "GA102 whitepaper", ("3090",)),
+        _gpu("t4", "NVIDIA T4 16GB", 16, None, 65.0, None, 8.1, 320, "T4 datasheet"),
+        _gpu("v100", "NVIDIA V100 SXM2 32GB", 32, None, 125.0, None, 15.7, 900, "V100 datasheet (SXM2)", ("v100-32gb",)),
+    )
+}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[\s_]+", "-", name.strip().lower()).replace("geforce-", "").replace("nvidia-", "")
+
+
+def find_profile(name: str) -> HardwareProfile:
+    """The profile a short, case-insensitive name (or alias) means; ValueError naming the choices."""
+    key = _norm(name)
+    for p in PROFILES.values():
+        if key == p.name or key in p.aliases or key.replace("-", "") == p.name.replace("-", ""):
+            return p
+    close = difflib.get_close_matches(key, [*PROFILES, *(a for p in PROFILES.values() for a in p.aliases)], n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ValueError(f"--hardware {name!r}: unknown profile{hint} (known: {', '.join(PROFILES)}, or 'this'; --hardware list shows them)")
+
+
+def profile_for_gpu_name(device_name: str) -> HardwareProfile | None:
+    """The profile of a CUDA device by the name torch reports (``NVIDIA H100 80GB HBM3`` -> h100)."""
+    n = device_name.lower()
+    rules = (
+        ("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100"), ("a100-sxm4-40gb", "a100-40gb"),
+        ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("l4", "l4"), ("a10", "a10g"),
+        ("4090", "rtx4090"), ("4070", "rtx4070"), ("3090", "rtx3090"), ("t4", "t4"), ("v100", "v100"),
+    )
+    for fragment, name in rules:
+        if fragment in n:
+            return PROFILES[name]
+    return None
+
+
+def describe_profiles() -> list[dict]:
+    """Every profile as a row for ``--hardware list``."""
+    return [
+        {
+            "name": p.name,
+            "title": p.title,
+            "memory_gib": p.memory_gib,
+            "bf16_tflops": p.peak_tflops.get("bf16"),
+            "fp16_tflops": p.peak_tflops["fp16"],
+            "tf32_tflops": p.peak_tflops.get("tf32"),
+            "fp32_tflops": p.peak_tflops["fp32"],
+            "bandwidth_gbs": p.bandwidth_gbs,
+            "bf16": p.bf16,
+            "source": p.source,
+        }
+        for p in PROFILES.values()
+    ]
