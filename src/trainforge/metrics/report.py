@@ -202,6 +202,17 @@ def _metric(key: str, label: str, scale: float = 1.0, extra: tuple[str, str] | N
     return series
 
 
+CAPTIONS = {
+    "Loss against steps": "train: mean loss of the steps since the previous record; eval: loss on the eval set",
+    "Loss against tokens": "the same against real (non-padding) tokens trained, for runs of different batch sizes",
+    "Learning rate": "at each logged step, after warmup and schedule",
+    "Gradient norm (before clipping)": "global L2 norm of the gradients; optim.max_grad_norm clips above it",
+    "Throughput": "real input tokens per second over the steps since the previous record (all processes)",
+    "MFU (model FLOPs utilization)": "model FLOPs per second / the device's peak in the run's precision",
+    "Peak memory": "peak so far: CUDA memory allocated (reserved by the allocator: dashed), or the process's peak RSS on a CPU",
+    "Data wait": "share of the time the loop waited for the next batch",
+}
+
 # (title, y label, x axis, series, y log scale when the values span this ratio or more)
 PANELS: list[tuple[str, str, str, PanelFn, float | None]] = [
     ("Loss against steps", "loss", "step", _loss("step"), None),
@@ -219,7 +230,7 @@ def _figure_png(title: str, ylabel: str, xaxis: str, series: list[Series], runs:
     """One panel as a base64 PNG: the series, and the runs' events as vertical lines."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import EngFormatter
+    from matplotlib.ticker import EngFormatter, MaxNLocator
 
     fig = Figure(figsize=(6.4, 3.5), dpi=100)
     fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.15)
@@ -230,6 +241,8 @@ def _figure_png(title: str, ylabel: str, xaxis: str, series: list[Series], runs:
     ax.grid(alpha=0.3)
     if xaxis == "tokens":
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     values = [v for s in series for v in s.y if math.isfinite(v)]
     for s in series:
         if any(math.isfinite(v) for v in s.y):
@@ -362,7 +375,8 @@ def _table(runs: list[RunData]) -> str:
     rows: list[str] = []
     if len(runs) > 1:
         diffs = config_differences(runs)
-        rows.append(f'<tr class="group"><th colspan="{len(runs) + 1}">config differences ({len(diffs)} keys differ)</th></tr>')
+        differ = "1 key differs" if len(diffs) == 1 else f"{len(diffs)} keys differ"
+        rows.append(f'<tr class="group"><th colspan="{len(runs) + 1}">config differences ({differ})</th></tr>')
         for key in diffs:
             cells = "".join(f"<td>{esc(_config_value(r, key))}</td>" for r in runs)
             rows.append(f'<tr class="diff"><th>{esc(key)}</th>{cells}</tr>')
@@ -427,7 +441,7 @@ def render_html(runs: list[RunData]) -> str:
         series = [s for i, r in enumerate(runs) for s in panel(r, i, several)]
         png = _figure_png(title, ylabel, xaxis, series, runs, log_ratio)
         figures.append(
-            f'<figure><img alt="{esc(title)}" src="data:image/png;base64,{png}"><figcaption>{esc(title)}</figcaption></figure>'
+            f'<figure><img alt="{esc(title)}" src="data:image/png;base64,{png}"><figcaption>{esc(CAPTIONS[title])}</figcaption></figure>'
         )
     names = ", ".join(r.name for r in runs)
     title = f"trainforge report: {names}"
