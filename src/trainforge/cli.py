@@ -231,6 +231,64 @@ def selftest(
 
 
 @app.command()
+def plan(
+    config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
+    hardware: Annotated[
+        str, typer.Option("--hardware", help="a profile name (h100, a100-80gb, rtx4070, t4, ...), 'this' (the local machine), or 'list'")
+    ] = "this",
+    nproc: Annotated[int, typer.Option("--nproc", min=1, help="plan for this many data-parallel processes (one device each)")] = 1,
+    json_out: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object")] = False,
+    measure: Annotated[
+        bool, typer.Option("--measure", help="then run a few real steps at the planned settings here, longest rows first, and compare")
+    ] = False,
+    measure_steps: Annotated[int, typer.Option("--measure-steps", min=1, help="timed steps of --measure")] = 5,
+) -> None:
+    """Predict peak memory, speed and run time before training, on this machine or any hardware profile;
+    print the decisions the run would take and what in the config will fail or waste time."""
+    import json
+
+    from rich.console import Console
+
+    from .config import ConfigError, load_config
+
+    console = Console(highlight=False, soft_wrap=True)
+    if hardware.lower() == "list":
+        from .tools.plan import render_profiles
+
+        if json_out:
+            from .profiles import describe_profiles
+
+            typer.echo(json.dumps(describe_profiles(), indent=2))
+        else:
+            render_profiles(console)
+        return
+    if measure and (hardware.lower() != "this" or nproc > 1):
+        _fail("--measure runs real steps on this machine in one process: use it with --hardware this and no --nproc")
+    try:
+        cfg = load_config(config, set_ or [])
+    except ConfigError as e:
+        _fail(str(e))
+    from .tools.plan import make_plan, render, render_measured
+    from .tools.plan import measure as run_measure
+
+    try:
+        result = make_plan(cfg, hardware, nproc)
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+    if measure:
+        result["measured"] = run_measure(str(config) if config else None, set_ or [], result, measure_steps)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2, default=str))
+    else:
+        render(result, console)
+        if measure:
+            render_measured(result, result["measured"], console)
+    if any(f["level"] == "error" for f in result["findings"]) or "error" in result.get("measured", {}):
+        raise typer.Exit(1)
+
+
+@app.command()
 def config(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
@@ -278,6 +336,7 @@ def generate(
         _fail("give exactly one of --prompt TEXT or --chat (turns on stdin)")
     if precision is not None and precision not in ("bf16", "fp16", "fp32", "auto"):
         _fail(f"--precision {precision!r}: use bf16, fp16, fp32 or auto")
+    from .config import ConfigError
     from .data.sources import DataError
     from .model.resolve import ModelSourceError
     from .tools.generate import run_generate
@@ -291,7 +350,7 @@ def generate(
             model, prompt, sys.stdin.read() if chat else None, max_new_tokens, temperature, seed, device, precision,
             write, _stderr_reporter(),
         )
-    except (ModelSourceError, DataError) as e:
+    except (ModelSourceError, DataError, ConfigError) as e:
         _fail(str(e))
     sys.stdout.write("\n")
 

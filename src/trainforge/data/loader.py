@@ -123,6 +123,7 @@ class TrainLoader:
         self.lengths = np.asarray([row_tokens(r, collate.concat) for r in rows]) if group_by_length else None
         self.epoch = 0
         self.offset = 0
+        self.longest_first = False  # plan --measure: every epoch in descending row length (the worst case first)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -130,6 +131,9 @@ class TrainLoader:
         return -(-len(self.rows) // (self.batch_size * self.world_size))
 
     def epoch_order(self, epoch: int) -> np.ndarray:
+        if self.longest_first:
+            lengths = np.asarray([row_tokens(r, self.collate.concat) for r in self.rows])
+            return np.argsort(-lengths, kind="stable")
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
         if self.lengths is not None:  # longest first within each group: similar lengths share a batch
             groups = [order[i : i + LENGTH_GROUP_ROWS] for i in range(0, len(order), LENGTH_GROUP_ROWS)]

@@ -1,0 +1,509 @@
+"""`trainforge plan`: before a run, on any hardware profile, predict its peak memory and speed,
+fit it to the device, say what it would decide and what in the config wastes time or will fail.
+
+Nothing is loaded but the config (and a tokenizer directory, for the vocabulary): the step is
+traced on fake tensors (engine/trace.py), priced on the profile (engine/timing.py, engine/fit.py).
+``--measure`` then runs real steps at the planned settings on this machine, longest rows first.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import RunConfig, resolve_grad_accum
+from ..engine.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_memory
+from ..engine.memory import estimate_memory
+from ..engine.timing import StepTime, measure_ops, predict_step_time
+from ..hardware import PRECISIONS, Precision, pick_device, resolve_precision, this_profile
+from ..profiles import GIB, HardwareProfile, find_profile
+
+SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write speed (local NVMe order); a finding, not a decision, uses it
+WASTE_SHARE = 0.05  # checkpoints or evals costing more than this share of the run get a finding
+
+
+class VocabOnly:
+    """The vocabulary size of a tokenizer the run will build from its data (none exists yet)."""
+
+    eos_token_id, pad_token_id, bos_token_id = 0, 1, None
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def plan_tokenizer(cfg: RunConfig):
+    """The run's tokenizer where one exists on disk; else a stand-in of the size it will have."""
+    from ..model.tokenizer import load_tokenizer
+
+    source = cfg.model.tokenizer if cfg.model.tokenizer not in (None, "char") else cfg.model.path
+    if cfg.model.tokenizer != "char" and source is not None:
+        return load_tokenizer(source)
+    return VocabOnly(256 if cfg.model.tokenizer == "char" else cfg.model.tokenizer_vocab_size)
+
+
+def resolve_profile(hardware: str, cfg: RunConfig) -> tuple[HardwareProfile, torch.device | None]:
+    """(profile, the local device when planning for this machine)."""
+    if hardware.lower() == "this":
+        device = pick_device(cfg.train.device)
+        return this_profile(device, cfg.data.cache_dir), device
+    return find_profile(hardware), None
+
+
+def plan_precision(cfg: RunConfig, profile: HardwareProfile, device: torch.device | None) -> tuple[Precision, str]:
+    """The precision the run would take on this profile, and why."""
+    if device is not None:
+        return resolve_precision(cfg.train.precision, device, cfg.data.cache_dir)
+    requested = cfg.train.precision
+    if requested == "auto":
+        if profile.bf16:
+            return PRECISIONS["bf16"], f"auto: {profile.title} has bf16 tensor cores"
+        return PRECISIONS["fp16"], f"auto: {profile.title} has no bf16; fp16 with loss scaling"
+    return PRECISIONS[requested], "as configured"
+
+
+def make_plan(
+    cfg: RunConfig, hardware: str = "this", world_size: int = 1, time_ops: bool = True, output: Path | None = None
+) -> dict[str, Any]:
+    """Everything ``trainforge plan`` reports, as one JSON-able dict."""
+    profile, device = resolve_profile(hardware, cfg)
+    precision, precision_why = plan_precision(cfg, profile, device)
+    tokenizer = plan_tokenizer(cfg)
+    t = cfg.train
+    mode = _distributed_mode(cfg, tokenizer, precision, profile, world_size)
+    rough = None
+    if t.micro_batch_size != "auto":
+        from ..model.load import build_model_skeleton
+
+        skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
+        rough = estimate_memory(skeleton, t.micro_batch_size, cfg.data.max_length, precision).total
+    fit = fit_run(cfg, tokenizer, precision, profile, world_size, mode, None if t.micro_batch_size == "auto" else rough)
+    mbs, ckpt = fit.micro_batch_size, fit.activation_checkpointing
+    resolved = cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": mbs, "activation_checkpointing": ckpt})})
+    accum = resolve_grad_accum(resolved.train, world_size)
+    memory = fit.memory or predict_memory(resolved, tokenizer, precision, profile, mbs, ckpt, accum, world_size, mode)
+    levers = lever_savings(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
+    measured = measure_ops(memory.trace) if time_ops and device is not None and device.type == "cpu" else {}
+    step = predict_step_time(memory.trace, profile, accum, measured)
+    step = _with_comms(step, memory, profile, world_size, mode)
+    data = data_facts(cfg, tokenizer)
+    steps = run_steps(resolved, accum, world_size, data)
+    plan: dict[str, Any] = {
+        "hardware": {
+            "name": profile.name, "title": profile.title, "memory_bytes": profile.memory_bytes,
+            "peak_tflops": profile.peak_tflops, "bandwidth_gbs": profile.bandwidth_gbs, "bf16": profile.bf16,
+            "source": profile.source, "fixed_bytes": int(profile.fixed_gib * GIB),
+            "allocator_overhead": profile.allocator_overhead, **({"measured": profile.measured} if profile.measured else {}),
+        },
+        "world_size": world_size,
+        "memory": {
+            "peak_tensor_bytes": memory.tensors,
+            "peak_process_bytes": memory.process,
+            "capacity_bytes": memory.capacity,
+            "share": memory.share,
+            "parts": memory.parts,
+            "fits": memory.fits(),
+            "levers": levers,
+        },
+        "time": {
+            "step_s": step.seconds,
+            "tokens_per_step": step.tokens * world_size,
+            "tokens_per_s": step.tokens_per_s * world_size,
+            "mfu": step.flops / step.seconds / profile.peak_flops(precision.name) if step.seconds else None,
+            "compute_s": step.compute_s, "memory_s": step.memory_s, "overhead_s": step.overhead_s,
+            "ops_measured": len(measured),
+            "steps": steps,
+            "run_s": steps * step.seconds if steps else None,
+        },
+        "data": data,
+        "decisions": decisions(resolved, cfg, precision, precision_why, profile, device, fit, accum, world_size, mode),
+    }
+    plan["findings"] = findings(cfg, resolved, plan, memory, step, profile, device, precision, output)
+    return plan
+
+
+def _distributed_mode(cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, world_size: int) -> str:
+    if world_size <= 1:
+        return "none"
+    if cfg.train.distributed != "auto":
+        return cfg.train.distributed
+    from ..dist import choose_mode
+    from ..model.load import build_model_skeleton
+
+    skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
+    est = estimate_memory(skeleton, 1, cfg.data.max_length, precision)
+    return choose_mode("auto", est.weights + est.grads + est.optimizer, profile.memory_bytes, 1)[0]
+
+
+def _with_comms(step: StepTime, memory: MemoryPrediction, profile: HardwareProfile, world_size: int, mode: str) -> StepTime:
+    """Add the gradient exchange of data parallelism: a ring all-reduce (DDP) or reduce-scatter plus
+    all-gather (FSDP) moves about 2 x (n-1)/n of the gradient bytes per process, over NVLink-class
+    links on a GPU (assumed 150 GB/s effective) or host memory on a CPU (its bandwidth)."""
+    if world_size <= 1:
+        return step
+    link = 150e9 if profile.kind == "gpu" else profile.bandwidth_gbs * 1e9
+    moved = 2 * (world_size - 1) / world_size * memory.trace.trainable_grads * (2 if mode == "fsdp" else 1)
+    extra = moved / link
+    return StepTime(step.seconds + extra, step.compute_s, step.memory_s + extra, step.overhead_s, step.flops, step.tokens)
+
+
+def lever_savings(
+    cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, memory: MemoryPrediction,
+    accum: int, world_size: int, mode: str,
+) -> dict[str, int]:
+    """Predicted peak tensor bytes with each memory lever flipped from the planned settings: what it saves."""
+    out = {}
+    flipped = not memory.activation_checkpointing
+    other = predict_memory(cfg, tokenizer, precision, profile, memory.micro_batch_size, flipped, accum, world_size, mode)
+    key = "with_activation_checkpointing" if flipped else "without_activation_checkpointing"
+    out[key] = other.tensors
+    return out
+
+
+def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
+    """Row and token counts of the prepared data (the token cache), when it is prepared."""
+    from ..config import default_cache_dir
+    from ..data.prepare import fingerprint, resolve_format
+    from ..data.sources import DataError
+
+    if isinstance(tokenizer, VocabOnly):
+        return {"prepared": False, "why": "the tokenizer is built from the data at the start of the run"}
+    try:
+        fmt = resolve_format(cfg.data)
+        key = fingerprint(cfg.data, fmt, tokenizer, cfg.train.seed)
+    except (DataError, OSError, ValueError) as e:
+        return {"prepared": False, "error": str(e)}
+    stats_file = (cfg.data.cache_dir or default_cache_dir()) / "data" / key / "stats.json"
+    if not stats_file.is_file():
+        return {"prepared": False, "format": fmt, "why": f"not in the token cache yet: run `trainforge prepare` for counts"}
+    import json
+
+    stats = json.loads(stats_file.read_text())
+    keep = ("format", "train_rows", "train_sequences", "train_tokens", "eval_rows", "eval_sequences", "truncated", "lost_token_share")
+    return {"prepared": True, **{k: stats[k] for k in keep if k in stats}}
+
+
+def run_steps(cfg: RunConfig, accum: int, world_size: int, data: dict[str, Any]) -> int | None:
+    """Optimizer steps of the run: max_steps, or epochs over the prepared data."""
+    if cfg.train.max_steps:
+        return cfg.train.max_steps
+    if not data.get("prepared"):
+        return None
+    epochs = cfg.train.epochs or 1.0
+    rows_per_step = cfg.train.micro_batch_size * accum * world_size
+    if cfg.data.packing is False:
+        rows = data["train_sequences"]
+    else:  # packed or concatenated: rows are about full
+        rows = math.ceil(data["train_tokens"] / cfg.data.max_length)
+    return max(1, math.ceil(epochs * rows / rows_per_step))
+
+
+def decisions(
+    cfg: RunConfig, given: RunConfig, precision: Precision, precision_why: str, profile: HardwareProfile,
+    device: torch.device | None, fit, accum: int, world_size: int, mode: str,
+) -> list[dict[str, str]]:
+    """What the run would decide by itself on this hardware, and why."""
+    from ..model.load import attention_implementation
+
+    if device is not None:
+        attn = attention_implementation(cfg.model.attention, device, precision.autocast_dtype is not None)
+        if attn.startswith("trainforge_"):
+            attn = "packed_sdpa"
+    elif cfg.model.attention == "auto":
+        attn = "flash_attention_2 when flash-attn is installed (varlen over packed documents), else sdpa"
+    else:
+        attn = cfg.model.attention
+    compile_why = {
+        True: "on: as configured",
+        False: "off: as configured",
+        "auto": "measured: compiled only when the first steps show the compile time pays off over the run "
+        "(and never again for a config measured no faster on this machine)",
+    }[cfg.train.compile]
+    out = [
+        {"setting": "precision", "choice": precision.name, "why": precision_why},
+        {"setting": "attention", "choice": attn, "why": "model.attention: " + cfg.model.attention},
+        {"setting": "compile", "choice": str(cfg.train.compile), "why": compile_why},
+        {"setting": "activation_checkpointing", "choice": str(fit.activation_checkpointing).lower(), "why": fit.why_checkpointing},
+        {"setting": "micro_batch_size", "choice": str(fit.micro_batch_size), "why": fit.why_micro_batch},
+        {
+            "setting": "grad_accum", "choice": str(accum),
+            "why": f"global batch {fit.micro_batch_size * accum * world_size} rows = micro-batch {fit.micro_batch_size} x "
+            f"accumulation {accum} x {world_size} process(es)",
+        },
+    ]
+    if world_size > 1:
+        out.append({"setting": "distributed", "choice": mode, "why": "train.distributed: " + cfg.train.distributed})
+    return out
+
+
+def findings(
+    given: RunConfig, cfg: RunConfig, plan: dict[str, Any], memory: MemoryPrediction, step: StepTime,
+    profile: HardwareProfile, device: torch.device | None, precision: Precision, output: Path | None,
+) -> list[dict[str, str]]:
+    """What a training diagnostic would flag, each with a one-line fix."""
+    out: list[dict[str, str]] = []
+
+    def add(level: str, message: str, fix: str) -> None:
+        out.append({"level": level, "message": message, "fix": fix})
+
+    mem, cap = memory.process, memory.capacity
+    if device is not None and given.train.device.startswith("cuda") and not torch.cuda.is_available():
+        add("error", "train.device asks for CUDA, and this machine has none", "set train.device: auto (or cpu), or plan for a GPU with --hardware NAME")
+    if not memory.fits():
+        add("error", f"predicted peak {mem / GIB:.2f} GiB exceeds the {cap / GIB:.1f} GiB of {profile.title}",
+            "set train.micro_batch_size: auto (and keep train.activation_checkpointing: auto), lower data.max_length, or use model.method: lora / qlora")
+    elif memory.share > FIT_MARGIN:
+        add("warn", f"predicted peak {mem / GIB:.2f} GiB is {memory.share:.0%} of the {cap / GIB:.1f} GiB: little room for fragmentation",
+            "set train.micro_batch_size: auto, or lower it and raise train.grad_accum")
+    if precision.name == "bf16" and not profile.bf16 and profile.kind == "gpu":
+        add("error", f"train.precision bf16: {profile.title} has no bf16", "set train.precision: auto (fp16 with loss scaling)")
+    if precision.name == "fp16" and profile.kind == "cpu":
+        add("warn", "fp16 on a CPU is emulated: very slow", "set train.precision: auto")
+    max_pos = _max_positions(cfg)
+    if max_pos and cfg.data.max_length > max_pos:
+        add("error", f"data.max_length {cfg.data.max_length} exceeds the model's {max_pos} positions", f"set data.max_length: {max_pos} or less")
+    data, steps = plan["data"], plan["time"]["steps"]
+    if data.get("prepared") and steps:
+        tokens_per_step = plan["time"]["tokens_per_step"]
+        epochs = steps * tokens_per_step / max(data["train_tokens"], 1)
+        if epochs > 10:
+            add("warn", f"{steps} steps of {tokens_per_step:,} tokens are {epochs:.0f} passes over {data['train_tokens']:,} training tokens: the model will memorize them",
+                "lower train.max_steps, or set train.epochs: 1-3")
+    elif not data.get("prepared"):
+        add("info", "data not prepared yet: the run's duration needs its token count" if not steps else "data not prepared yet: token counts unknown",
+            "run `trainforge prepare CONFIG` (the run reuses its cache)")
+    # checkpoints: disk needed and time spent
+    trainable = memory.trace.trainable_grads if memory.trace else 0
+    ckpt_bytes = 3 * trainable  # trained weights (LoRA: adapters only) and their two Adam moments, fp32
+    need = (cfg.checkpoint.keep_last + 1) * ckpt_bytes  # +1: the next one is written before the oldest goes
+    free = _free_disk(output or Path("runs"))
+    if free is not None and need > free:
+        add("error", f"keep_last {cfg.checkpoint.keep_last} checkpoints of {ckpt_bytes / GIB:.2f} GiB need {need / GIB:.1f} GiB; {free / GIB:.1f} GiB free",
+            "lower checkpoint.keep_last, or write the run to a larger disk (--output)")
+    if cfg.checkpoint.every_steps and steps and step.seconds:
+        save_s = ckpt_bytes / SAVE_BYTES_PER_S
+        share = save_s / (cfg.checkpoint.every_steps * step.seconds + save_s)
+        if share > WASTE_SHARE and not cfg.checkpoint.async_:
+            better = math.ceil(save_s / (WASTE_SHARE * step.seconds) / 10) * 10
+            add("warn", f"checkpoint.every_steps {cfg.checkpoint.every_steps}: saving (~{save_s:.1f}s each) takes {share:.0%} of the run",
+                f"set checkpoint.every_steps: {better} or more, or checkpoint.async: true")
+    if cfg.train.eval_every and step.seconds:
+        batches = cfg.train.eval_max_batches or math.ceil(data.get("eval_sequences") or data.get("eval_rows") or 50 / cfg.train.micro_batch_size)
+        eval_s = batches * step.seconds / cfg.train.grad_accum / 3  # a forward pass only: about a third of a micro-batch's time
+        share = eval_s / (cfg.train.eval_every * step.seconds + eval_s)
+        if share > 2 * WASTE_SHARE:
+            add("warn", f"train.eval_every {cfg.train.eval_every}: evaluation takes about {share:.0%} of the run",
+                "raise train.eval_every or lower train.eval_max_batches")
+    if given.log.every_steps == 1:
+        add("info", "log.every_steps 1 reads the loss from the device every step (a host sync)", "set log.every_steps: 10")
+    if cfg.train.micro_batch_size == 1 and cfg.train.grad_accum > 1 and given.train.micro_batch_size != "auto":
+        add("warn", "micro-batch 1 with accumulation: each pass is too small to use the device well",
+            "set train.micro_batch_size: auto with train.global_batch_size to keep the global batch")
+    return out
+
+
+def _max_positions(cfg: RunConfig) -> int | None:
+    if cfg.model.init is not None:
+        return cfg.model.init.get("max_position_embeddings")
+    try:
+        import json
+
+        return json.loads((cfg.model.path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+
+
+def _free_disk(path: Path) -> int | None:
+    p = path.resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def render(plan: dict[str, Any], console) -> None:
+    """The plan for people: memory split, speed and duration, decisions, findings."""
+    from rich.table import Table
+
+    h, m, t = plan["hardware"], plan["memory"], plan["time"]
+    world = f", {plan['world_size']} processes" if plan["world_size"] > 1 else ""
+    console.print(f"[bold]plan[/bold] for {h['title']}{world} ({h['source']})")
+    table = Table(title="predicted peak memory of one step (per process)", title_justify="left")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for name, value in m["parts"].items():
+        table.add_row(name, f"{value / GIB:.3f}")
+    table.add_row("[bold]tensors at peak[/bold]", f"[bold]{m['peak_tensor_bytes'] / GIB:.3f}[/bold]")
+    fixed = h["fixed_bytes"] / GIB
+    table.add_row(f"process (+{h['allocator_overhead']:.0%} allocator, +{fixed:.2f} fixed)", f"{m['peak_process_bytes'] / GIB:.3f}")
+    console.print(table)
+    verdict = "[green]fits[/green]" if m["fits"] else "[red]does not fit[/red]"
+    console.print(f"{verdict}: {m['share']:.0%} of {m['capacity_bytes'] / GIB:.1f} GiB")
+    for lever, value in m["levers"].items():
+        console.print(f"  {lever.replace('_', ' ')}: tensors {value / GIB:.3f} GiB "
+                      f"({(value - m['peak_tensor_bytes']) / GIB:+.3f})")
+    mfu = f", MFU {t['mfu']:.0%}" if t.get("mfu") else ""
+    how = f"; {t['ops_measured']} distinct ops timed on this machine" if t["ops_measured"] else ""
+    console.print(
+        f"speed: {t['step_s']:.3f} s per step, {t['tokens_per_s']:,.0f} tokens/s{mfu} "
+        f"(compute {t['compute_s']:.3f}s, memory-bound {t['memory_s']:.3f}s, per-op overhead {t['overhead_s']:.3f}s{how})"
+    )
+    if t["run_s"]:
+        console.print(f"run: {t['steps']:,} steps, about {_duration(t['run_s'])}")
+    d = plan["data"]
+    if d.get("prepared"):
+        console.print(f"data: {d['format']}, {d['train_rows']:,} rows, {d['train_tokens']:,} training tokens")
+    decisions_table = Table(title="decisions", title_justify="left")
+    for col in ("setting", "choice", "why"):
+        decisions_table.add_column(col)
+    for row in plan["decisions"]:
+        decisions_table.add_row(row["setting"], row["choice"], row["why"])
+    console.print(decisions_table)
+    colors = {"error": "red", "warn": "yellow", "info": "cyan"}
+    for f in plan["findings"]:
+        console.print(f"[{colors[f['level']]}]{f['level']}[/]: {f['message']}\n  fix: {f['fix']}", highlight=False)
+    if not plan["findings"]:
+        console.print("no findings")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def render_profiles(console) -> None:
+    from rich.table import Table
+
+    from ..profiles import describe_profiles
+
+    table = Table(title="hardware profiles (--hardware NAME; 'this' measures the local machine)")
+    for col in ("name", "device", "GiB", "bf16 TFLOP/s", "fp16", "tf32", "fp32", "GB/s", "source"):
+        table.add_column(col)
+    for p in describe_profiles():
+        table.add_row(
+            p["name"], p["title"], f"{p['memory_gib']:g}", f"{p['bf16_tflops'] or '-'}", f"{p['fp16_tflops']}",
+            f"{p['tf32_tflops'] or '-'}", f"{p['fp32_tflops']}", f"{p['bandwidth_gbs']:g}", p["source"],
+        )
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------------- --measure
+def measure(
+    config_path: str | None, overrides: list[str], plan: dict[str, Any], steps: int = 5, warmup: int = 2
+) -> dict[str, Any]:
+    """Run real steps at the planned settings on this machine, longest rows first, in a fresh process
+    (its own peak memory): live tensor peak of a steady-state step (every tensor counted as it is
+    allocated and freed), the process peak (RSS on a CPU; allocated and reserved on a GPU), tokens/s."""
+    import multiprocessing
+    import tempfile
+
+    chosen = {d["setting"]: d["choice"] for d in plan["decisions"]}
+    settings = [
+        f"train.micro_batch_size={chosen['micro_batch_size']}",
+        f"train.activation_checkpointing={chosen['activation_checkpointing']}",
+    ]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    workdir = tempfile.mkdtemp(prefix="trainforge-plan-")
+    proc = ctx.Process(target=_measure_child, args=(config_path, [*overrides, *settings], steps, warmup, workdir, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def _measure_child(config_path: str | None, overrides: list[str], steps: int, warmup: int, workdir: str, queue) -> None:
+    try:
+        queue.put(measure_steps(config_path, overrides, steps, warmup, Path(workdir)))
+    except BaseException as e:  # the parent reports it
+        queue.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def measure_steps(config_path: str | None, overrides: list[str], steps: int, warmup: int, workdir: Path) -> dict[str, Any]:
+    """In this process: one traced steady-state step on the longest rows, then timed steps."""
+    from rich.console import Console
+
+    from ..config import load_config
+    from ..engine.oom import fetch_step
+    from ..engine.setup import setup
+    from ..engine.step import forward_backward, optimizer_step
+    from ..engine.trace import StepTracer
+    from ..engine.trainer import train_loop
+    from ..hardware import peak_memory_bytes
+    from ..metrics.console import ConsoleReporter
+    from ..metrics.tracker import read_metrics
+    from .bench import bench_overrides
+
+    cfg = load_config(config_path, [*overrides, *bench_overrides(warmup, steps, workdir, False), "log.report_to=[]"])
+    run = setup(cfg, workdir / "run", ConsoleReporter(Console(quiet=True)), resume="never")
+    run.loader.longest_first = True
+    run.batches = iter(run.loader)
+
+    def one_step() -> None:
+        mbs = fetch_step(run)
+        loss = forward_backward(run.train_model, mbs, run.precision, run.device, run.scaler, None, run.sync, fused=cfg.train.fused_loss)
+        optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
+
+    one_step()  # creates the optimizer state: the traced step is a steady-state one
+    run.loader.load_state_dict({"epoch": 0, "offset": 0})
+    run.batches = iter(run.loader)
+    tracer = StepTracer()
+    tracer.track([*run.model.parameters(), *run.model.buffers()], "weights")
+    tracer.track([v for s in run.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)], "optimizer")
+    tracer.watch_grads(run.params)
+    with tracer:
+        one_step()
+    tracer.close()
+    tracer.ops.clear()
+    run.loader.load_state_dict({"epoch": 0, "offset": 0})
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+    total = run.max_steps
+    run.max_steps = warmup
+    train_loop(run)
+    run.max_steps = total
+    train_loop(run)
+    run.metrics.close()
+    rec = [r for r in read_metrics(run.out / "metrics.jsonl") if "loss" in r][-1]
+    out = {
+        "tokens_per_s": rec["tokens_per_s"],
+        "live_tensor_peak_bytes": tracer.peak,
+        "live_tensor_parts": tracer.peak_parts,
+        "process_peak_bytes": peak_memory_bytes(run.device),  # RSS on a CPU, allocated on a GPU
+    }
+    if run.device.type == "cuda":
+        out["reserved_peak_bytes"] = int(torch.cuda.max_memory_reserved(run.device))
+    return out
+
+
+def render_measured(plan: dict[str, Any], measured: dict[str, Any], console) -> None:
+    """Predicted beside measured: peak tensors, process peak, tokens/s."""
+    from rich.table import Table
+
+    if "error" in measured:
+        console.print(f"[red]measure failed[/red]: {measured['error']}")
+        return
+    m, t = plan["memory"], plan["time"]
+    table = Table(title="predicted vs measured (this machine, longest rows first)", title_justify="left")
+    for col in ("", "predicted", "measured", "measured / predicted"):
+        table.add_column(col, justify="right")
+    rows = [
+        ("peak tensors (GiB)", m["peak_tensor_bytes"] / GIB, measured["live_tensor_peak_bytes"] / GIB),
+        ("process peak (GiB)", m["peak_process_bytes"] / GIB, measured.get("reserved_peak_bytes", measured["process_peak_bytes"]) / GIB),
+        ("tokens/s", t["tokens_per_s"], measured["tokens_per_s"]),
+    ]
+    for name, p, q in rows:
+        table.add_row(name, f"{p:,.3f}" if p < 100 else f"{p:,.0f}", f"{q:,.3f}" if q < 100 else f"{q:,.0f}", f"{q / p:.2f}" if p else "-")
+    console.print(table)
