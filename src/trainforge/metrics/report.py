@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import yaml
 
+from ..atomic import atomic_write_text
 from .tracker import EVENTS_FILE, read_events
 
 REPORT_FILE = "report.html"
@@ -474,7 +475,4 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     out = Path(out) if out is not None else (runs[0].path / REPORT_FILE if len(runs) == 1 else Path(REPORT_FILE))
     page = render_html(runs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)  # a reader never sees half a page
-    return out
+    return atomic_write_text(out, page)  # a browser (or a second writer) never sees half a page
