@@ -79,7 +79,10 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
 
         max_positions = json.loads((src.weights / "config.json").read_text()).get("max_position_embeddings")
     cfg = eval_config(src, data, overrides, max_positions)
-    device = pick_device(cfg.train.device)
+    try:
+        device = pick_device(cfg.train.device)
+    except RuntimeError as e:  # a run trained on a GPU, evaluated where there is none
+        raise ConfigError(f"{e} (--set train.device=cpu)") from None
     precision, why = eval_precision(src, cfg, overrides, device)
     configure_backends(device)
     reporter.info(f"model: {src.describe()} | {device} | precision {precision.name} ({why})")

@@ -23,7 +23,6 @@ The output is written to a temporary directory beside ``--out`` and renamed when
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import atomic_write_dir
 from ..metrics.console import ConsoleReporter
 from ..model.resolve import ModelSource, ModelSourceError, load_source_tokenizer, resolve_source
 
@@ -138,18 +138,8 @@ def _copy(src: ModelSource, out: Path) -> str | None:
 
 
 def _write_atomically(out: Path, write: Callable[[Path], Any]) -> Any:
-    """Run ``write(tmp)`` in a temporary directory beside ``out`` and rename it to ``out`` when done:
-    an interrupted export leaves no half-written model under the name users load."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        result = write(tmp)
-        if out.exists():
-            out.rmdir()  # checked empty above
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return result
+    """``write(tmp)`` into a temporary directory beside ``out``, renamed to ``out`` when complete
+    (``atomic.atomic_write_dir``): an interrupted export leaves no half-written model under the name."""
+    result: list[Any] = []
+    atomic_write_dir(out, lambda tmp: result.append(write(tmp)))
+    return result[0]

@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from ..config import ConfigError
 from ..data.formats import DEFAULT_CHAT_TEMPLATE
 from ..data.sources import DataError
 from ..hardware import PRECISIONS, configure_backends, pick_device, resolve_precision
@@ -94,7 +95,10 @@ def run_generate(
     hf_logging.disable_progress_bar()
     src = resolve_source(source)
     turns = read_chat(chat) if chat is not None else None
-    dev = pick_device(device)
+    try:
+        dev = pick_device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine; use auto or cpu") from None
     if precision is None and run_precision(src) in PRECISIONS:
         prec, why = PRECISIONS[run_precision(src)], "the run's precision (summary.json)"
     else:
