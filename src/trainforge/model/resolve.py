@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import yaml
 
+from ..config import TOKENIZER_FILES
 from ..hardware import Precision
 
 RUN_CONFIG = "config.yaml"
@@ -29,7 +30,6 @@ SUMMARY = "summary.json"
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 class ModelSourceError(ValueError):
@@ -103,7 +103,11 @@ def resolve_source(path: str | Path) -> ModelSource:
             raise ModelSourceError(f"{weights} has adapter_config.json but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
         src.base = _adapter_base(src)
     else:
-        missing = [n for n, ok in (("config.json", (weights / "config.json").is_file()), ("weights (model.safetensors or pytorch_model.bin)", _has_any(weights, MODEL_WEIGHTS))) if not ok]
+        missing = []
+        if not (weights / "config.json").is_file():
+            missing.append("config.json")
+        if not _has_any(weights, MODEL_WEIGHTS):
+            missing.append("weights (model.safetensors or pytorch_model.bin)")
         if missing:
             raise ModelSourceError(
                 f"{weights} is not a model directory: it lacks {' and '.join(missing)}. Give a run directory "

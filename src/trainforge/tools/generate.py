@@ -27,7 +27,7 @@ from ..model.generate import generate
 from ..model.resolve import ModelSource, load_model, load_source_tokenizer, resolve_source, run_precision
 
 ROLES = ("system", "user", "assistant")
-_ROLE_LINE = re.compile(r"^(system|user|assistant)\s*:\s?(.*)$", re.IGNORECASE)
+_ROLE_LINE = re.compile(rf"^({'|'.join(ROLES)})\s*:\s?(.*)$", re.IGNORECASE)
 CHATML_END = "<|im_end|>"
 
 
