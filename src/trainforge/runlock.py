@@ -344,9 +344,12 @@ def _busy_message(run_dir: Path, holder: LeaseInfo) -> str:
     return (
         f"{run_dir} is in use by another trainforge run: {holder.describe()} (lease {run_dir / LEASE_FILE}, "
         f"last renewed {renewed}). One run writes a run directory at a time: wait for it to finish, stop it "
-        f"(SIGTERM saves a checkpoint; then run this command again to resume), or choose another --output. If that "
-        f"process is gone, its lease expires {holder.timeout_s:g}s after its last renewal"
-        + (" (on this host a dead holder is noticed at once)" if holder.host != host_name() else "")
+        f"(SIGTERM saves a checkpoint; then run this command again to resume), or choose another --output. "
+        + (
+            "If that process is gone, the next launch takes over at once"
+            if holder.host == host_name()
+            else f"If that process is gone, its lease expires {holder.timeout_s:g}s after its last renewal"
+        )
     )
 
 
@@ -361,9 +364,11 @@ def hold_run_dir(
     """Hold the lease on ``run_dir`` for the block (under torchrun rank 0 holds it; every rank fails
     alike when it cannot). ``max_wait_s``: a cap on the wait for a stopping holder (the other ranks
     wait in a collective that has its own timeout)."""
+    from .engine.resume import OutputDirError
+
     main = ctx is None or ctx.is_main
     lease: RunLease | None = None
-    error: str | None = None
+    error: tuple[bool, str] | None = None  # (the directory cannot be written, message)
     if main:
         try:
             timeout, wait = env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S), env_seconds(WAIT_ENV, DEFAULT_WAIT_S)
@@ -372,18 +377,18 @@ def hold_run_dir(
             try:
                 Path(run_dir).mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise RunDirBusy(f"cannot write to output directory {run_dir}: {e.strerror}") from None
+                raise OutputDirError(f"cannot write to output directory {run_dir}: {e.strerror}") from None
             lease = RunLease(
                 run_dir, timeout, stopping,
                 info=reporter.info if reporter is not None else print, warn=reporter.warn if reporter is not None else print,
             )
             lease.acquire(wait)
-        except RunDirBusy as e:
-            error = str(e)
+        except (RunDirBusy, OutputDirError) as e:
+            error = (isinstance(e, OutputDirError), str(e))
     if ctx is not None and ctx.enabled:
         error = ctx.broadcast_object(error)
     if error is not None:
-        raise RunDirBusy(error)
+        raise (OutputDirError if error[0] else RunDirBusy)(error[1])
     key = Path(run_dir).resolve()
     if lease is not None:
         _HELD[key] = lease
