@@ -266,7 +266,7 @@ def plan(
     if measure and (hardware.lower() != "this" or nproc > 1):
         _fail("--measure runs real steps on this machine in one process: use it with --hardware this and no --nproc")
     try:
-        cfg = load_config(config, set_ or [])
+        cfg = load_config(config, set_ or [], plan_only=not measure)
     except ConfigError as e:
         _fail(str(e))
     from .tools.plan import make_plan, render, render_measured

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 BUILTIN_STDLIB = "builtin:python-stdlib"
 """Text source: the Python standard library's own sources, present on every install."""
@@ -104,7 +104,7 @@ class ModelSettings(Section):
         return v
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelSettings":
+    def _one_source(self, info: ValidationInfo) -> "ModelSettings":
         if (self.path is None) == (self.init is None):
             raise ValueError("give exactly one of model.path (a pretrained model) or model.init (from scratch)")
         if self.method in ("lora", "qlora") and self.path is None:
@@ -112,7 +112,9 @@ class ModelSettings(Section):
         if self.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("model.method: qlora needs bitsandbytes for the 4-bit base: pip install 'trainforge[qlora]'")
         if self.path is not None:
-            _check_model_dir(self.path, needs_tokenizer=self.tokenizer is None)
+            # a plan needs the architecture only: a directory with just the hub's config.json will do
+            plan_only = bool(info.context and info.context.get("plan"))
+            _check_model_dir(self.path, needs_tokenizer=self.tokenizer is None and not plan_only, needs_weights=not plan_only)
         if isinstance(self.tokenizer, Path) and self.tokenizer.is_dir() and not _has_any(self.tokenizer, TOKENIZER_FILES):
             raise ValueError(
                 f"model.tokenizer: {self.tokenizer} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
@@ -130,14 +132,14 @@ def _has_any(directory: Path, names: tuple[str, ...]) -> bool:
     return any((directory / n).is_file() for n in names)
 
 
-def _check_model_dir(path: Path, needs_tokenizer: bool) -> None:
+def _check_model_dir(path: Path, needs_tokenizer: bool, needs_weights: bool = True) -> None:
     """``model.path`` must be a model directory: a config, weights and (unless given apart) a tokenizer."""
     if not path.is_dir():
         raise ValueError(f"model.path: {path} is not a directory; give a local Hugging Face model directory")
     missing = []
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         missing.append("config.json")
-    if not _has_any(path, WEIGHT_FILES):
+    if needs_weights and not _has_any(path, WEIGHT_FILES):
         missing.append("weights (model.safetensors or pytorch_model.bin)")
     if needs_tokenizer and not _has_any(path, TOKENIZER_FILES):
         missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES)}; or set model.tokenizer)")
@@ -511,8 +513,12 @@ def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a YAML config (or the built-in default), apply ``--set`` overrides, validate."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), plan_only: bool = False
+) -> RunConfig:
+    """Read a YAML config (or the built-in default), apply ``--set`` overrides, validate.
+
+    ``plan_only``: for ``trainforge plan``, a ``model.path`` needs only its config.json."""
     marks: dict[tuple[str, ...], int] = {}
     if path is None:
         data = default_config()
@@ -537,7 +543,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         apply_override(data, parts, value)
         overridden.add(tuple(parts))
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={"plan": plan_only})
     except ValidationError as e:
         raise ConfigError(_format_errors(e, data, source, marks, overridden)) from None
 

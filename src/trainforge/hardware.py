@@ -231,6 +231,19 @@ def process_rss_bytes() -> int:
         return peak_memory_bytes(torch.device("cpu"))
 
 
+MEMORY_CAP_ENV = "TRAINFORGE_MEMORY_GIB"
+"""Caps the memory ``plan`` and the auto settings assume this machine has (to leave room for other jobs)."""
+
+
+def memory_cap_gib(found: float) -> float:
+    """``found`` GiB, or less when $TRAINFORGE_MEMORY_GIB says so."""
+    cap = os.environ.get(MEMORY_CAP_ENV)
+    try:
+        return min(found, float(cap)) if cap else found
+    except ValueError:
+        raise ValueError(f"${MEMORY_CAP_ENV}={cap!r}: expected a number of GiB, e.g. 12") from None
+
+
 def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bool = True):
     """The hardware profile of the machine at hand: a GPU's table entry with its real memory, or
     this CPU as measured (matmul peak per precision, copy bandwidth, per-op overhead; cached).
@@ -244,7 +257,7 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
         known = profile_for_gpu_name(props.name)
         if known is None:
             raise ValueError(f"no hardware profile for {props.name!r}: add it to trainforge/profiles.py, or plan with --hardware NAME")
-        return replace(known, name="this", title=f"{props.name} (this machine)", memory_gib=props.total_memory / GIB)
+        return replace(known, name="this", title=f"{props.name} (this machine)", memory_gib=memory_cap_gib(props.total_memory / GIB))
     if timing:
         tflops = {p: cpu_matmul_flops(p, cache_dir) / 1e12 for p in ("fp32", "bf16", "fp16")}
         bandwidth = cached_probe("bandwidth", measure_bandwidth, cache_dir)
@@ -255,7 +268,7 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
     return HardwareProfile(
         name="this",
         title=f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads (this machine)",
-        memory_gib=(memory + process_rss_bytes()) / GIB,  # what is free now plus what this process already holds
+        memory_gib=memory_cap_gib((memory + process_rss_bytes()) / GIB),  # free now plus what this process holds
         peak_tflops=tflops,
         bandwidth_gbs=bandwidth / 1e9,
         bf16=cpu_has_native_bf16(),

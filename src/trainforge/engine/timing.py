@@ -42,19 +42,28 @@ def predict_step_time(
     their measured time instead of the roofline's.
     """
     measured = measured or {}
-    totals = {"compute": 0.0, "memory": 0.0, "overhead": 0.0}
-    flops = 0.0
+    deep = _price(trace.ops, profile, grad_accum, measured)
+    if trace.fewer_ops is None:
+        totals = deep
+    else:  # a deep model traced shallow: add the per-layer difference for the layers not traced
+        shallow = _price(trace.fewer_ops, profile, grad_accum, measured)
+        totals = {k: deep[k] + trace.extrapolate * (deep[k] - shallow[k]) for k in deep}
+    seconds = totals["compute"] + totals["memory"] + totals["overhead"]
+    return StepTime(seconds, totals["compute"], totals["memory"], totals["overhead"], totals["flops"], trace.tokens * grad_accum)
+
+
+def _price(ops: list, profile: HardwareProfile, grad_accum: int, measured: dict[str, float]) -> dict[str, float]:
+    totals = {"compute": 0.0, "memory": 0.0, "overhead": 0.0, "flops": 0.0}
     bandwidth = profile.bandwidth_gbs * 1e9 * profile.bandwidth_efficiency
-    for op in trace.ops:
+    for op in ops:
         repeat = 1 if op.phase == "optimizer" else grad_accum
         compute = op.flops / (profile.peak_flops(_PRECISION_OF.get(op.dtype, "fp32")) * profile.matmul_efficiency) if op.flops else 0.0
         memory = op.bytes / bandwidth
         key = "compute" if compute >= memory else "memory"
         totals[key] += repeat * measured.get(op.key, max(compute, memory))
         totals["overhead"] += repeat * profile.op_overhead_s
-        flops += repeat * op.flops
-    seconds = sum(totals.values())
-    return StepTime(seconds, totals["compute"], totals["memory"], totals["overhead"], flops, trace.tokens * grad_accum)
+        totals["flops"] += repeat * op.flops
+    return totals
 
 
 REPLAY_BYTES_LIMIT = 256 * 2**20  # larger ops are not replayed (memory, time): the roofline prices them

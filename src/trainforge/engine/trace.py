@@ -82,10 +82,13 @@ class StepTrace:
     tokens: int = 0  # tokens of the traced micro-batch
     largest_layer: int = 0  # bytes of the largest decoder layer's weights (FSDP gathers one at a time)
     trainable_grads: int = 0  # bytes of all gradients (DDP keeps a second copy in its buckets)
+    fewer_ops: list[OpRecord] | None = None  # a deep model: ops of the shallower trace (``ops``: the deeper)
+    extrapolate: float = 0.0  # ... and the model's depth beyond the deeper trace, in units of their difference
 
     @property
     def flops(self) -> float:
-        return sum(o.flops for o in self.ops)
+        deep = sum(o.flops for o in self.ops)
+        return deep + self.extrapolate * (deep - sum(o.flops for o in self.fewer_ops or ()))
 
 
 def _storages(out: object) -> Iterator[torch.UntypedStorage]:
@@ -252,6 +255,9 @@ def quantize_base_4bit(model: torch.nn.Module, compute_dtype: torch.dtype) -> in
 
 
 # ---------------------------------------------------------------------------------- the traced step
+FEW_LAYERS = (2, 4)  # deeper models are traced at these depths and extrapolated per layer
+
+
 def trace_training_step(
     cfg: "RunConfig",
     tokenizer,
@@ -266,7 +272,43 @@ def trace_training_step(
     ``device_type``: the device the plan is for; the step is traced on fake CPU tensors either
     way, with that device's loss chunking. With ``grad_accum`` > 1 the traced micro-batch is a
     later one: the gradients of the earlier ones already exist.
+
+    A model deeper than ``FEW_LAYERS[1]`` is traced at two small depths and each part of its peak
+    extrapolated linearly in the number of layers (every layer holds the same weights, state and
+    saved activations; embeddings, head and loss do not grow): a 32-layer model costs two shallow
+    traces instead of one deep one. ``layers``/``fewer_ops`` let the time model extrapolate alike.
     """
+    depth = _depth(cfg, tokenizer)
+    if depth is None or depth <= FEW_LAYERS[1]:
+        return _trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, None)
+    a, b = (_trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, n) for n in FEW_LAYERS)
+    scale = (depth - FEW_LAYERS[1]) / (FEW_LAYERS[1] - FEW_LAYERS[0])
+    parts = {k: int(round(b.parts[k] + scale * (b.parts[k] - a.parts[k]))) for k in b.parts}
+    grads = int(round(b.trainable_grads + scale * (b.trainable_grads - a.trainable_grads)))
+    return StepTrace(sum(parts.values()), parts, b.ops, b.tokens, b.largest_layer, grads, fewer_ops=a.ops, extrapolate=scale)
+
+
+def _depth(cfg: "RunConfig", tokenizer) -> int | None:
+    if cfg.model.init is not None:
+        return cfg.model.init.get("num_hidden_layers")
+    import json
+
+    try:
+        return json.loads((cfg.model.path / "config.json").read_text()).get("num_hidden_layers")
+    except (OSError, ValueError):
+        return None
+
+
+def _trace(
+    cfg: "RunConfig",
+    tokenizer,
+    precision: "Precision",
+    micro_batch_size: int,
+    activation_checkpointing: bool,
+    grad_accum: int,
+    device_type: str,
+    layers: int | None,
+) -> StepTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..data.loader import Batch
@@ -276,7 +318,7 @@ def trace_training_step(
     from .step import loss_sum, optimizer_step
 
     cpu = torch.device("cpu")
-    skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing)
+    skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing, layers)
     rows, length = micro_batch_size, cfg.data.max_length
     with FakeTensorMode(allow_non_fake_inputs=True), chunk_as(device_type), _quiet_warnings():
         model = skeleton.to_empty(device=cpu)

@@ -103,13 +103,15 @@ def adapt(model: torch.nn.Module, cfg: ModelSettings, activation_checkpointing: 
 
 
 def build_model_skeleton(
-    cfg: ModelSettings, tokenizer, compute_dtype: torch.dtype | None, activation_checkpointing: bool
+    cfg: ModelSettings, tokenizer, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
+    layers: int | None = None,
 ) -> torch.nn.Module:
     """The run's model on the meta device (shapes and dtypes, no storage, nothing loaded), for a plan.
 
     The same architecture, storage dtypes, checkpointing and adapters as ``build_model``; a QLoRA
     base is left in the compute dtype (the plan accounts for its 4-bit storage itself), and
     attention is plain SDPA (its memory is linear in the row length, like the kernels training uses).
+    ``layers``: build only this many decoder layers (a plan extrapolates deep models from shallow ones).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -119,6 +121,10 @@ def build_model_skeleton(
     else:
         config = AutoConfig.from_pretrained(str(cfg.path.resolve()))
         config.vocab_size = max(config.vocab_size, len(tokenizer))
+    if layers is not None:
+        config.num_hidden_layers = layers
+        if isinstance(getattr(config, "layer_types", None), list):  # per-layer kinds (sliding / full attention)
+            config.layer_types = config.layer_types[:layers]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation="sdpa")
         return adapt(model, cfg, activation_checkpointing)

@@ -42,9 +42,15 @@ def plan_tokenizer(cfg: RunConfig):
     """The run's tokenizer where one exists on disk; else a stand-in of the size it will have."""
     from ..model.tokenizer import load_tokenizer
 
+    from ..config import TOKENIZER_FILES
+
     source = cfg.model.tokenizer if cfg.model.tokenizer not in (None, "char") else cfg.model.path
-    if cfg.model.tokenizer != "char" and source is not None:
+    if cfg.model.tokenizer != "char" and source is not None and any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
         return load_tokenizer(source)
+    if cfg.model.path is not None:  # a config-only directory: the model's own vocabulary
+        import json
+
+        return VocabOnly(json.loads((cfg.model.path / "config.json").read_text()).get("vocab_size", 0))
     return VocabOnly(256 if cfg.model.tokenizer == "char" else cfg.model.tokenizer_vocab_size)
 
 

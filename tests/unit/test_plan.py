@@ -1,0 +1,187 @@
+"""The plan's parts: the traced step's memory against a real step, the layer extrapolation, fitting,
+the time model and the hardware profiles. Tiny fixed-seed models; nothing is downloaded."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import TINY_LLAMA_INIT
+from trainforge.config import RunConfig, load_config
+from trainforge.data.loader import Batch
+from trainforge.engine.fit import FIT_MARGIN, fit_run, predict_memory
+from trainforge.engine.optim import build_optimizer
+from trainforge.engine.step import forward_backward, optimizer_step
+from trainforge.engine.timing import predict_step_time
+from trainforge.engine.trace import StepTracer, _trace, trace_training_step
+from trainforge.hardware import PRECISIONS
+from trainforge.model.load import build_model
+from trainforge.model.tokenizer import load_tokenizer
+from trainforge.profiles import GIB, PROFILES, HardwareProfile, find_profile, profile_for_gpu_name
+from trainforge.tools.plan import VocabOnly
+
+
+def config(overrides: dict, tmp_path) -> RunConfig:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "alpha beta gamma"}\n')
+    base = {"model": {"init": dict(TINY_LLAMA_INIT)}, "data": {"train": str(data), "max_length": 64}}
+    for section, values in overrides.items():
+        base.setdefault(section, {}).update(values)
+    return RunConfig.model_validate(base)
+
+
+def real_step_peak(cfg: RunConfig, tokenizer, precision, rows: int) -> tuple[int, dict[str, int]]:
+    """Live tensor peak of a real steady-state step on full rows, every position a target."""
+    model = build_model(cfg.model, tokenizer, 0, torch.device("cpu"), precision.autocast_dtype is not None,
+                        precision.autocast_dtype, bool(cfg.train.activation_checkpointing))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    ids = torch.randint(0, len(tokenizer), (rows, cfg.data.max_length), generator=torch.Generator().manual_seed(0))
+    batch = Batch(ids, ids.clone(), None, ids.numel(), ids.numel(), list(range(rows)))
+
+    def step() -> None:
+        loss = forward_backward(model, [batch], precision, torch.device("cpu"))
+        optimizer_step(params, opt, 1.0, None, loss)
+
+    step()
+    tracer = StepTracer()
+    tracer.track([*model.parameters(), *model.buffers()], "weights")
+    tracer.track([v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)], "optimizer")
+    tracer.watch_grads(params)
+    with tracer:
+        step()
+    tracer.close()
+    return tracer.peak, tracer.peak_parts
+
+
+@pytest.mark.parametrize(
+    "method,precision,checkpointing",
+    [("full", "fp32", False), ("full", "bf16", True), ("lora", "bf16", False), ("lora", "fp32", True)],
+)
+def test_traced_peak_matches_a_real_step(method, precision, checkpointing, tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    cfg = RunConfig.model_validate({
+        "model": {"path": str(tiny_model_dir), "method": method},
+        "data": {"train": str(tiny_model_dir / "config.json"), "max_length": 96},
+        "train": {"activation_checkpointing": checkpointing},
+    })
+    prec = PRECISIONS[precision]
+    predicted = trace_training_step(cfg, tok, prec, 4, checkpointing)
+    measured, parts = real_step_peak(cfg, tok, prec, 4)
+    assert predicted.parts["weights"] == parts["weights"]  # exact: the same parameters in the same dtypes
+    assert predicted.parts["optimizer"] == parts["optimizer"]
+    assert abs(predicted.peak / measured - 1) < 0.15, (predicted.parts, parts)
+
+
+def test_optimizer_state_is_two_fp32_moments_per_trained_weight(tmp_path):
+    cfg = config({}, tmp_path)
+    trace = trace_training_step(cfg, VocabOnly(300), PRECISIONS["fp32"], 2, False)
+    trained = trace.trainable_grads  # fp32 gradients: as many bytes as the trained weights
+    assert trace.parts["optimizer"] >= 2 * trained
+    assert trace.parts["optimizer"] - 2 * trained < 1024  # plus a step counter per tensor
+
+
+def test_deep_models_are_extrapolated_exactly_from_two_shallow_traces(tmp_path):
+    cfg = config({"model": {"init": {**TINY_LLAMA_INIT, "num_hidden_layers": 7}}}, tmp_path)
+    for prec, ckpt in (("fp32", False), ("bf16", True)):
+        full = _trace(cfg, VocabOnly(300), PRECISIONS[prec], 2, ckpt, 1, "cpu", None)
+        extrapolated = trace_training_step(cfg, VocabOnly(300), PRECISIONS[prec], 2, ckpt)
+        assert extrapolated.fewer_ops is not None
+        assert extrapolated.parts == full.parts
+        assert extrapolated.flops == pytest.approx(full.flops, rel=1e-9)
+
+
+def test_each_memory_lever_lowers_the_prediction(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+
+    def peak(method: str, precision: str, ckpt: bool) -> dict[str, int]:
+        cfg = RunConfig.model_validate({
+            "model": {"path": str(tiny_model_dir), "method": method},
+            "data": {"train": str(tiny_model_dir / "config.json"), "max_length": 128},
+        })
+        return trace_training_step(cfg, tok, PRECISIONS[precision], 8, ckpt).parts
+
+    full, ckpt = peak("full", "fp32", False), peak("full", "fp32", True)
+    assert ckpt["activations"] < full["activations"] and ckpt["weights"] == full["weights"]
+    lora32, lora16 = peak("lora", "fp32", False), peak("lora", "bf16", False)
+    assert lora16["weights"] < lora32["weights"]  # the frozen base in bf16
+    assert lora32["optimizer"] < full["optimizer"] and lora32["grads"] <= full["grads"]
+    qlora = peak("qlora", "bf16", False)
+    assert qlora["weights"] < lora16["weights"]
+
+
+def tiny_device(gib: float) -> HardwareProfile:
+    return HardwareProfile("tiny", "a tiny device", gib, {"fp32": 1.0, "bf16": 2.0, "fp16": 2.0}, 100.0, True,
+                           fixed_gib=0.0, allocator_overhead=0.0)
+
+
+def test_auto_micro_batch_is_the_largest_that_fits(tmp_path):
+    cfg = config({"train": {"micro_batch_size": "auto", "activation_checkpointing": False}}, tmp_path)
+    prec = PRECISIONS["fp32"]
+    one = predict_memory(cfg, VocabOnly(300), prec, tiny_device(1.0), 1, False)
+    device = tiny_device((one.tensors + 5.5 * (predict_memory(cfg, VocabOnly(300), prec, tiny_device(1.0), 2, False).tensors - one.tensors)) / GIB / FIT_MARGIN)
+    fit = fit_run(cfg, VocabOnly(300), prec, device)
+    assert fit.memory.fits(FIT_MARGIN)
+    bigger = predict_memory(cfg, VocabOnly(300), prec, device, fit.micro_batch_size + 1, False)
+    assert not bigger.fits(FIT_MARGIN)
+    assert "largest that fits" in fit.why_micro_batch
+
+
+def test_auto_micro_batch_divides_the_global_batch(tmp_path):
+    cfg = config({"train": {"micro_batch_size": "auto", "global_batch_size": 12}}, tmp_path)
+    fit = fit_run(cfg, VocabOnly(300), PRECISIONS["fp32"], tiny_device(64.0))
+    assert fit.micro_batch_size == 12 and not fit.activation_checkpointing
+
+
+def test_checkpointing_auto_turns_on_only_when_the_run_does_not_fit(tmp_path):
+    cfg = config({"train": {"micro_batch_size": 8}}, tmp_path)
+    prec = PRECISIONS["fp32"]
+    without = predict_memory(cfg, VocabOnly(300), prec, tiny_device(1.0), 8, False)
+    with_ckpt = predict_memory(cfg, VocabOnly(300), prec, tiny_device(1.0), 8, True)
+    roomy = fit_run(cfg, VocabOnly(300), prec, tiny_device(without.tensors / GIB / FIT_MARGIN * 1.01))
+    tight = fit_run(cfg, VocabOnly(300), prec, tiny_device((with_ckpt.tensors + without.tensors) / 2 / GIB / FIT_MARGIN))
+    assert roomy.activation_checkpointing is False and tight.activation_checkpointing is True
+    assert "does not fit" in tight.why_checkpointing
+
+
+def test_time_model_roofline():
+    from trainforge.engine.trace import OpRecord, StepTrace
+
+    ops = [OpRecord("mm", 2e12, 1_000, "bfloat16", "forward"), OpRecord("add", 0.0, int(2e9), "float32", "backward"),
+           OpRecord("_fused_adamw", 0.0, int(1e9), "float32", "optimizer")]
+    device = HardwareProfile("x", "x", 80, {"bf16": 1000.0, "fp16": 1000.0, "fp32": 50.0}, 1000.0, True,
+                             op_overhead_s=0.0, matmul_efficiency=1.0, bandwidth_efficiency=1.0)
+    one = predict_step_time(StepTrace(0, {}, ops, tokens=100), device, grad_accum=1)
+    assert one.compute_s == pytest.approx(2.0e-3) and one.memory_s == pytest.approx(3.0e-3)
+    four = predict_step_time(StepTrace(0, {}, ops, tokens=100), device, grad_accum=4)
+    assert four.seconds == pytest.approx(4 * 4.0e-3 + 1.0e-3)  # the optimizer runs once per step
+    assert four.tokens == 400
+
+
+def test_profiles_by_short_name_and_by_device_name():
+    assert find_profile("H100").name == "h100"
+    assert find_profile("h100-pcie").name == "h100-pcie"
+    assert find_profile("A100-80GB").name == "a100-80gb"
+    assert find_profile("RTX 4070").name == "rtx4070" and find_profile("4070").name == "rtx4070"
+    assert find_profile("t4").bf16 is False
+    with pytest.raises(ValueError, match="did you mean"):
+        find_profile("h10")
+    assert profile_for_gpu_name("NVIDIA H100 80GB HBM3").name == "h100"
+    assert profile_for_gpu_name("NVIDIA H100 PCIe").name == "h100-pcie"
+    assert profile_for_gpu_name("NVIDIA A100-SXM4-40GB").name == "a100-40gb"
+    assert profile_for_gpu_name("NVIDIA GeForce RTX 4090").name == "rtx4090"
+    for p in PROFILES.values():
+        assert p.source and p.memory_gib > 0 and p.peak_flops("fp16") >= p.peak_flops("fp32", tf32=False)
+
+
+def test_memory_cap_from_the_environment(monkeypatch):
+    from trainforge.hardware import this_profile
+
+    monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", "1.5")
+    assert this_profile(torch.device("cpu"), timing=False).memory_gib == 1.5
+    monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", "lots")
+    with pytest.raises(ValueError, match="TRAINFORGE_MEMORY_GIB"):
+        this_profile(torch.device("cpu"), timing=False)
