@@ -253,6 +253,8 @@ def _figure_png(title: str, ylabel: str, xaxis: str, series: list[Series], runs:
                 ha="center", va="center", transform=ax.transAxes, color="#666666")
     elif log_ratio and min(values) > 0 and max(values) / min(values) >= log_ratio:
         ax.set_yscale("log")
+    else:  # 2e-3, not 0.00200: tick labels stay short and the axis label stays on the figure
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 5), useMathText=True)
     seen: set[str] = set()
     for run in runs:
         for kind, places in run.marks.items():
