@@ -302,7 +302,7 @@ def _pretrain(root: Path, tokenizer: Path, text: Path, model_dir: Path, cache_di
         "train": {"max_steps": PRETRAIN_STEPS, "micro_batch_size": 8, "precision": "fp32", "device": "cpu", "compile": False, "seed": 1234},
         "optim": {"lr": 3e-3, "warmup_steps": 0, "schedule": "constant"},
         "checkpoint": {"every_minutes": None},
-        "log": {"every_steps": PRETRAIN_STEPS, "tensorboard": False},
+        "log": {"every_steps": PRETRAIN_STEPS, "tensorboard": False, "report": False},
     }
     with _rng_kept():
         train(RunConfig.model_validate(cfg), out, _quiet(), resume="never")
@@ -374,7 +374,8 @@ def case_config(case: Case, assets: Assets, device: str, cache_dir: Path | None 
         "optim": {"lr": 5e-3 if case.method == "lora" else 3e-3, "warmup_steps": 0, "schedule": "constant"},
         "checkpoint": {"every_steps": CHECKPOINT_EVERY, "every_minutes": None, "keep_last": 2},
         # no end-of-run sample when compiled: each new generation length would compile a graph
-        "log": {"every_steps": 1, "tensorboard": False, "sample_prompt": None if case.compiled else "alpha beta", "sample_tokens": 6},
+        "log": {"every_steps": 1, "tensorboard": False, "report": False,
+                "sample_prompt": None if case.compiled else "alpha beta", "sample_tokens": 6},
     }
 
 
