@@ -254,7 +254,7 @@ def _figure_png(title: str, ylabel: str, xaxis: str, series: list[Series], runs:
     elif log_ratio and min(values) > 0 and max(values) / min(values) >= log_ratio:
         ax.set_yscale("log")
     else:  # 2e-3, not 0.00200: tick labels stay short and the axis label stays on the figure
-        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 5), useMathText=True)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 5))
     seen: set[str] = set()
     for run in runs:
         for kind, places in run.marks.items():
