@@ -231,6 +231,12 @@ def process_rss_bytes() -> int:
         return peak_memory_bytes(torch.device("cpu"))
 
 
+CPU_RUN_EXTRA_GIB = 0.15
+"""A training process's resident memory beyond the planner's own at the same point (token store pages,
+tokenizer, loader, metrics): measured 0.1-0.2 GiB by ``benchmarks/bench_plan.py``."""
+CPU_ALLOCATOR_OVERHEAD = 0.15
+"""Process peak RSS over the peak of live tensors on a CPU: freed blocks glibc keeps mapped."""
+
 MEMORY_CAP_ENV = "TRAINFORGE_MEMORY_GIB"
 """Caps the memory ``plan`` and the auto settings assume this machine has (to leave room for other jobs)."""
 
@@ -274,8 +280,9 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
         bf16=cpu_has_native_bf16(),
         kind="cpu",
         source="measured here: matmul, copy-bandwidth and per-op probes (cached in cpu_peak.json)",
-        fixed_gib=process_rss_bytes() / GIB,  # torch, transformers and Python, already loaded by the planner
-        allocator_overhead=0.0,
+        # Python, torch and transformers (loaded by now), plus what a training process holds beyond them
+        fixed_gib=process_rss_bytes() / GIB + CPU_RUN_EXTRA_GIB,
+        allocator_overhead=CPU_ALLOCATOR_OVERHEAD,
         op_overhead_s=overhead,
         matmul_efficiency=1.0,  # the probes measure what this CPU reaches, not a datasheet peak
         bandwidth_efficiency=1.0,

@@ -54,16 +54,24 @@ def predict_step_time(
 
 def _price(ops: list, profile: HardwareProfile, grad_accum: int, measured: dict[str, float]) -> dict[str, float]:
     totals = {"compute": 0.0, "memory": 0.0, "overhead": 0.0, "flops": 0.0}
-    bandwidth = profile.bandwidth_gbs * 1e9 * profile.bandwidth_efficiency
-    for op in ops:
+    roofline = [(op, *_roofline(op, profile)) for op in ops]
+    # ops left unmeasured (too large to replay, or out of time) take the roofline scaled by how far
+    # the measured ones were from it: on a CPU, small ops run far below the probes' rates
+    timed = [(measured[op.key], max(c, m)) for op, c, m in roofline if op.key in measured]
+    scale = sum(t for t, _ in timed) / max(sum(r for _, r in timed), 1e-12) if timed else 1.0
+    for op, compute, memory in roofline:
         repeat = 1 if op.phase == "optimizer" else grad_accum
-        compute = op.flops / (profile.peak_flops(_PRECISION_OF.get(op.dtype, "fp32")) * profile.matmul_efficiency) if op.flops else 0.0
-        memory = op.bytes / bandwidth
         key = "compute" if compute >= memory else "memory"
-        totals[key] += repeat * measured.get(op.key, max(compute, memory))
+        totals[key] += repeat * measured.get(op.key, scale * max(compute, memory))
         totals["overhead"] += repeat * profile.op_overhead_s
         totals["flops"] += repeat * op.flops
     return totals
+
+
+def _roofline(op, profile: HardwareProfile) -> tuple[float, float]:
+    """(compute seconds, memory seconds) of one op on ``profile``."""
+    peak = profile.peak_flops(_PRECISION_OF.get(op.dtype, "fp32")) * profile.matmul_efficiency
+    return (op.flops / peak if op.flops and peak else 0.0), op.bytes / (profile.bandwidth_gbs * 1e9 * profile.bandwidth_efficiency)
 
 
 REPLAY_BYTES_LIMIT = 256 * 2**20  # larger ops are not replayed (memory, time): the roofline prices them

@@ -179,7 +179,7 @@ class StepTracer(TorchDispatchMode):
             self._add(st, kind)
         self._note_peak()
         packet = func._overloadpacket
-        if packet not in _FREE_OPS:
+        if packet not in _FREE_OPS and func.namespace != "prim":  # prim ops (device, layout queries) do no work
             self.ops.append(self._record(func, packet, args, kwargs, out))
         return out
 

@@ -110,7 +110,7 @@ def build_model_skeleton(
 
     The same architecture, storage dtypes, checkpointing and adapters as ``build_model``; a QLoRA
     base is left in the compute dtype (the plan accounts for its 4-bit storage itself), and
-    attention is plain SDPA (its memory is linear in the row length, like the kernels training uses).
+    attention is causal SDPA without a mask (memory linear in the row length, like the kernels training uses).
     ``layers``: build only this many decoder layers (a plan extrapolates deep models from shallow ones).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -125,8 +125,13 @@ def build_model_skeleton(
         config.num_hidden_layers = layers
         if isinstance(getattr(config, "layer_types", None), list):  # per-layer kinds (sliding / full attention)
             config.layer_types = config.layer_types[:layers]
+    # causal SDPA without a materialized mask, whose memory is linear in the row length as flash-attention's;
+    # transformers' own sdpa path would build a row x row mask on fake tensors (it cannot see they need none)
+    from .packed_attention import register_causal
+
+    attn = register_causal()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation=attn)
         return adapt(model, cfg, activation_checkpointing)
 
 

@@ -154,3 +154,26 @@ def register() -> str:
     AttentionInterface.register(NAME, packed_sdpa_forward)
     AttentionMaskInterface.register(NAME, _no_mask)
     return NAME
+
+
+CAUSAL_NAME = "trainforge_causal_sdpa"
+
+
+def causal_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Each row one causal document, no mask built: the worst case a plan traces (attention memory
+    linear in the row length, as flash-attention's), with no host-side planning of documents."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def register_causal() -> str:
+    """``attn_implementation=CAUSAL_NAME`` for the plan's traced models; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(CAUSAL_NAME, causal_sdpa_forward)
+    AttentionMaskInterface.register(CAUSAL_NAME, _no_mask)
+    return CAUSAL_NAME

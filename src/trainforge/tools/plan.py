@@ -389,19 +389,17 @@ def _duration(seconds: float) -> str:
 
 
 def render_profiles(console) -> None:
-    from rich.table import Table
-
+    """One line per profile: --hardware name, device, memory, peak TFLOP/s per precision, bandwidth, source."""
     from ..profiles import describe_profiles
 
-    table = Table(title="hardware profiles (--hardware NAME; 'this' measures the local machine)")
-    for col in ("name", "device", "GiB", "bf16 TFLOP/s", "fp16", "tf32", "fp32", "GB/s", "source"):
-        table.add_column(col)
+    console.print("hardware profiles (--hardware NAME; 'this' measures the local machine); dense TFLOP/s:")
     for p in describe_profiles():
-        table.add_row(
-            p["name"], p["title"], f"{p['memory_gib']:g}", f"{p['bf16_tflops'] or '-'}", f"{p['fp16_tflops']}",
-            f"{p['tf32_tflops'] or '-'}", f"{p['fp32_tflops']}", f"{p['bandwidth_gbs']:g}", p["source"],
+        console.print(
+            f"  {p['name']:<10} {p['title']:<30} {p['memory_gib']:>4g} GiB  bf16 {p['bf16_tflops'] or '-':>6}  "
+            f"fp16 {p['fp16_tflops']:>6}  tf32 {p['tf32_tflops'] or '-':>5}  fp32 {p['fp32_tflops']:>5}  "
+            f"{p['bandwidth_gbs']:>5g} GB/s  ({p['source']})",
+            highlight=False, markup=False,
         )
-    console.print(table)
 
 
 # ---------------------------------------------------------------------------------- --measure

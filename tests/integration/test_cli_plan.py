@@ -1,0 +1,97 @@
+"""`trainforge plan` through the real CLI: the JSON it prints, the profiles, errors, --measure, and the
+auto settings of a real training run fitted to a capped memory."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from integration_helpers import root_conftest, run_cli
+
+from conftest import TINY_LLAMA_INIT
+
+conf = root_conftest()
+
+
+def tiny_config(tmp_path, **train) -> object:
+    # long documents: split into full rows of one document each, the worst case the plan predicts
+    docs = conf.toy_documents(6000)
+    data = conf.write_jsonl(tmp_path / "docs.jsonl", [{"text": " ".join(docs[i : i + 60])} for i in range(0, len(docs), 60)])
+    cfg = {
+        "model": {"init": dict(TINY_LLAMA_INIT), "tokenizer_vocab_size": 300},
+        "data": {"train": str(data), "eval": None, "max_length": 64},
+        "train": {"max_steps": 6, "compile": False, "device": "cpu", "precision": "fp32", **train},
+        "log": {"every_steps": 2},
+    }
+    return conf.write_config(tmp_path / "tiny.yaml", cfg)
+
+
+def test_plan_json_for_a_gpu_profile(tmp_path):
+    cfg = tiny_config(tmp_path)
+    r = run_cli(["plan", cfg, "--hardware", "H100", "--json", "--set", "train.precision=auto"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["hardware"]["name"] == "h100" and "datasheet" in plan["hardware"]["source"]
+    mem = plan["memory"]
+    assert set(mem["parts"]) >= {"weights", "grads", "optimizer", "activations", "temporaries"}
+    assert mem["peak_tensor_bytes"] == sum(mem["parts"].values()) and mem["fits"]
+    assert mem["peak_process_bytes"] > mem["peak_tensor_bytes"]  # the CUDA context and allocator
+    assert plan["time"]["tokens_per_s"] > 0 and plan["time"]["run_s"] == plan["time"]["steps"] * plan["time"]["step_s"]
+    chosen = {d["setting"]: d["choice"] for d in plan["decisions"]}
+    assert chosen["precision"] == "bf16" and chosen["micro_batch_size"] == "8"
+    assert any("not prepared" in f["message"] for f in plan["findings"])
+
+
+def test_plan_names_profiles_and_refuses_unknown_ones(tmp_path):
+    r = run_cli(["plan", "--hardware", "list"], tmp_path)
+    assert r.returncode == 0 and "rtx4070" in r.stdout and "a100-80gb" in r.stdout
+    r = run_cli(["plan", tiny_config(tmp_path), "--hardware", "h1000"], tmp_path)
+    assert r.returncode == 2 and "unknown profile" in r.stderr and "h100" in r.stderr
+
+
+def test_plan_findings_with_fixes(tmp_path):
+    cfg = tiny_config(tmp_path, max_steps=5000, micro_batch_size=1, grad_accum=4)
+    r = run_cli(["plan", cfg, "--hardware", "t4", "--json", "--set", "log.every_steps=1", "--set", "train.precision=bf16",
+                 "--set", "data.max_length=512"], tmp_path)
+    plan = json.loads(r.stdout)
+    messages = " | ".join(f["message"] + " -> " + f["fix"] for f in plan["findings"])
+    assert "no bf16" in messages and "positions" in messages and "log.every_steps" in messages
+    assert "micro-batch 1" in messages
+    assert r.returncode == 1  # errors were found
+
+
+def test_plan_measure_with_auto_micro_batch_under_a_memory_cap(tmp_path):
+    """micro_batch_size: auto picks the largest batch predicted to fit a capped machine, and the real
+    steps at that size stay inside it; predicted tensors are within 15% of the measured ones."""
+    cfg = tiny_config(tmp_path, micro_batch_size="auto", activation_checkpointing=False)
+    cfg.write_text(cfg.read_text().replace("max_length: 64", "max_length: 512"))  # rows that cost memory
+    env_cap = "0.7"  # GiB: the process's fixed ~0.4 GiB plus room for a few dozen rows of this model
+    os.environ["TRAINFORGE_MEMORY_GIB"] = env_cap
+    try:
+        r = run_cli(["plan", cfg, "--measure", "--measure-steps", "2", "--json"], tmp_path, timeout=400)
+    finally:
+        del os.environ["TRAINFORGE_MEMORY_GIB"]
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    chosen = {d["setting"]: d for d in plan["decisions"]}
+    mbs = int(chosen["micro_batch_size"]["choice"])
+    assert 1 <= mbs < 256 and "largest that fits" in chosen["micro_batch_size"]["why"]
+    measured = plan["measured"]
+    assert measured["live_tensor_peak_bytes"] <= plan["memory"]["capacity_bytes"]
+    assert measured["process_peak_bytes"] <= plan["memory"]["capacity_bytes"]
+    assert abs(plan["memory"]["peak_tensor_bytes"] / measured["live_tensor_peak_bytes"] - 1) < 0.15
+
+
+def test_train_resolves_auto_settings_and_says_why(tmp_path):
+    cfg = tiny_config(tmp_path, micro_batch_size="auto", max_steps=2)
+    os.environ["TRAINFORGE_MEMORY_GIB"] = "0.6"
+    try:
+        r = run_cli(["train", cfg, "--output", tmp_path / "run"], tmp_path)
+    finally:
+        del os.environ["TRAINFORGE_MEMORY_GIB"]
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "largest that fits" in summary["micro_batch_size_reason"]
+    assert summary["activation_checkpointing"] is False and summary["activation_checkpointing_reason"].startswith("off")
+    assert summary["predicted_peak_memory_bytes"] <= 0.9 * 0.6 * 2**30
+    assert "micro_batch_size auto ->" in r.stdout
