@@ -3,13 +3,12 @@ the time model and the hardware profiles. Tiny fixed-seed models; nothing is dow
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
 
 from conftest import TINY_LLAMA_INIT
-from trainforge.config import RunConfig, load_config
+from trainforge.config import RunConfig
 from trainforge.data.loader import Batch
 from trainforge.engine.fit import FIT_MARGIN, fit_run, predict_memory
 from trainforge.engine.optim import build_optimizer

@@ -75,12 +75,33 @@ def _roofline(op, profile: HardwareProfile) -> tuple[float, float]:
 
 
 REPLAY_BYTES_LIMIT = 256 * 2**20  # larger ops are not replayed (memory, time): the roofline prices them
+CACHE_SWEEP_BYTES = 32 * 2**20  # larger than the last-level cache share of a few cores
 
 
-def measure_ops(trace: StepTrace, budget_s: float = 20.0) -> dict[str, float]:
+def measure_ops(trace: StepTrace, budget_s: float = 20.0, threads: int | None = None) -> dict[str, float]:
     """Seconds per distinct op of ``trace``, measured by running each once more on real random
-    tensors of its shapes on this CPU (best of 3 after a warm-up). Repeated layers share keys,
-    so a deep model costs little more than one layer. Stops measuring after ``budget_s``."""
+    tensors of its shapes on this CPU, with cold caches as in a real step (each timed call comes
+    after sweeping a buffer larger than the caches; best of 2 after a warm-up). Repeated layers
+    share keys, so a deep model costs little more than one layer. Stops after ``budget_s``.
+    ``threads``: time with this many threads (a process of a data-parallel job gets its share)."""
+    import time
+
+    import torch
+
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    sweep = torch.empty(CACHE_SWEEP_BYTES // 4)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        _replay(trace, seconds, sweep, start, budget_s)
+    finally:
+        torch.set_num_threads(before)
+    return seconds
+
+
+def _replay(trace: StepTrace, seconds: dict[str, float], sweep, start: float, budget_s: float) -> None:
     import time
 
     import torch
@@ -88,8 +109,6 @@ def measure_ops(trace: StepTrace, budget_s: float = 20.0) -> dict[str, float]:
 
     from .trace import TensorSpec
 
-    seconds: dict[str, float] = {}
-    start = time.perf_counter()
     with torch.no_grad():
         for op in trace.ops:
             if op.key in seconds or op.func is None or op.bytes > REPLAY_BYTES_LIMIT:
@@ -100,11 +119,11 @@ def measure_ops(trace: StepTrace, budget_s: float = 20.0) -> dict[str, float]:
                 args, kwargs = tree_map_only(TensorSpec, TensorSpec.materialize, op.args)
                 op.func(*args, **kwargs)
                 best = float("inf")
-                for _ in range(3):
+                for _ in range(2):
+                    sweep.add_(1.0)  # evict the inputs: in a step, other ops ran in between
                     t = time.perf_counter()
                     op.func(*args, **kwargs)
                     best = min(best, time.perf_counter() - t)
                 seconds[op.key] = best
             except Exception:  # an op that needs real values (or a view of an input): priced by the roofline
                 continue
-    return seconds

@@ -95,7 +95,9 @@ def make_plan(
     accum = resolve_grad_accum(resolved.train, world_size)
     memory = fit.memory or predict_memory(resolved, tokenizer, precision, profile, mbs, ckpt, accum, world_size, mode)
     levers = lever_savings(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
-    measured = measure_ops(memory.trace) if time_ops and device is not None and device.type == "cpu" else {}
+    # on a CPU each process of a data-parallel job gets its share of the cores (torchrun: 1 thread)
+    threads = 1 if world_size > 1 else None
+    measured = measure_ops(memory.trace, threads=threads) if time_ops and device is not None and device.type == "cpu" else {}
     step = predict_step_time(memory.trace, profile, accum, measured)
     step = _with_comms(step, memory, profile, world_size, mode)
     data = data_facts(cfg, tokenizer)
@@ -187,7 +189,7 @@ def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
         return {"prepared": False, "error": str(e)}
     stats_file = (cfg.data.cache_dir or default_cache_dir()) / "data" / key / "stats.json"
     if not stats_file.is_file():
-        return {"prepared": False, "format": fmt, "why": f"not in the token cache yet: run `trainforge prepare` for counts"}
+        return {"prepared": False, "format": fmt, "why": "not in the token cache yet: run `trainforge prepare` for counts"}
     import json
 
     stats = json.loads(stats_file.read_text())
