@@ -369,6 +369,7 @@ def hold_run_dir(
     main = ctx is None or ctx.is_main
     lease: RunLease | None = None
     error: tuple[bool, str] | None = None  # (the directory cannot be written, message)
+    created = not Path(run_dir).exists()  # made for the lease: removed again if the run leaves nothing in it
     if main:
         try:
             timeout, wait = env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S), env_seconds(WAIT_ENV, DEFAULT_WAIT_S)
@@ -398,3 +399,6 @@ def hold_run_dir(
         if lease is not None:
             _HELD.pop(key, None)
             lease.release()
+            if created:  # bad data or config failed before anything was written: leave no empty run directory
+                with contextlib.suppress(OSError):
+                    Path(run_dir).rmdir()

@@ -50,8 +50,11 @@ def test_lease_records_the_holder_and_is_released(tmp_path):
         info = read_lease(tmp_path / "run" / LEASE_FILE)
         assert info.token == lease.token and info.state == "running" and info.timeout_s == 180
         assert info.pid == lease.record.pid and info.host and info.command and info.started_at > 0
-    assert not (tmp_path / "run" / LEASE_FILE).exists()
-    assert list((tmp_path / "run").iterdir()) == []  # no temporaries left
+    assert not (tmp_path / "run").exists()  # made for the lease and left empty: removed, no temporaries left
+    (tmp_path / "kept").mkdir()
+    with hold_run_dir(tmp_path / "kept"):
+        pass
+    assert list((tmp_path / "kept").iterdir()) == []  # a directory that was there stays
 
 
 def test_a_live_holder_is_named_and_refused(tmp_path):
