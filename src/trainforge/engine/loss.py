@@ -18,15 +18,22 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..data.formats import IGNORE
 
-CHUNK = 4096  # target positions per head matmul on GPU: large enough for efficient GEMMs, small enough for memory
+CHUNK = 4096  # at most this many target positions per head matmul on GPU: large enough for efficient GEMMs
+LOGITS_CHUNK_BYTES = 256 * 2**20  # ... and at most this much fp32 logits per chunk: at a 128k vocabulary, 4096
+# positions made 2 GiB of logits plus as much log-probabilities (trainforge plan showed it: 8B QLoRA on 24 GB)
+MIN_CHUNK = 256
 CPU_CHUNK = 512  # on CPU a chunk's fp32 logits should stay in cache: 512 rows ran 1.6x faster than 4096 at a
 # 4k vocabulary (bf16, fwd+bwd of 2,048 positions) and no slower at 32k
 _chunk_device: str | None = None  # set by ``chunk_as``: the device type whose chunk size a plan traces
 
 
-def chunk_for(device_type: str) -> int:
-    """Target positions per head matmul on ``device_type`` (or the device a plan traces for)."""
-    return CPU_CHUNK if (_chunk_device or device_type) == "cpu" else CHUNK
+def chunk_for(device_type: str, vocab: int = 0) -> int:
+    """Target positions per head matmul on ``device_type`` (or the device a plan traces for) at this
+    vocabulary size: on a GPU as many as keep one chunk's fp32 logits within ``LOGITS_CHUNK_BYTES``."""
+    if (_chunk_device or device_type) == "cpu":
+        return CPU_CHUNK
+    fit = LOGITS_CHUNK_BYTES // (4 * vocab) if vocab else CHUNK
+    return max(MIN_CHUNK, min(CHUNK, fit // MIN_CHUNK * MIN_CHUNK))
 
 
 @contextlib.contextmanager
@@ -58,7 +65,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
             grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
             total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-            chunk = chunk_for(hidden.device.type)
+            chunk = chunk_for(hidden.device.type, weight.shape[0])
             for s in range(0, len(y_all), chunk):
                 h, y = h_all[s : s + chunk], y_all[s : s + chunk]
                 # one fused pass from the (bf16) logits to fp32 log-probabilities: no separate upcast copy
