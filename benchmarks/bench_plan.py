@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -102,7 +103,8 @@ def run_one(workdir: Path, name: str, cfg: Path, ddp: bool = False) -> dict:
         "levers": plan["memory"]["levers"],
     }
     if ddp:
-        out = workdir / f"run-{name}"
+        out = workdir / f"run-{name.replace(' ', '-')}"
+        shutil.rmtree(out, ignore_errors=True)  # a fresh run each time (--resume never refuses an old one)
         r = cli("train", str(cfg), "--nproc", "2", "--output", str(out), "--resume", "never", cwd=workdir)
         if r.returncode != 0:
             return {**row, "error": r.stderr[-2000:]}
