@@ -41,14 +41,19 @@ LEVERS = [  # (lever, run without it, run with it)
 
 
 def model_dir(root: Path) -> Path:
-    """bench_memory's 170M Llama as a config-only directory (plan needs no weights)."""
+    """bench_memory's 170M Llama, saved with (random) fp32 weights as bench_memory saves it: loading
+    maps the weight file, which is part of what a CPU run's peak RSS holds."""
     path = root / "llama-170m"
-    path.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
-              "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 8192,
-              "max_position_embeddings": 1024, "tie_word_embeddings": False, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-              "bos_token_id": 1, "eos_token_id": 2}
-    (path / "config.json").write_text(json.dumps(config))
+    if (path / "config.json").is_file():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
+                         num_key_value_heads=16, vocab_size=8192, max_position_embeddings=1024, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2)
+    with torch.device("cpu"):
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
 
 

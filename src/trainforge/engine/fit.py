@@ -70,18 +70,7 @@ def predict_memory(
 
         fixed += CPU_ADAPTER_EXTRA_GIB * GIB
     process = int(tensors * (1 + profile.allocator_overhead) + fixed)
-    if profile.kind == "cpu" and cfg.model.path is not None:
-        # loading maps the weight files into this process beside the weights it builds: on a CPU that
-        # moment can be the process's peak resident memory (a GPU's memory never sees the files)
-        process = max(process, int(fixed + parts["weights"] + weight_file_bytes(cfg.model.path)))
     return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size, activation_checkpointing, trace)
-
-
-def weight_file_bytes(path) -> int:
-    """Bytes of the weight files in a model directory (safetensors or PyTorch bins)."""
-    from pathlib import Path
-
-    return sum(f.stat().st_size for f in Path(path).iterdir() if f.suffix in (".safetensors", ".bin") and f.is_file())
 
 
 @dataclass
