@@ -93,6 +93,7 @@ def make_plan(
     mbs, ckpt = fit.micro_batch_size, fit.activation_checkpointing
     resolved = cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": mbs, "activation_checkpointing": ckpt})})
     accum = resolve_grad_accum(resolved.train, world_size)
+    resolved = resolved.model_copy(update={"train": resolved.train.model_copy(update={"grad_accum": accum})})
     memory = fit.memory or predict_memory(resolved, tokenizer, precision, profile, mbs, ckpt, accum, world_size, mode)
     levers = lever_savings(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
     # on a CPU each process of a data-parallel job gets its share of the cores (torchrun: 1 thread)
@@ -130,7 +131,7 @@ def make_plan(
             "run_s": steps * step.seconds if steps else None,
         },
         "data": data,
-        "decisions": decisions(resolved, cfg, precision, precision_why, profile, device, fit, accum, world_size, mode),
+        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode),
     }
     plan["findings"] = findings(cfg, resolved, plan, memory, step, profile, device, precision, output)
     return plan
@@ -213,8 +214,8 @@ def run_steps(cfg: RunConfig, accum: int, world_size: int, data: dict[str, Any])
 
 
 def decisions(
-    cfg: RunConfig, given: RunConfig, precision: Precision, precision_why: str, profile: HardwareProfile,
-    device: torch.device | None, fit, accum: int, world_size: int, mode: str,
+    cfg: RunConfig, precision: Precision, precision_why: str, device: torch.device | None, fit, accum: int,
+    world_size: int, mode: str,
 ) -> list[dict[str, str]]:
     """What the run would decide by itself on this hardware, and why."""
     from ..model.load import attention_implementation
