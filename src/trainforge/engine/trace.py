@@ -158,6 +158,14 @@ class StepTracer(TorchDispatchMode):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda q: self._relabel(q.grad.untyped_storage(), "grads")))
 
+    def track_training_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, params: list) -> None:
+        """Count what a step starts with: weights and buffers, gradients left by earlier micro-batches,
+        optimizer state; and each gradient backward accumulates from here on."""
+        self.track([*model.parameters(), *model.buffers()], "weights")
+        self.track([p.grad for p in params if p.grad is not None], "grads")
+        self.track([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)], "optimizer")
+        self.watch_grads(params)
+
     @contextlib.contextmanager
     def in_phase(self, phase: str) -> Iterator[None]:
         before, self.phase = self.phase, phase
@@ -278,7 +286,9 @@ def trace_training_step(
     saved activations; embeddings, head and loss do not grow): a 32-layer model costs two shallow
     traces instead of one deep one. ``layers``/``fewer_ops`` let the time model extrapolate alike.
     """
-    depth = _depth(cfg, tokenizer)
+    from ..model.load import architecture_field
+
+    depth = architecture_field(cfg.model, "num_hidden_layers")
     if depth is None or depth <= FEW_LAYERS[1]:
         return _trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, None)
     a, b = (_trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, n) for n in FEW_LAYERS)
@@ -286,17 +296,6 @@ def trace_training_step(
     parts = {k: int(round(b.parts[k] + scale * (b.parts[k] - a.parts[k]))) for k in b.parts}
     grads = int(round(b.trainable_grads + scale * (b.trainable_grads - a.trainable_grads)))
     return StepTrace(sum(parts.values()), parts, b.ops, b.tokens, b.largest_layer, grads, fewer_ops=a.ops, extrapolate=scale)
-
-
-def _depth(cfg: "RunConfig", tokenizer) -> int | None:
-    if cfg.model.init is not None:
-        return cfg.model.init.get("num_hidden_layers")
-    import json
-
-    try:
-        return json.loads((cfg.model.path / "config.json").read_text()).get("num_hidden_layers")
-    except (OSError, ValueError):
-        return None
 
 
 def _trace(
@@ -341,10 +340,7 @@ def _trace(
         if grad_accum > 1:
             forward_backward()  # untraced: the gradients earlier micro-batches leave behind
         tracer = StepTracer()
-        tracer.track([*model.parameters(), *model.buffers()], "weights")
-        tracer.track([p.grad for p in params if p.grad is not None], "grads")
-        tracer.track([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)], "optimizer")
-        tracer.watch_grads(params)
+        tracer.track_training_state(model, optimizer, params)
         try:
             with tracer:
                 with tracer.in_phase("forward"):

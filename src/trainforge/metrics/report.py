@@ -22,6 +22,7 @@ from typing import Any, Callable
 import yaml
 
 from ..atomic import atomic_write_text
+from .sinks import flat_config
 from .tracker import EVENTS_FILE, read_events
 
 REPORT_FILE = "report.html"
@@ -346,26 +347,16 @@ def _summary_rows(run: RunData) -> dict[str, str]:
     }
 
 
-def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config as ``section.key`` -> value."""
-    if isinstance(node, dict) and node:
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: node}
-
-
 def config_differences(runs: list[RunData]) -> list[str]:
     """The config keys whose values are not the same in every run (a key one run lacks differs)."""
-    flats = [flatten(r.config or {}) for r in runs]
+    flats = [flat_config(r.config or {}) for r in runs]
     keys = sorted(set().union(*flats)) if flats else []
     missing = object()
     return [k for k in keys if len({json.dumps(f.get(k, missing), default=str, sort_keys=True) for f in flats}) > 1]
 
 
 def _config_value(run: RunData, key: str) -> str:
-    flat = flatten(run.config or {})
+    flat = flat_config(run.config or {})
     if key not in flat:
         return "(not set)"
     v = flat[key]

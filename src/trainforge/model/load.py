@@ -102,6 +102,19 @@ def adapt(model: torch.nn.Module, cfg: ModelSettings, activation_checkpointing: 
     return model
 
 
+def architecture_field(cfg: ModelSettings, name: str):
+    """A field of the model's architecture (``num_hidden_layers``, ...) from ``model.init`` or the
+    directory's config.json, without building anything; None when it is not given."""
+    if cfg.init is not None:
+        return cfg.init.get(name)
+    import json
+
+    try:
+        return json.loads((cfg.path / "config.json").read_text()).get(name)
+    except (OSError, ValueError):
+        return None
+
+
 def build_model_skeleton(
     cfg: ModelSettings, tokenizer, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
     layers: int | None = None,

@@ -48,9 +48,9 @@ def plan_tokenizer(cfg: RunConfig):
     if cfg.model.tokenizer != "char" and source is not None and any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
         return load_tokenizer(source)
     if cfg.model.path is not None:  # a config-only directory: the model's own vocabulary
-        import json
+        from ..model.load import architecture_field
 
-        return VocabOnly(json.loads((cfg.model.path / "config.json").read_text()).get("vocab_size", 0))
+        return VocabOnly(architecture_field(cfg.model, "vocab_size") or 0)
     return VocabOnly(256 if cfg.model.tokenizer == "char" else cfg.model.tokenizer_vocab_size)
 
 
@@ -274,7 +274,9 @@ def findings(
         add("error", f"train.precision bf16: {profile.title} has no bf16", "set train.precision: auto (fp16 with loss scaling)")
     if precision.name == "fp16" and profile.kind == "cpu":
         add("warn", "fp16 on a CPU is emulated: very slow", "set train.precision: auto")
-    max_pos = _max_positions(cfg)
+    from ..model.load import architecture_field
+
+    max_pos = architecture_field(cfg.model, "max_position_embeddings")
     if max_pos and cfg.data.max_length > max_pos:
         add("error", f"data.max_length {cfg.data.max_length} exceeds the model's {max_pos} positions", f"set data.max_length: {max_pos} or less")
     data, steps = plan["data"], plan["time"]["steps"]
@@ -315,17 +317,6 @@ def findings(
         add("warn", "micro-batch 1 with accumulation: each pass is too small to use the device well",
             "set train.micro_batch_size: auto with train.global_batch_size to keep the global batch")
     return out
-
-
-def _max_positions(cfg: RunConfig) -> int | None:
-    if cfg.model.init is not None:
-        return cfg.model.init.get("max_position_embeddings")
-    try:
-        import json
-
-        return json.loads((cfg.model.path / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
 
 
 def _free_disk(path: Path) -> int | None:
@@ -467,9 +458,7 @@ def measure_steps(config_path: str | None, overrides: list[str], steps: int, war
     run.loader.load_state_dict({"epoch": 0, "offset": 0})
     run.batches = iter(run.loader)
     tracer = StepTracer()
-    tracer.track([*run.model.parameters(), *run.model.buffers()], "weights")
-    tracer.track([v for s in run.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)], "optimizer")
-    tracer.watch_grads(run.params)
+    tracer.track_training_state(run.model, run.optimizer, run.params)
     with tracer:
         one_step()
     tracer.close()
