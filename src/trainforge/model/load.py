@@ -200,12 +200,21 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"train.activation_checkpointing: {type(model).__name__} does not support activation checkpointing")
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers before ~5.20 has only the older name (kept after as a deprecated alias)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
-    """Wrap with PEFT LoRA adapters (DoRA / rank-stabilized scaling when asked); only the adapters train."""
+    """Wrap with PEFT LoRA adapters (DoRA / rank-stabilized scaling when asked); only the adapters train.
+
+    Task type ``SEQ_2_SEQ_LM`` for encoder-decoder models (``final/`` then loads with
+    ``AutoPeftModelForSeq2SeqLM``). ``all-linear`` adapts every linear layer but the LM head: on
+    T5 ``q, k, v, o, wi (wi_0, wi_1), wo``, on BART ``q_proj, k_proj, v_proj, out_proj, fc1, fc2``,
+    in the encoder, the decoder and its cross-attention alike."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
