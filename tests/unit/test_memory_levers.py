@@ -180,7 +180,8 @@ def test_qlora_trains_with_checkpointing_and_final_loads_on_4bit_and_plain_bases
     x = torch.randint(0, len(tok), (1, 12))
     outputs = []
     for kwargs in ({"quantization_config": quant}, {"dtype": torch.float32}):
-        loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "final", **kwargs)
+        # on the CPU, where this test runs (a 4-bit load would go to a GPU when one is present)
+        loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "final", device_map={"": "cpu"}, **kwargs)
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
             outputs.append(loaded(input_ids=x).logits.float())
     assert all(torch.isfinite(o).all() for o in outputs)
