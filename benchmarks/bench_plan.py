@@ -6,7 +6,10 @@ settings, longest rows first, in a fresh process: live tensor peak and process p
 x activation checkpointing on/off, plus one 2-process DDP run (`trainforge train --nproc 2`: peak RSS
 of the largest process and tokens/s from its metrics).
 
-    python benchmarks/bench_plan.py [--out results.json] [--only NAME ...]
+    python benchmarks/bench_plan.py [--out results.json] [--only NAME ...] [--device cuda]
+
+`--device cuda` runs the same grid on the GPU at GPU sizes (~100M and ~400M parameters, rows of
+1024 tokens, precision auto: bf16 where supported), against the `this` profile; no DDP row.
 
 Prints a Markdown table: predicted / measured for peak tensors, peak process memory and tokens/s.
 """
@@ -30,6 +33,10 @@ SIZES = {
     "6M": (256, 688, 4, 4, 2048, 8, 256),
     "30M": (512, 1376, 6, 8, 8192, 4, 256),
 }
+GPU_SIZES = {
+    "100M": (768, 2048, 12, 12, 8192, 16, 1024),
+    "400M": (1024, 2816, 24, 16, 8192, 8, 1024),
+}
 
 
 def make_data(workdir: Path) -> Path:
@@ -52,7 +59,7 @@ def make_model_dir(workdir: Path, size: str, data: Path) -> Path:
 
     from trainforge.model.tokenizer import train_bpe_tokenizer
 
-    hidden, inter, layers, heads, vocab, _, _ = SIZES[size]
+    hidden, inter, layers, heads, vocab, _, _ = {**SIZES, **GPU_SIZES}[size]
     path = workdir / f"llama-{size}"
     if (path / "config.json").is_file():
         return path
@@ -67,16 +74,17 @@ def make_model_dir(workdir: Path, size: str, data: Path) -> Path:
     return path
 
 
-def config_for(workdir: Path, name: str, size: str, method: str, ckpt: bool, data: Path) -> Path:
-    *_, mbs, length = SIZES[size]
+def config_for(workdir: Path, name: str, size: str, method: str, ckpt: bool, data: Path, device: str = "cpu") -> Path:
+    *_, mbs, length = {**SIZES, **GPU_SIZES}[size]
     model: dict = {"path": str(make_model_dir(workdir, size, data)), "method": method}
     if method != "full":
         model["lora"] = {"r": 16, "alpha": 32}
     cfg = {
         "model": model,
         "data": {"train": str(data), "eval": None, "max_length": length, "cache_dir": str(workdir / "cache")},
-        "train": {"max_steps": 12, "micro_batch_size": mbs, "precision": "fp32", "compile": False,
-                  "activation_checkpointing": ckpt, "device": "cpu"},
+        # CPU: fp32 (bf16 autocast is emulated on CPUs without native bf16); GPU: what a user gets
+        "train": {"max_steps": 12, "micro_batch_size": mbs, "precision": "fp32" if device == "cpu" else "auto",
+                  "compile": False, "activation_checkpointing": ckpt, "device": device},
         "log": {"every_steps": 4, "report_to": []},
     }
     path = workdir / f"{name}.yaml"
@@ -148,19 +156,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write every row as JSON here")
     ap.add_argument("--only", nargs="*", help="config names to run (default: all)")
     ap.add_argument("--workdir", type=Path, help="keep models, caches and runs here (default: a temporary directory)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: the GPU grid (GPU sizes, no DDP row)")
     args = ap.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="trainforge-bench-plan-"))
     workdir.mkdir(parents=True, exist_ok=True)
     data = make_data(workdir)
     plans = [(f"{size} {method}{' +ckpt' if ckpt else ''}", size, method, ckpt)
-             for size in SIZES for method in ("full", "lora", "qlora") for ckpt in (False, True)]
+             for size in (SIZES if args.device == "cpu" else GPU_SIZES)
+             for method in ("full", "lora", "qlora") for ckpt in (False, True)]
     rows = []
     for name, size, method, ckpt in plans:
         if args.only and name not in args.only:
             continue
-        rows.append(run_one(workdir, name, config_for(workdir, name.replace(" ", "-"), size, method, ckpt, data)))
+        cfg = config_for(workdir, name.replace(" ", "-"), size, method, ckpt, data, args.device)
+        rows.append(run_one(workdir, name, cfg))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    if not args.only or "6M full DDP x2" in args.only:
+    if args.device == "cpu" and (not args.only or "6M full DDP x2" in args.only):
         cfg = config_for(workdir, "6M-full-ddp", "6M", "full", False, data)
         rows.append(run_one(workdir, "6M full DDP x2", cfg, ddp=True))
     print(table(rows))

@@ -477,11 +477,24 @@ def measure_steps(config_path: str | None, overrides: list[str], steps: int, war
         "tokens_per_s": rec["tokens_per_s"],
         "live_tensor_peak_bytes": tracer.peak,
         "live_tensor_parts": tracer.peak_parts,
-        "process_peak_bytes": peak_memory_bytes(run.device),  # RSS on a CPU, allocated on a GPU
+        "process_peak_bytes": peak_memory_bytes(run.device),  # peak RSS on a CPU
     }
     if run.device.type == "cuda":
-        out["reserved_peak_bytes"] = int(torch.cuda.max_memory_reserved(run.device))
+        out.update(gpu_process_peak(run.device))
     return out
+
+
+def gpu_process_peak(device: torch.device) -> dict[str, int]:
+    """What the card had to hold for this run: the allocator's peak reserved memory plus what the
+    device holds outside the allocator (CUDA context, library workspaces), read as total - free -
+    reserved now. Comparable to plan's process peak, which adds the profile's context to its tensors.
+    Memory of other processes on the same GPU would count as outside too: measure on an idle GPU."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(0, total - free - torch.cuda.memory_reserved(device))
+    reserved = int(torch.cuda.max_memory_reserved(device))
+    return {"reserved_peak_bytes": reserved, "outside_allocator_bytes": int(outside),
+            "allocated_peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "process_peak_bytes": reserved + int(outside)}
 
 
 def render_measured(plan: dict[str, Any], measured: dict[str, Any], console) -> None:
@@ -497,7 +510,7 @@ def render_measured(plan: dict[str, Any], measured: dict[str, Any], console) -> 
         table.add_column(col, justify="right")
     rows = [
         ("peak tensors (GiB)", m["peak_tensor_bytes"] / GIB, measured["live_tensor_peak_bytes"] / GIB),
-        ("process peak (GiB)", m["peak_process_bytes"] / GIB, measured.get("reserved_peak_bytes", measured["process_peak_bytes"]) / GIB),
+        ("process peak (GiB)", m["peak_process_bytes"] / GIB, measured["process_peak_bytes"] / GIB),
         ("tokens/s", t["tokens_per_s"], measured["tokens_per_s"]),
     ]
     for name, p, q in rows:
