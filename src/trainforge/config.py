@@ -10,6 +10,7 @@ import copy
 import difflib
 import glob
 import importlib.util
+import json
 import math
 import os
 import re
@@ -151,6 +152,44 @@ def _check_model_dir(path: Path, needs_tokenizer: bool, needs_weights: bool = Tr
         )
 
 
+def model_type_of(model: "ModelSettings") -> str | None:
+    """The transformers ``model_type`` of the configured model (``llama``, ``t5``, ``bart``, ...), read
+    from ``model.init`` or the directory's config.json (an adapter directory: its base's) without loading it."""
+    if model.init is not None:
+        return str(model.init["architecture"])
+    return _dir_config(model.path).get("model_type")
+
+
+def is_encoder_decoder(model: "ModelSettings") -> bool:
+    """Whether the configured model is an encoder-decoder (T5, mT5, BART, ...): the config's
+    ``is_encoder_decoder``, else its architecture's default; nothing is loaded."""
+    if model.init is not None:
+        return bool(model.init.get("is_encoder_decoder", _architecture_default(model.init["architecture"])))
+    path = Path(model.path)
+    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+        try:  # an adapter directory: PEFT's task type names the kind of its base
+            return json.loads((path / "adapter_config.json").read_text()).get("task_type") == "SEQ_2_SEQ_LM"
+        except (OSError, ValueError):
+            return False
+    config = _dir_config(path)
+    if "is_encoder_decoder" in config:
+        return bool(config["is_encoder_decoder"])
+    return _architecture_default(config["model_type"]) if "model_type" in config else False
+
+
+def _dir_config(path: Path | None) -> dict[str, Any]:
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, TypeError, ValueError):
+        return {}
+
+
+def _architecture_default(arch: str) -> bool:
+    from transformers import CONFIG_MAPPING  # lazy: importing transformers costs seconds
+
+    return bool(arch in CONFIG_MAPPING and getattr(CONFIG_MAPPING[arch](), "is_encoder_decoder", False))
+
+
 def validate_init_fields(init: dict[str, Any]) -> None:
     """Check ``model.init``: a known architecture and only fields its transformers config has."""
     from transformers import CONFIG_MAPPING  # lazy: importing transformers costs seconds
@@ -221,8 +260,10 @@ class DataSettings(Section):
         description="a file/glob, or a fraction held out of the training data (seeded, by content): of the rows, "
         "or of the blocks when too_long is split; null: none",
     )
-    format: Literal["auto", "text", "prompt_completion", "chat", "alpaca"] = Field(
-        "auto", description="auto: from the fields of the first row"
+    format: Literal["auto", "text", "prompt_completion", "chat", "alpaca", "source_target"] = Field(
+        "auto",
+        description="auto: from the fields of the first row; source_target: {source, target} or {input, output} "
+        "rows (a prompt and its completion)",
     )
     fields: FieldNames = Field(default_factory=FieldNames)
     chat_template: str | None = Field(
@@ -231,16 +272,26 @@ class DataSettings(Section):
     train_on_prompt: bool = Field(
         False, description="also learn prompt / user / system tokens (default: completion- / assistant-only)"
     )
-    max_length: int = Field(1024, gt=0, description="tokens per training row")
+    max_length: int = Field(
+        1024, gt=0, description="tokens per training row; encoder-decoder models: source tokens per example (the encoder's side)"
+    )
+    max_target_length: int | None = Field(
+        None,
+        gt=0,
+        description="encoder-decoder models only: target tokens per example (the decoder's side, its EOS "
+        "included); default: data.max_length",
+    )
     too_long: Literal["truncate", "drop", "split"] | None = Field(
         None,
         description="examples longer than max_length: cut, skip, or (text only) split into blocks; "
-        "default: split for text, truncate for prompt/completion, chat and alpaca",
+        "default: split for text, truncate for prompt/completion, chat and alpaca (encoder-decoder: a source over "
+        "max_length or a target over max_target_length, truncate keeping its EOS, or drop)",
     )
     packing: bool | Literal["concat"] = Field(
         True,
         description="true: pack examples into full rows, documents isolated; concat: classic joined stream "
-        "cut into blocks; false: one example per row, batches grouped by length",
+        "cut into blocks; false: one example per row, batches grouped by length (encoder-decoder models: "
+        "always false, and false when unset)",
     )
     txt_mode: Literal["file", "paragraph"] = Field("file", description=".txt files: one document per file or per blank-line block")
     on_bad_row: Literal["error", "skip"] = Field("error", description="skip: count bad rows and go on")
@@ -272,6 +323,10 @@ class DataSettings(Section):
         if self.too_long == "split" and self.format not in ("auto", "text"):
             raise ValueError(f"data.too_long: 'split' is for text only; data.format is {self.format!r}; use truncate or drop")
         return self
+
+    def target_limit(self) -> int:
+        """Target tokens per example of an encoder-decoder model: ``max_target_length``, else ``max_length``."""
+        return self.max_target_length or self.max_length
 
     def too_long_for(self, fmt: str) -> str:
         """The too-long policy for data of format ``fmt``: the set one, else split for text, truncate otherwise."""
@@ -442,6 +497,41 @@ class RunConfig(Section):
     optim: OptimSettings = Field(default_factory=OptimSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+
+    @model_validator(mode="after")
+    def _fits_the_model_kind(self) -> "RunConfig":
+        """Settings that depend on whether the model is decoder-only or encoder-decoder (T5, BART, ...)."""
+        d = self.data
+        if not is_encoder_decoder(self.model):
+            if d.max_target_length is not None:
+                raise ValueError(
+                    "data.max_target_length: only encoder-decoder models (T5, BART, ...) have a separate target; "
+                    "this model is decoder-only: data.max_length limits the whole example"
+                )
+            return self
+        kind = f"the model ({model_type_of(self.model) or 'encoder-decoder'}) is an encoder-decoder"
+        if d.packing is not False:
+            if "packing" in d.model_fields_set:  # packing across examples would need per-document cross-attention
+                raise ValueError(
+                    f"data.packing: {kind}; it trains one source -> target example per row, batches grouped by "
+                    "length and padded (no packing across examples); set data.packing: false or leave it unset"
+                )
+            d.packing = False
+        problems = {
+            "data.too_long": "split is for text only; use truncate or drop" if d.too_long == "split" else None,
+            "data.format": "text rows have no source -> target pairs; use prompt_completion, source_target, alpaca "
+            "or chat rows" if d.format == "text" else None,
+            "data.train_on_prompt": "the encoder reads the source and only the target is learned; set it to false"
+            if d.train_on_prompt else None,
+            "model.attention": "packed_sdpa is for packed decoder-only rows; use auto, sdpa or eager"
+            if self.model.attention == "packed_sdpa" else None,
+            "train.micro_batch_size": "auto is not available for encoder-decoder models yet (its plan traces "
+            "decoder-only steps); give a number of rows" if self.train.micro_batch_size == "auto" else None,
+        }
+        for key, problem in problems.items():
+            if problem:
+                raise ValueError(f"{key}: {kind}: {problem}")
+        return self
 
     def to_yaml(self) -> str:
         """The resolved configuration as YAML (every default spelled out)."""

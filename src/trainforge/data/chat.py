@@ -109,9 +109,13 @@ class ChatLocator:
         self._skeletons: OrderedDict[tuple, str] = OrderedDict()
         self._markers: dict[tuple[str, str], str] = {}  # (text after a turn, alternative) -> end marker
 
-    def render(self, messages: list[dict[str, Any]], where: str) -> str:
+    def render(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False) -> str:
+        """The conversation as the template writes it; ``generation_prompt``: followed by the header of
+        the assistant turn to come (an encoder-decoder's source)."""
         try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False, add_generation_prompt=False)
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as e:  # jinja's raise_exception (e.g. roles must alternate) and template bugs
             raise DataError(f"{where}: the chat template cannot render this conversation: {e}") from None
 

@@ -18,7 +18,8 @@ from .chat import SHAREGPT_FIELD, ChatLocator, conversation, tool_role_of
 from .sources import DataError, Row
 
 IGNORE = -100
-FORMATS = ("text", "prompt_completion", "chat", "alpaca")
+FORMATS = ("text", "prompt_completion", "chat", "alpaca", "source_target")
+SOURCE_TARGET = ("source", "target")  # {"source", "target"} rows; {"input", "output"} (data.fields names) read alike
 
 # Used when the tokenizer has no chat template: ChatML-style turns. The assistant's turn,
 # including its closing "<|im_end|>", is what gets learned.
@@ -29,6 +30,17 @@ DEFAULT_CHAT_TEMPLATE = (
 # Alpaca rows become a prompt/completion pair with this prompt.
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+@dataclass
+class Pair:
+    """A row as an encoder-decoder example: the source the encoder reads and the target the decoder
+    learns (None: the row has nothing to learn, e.g. a chat without an assistant turn)."""
+
+    source: str
+    target: str | None
+    where: str
+    templated: bool = False  # the source is a chat template's render, with its own special tokens
 
 
 @dataclass
@@ -47,7 +59,16 @@ def format_fields(fmt: str, names: FieldNames) -> tuple[str, ...]:
         "prompt_completion": (names.prompt, names.completion),
         "chat": (names.messages,),
         "alpaca": (names.instruction, names.output),
+        "source_target": (*SOURCE_TARGET, names.input, names.output),  # either pair (see source_target_keys)
     }[fmt]
+
+
+def source_target_keys(row: Row, names: FieldNames) -> tuple[str, str] | None:
+    """The (source, target) fields of a source/target row: ``source``/``target``, else ``input``/``output``."""
+    for keys in (SOURCE_TARGET, (names.input, names.output)):
+        if all(k in row.data for k in keys):
+            return keys
+    return None
 
 
 def detect_format(row: Row, names: FieldNames) -> str:
@@ -57,10 +78,13 @@ def detect_format(row: Row, names: FieldNames) -> str:
     for fmt in ("chat", "alpaca", "prompt_completion", "text"):
         if all(k in row.data for k in format_fields(fmt, names)):
             return fmt
+    if source_target_keys(row, names) is not None:  # after text: a corpus row may name its "source"
+        return "source_target"
     raise DataError(
         f"{row.where}: cannot tell the data format from fields {sorted(row.data)}; expected "
-        f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' or '{SHAREGPT_FIELD}' (chat) or "
-        f"'{names.instruction}'+'{names.output}' (alpaca); or set data.format / data.fields"
+        f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' or '{SHAREGPT_FIELD}' (chat), "
+        f"'{names.instruction}'+'{names.output}' (alpaca) or 'source'+'target' / '{names.input}'+'{names.output}' "
+        "(source_target); or set data.format / data.fields"
     )
 
 
@@ -86,16 +110,48 @@ class Renderer:
         self.chat = ChatLocator(tokenizer, self.chat_template)
 
     def __call__(self, row: Row) -> Rendered:
-        n = self.names
         if self.fmt == "text":
-            return Rendered(_string(row, n.text), None, True, row.where)
+            return Rendered(_string(row, self.names.text), None, True, row.where)
+        if self.fmt == "chat":
+            return self._chat(row)
+        return self._pair(*self._prompt_completion(row), row.where)
+
+    def _prompt_completion(self, row: Row) -> tuple[str, str]:
+        """(prompt, completion) of a prompt/completion, source/target or alpaca row."""
+        n = self.names
         if self.fmt == "prompt_completion":
-            return self._pair(_string(row, n.prompt), _string(row, n.completion), row.where)
-        if self.fmt == "alpaca":
-            instruction, extra = _string(row, n.instruction), _string(row, n.input, optional=True)
-            template = ALPACA_PROMPT_WITH_INPUT if extra.strip() else ALPACA_PROMPT
-            return self._pair(template.format(instruction=instruction, input=extra), _string(row, n.output), row.where)
-        return self._chat(row)
+            return _string(row, n.prompt), _string(row, n.completion)
+        if self.fmt == "source_target":
+            keys = source_target_keys(row, n)
+            if keys is None:
+                raise DataError(f"{row.where}: expected fields 'source'+'target' or {n.input!r}+{n.output!r}, got {sorted(row.data)}")
+            return _string(row, keys[0]), _string(row, keys[1])
+        instruction, extra = _string(row, n.instruction), _string(row, n.input, optional=True)
+        template = ALPACA_PROMPT_WITH_INPUT if extra.strip() else ALPACA_PROMPT
+        return template.format(instruction=instruction, input=extra), _string(row, n.output)
+
+    def pair(self, row: Row) -> Pair:
+        """The row as source -> target for an encoder-decoder model.
+
+        Prompt/completion, source/target and alpaca rows: the prompt (alpaca's, as for decoder-only
+        models) is the source, the completion the target. Chat rows: the conversation before the last
+        assistant turn, rendered with the chat template and its generation prompt, is the source; that
+        turn's content is the target (earlier assistant turns are context, not learned; messages after
+        it have no reply to learn and are left out).
+        """
+        if self.fmt == "text":
+            raise DataError(
+                f"{row.where}: text rows have no source -> target pair for an encoder-decoder model; use "
+                "prompt/completion, source/target, input/output, alpaca or chat rows (data.format)"
+            )
+        if self.fmt != "chat":
+            return Pair(*self._prompt_completion(row), row.where)
+        messages = conversation(row, self.names.messages, self.tool_role)
+        last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
+        if last is None:
+            return Pair("", None, row.where)
+        source = self.chat.render(messages[:last], row.where, generation_prompt=True)
+        return Pair(source, messages[last]["content"], row.where, templated=True)
 
     def _pair(self, prompt: str, completion: str, where: str) -> Rendered:
         text = prompt + completion
@@ -123,6 +179,8 @@ class TokenizedChunk:
     split: int = 0
     dropped_masked: int = 0
     lost_tokens: int = 0  # tokens cut off by truncation or dropped with too-long examples
+    target_truncated: int = 0  # encoder-decoder: targets cut at data.max_target_length (sources count as truncated)
+    target_dropped_too_long: int = 0  # ... and examples dropped for a target over it
 
 
 def _first_token_from(enc, char: int, text: str) -> int:
@@ -186,6 +244,14 @@ class _PyEncoding:
 _ENCODERS: dict[tuple[int, bool], _Encoder] = {}
 
 
+def encoder_for(tokenizer, special_tokens: bool) -> _Encoder:
+    """The batch encoder of ``tokenizer`` (with or without its special tokens), made once per process."""
+    key = (id(tokenizer), special_tokens)
+    if key not in _ENCODERS:
+        _ENCODERS[key] = _Encoder(tokenizer, special_tokens)
+    return _ENCODERS[key]
+
+
 def tokenize_rendered(
     items: Sequence[Rendered], tokenizer, max_length: int, too_long: str, special_tokens: bool = True
 ) -> TokenizedChunk:
@@ -198,10 +264,7 @@ def tokenize_rendered(
     chunk = TokenizedChunk(np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64))
     if not items:
         return chunk
-    key = (id(tokenizer), special_tokens)
-    if key not in _ENCODERS:
-        _ENCODERS[key] = _Encoder(tokenizer, special_tokens)
-    encodings = _ENCODERS[key]([r.text for r in items])
+    encodings = encoder_for(tokenizer, special_tokens)([r.text for r in items])
     out_ids, out_learn, lengths, continues = [], [], [], []
     limit = max_length + 1
     for r, enc in zip(items, encodings):

@@ -25,21 +25,27 @@ class Batch:
     # restart at 0 for each packed document: the model masks attention across documents from them.
     # None when rows hold one document each (right padding needs no mask under causal attention).
     position_ids: torch.Tensor | None
-    n_tokens: int  # real (non-pad) input tokens
+    n_tokens: int  # real (non-pad) input tokens (encoder-decoder: the encoder's and the decoder's)
     n_targets: int  # tokens that carry loss
     indices: list[int]  # row indices, to name the examples of a batch
+    # encoder-decoder models (data/seq2seq.py): input_ids is the source, labels the target
+    attention_mask: torch.Tensor | None = None  # the source's real tokens (padding is not attended to)
+    decoder_input_ids: torch.Tensor | None = None  # the target shifted right behind the decoder's start token
+
+    def _map(self, fn) -> "Batch":
+        t = lambda x: fn(x) if x is not None else None  # noqa: E731
+        return Batch(
+            fn(self.input_ids), fn(self.labels), t(self.position_ids), self.n_tokens, self.n_targets, self.indices,
+            t(self.attention_mask), t(self.decoder_input_ids),
+        )
 
     def to(self, device: torch.device) -> "Batch":
         nb = device.type == "cuda"  # async copy from pinned memory
-        pos = self.position_ids.to(device, non_blocking=nb) if self.position_ids is not None else None
-        return Batch(
-            self.input_ids.to(device, non_blocking=nb),
-            self.labels.to(device, non_blocking=nb),
-            pos,
-            self.n_tokens,
-            self.n_targets,
-            self.indices,
-        )
+        return self._map(lambda x: x.to(device, non_blocking=nb))
+
+    def pinned(self) -> "Batch":
+        """In page-locked host memory: the host-to-GPU copy becomes asynchronous."""
+        return self._map(lambda x: x.pin_memory())
 
 
 class RowCollator:
@@ -84,11 +90,7 @@ class RowCollator:
             n_targets=int((labels != IGNORE).sum()),
             indices=list(indices),
         )
-        if self.pin:  # page-locked host memory makes the host-to-GPU copy asynchronous
-            batch.input_ids, batch.labels = batch.input_ids.pin_memory(), batch.labels.pin_memory()
-            if batch.position_ids is not None:
-                batch.position_ids = batch.position_ids.pin_memory()
-        return batch
+        return batch.pinned() if self.pin else batch  # page-locked: the host-to-GPU copy is asynchronous
 
 
 class TrainLoader:
@@ -173,7 +175,12 @@ class TrainLoader:
         order = self.epoch_order(0)
         real = padded = 0
         for b in range(0, len(order), self.batch_size):
-            lens = [row_tokens(self.rows[i], self.collate.concat) for i in order[b : b + self.batch_size]]
+            rows = [self.rows[i] for i in order[b : b + self.batch_size]]
+            if hasattr(self.collate, "padding"):  # encoder-decoder: source and target padded apart
+                r, p = self.collate.padding(rows)
+                real, padded = real + r, padded + p
+                continue
+            lens = [row_tokens(row, self.collate.concat) for row in rows]
             width = self.collate.max_length if (self.collate.packed or self.collate.concat) else -(-max(lens) // PAD_MULTIPLE) * PAD_MULTIPLE
             real += sum(lens)
             padded += width * len(lens)

@@ -12,13 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from ..config import RunConfig
+from ..config import RunConfig, is_encoder_decoder
 from ..metrics.console import ConsoleReporter
 from ..model.tokenizer import build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
 from .formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
 from .loader import RowCollator, TrainLoader
 from .packing import build_rows, weighted_indices
 from .prepare import PreparedData, prepare_data, resolve_format, training_texts
+from .seq2seq import Seq2SeqCollator
 
 
 def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
@@ -54,25 +55,35 @@ class DataPlan:
     prepared: PreparedData
     train_rows: list
     eval_rows: list
-    collate: RowCollator
-    eval_collate: RowCollator | None
+    collate: RowCollator | Seq2SeqCollator
+    eval_collate: RowCollator | Seq2SeqCollator | None
 
 
 def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = False) -> DataPlan:
-    """Tokenize (or reuse the cache), mix sources by weight, pack into rows."""
+    """Tokenize (or reuse the cache), mix sources by weight, pack into rows.
+
+    Encoder-decoder models (T5, BART, ...): source -> target pairs, one per row (the config
+    turns packing off for them), batched by ``Seq2SeqCollator``."""
     d = cfg.data
-    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info)
+    seq2seq = is_encoder_decoder(cfg.model)
+    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=seq2seq)
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
+    if seq2seq:
+        from ..model.load import decoder_start_token_id
+
+        start = decoder_start_token_id(cfg.model, tokenizer)
+        collator = lambda store, pin=False: Seq2SeqCollator(store, tokenizer.pad_token_id, start, d.max_length, pin)  # noqa: E731
+    else:
+        collator = lambda store, pin=False: RowCollator(store, tokenizer.pad_token_id, d.packing, d.max_length, pin=pin)  # noqa: E731
     weights = [s.weight for s in d.sources()]
     index = weighted_indices(prepared.train, weights, cfg.train.seed)
     train_rows = build_rows(prepared.train, index, d.packing, d.max_length)
     eval_rows, eval_collate = [], None
     if prepared.eval is not None and len(prepared.eval):
         eval_rows = build_rows(prepared.eval, np.arange(len(prepared.eval)), d.packing, d.max_length)
-        eval_collate = RowCollator(prepared.eval, tokenizer.pad_token_id, d.packing, d.max_length)
-    collate = RowCollator(prepared.train, tokenizer.pad_token_id, d.packing, d.max_length, pin=pin)
-    return DataPlan(prepared, train_rows, eval_rows, collate, eval_collate)
+        eval_collate = collator(prepared.eval)
+    return DataPlan(prepared, train_rows, eval_rows, collator(prepared.train, pin), eval_collate)
 
 
 def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None) -> dict[str, Any]:
@@ -102,8 +113,12 @@ def lost_tokens_warning(stats: dict[str, Any], max_length: int) -> str | None:
         if stats["format"] == "text"
         else "raise data.max_length if the model's context allows it"
     )
+    limits = f"data.max_length={max_length}"
+    if stats.get("encoder_decoder"):
+        limits += f" (sources) and data.max_target_length={stats['max_target_length']} (targets)"
+        fix = "raise data.max_length or data.max_target_length if the model allows it"
     return (
-        f"data: {how} at data.max_length={max_length} discarded {stats['lost_tokens']:,} tokens, "
+        f"data: {how} at {limits} discarded {stats['lost_tokens']:,} tokens, "
         f"{stats['lost_token_share']:.0%} of the data; {fix}"
     )
 
@@ -111,12 +126,16 @@ def lost_tokens_warning(stats: dict[str, Any], max_length: int) -> str | None:
 def describe_data(plan: DataPlan, efficiency: float) -> str:
     s = plan.prepared.stats
     mode = {True: "packed", False: "unpacked", "concat": "concatenated"}[plan.collate.packed or ("concat" if plan.collate.concat else False)]
+    if s.get("encoder_decoder"):
+        mode = "source -> target"
     notes = [
         f"{s[k]} {label}"
         for k, label in (
-            ("truncated", "truncated"),
+            ("truncated", "source truncated" if s.get("encoder_decoder") else "truncated"),
+            ("target_truncated", "target truncated"),
             ("split", "split into blocks"),
-            ("dropped_too_long", "dropped as too long"),
+            ("dropped_too_long", "dropped for a too-long source" if s.get("encoder_decoder") else "dropped as too long"),
+            ("target_dropped_too_long", "dropped for a too-long target"),
             ("dropped_masked", "dropped with nothing to learn"),
             ("bad_rows", "bad rows skipped"),
             ("eval_overlap_dropped", "dropped as duplicates of eval rows"),

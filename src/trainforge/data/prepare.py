@@ -28,9 +28,11 @@ from ..config import DataSettings, default_cache_dir
 from .chat import conversation
 from .formats import Renderer, TokenizedChunk, detect_format, format_fields, tokenize_rendered
 from .sources import BadRows, DataError, Row, iter_source, source_files
+from .seq2seq import tokenize_pairs
 from .store import StoreWriter, TokenStore, split_store
 
 STORE_VERSION = 1  # bump when the store layout or tokenization rules change
+SEQ2SEQ_VERSION = 1  # source -> target stores of encoder-decoder models (data/seq2seq.py): a key of their own
 # too_long: split stores mark split continuations (continues.npy) from version 2 on; a key of its
 # own, so the stores (and checkpoints' store keys) of every other setting stay valid
 SPLIT_VERSION = 2
@@ -96,13 +98,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int) -> str:
-    """Hash of source contents, tokenizer, and every setting that changes the stored tokens."""
+def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool = False) -> str:
+    """Hash of source contents, tokenizer, and every setting that changes the stored tokens.
+    ``seq2seq``: source -> target pairs of an encoder-decoder model (other stores keep their keys)."""
     h = hashlib.blake2b(digest_size=16)
-    settings = cfg.model_dump(mode="json", exclude={"packing", "cache_dir", "num_workers", "train"})
+    exclude = {"packing", "cache_dir", "num_workers", "train", "max_target_length"}
+    settings = cfg.model_dump(mode="json", exclude=exclude)
     settings["train"] = [s.path for s in cfg.sources()]  # weights are applied when loading, not stored
     settings["too_long"] = cfg.too_long_for(fmt)  # the default and the same policy set by hand share a cache
     key = {"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}
+    if seq2seq:
+        key["seq2seq"] = {"v": SEQ2SEQ_VERSION, "max_target_length": cfg.target_limit()}
     if settings["too_long"] == "split":
         key["split_v"] = SPLIT_VERSION
         if isinstance(cfg.eval, float):
@@ -127,28 +133,36 @@ _WORKER: dict[str, Any] = {}
 def _tokenize_chunk(rows: list[Row]) -> tuple[TokenizedChunk, list[str]]:
     """Render and tokenize one chunk (in a worker process, or inline). Returns bad-row messages too."""
     w = _WORKER
+    seq2seq = w["max_target_length"] is not None
+    render = w["renderer"].pair if seq2seq else w["renderer"]
     rendered, bad = [], []
     for row in rows:
         try:
-            rendered.append(w["renderer"](row))
+            rendered.append(render(row))
         except DataError as e:
             bad.append(str(e))
+    if seq2seq:
+        return tokenize_pairs(rendered, w["tokenizer"], w["max_length"], w["max_target_length"], w["too_long"]), bad
     chunk = tokenize_rendered(rendered, w["tokenizer"], w["max_length"], w["too_long"], w["special_tokens"])
     return chunk, bad
 
 
 class ChunkTokenizer:
-    """Tokenizes chunks of rows in order, in forked worker processes when more than one."""
+    """Tokenizes chunks of rows in order, in forked worker processes when more than one.
+    ``max_target_length``: rows become source -> target pairs (encoder-decoder), ``max_length`` the source's limit."""
 
-    def __init__(self, renderer: Renderer, tokenizer, max_length: int, too_long: str, workers: int):
+    def __init__(
+        self, renderer: Renderer, tokenizer, max_length: int, too_long: str, workers: int, max_target_length: int | None = None
+    ):
         _WORKER.update(
             renderer=renderer,
             tokenizer=tokenizer,
             max_length=max_length,
+            max_target_length=max_target_length,
             too_long=too_long,
             special_tokens=renderer.fmt != "chat",  # chat templates carry their own special tokens
         )
-        self.workers = workers
+        self.workers, self.seq2seq = workers, max_target_length is not None
         self.pool: ProcessPoolExecutor | None = None
         if workers > 1:
             # fork: workers inherit the loaded tokenizer instead of re-importing transformers (seconds each)
@@ -192,10 +206,14 @@ class _Counts:
     split: int = 0
     dropped_masked: int = 0
     lost_tokens: int = 0
+    target_truncated: int = 0
+    target_dropped_too_long: int = 0
+    seq2seq: bool = False  # source -> target pairs: every stored token is an input (the encoder's or the decoder's)
 
     def add(self, chunk: TokenizedChunk) -> None:
         self.sequences += len(chunk.lengths)
-        self.tokens += int(chunk.lengths.sum()) - len(chunk.lengths)  # inputs: all but the last token
+        # inputs: all but each sequence's last token; a pair's decoder reads its target shifted behind a start token
+        self.tokens += int(chunk.lengths.sum()) - (0 if self.seq2seq else len(chunk.lengths))
         if len(chunk.lengths):  # targets are learned tokens after each sequence's first
             starts = np.concatenate([[0], np.cumsum(chunk.lengths)[:-1]])
             self.target_tokens += int(chunk.learn.sum()) - int(chunk.learn[starts].sum())
@@ -204,11 +222,13 @@ class _Counts:
         self.split += chunk.split
         self.dropped_masked += chunk.dropped_masked
         self.lost_tokens += chunk.lost_tokens
+        self.target_truncated += chunk.target_truncated
+        self.target_dropped_too_long += chunk.target_dropped_too_long
 
 
 def _write_store(path: Path, rows_by_source: Iterator[Iterator[Row]], tok: ChunkTokenizer, bad: BadRows, vocab: int) -> _Counts:
     writer = StoreWriter(path, vocab)
-    counts = _Counts()
+    counts = _Counts(seq2seq=tok.seq2seq)
     for rows in rows_by_source:
         writer.start_source()
 
@@ -226,18 +246,19 @@ def _write_store(path: Path, rows_by_source: Iterator[Iterator[Row]], tok: Chunk
     return counts
 
 
-def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print) -> PreparedData:
-    """Token stores for train and eval: from the cache when the fingerprint matches, else built."""
+def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bool = False) -> PreparedData:
+    """Token stores for train and eval: from the cache when the fingerprint matches, else built.
+    ``seq2seq``: rows as source -> target pairs for an encoder-decoder model (data/seq2seq.py)."""
     start = time.perf_counter()
     fmt = resolve_format(cfg)
-    key = fingerprint(cfg, fmt, tokenizer, seed)
+    key = fingerprint(cfg, fmt, tokenizer, seed, seq2seq)
     root = (cfg.cache_dir or default_cache_dir()) / "data" / key
     hit = (root / "stats.json").is_file()
     if hit:
         log(f"data: cache hit, reusing tokens from {root}")
     else:
         log(f"data: tokenizing into {root}")
-        if not publish_entry(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp)):
+        if not publish_entry(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp, seq2seq)):
             log(f"data: another process finished {root.name} first; using its tokens (the same ones)")
     stats = json.loads((root / "stats.json").read_text())
     stats["prepare_s"] = time.perf_counter() - start
@@ -338,12 +359,17 @@ def held_out_blocks(store: TokenStore, fraction: float, seed: int) -> np.ndarray
     return hashes <= np.partition(hashes, k - 1)[k - 1]
 
 
-def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path) -> None:
+def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq: bool = False) -> None:
     bad = BadRows(cfg.on_bad_row)
     renderer = Renderer(fmt, cfg.fields, tokenizer, cfg.chat_template, cfg.train_on_prompt)
     too_long = cfg.too_long_for(fmt)
+    if seq2seq and fmt == "text":
+        raise DataError(
+            f"data.train={cfg.train!r}: text rows have no source -> target pairs for an encoder-decoder model; "
+            "give prompt/completion, source/target, input/output, alpaca or chat rows"
+        )
     workers = cfg.num_workers or os.cpu_count() or 1
-    tok = ChunkTokenizer(renderer, tokenizer, cfg.max_length, too_long, workers)
+    tok = ChunkTokenizer(renderer, tokenizer, cfg.max_length, too_long, workers, cfg.target_limit() if seq2seq else None)
     vocab = len(tokenizer)
     n_sources = len(cfg.sources())
     # a held-out fraction comes out of the rows, or, when long documents are split, out of the blocks:
@@ -422,6 +448,13 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path) -> None
         "bad_rows": bad.count,
         "bad_row_examples": bad.first,
     }
+    if seq2seq:  # the target side's own limit and counts; the keys above count sources
+        stats.update(
+            encoder_decoder=True,
+            max_target_length=cfg.target_limit(),
+            target_truncated=train_counts.target_truncated,
+            target_dropped_too_long=train_counts.target_dropped_too_long,
+        )
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
 
 

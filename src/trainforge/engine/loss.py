@@ -100,15 +100,64 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
 
 
-def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Sum of next-token cross-entropy over positions whose label is not IGNORE, as an fp32 scalar.
 
     ``hidden``: (N, H) final hidden states; ``labels``: (N,) targets aligned with them. Under
     autocast the head's matmuls run in the autocast dtype, as ``head(hidden)`` would.
+    ``bias``: added to the logits instead of the head's own (BART's ``final_logits_bias``).
     """
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-    return _LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, compute_dtype)
+    return _LinearCrossEntropy.apply(hidden, head.weight, head.bias if bias is None else bias, labels, compute_dtype)
+
+
+def _plain_base(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The transformers model under a PEFT wrapper, or None when the head cannot be called apart:
+    FSDP (the head's weight lives in shards only the root's forward gathers), or a DDP wrapper
+    (its forward hooks exchange the gradients: submodules called directly would bypass them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base if getattr(base, "config", None) is not None else None
+
+
+# Encoder-decoder classes whose logits are lm_head(decoder output x scale) + bias, and how they scale
+# (transformers 5: T5 when config.scale_decoder_outputs, the original T5 and Flan-T5; mT5 never).
+# Others take the model's own head; tests/unit/test_seq2seq.py checks each entry against it.
+SEQ2SEQ_HEADS = {
+    "T5ForConditionalGeneration": lambda base: base.model_dim**-0.5 if base.config.scale_decoder_outputs else None,
+    "MT5ForConditionalGeneration": lambda base: None,
+    "BartForConditionalGeneration": lambda base: None,
+    "MBartForConditionalGeneration": lambda base: None,
+}
+
+
+def seq2seq_fused_head(model: torch.nn.Module):
+    """A function (input_ids, attention_mask, decoder_input_ids) -> (decoder output as the head sees
+    it, lm_head, logits bias) for the encoder-decoders of ``SEQ2SEQ_HEADS``; None for the others."""
+    base = _plain_base(model)
+    if base is None or type(base).__name__ not in SEQ2SEQ_HEADS:
+        return None
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return None  # LoRA on the head, or quantized
+    scale = SEQ2SEQ_HEADS[type(base).__name__](base)
+    bias = getattr(base, "final_logits_bias", None)  # BART: a (1, vocab) buffer added to the logits
+
+    def run(input_ids: torch.Tensor, attention_mask: torch.Tensor, decoder_input_ids: torch.Tensor):
+        encoded = base.get_encoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = base.get_decoder()(
+            input_ids=decoder_input_ids, encoder_hidden_states=encoded, encoder_attention_mask=attention_mask,
+            use_cache=False,
+        ).last_hidden_state
+        return (hidden * scale if scale is not None else hidden), head, (bias[0] if bias is not None else None)
+
+    return run
 
 
 def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
@@ -117,13 +166,8 @@ def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     None for heads that are not a plain Linear (LoRA on the head, quantized) and for models
     that transform logits (soft-capping, scaling): those take the standard path.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        return None  # sharded: the head's weight lives in shards that only the root's forward gathers
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    if config is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+    base = _plain_base(model)
+    if base is None or getattr(base.config, "final_logit_softcapping", None) or getattr(base.config, "logit_scale", None):
         return None
     get_decoder, get_head = getattr(base, "get_decoder", None), getattr(base, "get_output_embeddings", None)
     if get_decoder is None or get_head is None:

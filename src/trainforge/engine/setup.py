@@ -10,11 +10,12 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_max_steps
+from ..config import RunConfig, default_cache_dir, is_encoder_decoder, resolve_grad_accum, resolve_max_steps
 from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import describe_data, get_tokenizer, plan_data
 from ..dist import DistContext, choose_mode, device_for
 from ..hardware import (
+    PRECISIONS,
     Precision,
     available_memory_bytes,
     configure_backends,
@@ -30,7 +31,14 @@ from ..metrics.profile import StepTimer
 from ..metrics.sinks import build_sinks, require_trackers
 from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
-from ..model.load import build_model, build_model_skeleton, count_parameters, describe_storage, weight_storage
+from ..model.load import (
+    build_model,
+    build_model_skeleton,
+    count_parameters,
+    describe_storage,
+    overflows_in_fp16,
+    weight_storage,
+)
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .fit import Fit, fit_run
 from .memory import estimate_memory, memory_warning
@@ -70,6 +78,7 @@ def setup(
     seed_everything(cfg.train.seed)
     device = device_for(pick_device(cfg.train.device), ctx)
     precision, why = resolve_precision(cfg.train.precision, device, cfg.data.cache_dir)
+    precision, why = fp16_safe_precision(cfg, precision, why, reporter)
     configure_backends(device)
     procs = f" | {ctx.world_size} processes" if ctx.enabled else ""
     reporter.info(f"trainforge {__version__} | {describe(device)}{procs} | precision {precision.name} ({why})")
@@ -168,6 +177,23 @@ def setup(
     return run
 
 
+def fp16_safe_precision(cfg: RunConfig, precision: Precision, why: str, reporter: ConsoleReporter) -> tuple[Precision, str]:
+    """T5-family models (T5, mT5, Flan-T5, ...) overflow in fp16: pretrained in bf16, their feed-forward
+    activations exceed fp16's largest value (65504). ``precision: auto`` takes fp32 instead of fp16
+    for them (fp16 is its choice only on GPUs without bf16) and says so; an explicit fp16 is warned."""
+    family = overflows_in_fp16(cfg.model)
+    if precision.name != "fp16" or family is None:
+        return precision, why
+    if cfg.train.precision == "auto":
+        return PRECISIONS["fp32"], f"{why}; but {family} models overflow in fp16, so fp32"
+    reporter.warn(
+        f"train.precision=fp16: {family} models are known to overflow in fp16 (activations past 65504); steps with "
+        "a non-finite loss or gradient are skipped and the run stops after train.max_skipped_steps in a row. "
+        "Use bf16 where the hardware has it, else fp32"
+    )
+    return precision, why
+
+
 def open_metrics(cfg: RunConfig, out: Path, resume_plan: ResumePlan | None, reporter: ConsoleReporter) -> MetricsLog:
     """metrics.jsonl and the trackers of ``log.report_to``; a resume of this run directory continues
     the tracker runs (W&B id, MLflow run id) its checkpoint names."""
@@ -198,6 +224,11 @@ def fit_to_machine(
         reporter.info(f"micro_batch_size auto -> {saved}: as in the checkpoint being resumed")
     if t.micro_batch_size != "auto" and t.activation_checkpointing != "auto":
         return cfg, Fit(t.micro_batch_size, t.activation_checkpointing, "as configured", "as configured", None)
+    if is_encoder_decoder(cfg.model):  # the plan traces decoder-only steps (the config refuses micro_batch_size: auto)
+        why = "off: encoder-decoder runs are not planned yet; set train.activation_checkpointing: true to save memory"
+        reporter.info(f"activation checkpointing auto -> {why}")
+        fit = Fit(t.micro_batch_size, False, "as configured", why, None)
+        return cfg.model_copy(update={"train": t.model_copy(update={"activation_checkpointing": False})}), fit
     fit = None
     if ctx.is_main:
         profile = this_profile(device, cfg.data.cache_dir, timing=False)

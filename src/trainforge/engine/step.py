@@ -12,7 +12,7 @@ from ..data.formats import IGNORE
 from ..data.loader import Batch
 from ..hardware import Precision
 from ..metrics.profile import NULL_TIMER, StepTimer
-from .loss import fused_head, linear_cross_entropy
+from .loss import fused_head, linear_cross_entropy, seq2seq_fused_head
 from .nonfinite import skip_update_if
 
 
@@ -20,7 +20,10 @@ def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: 
     """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32.
 
     ``fused``: through the chunked LM-head + cross-entropy (no full logits) where the model allows.
+    Encoder-decoder batches (``decoder_input_ids`` set): cross-entropy of the decoder's predictions of the target.
     """
+    if batch.decoder_input_ids is not None:
+        return seq2seq_loss_sum(model, batch, precision, fused)
     head = fused_head(model) if fused else None
     # use_cache=False: a KV cache is useless here, and with one transformers skips the
     # packed-document mask built from position_ids (documents would attend to each other)
@@ -30,6 +33,22 @@ def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: 
             hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
             return linear_cross_entropy(hidden.flatten(0, 1), lm_head, batch.labels.flatten())
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def seq2seq_loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True) -> torch.Tensor:
+    """``loss_sum`` of an encoder-decoder: the encoder reads the source (padding masked), the decoder
+    its shifted target; summed over target tokens, in fp32. ``fused``: the chunked head where
+    ``seq2seq_fused_head`` knows how the model computes its logits, else the model's own head."""
+    head = seq2seq_fused_head(model) if fused else None
+    with precision.autocast(batch.input_ids.device):
+        if head is not None:
+            hidden, lm_head, bias = head(batch.input_ids, batch.attention_mask, batch.decoder_input_ids)
+            return linear_cross_entropy(hidden.flatten(0, 1), lm_head, batch.labels.flatten(), bias)
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, decoder_input_ids=batch.decoder_input_ids,
+            use_cache=False,
+        ).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..config import LoraSettings, ModelSettings
+from ..config import LoraSettings, ModelSettings, is_encoder_decoder, model_type_of
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -24,14 +24,62 @@ def init_config(init: dict[str, Any], tokenizer):
     fields.setdefault("eos_token_id", tokenizer.eos_token_id)
     fields.setdefault("pad_token_id", tokenizer.pad_token_id)
     fields.setdefault("bos_token_id", tokenizer.bos_token_id)
-    return CONFIG_MAPPING[init["architecture"]](**fields)
+    config_class = CONFIG_MAPPING[init["architecture"]]
+    if fields.get("is_encoder_decoder", getattr(config_class(), "is_encoder_decoder", False)):
+        # the decoder starts from the pad token (T5's convention); BART's defaults name ids of its own vocabulary
+        fields.setdefault("decoder_start_token_id", tokenizer.pad_token_id)
+        if getattr(config_class(), "forced_eos_token_id", None) is not None:
+            fields.setdefault("forced_eos_token_id", tokenizer.eos_token_id)
+    return config_class(**fields)
 
 
-def attention_implementation(requested: str, device: torch.device, half_precision: bool = True) -> str:
+def model_class(cfg: ModelSettings):
+    """``AutoModelForSeq2SeqLM`` for an encoder-decoder (T5, BART, ...), else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if is_encoder_decoder(cfg) else AutoModelForCausalLM
+
+
+# model types of the T5 family: trained in bf16, their feed-forward activations exceed fp16's range (65504)
+T5_FAMILY = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
+
+
+def overflows_in_fp16(cfg: ModelSettings) -> str | None:
+    """The model type when the configured model is of the T5 family (known to overflow in fp16), else None."""
+    kind = model_type_of(cfg)
+    return kind if kind in T5_FAMILY else None
+
+
+def decoder_start_token_id(cfg: ModelSettings, tokenizer) -> int:
+    """The token an encoder-decoder's decoder starts from (T5: pad, BART: EOS), from its config or
+    generation config; the labels shifted right behind it are the decoder's inputs."""
+    if cfg.init is not None:
+        start = init_config(cfg.init, tokenizer).decoder_start_token_id
+    else:
+        from transformers import AutoConfig, GenerationConfig
+
+        path = str(cfg.path.resolve())
+        start = getattr(AutoConfig.from_pretrained(path), "decoder_start_token_id", None)
+        if start is None and (cfg.path / "generation_config.json").is_file():
+            start = GenerationConfig.from_pretrained(path).decoder_start_token_id
+    if start is None:
+        raise ValueError(
+            f"model: the encoder-decoder config has no decoder_start_token_id (config.json or generation_config.json "
+            f"of {cfg.path or cfg.init.get('architecture')}); add it there (T5 uses the pad token, BART its EOS)"
+        )
+    return int(start)
+
+
+def attention_implementation(
+    requested: str, device: torch.device, half_precision: bool = True, encoder_decoder: bool = False
+) -> str:
     """``auto``: flash-attention 2 on CUDA when installed and the run computes in bf16/fp16
     (packed documents go through its varlen kernel; it refuses fp32 inputs), stock SDPA
     elsewhere on CUDA (a block-diagonal mask for packed rows), and on CPU packed documents
-    batched by length (no row-sized mask; see packed_attention.py)."""
+    batched by length (no row-sized mask; see packed_attention.py).
+    ``encoder_decoder``: rows hold one padded example each; ``auto`` is stock SDPA everywhere."""
+    if encoder_decoder:  # the config refuses packed_sdpa for these models
+        return "sdpa" if requested == "auto" else requested
     if requested == "packed_sdpa" or (requested == "auto" and device.type == "cpu"):
         from .packed_attention import register
 
@@ -63,19 +111,16 @@ def build_model(
     full fine-tune keeps fp32 master weights; autocast does the low-precision compute.
     ``activation_checkpointing``: each decoder layer recomputes its activations in backward.
     """
-    from transformers import AutoModelForCausalLM
-
-    attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision)
+    auto_class = model_class(cfg)  # AutoModelForSeq2SeqLM for T5, BART, ...
+    attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision, is_encoder_decoder(cfg))
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
     base_dtype = storage_dtype(cfg, compute_dtype)
     if cfg.init is not None:
-        model = AutoModelForCausalLM.from_config(
-            init_config(cfg.init, tokenizer), dtype=torch.float32, attn_implementation=attn
-        )
+        model = auto_class.from_config(init_config(cfg.init, tokenizer), dtype=torch.float32, attn_implementation=attn)
     else:
         extra = {"quantization_config": nf4_config(compute_dtype)} if cfg.method == "qlora" else {}
         # loaded straight in the storage dtype: no fp32 copy of a bf16 base is ever materialized
-        model = AutoModelForCausalLM.from_pretrained(str(cfg.path.resolve()), dtype=base_dtype, attn_implementation=attn, **extra)
+        model = auto_class.from_pretrained(str(cfg.path.resolve()), dtype=base_dtype, attn_implementation=attn, **extra)
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     return adapt(model, cfg, activation_checkpointing)
@@ -126,7 +171,7 @@ def build_model_skeleton(
     attention is causal SDPA without a mask (memory linear in the row length, like the kernels training uses).
     ``layers``: build only this many decoder layers (a plan extrapolates deep models from shallow ones).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     base_dtype = storage_dtype(cfg, compute_dtype)
     if cfg.init is not None:
@@ -144,7 +189,7 @@ def build_model_skeleton(
 
     attn = register_causal()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation=attn)
+        model = model_class(cfg).from_config(config, dtype=base_dtype, attn_implementation=attn)
         return adapt(model, cfg, activation_checkpointing)
 
 
@@ -224,7 +269,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
         target_modules=lora.target_modules,
         use_dora=lora.use_dora,
         use_rslora=lora.use_rslora,
-        task_type="CAUSAL_LM",
+        task_type="SEQ_2_SEQ_LM" if getattr(model.config, "is_encoder_decoder", False) else "CAUSAL_LM",
     )
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
