@@ -165,7 +165,12 @@ def is_encoder_decoder(model: "ModelSettings") -> bool:
     ``is_encoder_decoder``, else its architecture's default; nothing is loaded."""
     if model.init is not None:
         return bool(model.init.get("is_encoder_decoder", _architecture_default(model.init["architecture"])))
-    path = Path(model.path)
+    return dir_is_encoder_decoder(Path(model.path))
+
+
+def dir_is_encoder_decoder(path: Path) -> bool:
+    """``is_encoder_decoder`` of a model directory (its config.json, else its architecture's default), or of
+    an adapter directory (PEFT's task type); nothing is loaded."""
     if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
         try:  # an adapter directory: PEFT's task type names the kind of its base
             return json.loads((path / "adapter_config.json").read_text()).get("task_type") == "SEQ_2_SEQ_LM"

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..config import RunConfig, is_encoder_decoder
+from ..config import ModelSettings, RunConfig, is_encoder_decoder
 from ..metrics.console import ConsoleReporter
 from ..model.tokenizer import build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
 from .formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
@@ -65,17 +66,10 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     Encoder-decoder models (T5, BART, ...): source -> target pairs, one per row (the config
     turns packing off for them), batched by ``Seq2SeqCollator``."""
     d = cfg.data
-    seq2seq = is_encoder_decoder(cfg.model)
-    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=seq2seq)
+    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=is_encoder_decoder(cfg.model))
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
-    if seq2seq:
-        from ..model.load import decoder_start_token_id
-
-        start = decoder_start_token_id(cfg.model, tokenizer)
-        collator = lambda store, pin=False: Seq2SeqCollator(store, tokenizer.pad_token_id, start, d.max_length, pin)  # noqa: E731
-    else:
-        collator = lambda store, pin=False: RowCollator(store, tokenizer.pad_token_id, d.packing, d.max_length, pin=pin)  # noqa: E731
+    collator = collator_for(cfg, tokenizer)
     weights = [s.weight for s in d.sources()]
     index = weighted_indices(prepared.train, weights, cfg.train.seed)
     train_rows = build_rows(prepared.train, index, d.packing, d.max_length)
@@ -84,6 +78,19 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
         eval_rows = build_rows(prepared.eval, np.arange(len(prepared.eval)), d.packing, d.max_length)
         eval_collate = collator(prepared.eval)
     return DataPlan(prepared, train_rows, eval_rows, collator(prepared.train, pin), eval_collate)
+
+
+def collator_for(cfg: RunConfig, tokenizer, model: ModelSettings | None = None) -> Callable[..., RowCollator | Seq2SeqCollator]:
+    """A function (store, pin=False) -> the collator batching rows of ``cfg``'s data: ``Seq2SeqCollator``
+    for an encoder-decoder (its decoder's start token from ``model``, default ``cfg.model``), else
+    ``RowCollator``. Training and ``trainforge eval`` batch alike through it."""
+    d = cfg.data
+    if is_encoder_decoder(cfg.model):
+        from ..model.load import decoder_start_token_id
+
+        start = decoder_start_token_id(model or cfg.model, tokenizer)
+        return lambda store, pin=False: Seq2SeqCollator(store, tokenizer.pad_token_id, start, d.max_length, pin)
+    return lambda store, pin=False: RowCollator(store, tokenizer.pad_token_id, d.packing, d.max_length, pin=pin)
 
 
 def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None) -> dict[str, Any]:

@@ -36,6 +36,14 @@ def _fit(ids: np.ndarray, limit: int) -> np.ndarray:
     return ids if len(ids) <= limit else np.append(ids[: limit - 1], ids[-1])
 
 
+def source_tokens(tokenizer, text: str, templated: bool = False, max_length: int | None = None) -> list[int]:
+    """One source's tokens as ``tokenize_pairs`` stores them: encoded with the tokenizer's special tokens
+    (a chat template's render, ``templated``: without, it writes its own), ending with EOS, and cut at
+    ``max_length`` keeping that EOS. What the encoder reads at generation time is what it trained on."""
+    ids = _with_eos(_encode(tokenizer, [text], not templated)[0], tokenizer.eos_token_id)
+    return (_fit(ids, max_length) if max_length else ids).tolist()
+
+
 def tokenize_pairs(
     pairs: Sequence[Pair], tokenizer, max_source: int, max_target: int, too_long: str
 ) -> TokenizedChunk:

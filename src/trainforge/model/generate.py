@@ -1,4 +1,8 @@
-"""Text from a model: the end-of-run sample (``sample``) and ``trainforge generate`` (``generate``, streamed)."""
+"""Text from a model: the end-of-run sample (``sample``) and ``trainforge generate`` (``generate``, streamed).
+
+Encoder-decoder models (T5, BART, ...): the prompt is the encoder's input, tokenized as training
+tokenized sources (``data.seq2seq.source_tokens``), and the text is the decoder's output, which
+starts from the model's decoder start token."""
 
 from __future__ import annotations
 
@@ -8,15 +12,32 @@ from collections.abc import Callable
 import torch
 
 
+def is_encoder_decoder(model) -> bool:
+    """The model (or the PEFT model around it) is an encoder-decoder: its decoder writes the text."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def prompt_ids(model, tokenizer, prompt: str, max_source_length: int | None = None) -> torch.Tensor:
+    """``prompt`` as the model reads it (1 x T): a decoder-only model's tokenization, or an encoder-decoder's
+    source as training stored it (EOS-terminated, cut at ``max_source_length`` keeping EOS)."""
+    if is_encoder_decoder(model):
+        from ..data.seq2seq import source_tokens
+
+        return torch.tensor([source_tokens(tokenizer, prompt, max_length=max_source_length)])
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
 @torch.no_grad()
 def sample(
     model, tokenizer, prompt: str, max_new_tokens: int = 64, seed: int = 0, temperature: float = 0.8,
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> str:
-    """Continue ``prompt`` with seeded top-k sampling; returns prompt + continuation.
-    ``autocast``: the run's precision context (a bf16 frozen base needs it, as training did)."""
+    """Continue ``prompt`` with seeded top-k sampling; returns prompt + continuation (an encoder-decoder:
+    the decoder's reply to ``prompt``). ``autocast``: the run's precision context (a bf16 frozen base
+    needs it, as training did)."""
     device = next(model.parameters()).device
-    enc = tokenizer(prompt, return_tensors="pt").to(device)
+    ids = prompt_ids(model, tokenizer, prompt).to(device)
+    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     was_training = model.training
     model.eval()
     torch.manual_seed(seed)
@@ -61,7 +82,8 @@ def generate(
     autocast: contextlib.AbstractContextManager | None = None,
     stop_strings: list[str] | None = None,
 ) -> str:
-    """Continue ``input_ids`` (1 x T) and return the new text only.
+    """Continue ``input_ids`` (1 x T) and return the new text only (an encoder-decoder: ``input_ids`` is
+    the encoder's input, and the text the decoder's output).
 
     ``temperature`` 0: greedy decoding; above 0: seeded top-k sampling. ``write``: called with
     each piece of text as soon as it is decoded (streaming). ``stop_strings``: end the text at
@@ -84,4 +106,5 @@ def generate(
             **sampling,
             **extra,
         )
-    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+    new = out[0] if is_encoder_decoder(model) else out[0, input_ids.shape[1] :]  # the decoder's output holds no prompt
+    return tokenizer.decode(new, skip_special_tokens=True)

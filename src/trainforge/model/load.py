@@ -35,9 +35,15 @@ def init_config(init: dict[str, Any], tokenizer):
 
 def model_class(cfg: ModelSettings):
     """``AutoModelForSeq2SeqLM`` for an encoder-decoder (T5, BART, ...), else ``AutoModelForCausalLM``."""
+    return auto_model_class(is_encoder_decoder(cfg))
+
+
+def auto_model_class(encoder_decoder: bool):
+    """The transformers auto class of a model of this kind (``config.dir_is_encoder_decoder`` of a directory).
+    Chosen, never guessed: ``AutoModelForCausalLM`` would load BART's directory as its decoder alone."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    return AutoModelForSeq2SeqLM if is_encoder_decoder(cfg) else AutoModelForCausalLM
+    return AutoModelForSeq2SeqLM if encoder_decoder else AutoModelForCausalLM
 
 
 # model types of the T5 family: trained in bf16, their feed-forward activations exceed fp16's range (65504)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import yaml
 
-from ..config import TOKENIZER_FILES
+from ..config import TOKENIZER_FILES, dir_is_encoder_decoder
 from ..hardware import Precision
 
 RUN_CONFIG = "config.yaml"
@@ -55,6 +55,11 @@ class ModelSource:
         if self.run_config is not None:
             return self.run_config.get("model", {}).get("method", "full")
         return "lora" if self.adapter is not None else "full"
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """An encoder-decoder (T5, BART, ...): its config's ``is_encoder_decoder`` (an adapter's: its base's)."""
+        return dir_is_encoder_decoder(self.base or self.weights)
 
     @property
     def quantized(self) -> bool:
@@ -169,24 +174,23 @@ def load_model(
     ``vocab_size``: the tokenizer's size; a base with fewer embeddings is resized, as training did.
     ``attention``: the run's ``model.attention`` (default ``auto``, the same rule as training).
     """
-    from transformers import AutoModelForCausalLM
-
-    from .load import attention_implementation, keep_norms_fp32, nf4_config, one_weight_layout
+    from .load import attention_implementation, auto_model_class, keep_norms_fp32, nf4_config, one_weight_layout
 
     if attention is None:
         attention = (src.run_config or {}).get("model", {}).get("attention", "auto")
-    attn = attention_implementation(attention, device, precision.autocast_dtype is not None)
+    auto_class = auto_model_class(src.encoder_decoder)  # AutoModelForSeq2SeqLM for T5, BART, ...
+    attn = attention_implementation(attention, device, precision.autocast_dtype is not None, src.encoder_decoder)
     compute = precision.autocast_dtype or torch.float32
     if src.adapter is None:
         dtype = torch.float32 if src.run_dir is not None else compute
-        model = AutoModelForCausalLM.from_pretrained(str(src.weights), dtype=dtype, attn_implementation=attn)
+        model = auto_class.from_pretrained(str(src.weights), dtype=dtype, attn_implementation=attn)
         return model.to(device).eval()
 
     from peft import PeftModel
 
     quantized = src.quantized if quantized is None else quantized
     extra = {"quantization_config": nf4_config(precision.autocast_dtype)} if quantized else {}
-    base = AutoModelForCausalLM.from_pretrained(str(src.base), dtype=compute, attn_implementation=attn, **extra)
+    base = auto_class.from_pretrained(str(src.base), dtype=compute, attn_implementation=attn, **extra)
     if vocab_size is not None and base.get_input_embeddings().num_embeddings < vocab_size:
         base.resize_token_embeddings(vocab_size)
     if quantized:
@@ -194,6 +198,7 @@ def load_model(
         one_weight_layout(base)
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # the adapter's task type picks PEFT's class (PeftModelForSeq2SeqLM for SEQ_2_SEQ_LM adapters)
         model = PeftModel.from_pretrained(base, str(src.weights), is_trainable=False)
     for name, param in model.named_parameters():  # adapters in fp32, as they trained (peft upcasts them from bf16/fp16 too)
         if "lora_" in name and param.dtype != torch.float32:

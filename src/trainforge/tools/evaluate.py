@@ -6,6 +6,10 @@ train_on_prompt, too_long, ...) when the model is a run directory, else the defa
 replaces the source and ``--set`` overrides any key. The file is tokenized as one source (cached
 like training data), packed in stored order and batched as the run's eval set is, so on the run's
 own eval file the loss equals the run's final ``eval_loss``.
+
+Encoder-decoder models (T5, BART, ...): rows map to source -> target as in training (the same
+renderer, per-side limits ``data.max_length`` / ``data.max_target_length``, one example per row,
+the decoder starting from the model's start token), and the loss averages over target tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import torch
 from pydantic import ValidationError
 
 from ..config import ConfigError, RunConfig, _format_errors, apply_override, parse_override
-from ..data.loader import RowCollator, eval_batches
+from ..data.loader import eval_batches
 from ..data.packing import build_rows
-from ..data.plan import lost_tokens_warning
+from ..data.plan import collator_for, lost_tokens_warning
 from ..data.prepare import prepare_data
 from ..engine.evaluate import evaluate
 from ..hardware import PRECISIONS, Precision, configure_backends, pick_device, resolve_precision
@@ -89,12 +93,13 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
 
     tokenizer = load_source_tokenizer(src)
     d = cfg.data
-    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info)
+    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=src.encoder_decoder)
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
     store = prepared.train  # the file is read as the one training source: every row, in order
     rows = build_rows(store, np.arange(len(store)), d.packing, d.max_length)
-    collate = RowCollator(store, tokenizer.pad_token_id, d.packing, d.max_length)
+    # an adapter's decoder starts where its base's does (the adapter directory has no config.json)
+    collate = collator_for(cfg, tokenizer, cfg.model.model_copy(update={"path": src.base or src.weights}))(store)
     batches = eval_batches(rows, collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
 
     model = load_model(src, device, precision, vocab_size=len(tokenizer))

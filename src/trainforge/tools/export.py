@@ -2,7 +2,8 @@
 
 ``--merge``: a LoRA / DoRA adapter folded into its base, written as a plain Hugging Face
 directory (safetensors, config, generation config, tokenizer) that
-``AutoModelForCausalLM.from_pretrained`` loads without PEFT. The base is loaded in fp32, the
+``AutoModelForCausalLM.from_pretrained`` (an encoder-decoder such as T5 or BART:
+``AutoModelForSeq2SeqLM``, chosen from the config's ``is_encoder_decoder``) loads without PEFT. The base is loaded in fp32, the
 adapter applied and merged (``merge_and_unload``: W + scale * B @ A, DoRA's magnitude included),
 and the result cast to ``--dtype`` (default: the dtype the base was stored in).
 
@@ -33,6 +34,7 @@ import torch
 
 from ..atomic import atomic_write_dir
 from ..metrics.console import ConsoleReporter
+from ..model.load import auto_model_class
 from ..model.resolve import ModelSource, ModelSourceError, load_source_tokenizer, resolve_source
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,18 +74,18 @@ def export(source: str | Path, out: Path, merge: bool, dtype: str | None, report
 def merge_adapter(src: ModelSource, out: Path, dtype: str | None, reporter: ConsoleReporter) -> str:
     """Base (dequantized for QLoRA) + adapter, merged, cast and saved in ``out``; returns the dtype name."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     tokenizer = load_source_tokenizer(src)
     target = DTYPES[dtype] if dtype else _stored_dtype(src.base)
+    auto_class = auto_model_class(src.encoder_decoder)
     if src.quantized:
         from ..model.load import nf4_config
 
         reporter.info("QLoRA: loading the base in 4-bit NF4 as it trained, dequantizing it to fp32, then merging")
-        base = AutoModelForCausalLM.from_pretrained(str(src.base), dtype=torch.float32, quantization_config=nf4_config(torch.float32))
+        base = auto_class.from_pretrained(str(src.base), dtype=torch.float32, quantization_config=nf4_config(torch.float32))
         base = base.dequantize(dtype=torch.float32)
     else:
-        base = AutoModelForCausalLM.from_pretrained(str(src.base), dtype=torch.float32)
+        base = auto_class.from_pretrained(str(src.base), dtype=torch.float32)
     if base.get_input_embeddings().num_embeddings < len(tokenizer):
         base.resize_token_embeddings(len(tokenizer))  # as training did
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
@@ -119,9 +121,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _resave(src: ModelSource, out: Path, dtype: torch.dtype) -> str:
     """A full model re-saved in ``dtype`` with its tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(src.weights), dtype=dtype)
+    model = auto_model_class(src.encoder_decoder).from_pretrained(str(src.weights), dtype=dtype)
     return _save_plain(model, load_source_tokenizer(src), out, dtype)
 
 

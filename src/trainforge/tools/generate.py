@@ -9,6 +9,12 @@ what to load, how to read the prompt or the chat turns, which chat template rend
 
 The reply is the assistant's next turn, rendered with the run's ``data.chat_template``, else the
 tokenizer's, else trainforge's ChatML-style default: the template the model was trained with.
+
+Encoder-decoder models (T5, BART, ...) read the prompt with their encoder, tokenized as training
+tokenized sources (EOS-terminated; a run's ``data.max_length`` cuts it, keeping EOS, as training
+did), and the streamed text is their decoder's. ``--chat`` maps the turns as training mapped chat
+rows: the conversation rendered with the template and its generation prompt is the source, and the
+decoder writes the assistant's reply (it learned the reply's content and EOS, no end-of-turn marker).
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from ..config import ConfigError
 from ..data.formats import DEFAULT_CHAT_TEMPLATE
+from ..data.seq2seq import source_tokens
 from ..data.sources import DataError
 from ..hardware import PRECISIONS, configure_backends, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
@@ -108,15 +117,31 @@ def run_generate(
     tokenizer = load_source_tokenizer(src)
     model = load_model(src, dev, prec, vocab_size=len(tokenizer))
     stop = None
+    text, templated = prompt or "", False
     if turns is not None:
         template, stop = chat_template(src, tokenizer)
         text = tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False, add_generation_prompt=True)
-        input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # the template has its own
+        templated = True  # the template writes its own special tokens
+    if src.encoder_decoder:
+        input_ids = torch.tensor([encoder_source(src, tokenizer, text, templated, reporter)])
+        stop = None  # the decoder learned the reply and its EOS; no end-of-turn marker to stop at
     else:
-        input_ids = tokenizer(prompt or "", return_tensors="pt")["input_ids"]
+        input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=not templated)["input_ids"]
     if input_ids.shape[1] == 0:
         input_ids = input_ids.new_full((1, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id)
     return generate(
         model, tokenizer, input_ids, max_new_tokens, temperature, seed, write=write,
         autocast=prec.autocast(dev), stop_strings=stop,
     )
+
+
+def encoder_source(src: ModelSource, tokenizer, text: str, templated: bool, reporter: ConsoleReporter) -> list[int]:
+    """An encoder-decoder's input: ``text`` tokenized as training tokenized sources, cut at the run's
+    ``data.max_length`` (keeping EOS) as training cut them, which is said on stderr."""
+    limit = (src.run_config or {}).get("data", {}).get("max_length")
+    ids = source_tokens(tokenizer, text, templated)
+    if limit and len(ids) > limit:
+        reporter.warn(f"the prompt is {len(ids)} tokens; the run trained on sources of at most data.max_length={limit}: "
+                      f"cut to its first {limit - 1} tokens and EOS, as training cut them")
+        ids = source_tokens(tokenizer, text, templated, limit)
+    return ids
