@@ -209,7 +209,8 @@ CAPTIONS = {
     "Loss against tokens": "the same against real (non-padding) tokens trained, for runs of different batch sizes",
     "Learning rate": "at each logged step, after warmup and schedule",
     "Gradient norm (before clipping)": "global L2 norm of the gradients; optim.max_grad_norm clips above it",
-    "Throughput": "real input tokens per second over the steps since the previous record (all processes)",
+    "Throughput": "real input tokens per second over the steps since the previous record (all processes; "
+    "encoder-decoder runs: source and target tokens)",
     "MFU (model FLOPs utilization)": "model FLOPs per second / the device's peak in the run's precision",
     "Peak memory": "peak so far: CUDA memory allocated (reserved by the allocator: dashed), or the process's peak RSS on a CPU",
     "Data wait": "share of the time the loop waited for the next batch",
@@ -325,6 +326,7 @@ def _summary_rows(run: RunData) -> dict[str, str]:
     resumes = [step for step, _ in run.marks.get("resume", [])]
     before, after = s.get("eval_loss_before"), s.get("eval_loss")
     return {
+        "data": _data_summary(s.get("data")),
         "status": run.status,
         "steps": _fmt(s.get("steps")),
         "tokens": _fmt(s.get("tokens")),
@@ -345,6 +347,21 @@ def _summary_rows(run: RunData) -> dict[str, str]:
         "parameters (trainable)": f"{_fmt(s.get('parameters'))} ({_fmt(s.get('trainable_parameters'))})"
         if s.get("parameters") is not None else "-",
     }
+
+
+def _data_summary(stats: Any) -> str:
+    """The data a finished run trained on, in a line: format, rows and the target tokens losses average over
+    (an encoder-decoder's ``tokens`` count source and target tokens; its losses are per target token)."""
+    if not isinstance(stats, dict) or "format" not in stats:
+        return "-"
+    parts = [str(stats["format"])]
+    if stats.get("encoder_decoder"):
+        parts[0] += " (encoder-decoder: tokens count source and target tokens, losses are per target token)"
+    if isinstance(stats.get("train_rows"), int):
+        parts.append(f"{stats['train_rows']:,} train rows")
+    if isinstance(stats.get("train_target_tokens"), int):
+        parts.append(f"{stats['train_target_tokens']:,} target tokens per epoch")
+    return ", ".join(parts)
 
 
 def config_differences(runs: list[RunData]) -> list[str]:
