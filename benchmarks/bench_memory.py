@@ -6,8 +6,18 @@ One Llama-shaped model (~170M parameters, untied; --quick: ~1M) saved once in fp
 prompt/completion JSONL (documented stdlib functions), the same hyperparameters everywhere:
 micro-batch 4 rows of 256 tokens, packed (TRL: packing=True, its padding-free BFD), LoRA r 16 /
 alpha 32 on every linear layer of the blocks, lr 1e-4, `--steps` optimizer steps. Each run is
-its own subprocess, one after another; its peak RSS is the process's own high-water mark
-(`ru_maxrss`), which is what decides whether a run fits.
+its own subprocess, one after another; its peak RSS is the process's own high-water mark over
+the whole run, which is what decides whether a run fits.
+
+Each trainforge run also records its memory by phase (Linux: the process's high-water mark `VmHWM`,
+read and reset through `/proc/self/clear_refs` at each phase's end):
+- `load`: from the start of the process to the first step (imports, data, building the model);
+- `steps`: the training steps but the last (optimizer state created, steady state reached);
+- `traced_step`: the last step, run under `trainforge plan --measure`'s tracer (`StepTracer`,
+  every tensor counted as it is allocated and freed): its live tensor peak and parts;
+- `finish`: what follows the last step (final/ saved, summary.json and report.html written).
+The peak RSS of the whole run is the largest of them. TRL runs record `load` (to `on_train_begin`),
+`steps` (to `on_train_end`) and `finish`.
 
 trainforge runs (`trainforge.engine.trainer.train`, through the same config a CLI user writes):
 - `tf-full-fp32`: full fine-tune, fp32.           - `tf-full-fp32-ckpt`: + activation checkpointing.
@@ -99,7 +109,86 @@ def build_inputs(work: Path, s: dict) -> dict:
 # ---------------------------------------------------------------- children
 
 
-def run_trainforge(s: dict, name: str, out: Path) -> dict:
+GIB = 2**30
+STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
+
+
+def status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status in bytes: ``VmHWM`` (peak RSS since start or since the last
+    ``reset_high_water``), ``VmRSS`` (now)."""
+    try:
+        line = next(x for x in STATUS.read_text().splitlines() if x.startswith(field + ":"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def reset_high_water() -> bool:
+    """Start a new high-water mark at the current RSS (``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class Phases:
+    """Peak RSS of each phase of a run: the high-water mark read, then reset, at each phase's end."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, int] = {}
+        self.rss_after: dict[str, int] = {}  # resident memory when the phase ended
+
+    def end(self, phase: str) -> None:
+        hwm, now = status_bytes("VmHWM"), status_bytes("VmRSS")
+        if hwm is not None and reset_high_water():
+            self.peaks[phase], self.rss_after[phase] = hwm, now
+
+    def whole_run(self) -> int:
+        """The run's peak RSS: the largest phase, or ``ru_maxrss`` where phases cannot be told apart."""
+        rest = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # since the last reset, or since start
+        return max([rest, *self.peaks.values()]) if self.peaks else rest
+
+
+def trace_last_step(phases: Phases) -> dict:
+    """Patch trainforge's loop so that its last step runs under ``StepTracer`` (the live tensor peak of a
+    steady-state step, as ``trainforge plan --measure`` takes it), with the phases' ends marked around it."""
+    from trainforge.engine import trainer
+    from trainforge.engine.trace import StepTracer
+
+    found: dict = {}
+    state: dict = {}
+    loop, fb, opt_step = trainer.train_loop, trainer.forward_backward_adaptive, trainer.optimizer_step
+
+    def train_loop(run):
+        phases.end("load")
+        loop(run)
+
+    def forward_backward_adaptive(run, *args, **kwargs):
+        if run.step == run.max_steps - 1 and run.step > 0:  # the last step, with optimizer state: steady state
+            phases.end("steps")
+            tracer = StepTracer()
+            tracer.track_training_state(run.model, run.optimizer, run.params)
+            tracer.__enter__()
+            state["tracer"] = tracer
+        return fb(run, *args, **kwargs)
+
+    def optimizer_step(*args, **kwargs):
+        out = opt_step(*args, **kwargs)
+        tracer = state.pop("tracer", None)
+        if tracer is not None:
+            tracer.__exit__(None, None, None)
+            tracer.close()
+            tracer.ops.clear()
+            found.update(live_tensor_peak_bytes=tracer.peak, live_tensor_parts=tracer.peak_parts)
+            phases.end("traced_step")
+        return out
+
+    trainer.train_loop, trainer.forward_backward_adaptive, trainer.optimizer_step = train_loop, forward_backward_adaptive, optimizer_step
+    return found
+
+
+def run_trainforge(s: dict, name: str, out: Path, phases: Phases) -> dict:
     from rich.console import Console
 
     from trainforge.config import load_config
@@ -116,12 +205,27 @@ def run_trainforge(s: dict, name: str, out: Path) -> dict:
         "checkpoint.every_minutes": None, **TF_RUNS[name],
     }  # fmt: skip
     cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()] + ["model.init=null", "log.sample_prompt=null"])
+    traced = trace_last_step(phases)
     sm = train(cfg, out / "run", ConsoleReporter(Console(quiet=True))).summary
     return {"steps": sm["steps"], "tokens": sm["tokens"], "train_s": sm["train_time_s"], "tokens_per_s": sm["tokens_per_s"],
-            "final_train_loss": sm.get("final_train_loss"), "weights": sm.get("weights")}  # fmt: skip
+            "final_train_loss": sm.get("final_train_loss"), "weights": sm.get("weights"), **traced}  # fmt: skip
 
 
-def run_trl(s: dict, name: str, out: Path) -> dict:
+def phase_callback(phases: Phases):
+    """HF Trainer callback: the load phase ends where training begins, the steps phase where it ends."""
+    from transformers import TrainerCallback
+
+    class PhaseCallback(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - transformers' signature
+            phases.end("load")
+
+        def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001
+            phases.end("steps")
+
+    return PhaseCallback()
+
+
+def run_trl(s: dict, name: str, out: Path, phases: Phases) -> dict:
     import datasets
     import torch
     from peft import LoraConfig
@@ -146,7 +250,8 @@ def run_trl(s: dict, name: str, out: Path) -> dict:
     args = SFTConfig(**common, per_device_train_batch_size=s["batch_size"], max_steps=s["steps"], max_length=s["max_length"],
                      packing=True, bf16=True, gradient_checkpointing=True)  # fmt: skip
     lora = LoraConfig(r=s["lora"]["r"], lora_alpha=s["lora"]["alpha"], target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora, callbacks=[counter.callback()])
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora,
+                         callbacks=[counter.callback(), phase_callback(phases)])
     result = trainer.train()
     return {"steps": trainer.state.global_step, "tokens": counter.tokens, "train_s": counter.t1 - counter.t0,
             "tokens_per_s": counter.tokens / (counter.t1 - counter.t0), "final_train_loss": result.training_loss}  # fmt: skip
@@ -159,8 +264,11 @@ def child(name: str, spec: Path, result_path: Path) -> None:
     torch.set_num_threads(s["threads"])
     out = Path(s["paths"]["work"]) / "runs" / name
     out.mkdir(parents=True, exist_ok=True)
-    r = run_trainforge(s, name, out) if name in TF_RUNS else run_trl(s, name, out)
-    r["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    phases = Phases()
+    r = run_trainforge(s, name, out, phases) if name in TF_RUNS else run_trl(s, name, out, phases)
+    phases.end("finish")
+    r["peak_rss_bytes"] = phases.whole_run()
+    r["phase_peak_rss_bytes"], r["phase_end_rss_bytes"] = phases.peaks, phases.rss_after
     result_path.write_text(json.dumps(r, indent=2))
 
 
@@ -177,8 +285,10 @@ def run_child(name: str, spec: Path, work: Path, threads: int) -> dict:
         print(f"  {name}: FAILED (exit {proc.returncode})\n{tail}", flush=True)
         return {"name": name, "error": f"exit {proc.returncode}", "log_tail": tail}
     r = {"name": name, **json.loads(result.read_text())}
+    by_phase = ", ".join(f"{k} {v / GIB:.2f}" for k, v in r.get("phase_peak_rss_bytes", {}).items())
+    tensors = f", live tensors {r['live_tensor_peak_bytes'] / GIB:.3f} GiB" if "live_tensor_peak_bytes" in r else ""
     print(f"  {name}: {r['steps']} steps, {r['tokens']:,} tokens, {r['tokens_per_s']:,.0f} tok/s, "
-          f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)  # fmt: skip
+          f"peak RSS {r['peak_rss_bytes'] / GIB:.2f} GiB ({by_phase}){tensors}", flush=True)  # fmt: skip
     return r
 
 
@@ -203,13 +313,16 @@ def main() -> int:
     print(f"model: {s['parameters'] / 1e6:.1f}M parameters; {s['steps']} steps of {s['batch_size']} x {s['max_length']} tokens", flush=True)
     results = {name: run_child(name, spec, work, args.threads) for name in args.runs.split(",")}
     base = results.get("tf-full-fp32", {}).get("peak_rss_bytes")
-    print("\n| run | peak RSS | vs full fp32 | tokens/s |\n|---|---|---|---|")
+    print("\n| run | peak RSS | vs full fp32 | load phase | steps phase | live tensors of a step | tokens/s |\n|---|---|---|---|---|---|---|")
     for name, r in results.items():
         if "error" in r:
-            print(f"| {name} | failed: {r['error']} | | |")
+            print(f"| {name} | failed: {r['error']} | | | | | |")
             continue
         rel = f"{r['peak_rss_bytes'] / base:.2f}x" if base else ""
-        print(f"| {name} | {r['peak_rss_bytes'] / 2**30:.2f} GiB | {rel} | {r['tokens_per_s']:,.0f} |")
+        ph = r.get("phase_peak_rss_bytes", {})
+        load, steps = (f"{ph[k] / GIB:.2f} GiB" if k in ph else "-" for k in ("load", "steps"))
+        live = f"{r['live_tensor_peak_bytes'] / GIB:.3f} GiB" if "live_tensor_peak_bytes" in r else "-"
+        print(f"| {name} | {r['peak_rss_bytes'] / GIB:.2f} GiB | {rel} | {load} | {steps} | {live} | {r['tokens_per_s']:,.0f} |")
     for mine, theirs in PAIRS:
         a, b = results.get(mine, {}), results.get(theirs, {})
         if "peak_rss_bytes" in a and "peak_rss_bytes" in b:
