@@ -184,3 +184,34 @@ def test_memory_cap_from_the_environment(monkeypatch):
     monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", "lots")
     with pytest.raises(ValueError, match="TRAINFORGE_MEMORY_GIB"):
         this_profile(torch.device("cpu"), timing=False)
+
+
+def test_load_peak_counts_the_weight_file_bytes_read_and_what_they_become(tiny_model_dir):
+    """A bf16 LoRA base from fp32 files reads every byte of them, and holds the bf16 base and the adapters
+    beside the mapped pages (exact against the model build_model loads); an fp32 full fine-tune of the
+    same files casts nothing, so loading maps them lazily and holds nothing; a GPU is not priced."""
+    from dataclasses import replace
+
+    from trainforge.engine.fit import predict_load_memory
+
+    tok = load_tokenizer(tiny_model_dir)
+    cpu = replace(tiny_device(64.0), kind="cpu", fixed_gib=0.25)
+
+    def plan(method: str, precision: str, profile: HardwareProfile = cpu):
+        cfg = RunConfig.model_validate({
+            "model": {"path": str(tiny_model_dir), "method": method},
+            "data": {"train": str(tiny_model_dir / "config.json"), "max_length": 64},
+        })
+        memory = predict_memory(cfg, tok, PRECISIONS[precision], profile, 2, False)
+        return cfg, predict_load_memory(cfg, PRECISIONS[precision], profile, memory)
+
+    cfg, load = plan("lora", "bf16")
+    weights = tiny_model_dir / "model.safetensors"
+    header = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    assert load.mapped == weights.stat().st_size - header  # the fp32 file, every tensor read to be cast
+    model = build_model(cfg.model, tok, 0, torch.device("cpu"), True, torch.bfloat16)
+    assert load.converted == sum(p.numel() * p.element_size() for p in model.parameters())  # bf16 base + fp32 adapters
+    assert load.process == load.fixed + load.mapped + load.converted
+    _, full = plan("full", "fp32")
+    assert full.mapped == full.converted == 0 and full.process == full.fixed == int(0.25 * GIB)
+    assert plan("lora", "bf16", tiny_device(64.0))[1] is None  # a GPU profile

@@ -64,13 +64,64 @@ def predict_memory(
     elif world_size > 1:
         parts["ddp_buckets"] = trace.trainable_grads  # DDP reduces gradients through flat bucket copies
     tensors = sum(parts.values())
+    process = int(tensors * (1 + profile.allocator_overhead) + fixed_bytes(cfg, profile))
+    return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size, activation_checkpointing, trace)
+
+
+def fixed_bytes(cfg: RunConfig, profile: HardwareProfile) -> float:
+    """What the process holds besides the step's tensors: the profile's fixed cost, on a CPU plus what
+    a run with adapters holds beyond a full fine-tune."""
     fixed = profile.fixed_gib * GIB
     if profile.kind == "cpu" and cfg.model.method != "full":
         from ..hardware import CPU_ADAPTER_EXTRA_GIB
 
         fixed += CPU_ADAPTER_EXTRA_GIB * GIB
-    process = int(tensors * (1 + profile.allocator_overhead) + fixed)
-    return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size, activation_checkpointing, trace)
+    return fixed
+
+
+@dataclass
+class LoadPrediction:
+    """Peak resident memory of a CPU process while the weights load, in bytes, and its parts."""
+
+    mapped: int  # weight-file bytes read through the file mapping (pages resident until loading ends)
+    converted: int  # the weights those became, in the dtype the run keeps them in, and the adapters
+    fixed: int  # the process's fixed cost, as for a step
+    process: int  # fixed + mapped + converted (with the allocator's overhead)
+
+
+def predict_load_memory(cfg: RunConfig, precision: Precision, profile: HardwareProfile, memory: MemoryPrediction) -> LoadPrediction | None:
+    """Peak resident memory of a CPU process while ``build_model`` loads the weights, from the weight
+    files' headers (``model/weight_files.py``); None on a GPU, for ``model.init`` and for weights
+    without safetensors headers.
+
+    ``from_pretrained`` maps the safetensors files. A tensor stored in the dtype the run keeps it in
+    becomes the parameter as it is, its file pages mapped lazily: loading holds nothing of it (it counts
+    among the step's weights once touched). A tensor that is cast (an fp32 checkpoint into a bf16
+    frozen base; a bf16 one into fp32 masters) or quantized (QLoRA) is read whole, and its file pages
+    stay mapped until loading ends, beside the converted copy. So the load peaks at the fixed cost,
+    plus the bytes read from the files, plus the converted weights (QLoRA: the whole base as it is
+    stored, NF4 body and the rest in the compute dtype) and the adapters. The mapped pages are clean
+    page cache: the kernel can drop them under memory pressure, so a machine with less memory loads
+    more slowly rather than failing, but resident memory (peak RSS) counts them.
+    """
+    if profile.kind != "cpu" or cfg.model.init is not None or cfg.model.path is None:
+        return None
+    from ..model.load import storage_dtype
+    from ..model.weight_files import stored_tensors
+
+    tensors = stored_tensors(cfg.model.path)
+    if tensors is None:
+        return None
+    storage = storage_dtype(cfg.model, precision.autocast_dtype)
+    quantized = cfg.model.method == "qlora"
+    read = [t for t in tensors if quantized or (t.dtype.is_floating_point and t.dtype != storage)]
+    fixed = int(fixed_bytes(cfg, profile))
+    if not read:
+        return LoadPrediction(0, 0, fixed, fixed)
+    adapters = memory.trace.trainable_grads if cfg.model.method != "full" and memory.trace is not None else 0
+    converted = memory.parts["weights"] if quantized else sum(t.numel for t in read) * storage.itemsize + adapters
+    mapped = sum(t.nbytes for t in read)
+    return LoadPrediction(mapped, converted, fixed, int(fixed + mapped + converted * (1 + profile.allocator_overhead)))
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig, resolve_grad_accum
-from ..engine.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_memory
+from ..engine.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_load_memory, predict_memory
 from ..engine.memory import estimate_memory
 from ..engine.timing import StepTime, measure_ops, predict_step_time
 from ..hardware import PRECISIONS, Precision, pick_device, resolve_precision, this_profile
@@ -96,6 +96,7 @@ def make_plan(
     resolved = resolved.model_copy(update={"train": resolved.train.model_copy(update={"grad_accum": accum})})
     memory = fit.memory or predict_memory(resolved, tokenizer, precision, profile, mbs, ckpt, accum, world_size, mode)
     levers = lever_savings(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
+    load = predict_load_memory(resolved, precision, profile, memory)
     # on a CPU each process of a data-parallel job gets its share of the cores (torchrun: 1 thread)
     threads = 1 if world_size > 1 else None
     measured = measure_ops(memory.trace, threads=threads) if time_ops and device is not None and device.type == "cpu" else {}
@@ -114,6 +115,9 @@ def make_plan(
         "memory": {
             "peak_tensor_bytes": memory.tensors,
             "peak_process_bytes": memory.process,
+            # CPU: peak RSS while the weights load (file pages read, the weights they became); None: not predicted
+            "load_process_bytes": load.process if load else None,
+            "load_parts": {"mapped": load.mapped, "converted": load.converted, "fixed": load.fixed} if load else None,
             "capacity_bytes": memory.capacity,
             "share": memory.share,
             "parts": memory.parts,
@@ -344,6 +348,8 @@ def render(plan: dict[str, Any], console) -> None:
     table.add_row("[bold]tensors at peak[/bold]", f"[bold]{m['peak_tensor_bytes'] / GIB:.3f}[/bold]")
     fixed = h["fixed_bytes"] / GIB
     table.add_row(f"process (+{h['allocator_overhead']:.0%} allocator, +{fixed:.2f} fixed)", f"{m['peak_process_bytes'] / GIB:.3f}")
+    if m.get("load_process_bytes"):
+        table.add_row("process while loading the weights", f"{m['load_process_bytes'] / GIB:.3f}")
     console.print(table)
     verdict = "[green]fits[/green]" if m["fits"] else "[red]does not fit[/red]"
     console.print(f"{verdict}: {m['share']:.0%} of {m['capacity_bytes'] / GIB:.1f} GiB")

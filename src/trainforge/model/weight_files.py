@@ -1,0 +1,57 @@
+"""What a model directory's weight files hold, from their safetensors headers alone (no weights read):
+the dtype and size of every tensor. ``trainforge plan`` prices loading them with it."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    name: str
+    dtype: torch.dtype
+    numel: int
+    nbytes: int  # in the file
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files ``from_pretrained`` reads in ``path`` (one file or the shards of an index)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def stored_tensors(path: Path) -> list[StoredTensor] | None:
+    """Every tensor of the model's safetensors files, from their headers; None when there are none
+    (a config-only directory, or pickled ``.bin`` weights whose dtypes cannot be read without loading)."""
+    files = weight_files(path)
+    if not files:
+        return None
+    out = []
+    for file in files:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"], torch.uint8)
+            start, end = entry["data_offsets"]
+            numel = 1
+            for n in entry["shape"]:
+                numel *= n
+            out.append(StoredTensor(name, dtype, numel, end - start))
+    return out
