@@ -102,7 +102,6 @@ def test_packing_is_off_by_default_and_refused_when_asked(t5_dir, reverse_data, 
         ("data.too_long", "split", "split is for text only"),
         ("data.format", "text", "text rows have no source -> target pairs"),
         ("data.train_on_prompt", True, "the encoder reads the source and only the target is learned"),
-        ("train.micro_batch_size", "auto", "auto is not available for encoder-decoder models yet"),
         ("model.attention", "packed_sdpa", "packed_sdpa is for packed decoder-only rows"),
     ],
 )
@@ -198,13 +197,13 @@ def test_too_long_sources_and_targets_are_counted_apart(t5_dir):
 
 def test_prepare_caches_pairs_and_reports_both_sides(t5_dir, reverse_data, tmp_path):
     cfg = RunConfig.model_validate(config(t5_dir, reverse_data))
-    data = cfg.data.model_copy(update={"cache_dir": tmp_path, "max_length": 5, "max_target_length": 4})
+    data = cfg.data.model_copy(update={"cache_dir": tmp_path, "max_length": 5, "max_target_length": 3})
     tok = load_tokenizer(t5_dir)
     first = prepare_data(data, tok, 0, log=lambda _: None, seq2seq=True)
     again = prepare_data(data, tok, 0, log=lambda _: None, seq2seq=True)
     assert not first.cache_hit and again.cache_hit
     s = again.stats
-    assert s["encoder_decoder"] and s["max_target_length"] == 4
+    assert s["encoder_decoder"] and s["max_target_length"] == 3
     assert s["truncated"] > 0 and s["target_truncated"] > 0 and s["train_target_tokens"] > 0
     # the same rows for a decoder-only model are another store
     plain = prepare_data(data.model_copy(update={"max_target_length": None}), tok, 0, log=lambda _: None)
@@ -395,3 +394,15 @@ def test_resume_is_exact(model_dir, reverse_data, tmp_path, monkeypatch):
     a = torch.load(tmp_path / "ref" / "checkpoints" / "step-00000006" / "state.pt")["model"]
     b = torch.load(tmp_path / "cut" / "checkpoints" / "step-00000006" / "state.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_flops_count_a_source_token_in_the_encoder_and_a_target_token_in_the_decoder(t5_dir):
+    from trainforge.metrics.flops import flops_per_token, linear_params
+
+    model = build_model(ModelSettings(path=t5_dir), load_tokenizer(t5_dir), seed=0)
+    total, _ = linear_params(model)
+    encoder, _ = linear_params(model.get_encoder())
+    attention = flops_per_token(model, 16) - 6.0 * total  # the decoder-only formula: every matrix per token
+    assert flops_per_token(model, 16, 0.0) == pytest.approx(6.0 * encoder + attention)
+    assert flops_per_token(model, 16, 1.0) == pytest.approx(6.0 * (total - encoder) + attention)
+    assert flops_per_token(model, 16, 0.25) == pytest.approx(0.75 * 6.0 * encoder + 0.25 * 6.0 * (total - encoder) + attention)

@@ -162,7 +162,9 @@ def setup(
         cfg.train.compile, compile_key(compile_shape(cfg, model, precision, device, ctx)),
         (cfg.data.cache_dir or default_cache_dir()) / HISTORY_FILE, device,
     )
-    run.flops_per_token = flops_per_token(model, cfg.data.max_length)
+    # encoder-decoder: a source token costs the encoder's matmuls, a target token the decoder's and the head's
+    share = data_stats["train_target_tokens"] / max(data_stats["train_tokens"], 1) if data_stats.get("encoder_decoder") else None
+    run.flops_per_token = flops_per_token(model, cfg.data.max_length, share)
     device_peak, source = peak_flops(device, precision.name, cfg.data.cache_dir)
     run.peak_flops = device_peak * ctx.world_size  # tokens/s is the global figure: so is the peak
     reporter.info(

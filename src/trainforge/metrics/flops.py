@@ -27,11 +27,20 @@ def linear_params(model: torch.nn.Module) -> tuple[int, int]:
     return trained, frozen
 
 
-def flops_per_token(model: torch.nn.Module, context: int) -> float:
-    """Training FLOPs per token: forward + backward, LoRA-aware."""
+def flops_per_token(model: torch.nn.Module, context: int, target_share: float | None = None) -> float:
+    """Training FLOPs per token: forward + backward, LoRA-aware.
+
+    Encoder-decoder models (``target_share``: the targets' share of all tokens): a source token
+    runs through the encoder's matrices only, a target token through the decoder's and the head."""
     trained, frozen = linear_params(model)
     config = getattr(model, "config", None)
     layers = getattr(config, "num_hidden_layers", 0) or 0
     width = getattr(config, "hidden_size", 0) or 0
     attention = 2 * 2 * layers * width * context * 3
-    return 6.0 * trained + 4.0 * frozen + attention
+    encoder = model.get_encoder() if target_share is not None and hasattr(model, "get_encoder") else None
+    if encoder is None:
+        return 6.0 * trained + 4.0 * frozen + attention
+    enc_trained, enc_frozen = linear_params(encoder)
+    source = 6.0 * enc_trained + 4.0 * enc_frozen
+    target = 6.0 * (trained - enc_trained) + 4.0 * (frozen - enc_frozen)
+    return (1.0 - target_share) * source + target_share * target + attention
