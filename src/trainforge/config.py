@@ -530,13 +530,15 @@ class RunConfig(Section):
             if d.train_on_prompt else None,
             "model.attention": "packed_sdpa is for packed decoder-only rows; use auto, sdpa or eager"
             if self.model.attention == "packed_sdpa" else None,
-            "train.micro_batch_size": "auto is not available for encoder-decoder models yet (its plan traces "
-            "decoder-only steps); give a number of rows" if self.train.micro_batch_size == "auto" else None,
         }
         for key, problem in problems.items():
             if problem:
                 raise ValueError(f"{key}: {kind}: {problem}")
         return self
+
+    def row_tokens(self) -> int:
+        """Tokens one row holds at most: ``data.max_length``, plus the target side of an encoder-decoder."""
+        return self.data.max_length + (self.data.target_limit() if is_encoder_decoder(self.model) else 0)
 
     def to_yaml(self) -> str:
         """The resolved configuration as YAML (every default spelled out)."""

@@ -13,6 +13,11 @@ from .packing import row_tokens
 from .store import TokenStore
 
 PAD_MULTIPLE = 8  # tensor-core friendly shapes, and fewer distinct shapes for kernels to tune for
+def padded_width(n: int) -> int:
+    """The width of a padded row holding ``n`` tokens: ``n`` rounded up to a multiple of PAD_MULTIPLE."""
+    return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
 LENGTH_GROUP_ROWS = 256  # unpacked rows are sorted by length within groups of this many (shuffled) rows
 
 
@@ -72,7 +77,7 @@ class RowCollator:
     def __call__(self, rows: Sequence[np.ndarray], indices: list[int]) -> Batch:
         built = [self._row(r) for r in rows]
         longest = max(len(b[0]) for b in built)
-        width = self.max_length if (self.packed or self.concat) else -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
+        width = self.max_length if (self.packed or self.concat) else padded_width(longest)
         ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE, dtype=np.int64)
         positions = np.zeros((len(rows), width), dtype=np.int64) if self.packed else None
@@ -181,7 +186,7 @@ class TrainLoader:
                 real, padded = real + r, padded + p
                 continue
             lens = [row_tokens(row, self.collate.concat) for row in rows]
-            width = self.collate.max_length if (self.collate.packed or self.collate.concat) else -(-max(lens) // PAD_MULTIPLE) * PAD_MULTIPLE
+            width = self.collate.max_length if (self.collate.packed or self.collate.concat) else padded_width(max(lens))
             real += sum(lens)
             padded += width * len(lens)
         return real / max(padded, 1)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .formats import IGNORE, Pair, TokenizedChunk, encoder_for
-from .loader import PAD_MULTIPLE, Batch
+from .loader import Batch, padded_width
 from .store import TokenStore
 
 
@@ -84,10 +84,6 @@ def tokenize_pairs(
     return chunk
 
 
-def _padded(n: int) -> int:
-    return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
-
-
 class Seq2SeqCollator:
     """Rows of one source -> target example each -> encoder inputs, decoder inputs and labels.
 
@@ -112,11 +108,11 @@ class Seq2SeqCollator:
         """(real tokens, tensor positions) of a batch of these rows, source and target together."""
         parts = [self._split(r) for r in rows]
         real = sum(len(a) + len(b) for a, b in parts)
-        return real, len(rows) * (_padded(max(len(a) for a, _ in parts)) + _padded(max(len(b) for _, b in parts)))
+        return real, len(rows) * (padded_width(max(len(a) for a, _ in parts)) + padded_width(max(len(b) for _, b in parts)))
 
     def __call__(self, rows: Sequence[np.ndarray], indices: list[int]) -> Batch:
         parts = [self._split(r) for r in rows]
-        width_s, width_t = _padded(max(len(a) for a, _ in parts)), _padded(max(len(b) for _, b in parts))
+        width_s, width_t = padded_width(max(len(a) for a, _ in parts)), padded_width(max(len(b) for _, b in parts))
         ids = np.full((len(rows), width_s), self.pad_id, dtype=np.int64)
         mask = np.zeros((len(rows), width_s), dtype=np.int64)
         labels = np.full((len(rows), width_t), IGNORE, dtype=np.int64)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..config import RunConfig, default_cache_dir, is_encoder_decoder, resolve_grad_accum, resolve_max_steps
+from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_max_steps
 from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import describe_data, get_tokenizer, plan_data
 from ..dist import DistContext, choose_mode, device_for
@@ -226,18 +226,13 @@ def fit_to_machine(
         reporter.info(f"micro_batch_size auto -> {saved}: as in the checkpoint being resumed")
     if t.micro_batch_size != "auto" and t.activation_checkpointing != "auto":
         return cfg, Fit(t.micro_batch_size, t.activation_checkpointing, "as configured", "as configured", None)
-    if is_encoder_decoder(cfg.model):  # the plan traces decoder-only steps (the config refuses micro_batch_size: auto)
-        why = "off: encoder-decoder runs are not planned yet; set train.activation_checkpointing: true to save memory"
-        reporter.info(f"activation checkpointing auto -> {why}")
-        fit = Fit(t.micro_batch_size, False, "as configured", why, None)
-        return cfg.model_copy(update={"train": t.model_copy(update={"activation_checkpointing": False})}), fit
     fit = None
     if ctx.is_main:
         profile = this_profile(device, cfg.data.cache_dir, timing=False)
         rough = None
         if t.micro_batch_size != "auto":
             skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
-            rough = estimate_memory(skeleton, t.micro_batch_size, cfg.data.max_length, precision).total
+            rough = estimate_memory(skeleton, t.micro_batch_size, cfg.row_tokens(), precision).total
         mode = "fsdp" if t.distributed == "fsdp" else "ddp"
         fit = fit_run(cfg, tokenizer, precision, profile, ctx.world_size, mode, rough)
         if fit.memory is not None:
@@ -285,7 +280,7 @@ def wrap_for_ranks(
     """Choose DDP or FSDP2 (``train.distributed``) and wrap; alone, the model itself."""
     if not ctx.enabled:
         return model
-    est = estimate_memory(model, loader.batch_size, cfg.data.max_length, precision)
+    est = estimate_memory(model, loader.batch_size, cfg.row_tokens(), precision)
     known = [a for a in ctx.all_gather_object(available_memory_bytes(device)) if a is not None]
     ctx.mode, why = choose_mode(  # the same inputs on every rank: all ranks choose alike
         cfg.train.distributed, est.weights + est.grads + est.optimizer, min(known) if known else None, ctx.local_world_size
@@ -303,7 +298,7 @@ def wrap_for_ranks(
 
 def warn_if_too_big(run: Run) -> None:
     """Estimate the run's memory before the first step; warn when the device has less available."""
-    estimate = estimate_memory(run.model, run.loader.batch_size, run.cfg.data.max_length, run.precision)
+    estimate = estimate_memory(run.model, run.loader.batch_size, run.cfg.row_tokens(), run.precision)
     warning = memory_warning(estimate, available_memory_bytes(run.device), run.device)
     if warning:
         run.reporter.warn(warning)

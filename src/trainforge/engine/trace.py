@@ -285,10 +285,14 @@ def trace_training_step(
     extrapolated linearly in the number of layers (every layer holds the same weights, state and
     saved activations; embeddings, head and loss do not grow): a 32-layer model costs two shallow
     traces instead of one deep one. ``layers``/``fewer_ops`` let the time model extrapolate alike.
+    An encoder-decoder's two stacks shrink and grow together (one step adds an encoder and a decoder
+    layer); its batch is the worst case of both sides: ``max_length`` source and ``max_target_length``
+    target tokens in every row.
     """
-    from ..model.load import architecture_field
+    from ..model.load import model_depth
 
-    depth = architecture_field(cfg.model, "num_hidden_layers")
+    known = model_depth(cfg.model)
+    depth = known[1] if known else None
     if depth is None or depth <= FEW_LAYERS[1]:
         return _trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, None)
     a, b = (_trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, n) for n in FEW_LAYERS)
@@ -310,7 +314,8 @@ def _trace(
 ) -> StepTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..data.loader import Batch
+    from ..config import is_encoder_decoder
+    from ..data.loader import Batch, padded_width
     from ..model.load import build_model_skeleton
     from .loss import chunk_as
     from .optim import build_optimizer
@@ -319,15 +324,22 @@ def _trace(
     cpu = torch.device("cpu")
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing, layers)
     rows, length = micro_batch_size, cfg.data.max_length
+    if cfg.data.packing is False:  # one example per row, padded to a multiple of PAD_MULTIPLE (the collators)
+        length = padded_width(length)
     with FakeTensorMode(allow_non_fake_inputs=True), chunk_as(device_type), _quiet_warnings():
-        model = skeleton.to_empty(device=cpu)
+        model = to_empty_keeping_ties(skeleton, cpu)
         if cfg.model.method == "qlora":
             quantize_base_4bit(model, precision.autocast_dtype or torch.float32)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(model, cfg.optim, cpu)
         ids = torch.zeros((rows, length), dtype=torch.long)
-        batch = Batch(ids, ids, None, rows * length, rows * length, list(range(rows)))
+        if is_encoder_decoder(cfg.model):  # source into the encoder (a padding mask, as batches have), target out
+            target = torch.zeros((rows, padded_width(cfg.data.target_limit())), dtype=torch.long)
+            batch = Batch(ids, target, None, ids.numel() + target.numel(), target.numel(), list(range(rows)),
+                          torch.ones_like(ids), target)
+        else:
+            batch = Batch(ids, ids, None, rows * length, rows * length, list(range(rows)))
         fused = cfg.train.fused_loss
 
         def forward_backward() -> torch.Tensor:
@@ -352,10 +364,27 @@ def _trace(
                     optimizer_step(params, optimizer, cfg.optim.max_grad_norm, None, None)
         finally:
             tracer.close()
-    layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
+    layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "EncoderLayer", "Block"))]
     largest = max((sum(_bytes(p) for p in m.parameters()) for m in layers), default=0)
     grads = sum(_bytes(p) for p in params)
-    return StepTrace(tracer.peak, tracer.peak_parts, tracer.ops, rows * length, largest, grads)
+    return StepTrace(tracer.peak, tracer.peak_parts, tracer.ops, batch.n_tokens, largest, grads)
+
+
+def to_empty_keeping_ties(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``Module.to_empty``, with parameters shared between modules still shared afterwards (tied input
+    embeddings and LM head; T5 and BART share one embedding among encoder, decoder and head).
+    ``to_empty`` gives every module a fresh tensor of its own, which unties them: a tied 128k-vocabulary
+    head would be counted twice, with its gradient and optimizer state."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for (first, first_name), *others in owners.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+    return model
 
 
 def _bytes(t: torch.Tensor) -> int:

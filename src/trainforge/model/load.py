@@ -166,6 +166,22 @@ def architecture_field(cfg: ModelSettings, name: str):
         return None
 
 
+# the depth fields of a model's stacks: decoder-only, T5's encoder and decoder, BART's encoder and decoder
+DEPTH_FIELDS = (("num_hidden_layers",), ("num_layers", "num_decoder_layers"), ("encoder_layers", "decoder_layers"))
+
+
+def model_depth(cfg: ModelSettings) -> tuple[tuple[str, ...], int] | None:
+    """The depth fields of the model's layer stacks and their one shared depth (an encoder-decoder:
+    encoder and decoder layers; a plan extrapolates over them together), or None when that is not
+    known or the stacks differ in depth."""
+    fields = DEPTH_FIELDS[1:] if is_encoder_decoder(cfg) else DEPTH_FIELDS[:1]
+    for names in fields:
+        depths = {architecture_field(cfg, n) for n in names}
+        if len(depths) == 1 and None not in depths:
+            return names, depths.pop()
+    return None
+
+
 def build_model_skeleton(
     cfg: ModelSettings, tokenizer, compute_dtype: torch.dtype | None, activation_checkpointing: bool,
     layers: int | None = None,
@@ -175,7 +191,8 @@ def build_model_skeleton(
     The same architecture, storage dtypes, checkpointing and adapters as ``build_model``; a QLoRA
     base is left in the compute dtype (the plan accounts for its 4-bit storage itself), and
     attention is causal SDPA without a mask (memory linear in the row length, like the kernels training uses).
-    ``layers``: build only this many decoder layers (a plan extrapolates deep models from shallow ones).
+    ``layers``: build only this many layers in each stack (a plan extrapolates deep models from shallow ones).
+    An encoder-decoder keeps the attention training uses: its encoder and cross-attention are not causal.
     """
     from transformers import AutoConfig
 
@@ -186,14 +203,19 @@ def build_model_skeleton(
         config = AutoConfig.from_pretrained(str(cfg.path.resolve()))
         config.vocab_size = max(config.vocab_size, len(tokenizer))
     if layers is not None:
-        config.num_hidden_layers = layers
+        depth = model_depth(cfg)
+        for name in depth[0] if depth else ("num_hidden_layers",):
+            setattr(config, name, layers)
         if isinstance(getattr(config, "layer_types", None), list):  # per-layer kinds (sliding / full attention)
             config.layer_types = config.layer_types[:layers]
-    # causal SDPA without a materialized mask, whose memory is linear in the row length as flash-attention's;
-    # transformers' own sdpa path would build a row x row mask on fake tensors (it cannot see they need none)
-    from .packed_attention import register_causal
+    if is_encoder_decoder(cfg):  # padded rows with a padding mask, as the run computes them
+        attn = attention_implementation(cfg.attention, torch.device("cpu"), compute_dtype is not None, True)
+    else:
+        # causal SDPA without a materialized mask, whose memory is linear in the row length as flash-attention's;
+        # transformers' own sdpa path would build a row x row mask on fake tensors (it cannot see they need none)
+        from .packed_attention import register_causal
 
-    attn = register_causal()
+        attn = register_causal()
     with torch.device("meta"):
         model = model_class(cfg).from_config(config, dtype=base_dtype, attn_implementation=attn)
         return adapt(model, cfg, activation_checkpointing)

@@ -88,7 +88,7 @@ def make_plan(
         from ..model.load import build_model_skeleton
 
         skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
-        rough = estimate_memory(skeleton, t.micro_batch_size, cfg.data.max_length, precision).total
+        rough = estimate_memory(skeleton, t.micro_batch_size, cfg.row_tokens(), precision).total
     fit = fit_run(cfg, tokenizer, precision, profile, world_size, mode, None if t.micro_batch_size == "auto" else rough)
     mbs, ckpt = fit.micro_batch_size, fit.activation_checkpointing
     resolved = cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": mbs, "activation_checkpointing": ckpt})})
@@ -150,7 +150,7 @@ def _distributed_mode(cfg: RunConfig, tokenizer, precision: Precision, profile: 
     from ..model.load import build_model_skeleton
 
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
-    est = estimate_memory(skeleton, 1, cfg.data.max_length, precision)
+    est = estimate_memory(skeleton, 1, cfg.row_tokens(), precision)
     return choose_mode("auto", est.weights + est.grads + est.optimizer, profile.memory_bytes, 1)[0]
 
 
@@ -222,10 +222,12 @@ def decisions(
     world_size: int, mode: str,
 ) -> list[dict[str, str]]:
     """What the run would decide by itself on this hardware, and why."""
+    from ..config import is_encoder_decoder
     from ..model.load import attention_implementation
 
-    if device is not None:
-        attn = attention_implementation(cfg.model.attention, device, precision.autocast_dtype is not None)
+    encoder_decoder = is_encoder_decoder(cfg.model)
+    if device is not None or encoder_decoder:
+        attn = attention_implementation(cfg.model.attention, device or torch.device("cpu"), precision.autocast_dtype is not None, encoder_decoder)
         if attn.startswith("trainforge_"):
             attn = "packed_sdpa"
     elif cfg.model.attention == "auto":
