@@ -313,14 +313,16 @@ GENERATE_EPILOG = (
     "--chat reads the conversation from stdin: JSON (a list of {\"role\", \"content\"} messages, or "
     "{\"messages\": [...]}) or lines 'user: ...', 'assistant: ...', 'system: ...' (a line without a role continues "
     "the turn above; text without any role is one user turn). The model's reply is rendered with the chat template "
-    "it was trained with. Exit code 2: the directory is not a model, or the input is malformed."
+    "it was trained with. Encoder-decoder models (T5, BART, ...) read the prompt, or the rendered conversation, with "
+    "their encoder, as training read sources; the text is their decoder's. Exit code 2: the directory is not a model, "
+    "or the input is malformed."
 )
 
 
 @app.command(epilog=GENERATE_EPILOG)
 def generate(
     model: Annotated[Path, typer.Argument(help=MODEL_ARG_HELP)],
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="text to continue")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="text to continue (an encoder-decoder: its input)")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="answer the conversation read from stdin (see below)")] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="tokens to generate at most")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0: greedy; higher: more varied (top-k 50)")] = 0.7,
