@@ -95,7 +95,7 @@ def _logits(model, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> 
 def test_bart_chat_run_eval_generate_and_export(bart_chat_run, monkeypatch, tmp_path):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from trainforge.model.generate import generate
+    from trainforge.model.generate import generate, sample
     from trainforge.tools.evaluate import evaluate_model
     from trainforge.tools.generate import run_generate
 
@@ -118,6 +118,10 @@ def test_bart_chat_run_eval_generate_and_export(bart_chat_run, monkeypatch, tmp_
     with torch.no_grad():
         out = trained.generate(input_ids=source, attention_mask=torch.ones_like(source), max_new_tokens=6, do_sample=False)
     assert text.strip() and text == tok.decode(out[0], skip_special_tokens=True) == "".join(pieces)
+    # the end-of-run sample (log.sample_prompt) encodes its prompt the same way and returns the decoder's text
+    prompt_source = torch.tensor([training_sources(tok, [{"source": "reverse: alpha gamma", "target": "x"}])[0]])
+    sampled = generate(trained, tok, prompt_source, 6, temperature=0.8, seed=3)
+    assert sample(trained, tok, "reverse: alpha gamma", 6, seed=3, temperature=0.8) == sampled
 
     # export --merge of a full run: nothing to merge, written as a plain BART (AutoModelForCausalLM would
     # have taken BART's decoder alone), loaded without peft, the same logits
