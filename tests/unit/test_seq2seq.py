@@ -406,3 +406,14 @@ def test_flops_count_a_source_token_in_the_encoder_and_a_target_token_in_the_dec
     assert flops_per_token(model, 16, 0.0) == pytest.approx(6.0 * encoder + attention)
     assert flops_per_token(model, 16, 1.0) == pytest.approx(6.0 * (total - encoder) + attention)
     assert flops_per_token(model, 16, 0.25) == pytest.approx(0.75 * 6.0 * encoder + 0.25 * 6.0 * (total - encoder) + attention)
+
+
+def test_qlora_trains_adapters_on_a_4bit_base(model_dir, reverse_data, tmp_path):
+    cfg = config(model_dir, reverse_data, max_steps=3, precision="bf16")
+    cfg["model"]["method"] = "qlora"
+    result, _ = run(cfg, tmp_path / "run")
+    s = result.summary
+    assert s["weights"]["frozen"]["nf4"] > 0 and set(s["weights"]["trainable"]) == {"float32"}
+    assert s["eval_loss"] < s["eval_loss_before"]
+    adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "SEQ_2_SEQ_LM"
