@@ -29,17 +29,23 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def make_adapter(base_dir: Path, out: Path, use_dora: bool = False, quantized: bool = False) -> Path:
-    """A LoRA adapter on ``base_dir`` whose B matrices are not zero (so merging changes the weights)."""
+    """A LoRA adapter on ``base_dir`` whose B matrices are not zero (so merging changes the weights);
+    an encoder-decoder base (T5, BART) gets a SEQ_2_SEQ_LM adapter."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from trainforge.config import dir_is_encoder_decoder
+    from trainforge.model.load import auto_model_class
 
     extra = {}
     if quantized:
         from trainforge.model.load import nf4_config
 
         extra["quantization_config"] = nf4_config(torch.float32)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, **extra)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=use_dora, task_type="CAUSAL_LM")
+    seq2seq = dir_is_encoder_decoder(Path(base_dir))
+    base = auto_model_class(seq2seq).from_pretrained(base_dir, dtype=torch.float32, **extra)
+    task = "SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM"
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=use_dora, task_type=task)
     model = get_peft_model(base, config)
     torch.manual_seed(7)
     for name, param in model.named_parameters():

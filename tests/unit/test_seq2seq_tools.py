@@ -14,6 +14,7 @@ from rich.console import Console
 
 from conftest import write_jsonl
 from seq2seq_models import as_layout, build_bart, build_t5, reverse_rows, training_sources
+from test_export import make_adapter
 from trainforge.config import RunConfig
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.tools.export import export
@@ -135,27 +136,6 @@ def test_bart_chat_run_eval_generate_and_export(bart_chat_run, monkeypatch, tmp_
     assert generate(exported, tok, source, 6, temperature=0.0) == text
 
 
-def make_seq2seq_adapter(base_dir, out, quantized: bool = False):
-    """A SEQ_2_SEQ_LM LoRA adapter on ``base_dir`` (every linear layer) whose B matrices are not zero."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
-    extra = {}
-    if quantized:
-        from trainforge.model.load import nf4_config
-
-        extra["quantization_config"] = nf4_config(torch.float32)
-    base = AutoModelForSeq2SeqLM.from_pretrained(base_dir, dtype=torch.float32, **extra)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="SEQ_2_SEQ_LM"))
-    torch.manual_seed(7)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(0.0, 0.05)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(base_dir).save_pretrained(out)
-    return out
-
-
 @pytest.mark.parametrize("kind, method", [("bart", "lora"), ("t5", "qlora")])
 def test_adapters_merge_into_a_plain_seq2seq_model_with_the_adapter_models_logits(tmp_path, monkeypatch, t5_dir, bart_dir, kind, method):
     """LoRA merged into BART; QLoRA into T5's NF4 base dequantized (the base it trained on). The result
@@ -170,7 +150,7 @@ def test_adapters_merge_into_a_plain_seq2seq_model_with_the_adapter_models_logit
 
     base_dir = {"t5": t5_dir, "bart": bart_dir}[kind]
     run = tmp_path / "run"
-    make_seq2seq_adapter(base_dir, run / "final", quantized=method == "qlora")
+    make_adapter(base_dir, run / "final", quantized=method == "qlora")  # a SEQ_2_SEQ_LM adapter on these bases
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(base_dir), "method": method}}))
     (run / "summary.json").write_text(json.dumps({"precision": "fp32"}))
     g = torch.Generator().manual_seed(0)
