@@ -417,3 +417,40 @@ def test_qlora_trains_adapters_on_a_4bit_base(model_dir, reverse_data, tmp_path)
     assert s["eval_loss"] < s["eval_loss_before"]
     adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
     assert adapter["task_type"] == "SEQ_2_SEQ_LM"
+
+
+@pytest.mark.parametrize(
+    "init",
+    [
+        {"architecture": "t5", "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4},
+        {"architecture": "bart", "d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+         "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "max_position_embeddings": 64},
+    ],
+)
+def test_from_scratch_with_a_tokenizer_trained_on_the_data(init, reverse_data, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    cfg = {
+        "model": {"init": init, "tokenizer_vocab_size": 300},
+        "data": {"train": str(reverse_data / "train.jsonl"), "eval": str(reverse_data / "eval.jsonl"), "max_length": 24},
+        "train": {"max_steps": 3, "micro_batch_size": 8, "precision": "fp32", "device": "cpu"},
+    }
+    result, _ = run(cfg, tmp_path / "run")
+    assert result.summary["eval_loss"] < result.summary["eval_loss_before"]
+    model = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "run" / "final")
+    tok = result.tokenizer
+    # the decoder starts from the tokenizer's pad token; BART's defaults (ids of its own vocabulary) are replaced
+    assert model.config.decoder_start_token_id == tok.pad_token_id
+    assert model.config.eos_token_id == tok.eos_token_id
+    assert getattr(model.config, "forced_eos_token_id", tok.eos_token_id) == tok.eos_token_id
+
+
+def test_prepare_reports_source_target_rows(t5_dir, reverse_data, tmp_path):
+    from trainforge.data.plan import prepare_only
+
+    cfg = RunConfig.model_validate(config(t5_dir, reverse_data))
+    cfg.data.cache_dir = tmp_path
+    buf = io.StringIO()
+    stats = prepare_only(cfg, ConsoleReporter(Console(file=buf, width=300)))
+    assert stats["encoder_decoder"] and 0 < stats["row_efficiency"] < 1
+    assert "source -> target rows" in buf.getvalue()
