@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 WORDS = "alpha beta gamma delta epsilon zeta".split()
@@ -23,6 +24,18 @@ T5_CONFIG = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decod
 BART_CONFIG = {"d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
                "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
                "max_position_embeddings": 64, "dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory) -> Path:
+    """A tiny T5 directory per test module (import the fixture: ``from seq2seq_models import t5_dir``)."""
+    return build_t5(tmp_path_factory.mktemp("t5"))
+
+
+@pytest.fixture(scope="module")
+def bart_dir(tmp_path_factory) -> Path:
+    """A tiny BART directory per test module."""
+    return build_bart(tmp_path_factory.mktemp("bart"))
 
 
 def reverse_rows(n: int, seed: int = 0) -> list[dict[str, str]]:

@@ -14,7 +14,7 @@ from rich.console import Console
 
 import trainforge.engine.trainer as trainer
 from conftest import write_jsonl
-from seq2seq_models import build_bart, build_t5, reverse_rows
+from seq2seq_models import bart_dir, build_bart, build_t5, reverse_rows, t5_dir  # noqa: F401 (fixtures)
 from trainforge.config import ConfigError, ModelSettings, RunConfig, is_encoder_decoder, load_config
 from trainforge.data.formats import FieldNames, Pair, Renderer, detect_format
 from trainforge.data.loader import TrainLoader
@@ -37,16 +37,6 @@ NAMES = FieldNames()
 
 def quiet() -> ConsoleReporter:
     return ConsoleReporter(Console(quiet=True))
-
-
-@pytest.fixture(scope="module")
-def t5_dir(tmp_path_factory):
-    return build_t5(tmp_path_factory.mktemp("t5"))
-
-
-@pytest.fixture(scope="module")
-def bart_dir(tmp_path_factory):
-    return build_bart(tmp_path_factory.mktemp("bart"))
 
 
 @pytest.fixture(scope="module", params=["t5", "bart"])

@@ -13,23 +13,13 @@ import torch
 from rich.console import Console
 
 from conftest import write_jsonl
-from seq2seq_models import as_layout, build_bart, build_t5, reverse_rows, training_sources
+from seq2seq_models import as_layout, bart_dir, reverse_rows, t5_dir, training_sources  # noqa: F401 (fixtures)
 from test_export import make_adapter
 from trainforge.config import RunConfig
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.tools.export import export
 
 QUIET = ConsoleReporter(Console(quiet=True))
-
-
-@pytest.fixture(scope="module")
-def t5_dir(tmp_path_factory):
-    return build_t5(tmp_path_factory.mktemp("t5"))
-
-
-@pytest.fixture(scope="module")
-def bart_dir(tmp_path_factory):
-    return build_bart(tmp_path_factory.mktemp("bart"))
 
 
 @pytest.fixture(scope="module")
