@@ -6,7 +6,6 @@ BART, chat turns and QLoRA: tests/unit/test_seq2seq_tools.py."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
