@@ -508,7 +508,9 @@ def eval_loss(model_dir: str, batches: list) -> float:
 # ---------------------------------------------------------------- the parent
 
 
-def run_child(name: str, spec: Path, work: Path, threads: int) -> dict:
+def launch_child(script: str, name: str, spec: Path, work: Path, threads: int) -> dict:
+    """``script --child name`` in a fresh process (``threads`` threads, offline, cold caches of its own);
+    its result with the 1-minute load average before and after, or ``{name, error, log_tail}``."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
@@ -526,20 +528,27 @@ def run_child(name: str, spec: Path, work: Path, threads: int) -> dict:
     result.unlink(missing_ok=True)
     load_before, t = os.getloadavg()[0], time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, __file__, "--child", name, "--spec", str(spec), "--result", str(result)],
+        proc = subprocess.run([sys.executable, script, "--child", name, "--spec", str(spec), "--result", str(result)],
                               env=env, stdout=f, stderr=subprocess.STDOUT)
     process_s = time.perf_counter() - t
     if proc.returncode != 0 or not result.is_file():
         tail = log.read_text()[-3000:]
-        print(f"  {name}: FAILED (exit {proc.returncode}); log tail:\n{tail}")
+        print(f"  {name}: FAILED (exit {proc.returncode}); log tail:\n{tail}", flush=True)
         return {"name": name, "error": f"exit {proc.returncode}", "log_tail": tail}
     r = json.loads(result.read_text())
     # 1-minute load average before and after: anything above `threads` means other work shared the cores
     r.update(name=name, process_s=process_s, load_before=load_before, load_after=os.getloadavg()[0])
+    return r
+
+
+def run_child(name: str, spec: Path, work: Path, threads: int) -> dict:
+    r = launch_child(__file__, name, spec, work, threads)
+    if "error" in r:
+        return r
     r["tokens_per_cpu_s"] = r["tokens"] / r["train_cpu_s"] if r.get("train_cpu_s") else None
     print(f"  {name}: {r['steps']} steps, {r['tokens']:,} tokens in {r['train_s']:.1f}s "
           f"({r['tokens_per_s']:,.0f} tok/s), wall {r['wall_s']:.1f}s, peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, "
-          f"load {load_before:.1f} -> {r['load_after']:.1f}", flush=True)
+          f"load {r['load_before']:.1f} -> {r['load_after']:.1f}", flush=True)
     return r
 
 
@@ -548,21 +557,25 @@ def peak_memory(r: dict) -> int:
     return r.get("peak_gpu_reserved_bytes", r["peak_rss_bytes"])
 
 
-def combine(rounds: list[dict]) -> dict:
-    """One row per run: medians over the rounds of the timings (the last round's weights are evaluated)."""
+MEDIAN_KEYS = ("tokens_per_s", "tokens_per_cpu_s", "train_s", "wall_s", "peak_rss_bytes", "peak_gpu_reserved_bytes", "load_before")
+ROUND_KEYS = ("tokens_per_s", "tokens_per_cpu_s", "wall_s", "peak_rss_bytes", "load_before", "load_after", "error")
+
+
+def combine(rounds: list[dict], keys: tuple[str, ...] = MEDIAN_KEYS, round_keys: tuple[str, ...] = ROUND_KEYS) -> dict:
+    """One row per run: medians over the rounds of the timings ``keys`` (the last round's weights are
+    evaluated); with several rounds, each round's ``round_keys`` too."""
     ok = [r for r in rounds if "error" not in r]
     if not ok:
         return rounds[-1]
     import statistics
 
     out = dict(ok[-1])
-    for key in ("tokens_per_s", "tokens_per_cpu_s", "train_s", "wall_s", "peak_rss_bytes", "peak_gpu_reserved_bytes", "load_before"):
+    for key in keys:
         values = [r[key] for r in ok if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
     if len(rounds) > 1:
-        out["rounds"] = [{k: r.get(k) for k in ("tokens_per_s", "tokens_per_cpu_s", "wall_s", "peak_rss_bytes",
-                                                 "load_before", "load_after", "error")} for r in rounds]
+        out["rounds"] = [{k: r.get(k) for k in round_keys} for r in rounds]
     return out
 
 
