@@ -141,17 +141,26 @@ def toy_data_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture
-def finetune_config(tiny_model_dir, toy_data_dir) -> dict[str, Any]:
-    """A small, fast fine-tuning config on the tiny model (fp32, CPU, a few steps)."""
+def finetune_settings(model_dir: Path, data_dir: Path) -> dict[str, Any]:
+    """A small, fast fine-tuning config on the tiny model (fp32, CPU, a few steps); ``finetune_config``
+    as a function, for module-scoped fixtures that train once and share the run.
+
+    ``log.report: false``: drawing report.html costs more than the tiny run itself; the tests of the
+    report (``test_cli_report.py``, ``test_report.py``) switch it on or leave the default."""
     return {
-        "model": {"path": str(tiny_model_dir), "method": "full"},
+        "model": {"path": str(model_dir), "method": "full"},
         "data": {
-            "train": str(toy_data_dir / "pc_train.jsonl"),
-            "eval": str(toy_data_dir / "pc_eval.jsonl"),
+            "train": str(data_dir / "pc_train.jsonl"),
+            "eval": str(data_dir / "pc_eval.jsonl"),
             "max_length": 64,
         },
         "train": {"max_steps": 8, "micro_batch_size": 4, "grad_accum": 2, "precision": "fp32", "device": "cpu"},
         "optim": {"lr": 1.0e-3, "warmup_steps": 2},
-        "log": {"every_steps": 2},
+        "log": {"every_steps": 2, "report": False},
     }
+
+
+@pytest.fixture
+def finetune_config(tiny_model_dir, toy_data_dir) -> dict[str, Any]:
+    """``finetune_settings`` of the session's tiny model and toy data (a fresh dict per test)."""
+    return finetune_settings(tiny_model_dir, toy_data_dir)

@@ -28,6 +28,7 @@ SHRINK = [
     "train.eval_max_batches=2",
     "log.every_steps=2",
     "log.sample_tokens=40",
+    "log.report=false",
     "checkpoint.every_steps=4",
 ]
 

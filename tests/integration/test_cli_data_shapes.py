@@ -69,7 +69,7 @@ def _config(tmp_path: Path, model: dict, data: dict) -> Path:
         "data": {"max_length": 128, "cache_dir": str(tmp_path / "cache"), **data},
         "train": {"max_steps": 3, "micro_batch_size": 4, "precision": "auto", "device": "cpu"},
         "optim": {"lr": 1.0e-3},
-        "log": {"every_steps": 1},
+        "log": {"every_steps": 1, "report": False},
     }
     return conftest.write_config(tmp_path / "config.yaml", cfg)
 

@@ -64,7 +64,7 @@ def lora_run(tmp_path_factory, tiny_model_dir, toy_data_dir) -> tuple[Path, dict
         "data": {"train": str(toy_data_dir / "pc_train.jsonl"), "eval": str(toy_data_dir / "pc_eval.jsonl"), "max_length": 64},
         "train": {"max_steps": 4, "micro_batch_size": 4, "precision": "fp32", "device": "cpu"},
         "optim": {"lr": 3.0e-3, "warmup_steps": 1},
-        "log": {"every_steps": 2},
+        "log": {"every_steps": 2, "report": False},
     })
     run = d / "run"
     return run, _train(run, [config])
@@ -152,6 +152,7 @@ DEMO_SHRINK = [
     "data.max_documents=12",
     "log.every_steps=1",
     "log.sample_tokens=4",
+    "log.report=false",
     "model.init.hidden_size=32",
     "model.init.intermediate_size=64",
     "model.init.num_hidden_layers=1",

@@ -33,11 +33,22 @@ def llama64_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     return path
 
 
-def _train(tmp_path: Path, cfg: dict, name: str, *overrides: str) -> tuple[dict, list[dict]]:
+def _train(tmp_path: Path, cfg: dict, name: str, *overrides: str, cli: bool = True) -> tuple[dict, list[dict]]:
+    """``trainforge train`` in a subprocess; ``cli=False``: the same run in this process (for a reference
+    run that the test compares the CLI's against: it saves an interpreter start and torch's import)."""
     config = write_config(tmp_path / f"{name}.yaml", cfg)
     run = tmp_path / name
-    proc = run_cli(["train", config, "--output", run, *[a for o in overrides for a in ("--set", o)]], tmp_path)
-    assert proc.returncode == 0, show(proc)
+    if cli:
+        proc = run_cli(["train", config, "--output", run, *[a for o in overrides for a in ("--set", o)]], tmp_path)
+        assert proc.returncode == 0, show(proc)
+    else:
+        from rich.console import Console
+
+        from trainforge.config import load_config
+        from trainforge.engine.trainer import train
+        from trainforge.metrics.console import ConsoleReporter
+
+        train(load_config(config, list(overrides)), run, ConsoleReporter(Console(quiet=True)))
     losses = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r and "step" in r]
     return json.loads((run / "summary.json").read_text()), losses
 
@@ -46,14 +57,14 @@ def _config(finetune_config: dict, model_dir: Path, **model) -> dict:
     cfg = copy.deepcopy(finetune_config)
     cfg["model"] = {"path": str(model_dir), **model}
     cfg["train"].update(max_steps=4, grad_accum=1)
-    cfg["log"] = {"every_steps": 1}
+    cfg["log"] = {"every_steps": 1, "report": False}
     return cfg
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_activation_checkpointing_gives_the_same_losses(tmp_path, finetune_config, tiny_model_dir, method):
     cfg = _config(finetune_config, tiny_model_dir, method=method)
-    plain, plain_losses = _train(tmp_path, cfg, "plain")
+    plain, plain_losses = _train(tmp_path, cfg, "plain", cli=False)  # the reference
     checked, checked_losses = _train(tmp_path, cfg, "checked", "train.activation_checkpointing=true")
     assert checked["activation_checkpointing"] is True and plain["activation_checkpointing"] is False
     assert [r["loss"] for r in checked_losses] == pytest.approx([r["loss"] for r in plain_losses], rel=1e-5)

@@ -191,6 +191,7 @@ def test_builtin_default_runs_when_shrunk(tmp_path, trainforge_cli):
         "model.init.intermediate_size=64",
         "model.init.num_hidden_layers=1",
         "model.tokenizer_vocab_size=400",
+        "log.report=false",
     ]
     proc = trainforge_cli("train", *[a for o in overrides for a in ("--set", o)], "--output", run)
     assert proc.returncode == 0, show(proc)
@@ -236,7 +237,7 @@ def test_output_dir_holding_a_run_is_refused(tmp_path, trainforge_cli, finetune_
 
 
 def test_sample_text_with_brackets_is_printed_verbatim(tmp_path, trainforge_cli, finetune_config):
-    cfg = dict(finetune_config, log={"every_steps": 1, "sample_prompt": "x[/i] = ", "sample_tokens": 4})
+    cfg = dict(finetune_config, log={"every_steps": 1, "sample_prompt": "x[/i] = ", "sample_tokens": 4, "report": False})
     cfg["train"] = dict(cfg["train"], max_steps=1)
     config = write_config(tmp_path / "finetune.yaml", cfg)
     run = tmp_path / "run"

@@ -43,7 +43,7 @@ def train_config(tmp_path_factory, tiny_tokenizer_dir, toy_data_dir) -> dict:
         "train": {"max_steps": 8, "micro_batch_size": 4, "grad_accum": 1, "precision": "fp32", "device": "cpu"},
         "optim": {"lr": 1.0e-3, "warmup_steps": 2},
         "checkpoint": {"every_steps": 2, "keep_last": 5},
-        "log": {"every_steps": 1},
+        "log": {"every_steps": 1, "report": False},
     }
 
 

@@ -45,7 +45,7 @@ def scratch_config(tiny_tokenizer_dir, toy_data_dir) -> dict:
         },
         "optim": {"lr": 1.0e-3, "warmup_steps": 2},
         "checkpoint": {"every_steps": 3, "keep_last": 2},
-        "log": {"every_steps": 1, "example_indices": True},
+        "log": {"every_steps": 1, "example_indices": True, "report": False},
     }
 
 

@@ -61,7 +61,7 @@ def config(finetune_config) -> dict:
     cfg = copy.deepcopy(finetune_config)
     cfg["train"]["max_steps"] = 5
     cfg["checkpoint"] = {"every_steps": 1, "keep_last": 10}
-    cfg["log"] = {"every_steps": 1, "example_indices": True}
+    cfg["log"] = {"every_steps": 1, "example_indices": True, "report": False}
     return cfg
 
 

@@ -8,6 +8,7 @@ import copy
 import errno
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.tracker import read_metrics
 
 from trainforge.metrics.tracker import MEASURED_FIELDS
+
+from conftest import finetune_settings
 
 TIMING = MEASURED_FIELDS
 
@@ -74,21 +77,32 @@ def crash_in_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(trainer, "forward_backward_adaptive", crashing)
 
 
-@pytest.fixture
-def config(finetune_config) -> dict:
+def resume_settings(finetune_config: dict) -> dict:
     cfg = copy.deepcopy(finetune_config)
     cfg["train"]["max_steps"] = 6
     cfg["checkpoint"] = {"every_steps": 2, "keep_last": 3}
     # records at steps 4 and 6: resuming from step 2 must carry the half-filled log window over
-    cfg["log"] = {"every_steps": 4, "example_indices": True}
+    cfg["log"] = {"every_steps": 4, "example_indices": True, "report": False}
     return cfg
 
 
 @pytest.fixture
-def reference(config, tmp_path) -> Path:
-    out = tmp_path / "reference"
-    train(config, out)
+def config(finetune_config) -> dict:
+    return resume_settings(finetune_config)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, tiny_model_dir, toy_data_dir) -> Path:
+    """The uninterrupted run of ``config``, trained once for the module."""
+    out = tmp_path_factory.mktemp("resume") / "reference"
+    train(resume_settings(finetune_settings(tiny_model_dir, toy_data_dir)), out)
     return out
+
+
+@pytest.fixture
+def reference(reference_run, tmp_path) -> Path:
+    """A copy of the uninterrupted run of ``config`` that the test may damage or train into."""
+    return Path(shutil.copytree(reference_run, tmp_path / "reference"))
 
 
 # ---------------------------------------------------------------- a failure at each stage of a save
@@ -273,8 +287,7 @@ def test_resume_never_refuses_a_directory_holding_a_run(config, reference):
 
 
 def test_resume_path_to_an_older_checkpoint_cuts_metrics_back_and_replays_exactly(config, reference, tmp_path):
-    run = tmp_path / "run"
-    train(config, run)
+    run = Path(shutil.copytree(reference, tmp_path / "run"))  # a finished run, as train(config, run) leaves it
     _, log = train(config, run, resume=str(run / "checkpoints" / "step-00000002"))
     assert "dropped" in log and "records written after step-00000002" in log
     assert train_records(run) == train_records(reference)

@@ -35,7 +35,7 @@ def text_config(finetune_config, toy_data_dir):
     }
     cfg["train"] = {**cfg["train"], "max_steps": 40, "micro_batch_size": 8, "grad_accum": 1, "eval_every": 20}
     cfg["optim"] = {"lr": 3e-3, "warmup_steps": 4}
-    cfg["log"] = {"every_steps": 5}
+    cfg["log"] = {"every_steps": 5, "report": False}
     return cfg
 
 
