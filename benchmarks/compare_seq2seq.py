@@ -37,7 +37,8 @@ exempts vectors (norms, biases); with 0 both optimizers are the same.
 
 Measured per run:
 - target tokens/s: real target tokens (the labels the loss is taken over, EOS included) trained /
-  training-loop time. For HF a forward pre-hook counts ``labels != -100`` in every training forward and
+  training-loop time (and per CPU-second: over the loop's process CPU time, which other work on a
+  shared machine disturbs less). For HF a forward pre-hook counts ``labels != -100`` in every training forward and
   a callback times ``on_train_begin`` .. ``on_train_end``; for trainforge the target tokens of every
   optimizer step are counted as the step is taken, over its own loop time (the same definition).
 - all tokens/s: the same with source tokens added (real encoder tokens + decoder tokens).
@@ -59,14 +60,14 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 T_START = time.perf_counter()  # a child's whole-job clock starts before torch / transformers are imported
+
+from compare_hf import Counter, combine, hf_common_args, launch_child  # noqa: E402 (the same machinery; stdlib only)
 
 ARCHS = ("t5", "bart")
 
@@ -237,6 +238,16 @@ def run_trainforge(s: dict, arch: str, out: Path) -> dict:
         return step(run, micro_batches, *args, **kwargs)
 
     trainer_module.forward_backward_adaptive = counting_step
+    clock, loop = {}, trainer_module.train_loop
+
+    def timed_loop(run):  # the process CPU seconds of the loop, as the HF runs' callback measures them
+        c = time.process_time()
+        try:
+            return loop(run)
+        finally:
+            clock["cpu_s"] = time.process_time() - c
+
+    trainer_module.train_loop = timed_loop
     sm = train(cfg, out / "run", ConsoleReporter(Console(quiet=True))).summary
     return {
         "steps": sm["steps"],
@@ -244,6 +255,7 @@ def run_trainforge(s: dict, arch: str, out: Path) -> dict:
         "all_tokens": counted["targets"] + counted["source"],
         "trainforge_tokens": sm["tokens"],  # its own count (source + decoder inputs): equals all_tokens
         "train_s": sm["train_time_s"],
+        "train_cpu_s": clock["cpu_s"],
         "final_train_loss": sm["final_train_loss"],
         "final_dir": sm["final_dir"],
         "precision": sm["precision"],
@@ -253,12 +265,13 @@ def run_trainforge(s: dict, arch: str, out: Path) -> dict:
     }
 
 
-class Counter:
-    """Target tokens (labels != -100) and real source tokens of every training forward; the loop's clock."""
+class TargetCounter(Counter):
+    """Target tokens (labels != -100) and real source tokens of every training forward; the loop's clock
+    (compare_hf's callback)."""
 
     def __init__(self):
-        self.targets = self.source = self.forwards = 0
-        self.t0 = self.t1 = None
+        super().__init__(pad_id=None)
+        self.targets = self.source = 0
 
     def hook(self, module, args, kwargs):
         import torch
@@ -268,20 +281,6 @@ class Counter:
             self.source += int(kwargs["attention_mask"].sum())
             self.forwards += 1
 
-    def callback(self):
-        from transformers import TrainerCallback
-
-        counter = self
-
-        class Timer(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kw):
-                counter.t0 = time.perf_counter()
-
-            def on_train_end(self, args, state, control, **kw):
-                counter.t1 = time.perf_counter()
-
-        return Timer()
-
 
 def run_hf(s: dict, arch: str, out: Path, grouped: bool) -> dict:
     """Seq2SeqTrainer as the HF translation / summarization examples set it up."""
@@ -289,7 +288,7 @@ def run_hf(s: dict, arch: str, out: Path, grouped: bool) -> dict:
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     datasets.disable_progress_bars()
-    p, o, d = s["paths"], s["optim"], s["data"]
+    p, d = s["paths"], s["data"]
     tok = AutoTokenizer.from_pretrained(p[f"{arch}_model"])
     raw = datasets.load_dataset("json", data_files=p["train"], split="train", cache_dir=str(out / "hf-cache"))
 
@@ -299,28 +298,13 @@ def run_hf(s: dict, arch: str, out: Path, grouped: bool) -> dict:
         return enc
 
     ds = raw.map(preprocess, batched=True, remove_columns=raw.column_names)
-    counter = Counter()
+    counter = TargetCounter()
     model = AutoModelForSeq2SeqLM.from_pretrained(p[f"{arch}_model"])  # fp32 as saved, sdpa
     model.register_forward_pre_hook(counter.hook, with_kwargs=True)
-    args = Seq2SeqTrainingArguments(
-        output_dir=str(out / "trainer"),
+    args = Seq2SeqTrainingArguments(  # lr, cosine to a floor, AdamW, clipping, seed, no saves: compare_hf's
+        **hf_common_args(s, out),
         per_device_train_batch_size=d["batch_size"],
         num_train_epochs=d["epochs"],
-        learning_rate=o["lr"],
-        lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": o["min_lr_ratio"]},
-        warmup_steps=o["warmup_steps"],
-        weight_decay=o["weight_decay"],
-        adam_beta1=o["betas"][0],
-        adam_beta2=o["betas"][1],
-        adam_epsilon=o["eps"],
-        max_grad_norm=o["max_grad_norm"],
-        seed=s["seed"],
-        report_to="none",
-        logging_steps=1_000_000,
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=True,
         **({"train_sampling_strategy": "group_by_length"} if grouped else {}),
     )
     collator = DataCollatorForSeq2Seq(tok, model=model, pad_to_multiple_of=8 if grouped else None)
@@ -333,6 +317,7 @@ def run_hf(s: dict, arch: str, out: Path, grouped: bool) -> dict:
         "target_tokens": counter.targets,
         "all_tokens": counter.targets + counter.source,
         "train_s": counter.t1 - counter.t0,
+        "train_cpu_s": counter.cpu1 - counter.cpu0,
         "final_train_loss": result.training_loss,
         "final_dir": str(out / "final"),
         "precision": "fp32" if not (args.bf16 or args.fp16) else ("bf16" if args.bf16 else "fp16"),
@@ -389,61 +374,31 @@ def eval_loss(model_dir: str, batches: list) -> float:
 
 
 def run_child(name: str, spec: Path, work: Path, threads: int) -> dict:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HOME": str(work / "hf-home" / name),  # cold caches for every run
-        "TRAINFORGE_CACHE": str(work / "tf-cache" / name),
-        "TRANSFORMERS_VERBOSITY": "error",
-        "PYTHONWARNINGS": "ignore",
-    }
-    result, log = work / f"result-{name}.json", work / f"log-{name}.txt"
-    result.unlink(missing_ok=True)
-    load_before = os.getloadavg()[0]
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, __file__, "--child", name, "--spec", str(spec), "--result", str(result)],
-                              env=env, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0 or not result.is_file():
-        tail = log.read_text()[-3000:]
-        print(f"  {name}: FAILED (exit {proc.returncode}); log tail:\n{tail}", flush=True)
-        return {"name": name, "error": f"exit {proc.returncode}", "log_tail": tail}
-    r = json.loads(result.read_text())
-    r.update(name=name, load_before=load_before, load_after=os.getloadavg()[0])
+    r = launch_child(__file__, name, spec, work, threads)
+    if "error" in r:
+        return r
     r["target_tokens_per_s"] = r["target_tokens"] / r["train_s"]
     r["all_tokens_per_s"] = r["all_tokens"] / r["train_s"]
+    r["target_tokens_per_cpu_s"] = r["target_tokens"] / r["train_cpu_s"]
     print(f"  {name}: {r['steps']} steps, {r['target_tokens']:,} target tokens in {r['train_s']:.1f}s "
           f"({r['target_tokens_per_s']:,.0f}/s), wall {r['wall_s']:.1f}s, peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, "
-          f"load {load_before:.1f} -> {r['load_after']:.1f}", flush=True)
+          f"load {r['load_before']:.1f} -> {r['load_after']:.1f}", flush=True)
     return r
 
 
-def combine(rounds: list[dict]) -> dict:
-    """One row per run: medians over the rounds of the timings (the last round's weights are evaluated)."""
-    ok = [r for r in rounds if "error" not in r]
-    if not ok:
-        return rounds[-1]
-    out = dict(ok[-1])
-    for key in ("target_tokens_per_s", "all_tokens_per_s", "train_s", "wall_s", "peak_rss_bytes", "load_before"):
-        out[key] = statistics.median(r[key] for r in ok)
-    if len(rounds) > 1:
-        out["rounds"] = [{k: r.get(k) for k in ("target_tokens_per_s", "wall_s", "peak_rss_bytes", "load_before", "error")}
-                         for r in rounds]
-    return out
+TIMINGS = ("target_tokens_per_s", "all_tokens_per_s", "target_tokens_per_cpu_s", "train_s", "wall_s", "peak_rss_bytes",
+           "load_before")
 
 
-HEADER = (f"{'run':<20} {'steps':>5} {'targets':>8} {'train s':>7} {'tgt tok/s':>9} {'all tok/s':>9} {'wall s':>6} "
-          f"{'peak MiB':>8} {'load':>4} {'eval loss':>9}")
+HEADER = (f"{'run':<20} {'steps':>5} {'targets':>8} {'train s':>7} {'tgt tok/s':>9} {'all tok/s':>9} {'tgt/cpu-s':>9} "
+          f"{'wall s':>6} {'peak MiB':>8} {'load':>4} {'eval loss':>9}")
 
 
 def fmt_row(r: dict) -> str:
     if "error" in r:
         return f"{r['name']:<20} FAILED: {r['error']}"
     return (f"{r['name']:<20} {r['steps']:>5} {r['target_tokens']:>8,} {r['train_s']:>7.1f} {r['target_tokens_per_s']:>9,.0f} "
-            f"{r['all_tokens_per_s']:>9,.0f} {r['wall_s']:>6.1f} {r['peak_rss_bytes'] / 2**20:>8,.0f} {r['load_before']:>4.1f} "
+            f"{r['all_tokens_per_s']:>9,.0f} {r['target_tokens_per_cpu_s']:>9,.0f} {r['wall_s']:>6.1f} {r['peak_rss_bytes'] / 2**20:>8,.0f} {r['load_before']:>4.1f} "
             f"{r.get('eval_loss', float('nan')):>9.4f}")
 
 
@@ -461,6 +416,7 @@ def compare(arch: str, names: list[str], results: dict) -> list[dict]:
             "arch": arch,
             "baseline": n,
             "target_tokens_per_s_ratio": tf["target_tokens_per_s"] / base["target_tokens_per_s"],
+            "target_tokens_per_cpu_s_ratio": tf["target_tokens_per_cpu_s"] / base["target_tokens_per_cpu_s"],
             "wall_ratio": tf["wall_s"] / base["wall_s"],
             "peak_rss_ratio": tf["peak_rss_bytes"] / base["peak_rss_bytes"],
             "eval_loss_trainforge": tf["eval_loss"],
@@ -469,7 +425,8 @@ def compare(arch: str, names: list[str], results: dict) -> list[dict]:
             "same_target_tokens": tf["target_tokens"] == base["target_tokens"],
         }
         out.append(c)
-        print(f"  trainforge-{arch} / {n}: target tokens/s {c['target_tokens_per_s_ratio']:.2f}x | whole job "
+        print(f"  trainforge-{arch} / {n}: target tokens/s {c['target_tokens_per_s_ratio']:.2f}x (per CPU-second "
+              f"{c['target_tokens_per_cpu_s_ratio']:.2f}x) | whole job "
               f"{c['wall_ratio']:.2f}x the time | peak RSS {c['peak_rss_ratio']:.2f}x | eval loss {c['eval_loss_trainforge']:.4f} "
               f"vs {c['eval_loss_baseline']:.4f} ({c['eval_loss_rel_diff']:+.2%})"
               + ("" if c["same_target_tokens"] else f" | NOTE: target tokens differ ({tf['target_tokens']:,} vs {base['target_tokens']:,})"))
@@ -531,7 +488,7 @@ def main() -> int:
                 print(f"round {k + 1} of {args.repeat}")
             for name in runs:
                 rounds[name].append(run_child(name, spec, work, args.threads))
-        results = {n: combine(rs) for n, rs in rounds.items()}
+        results = {n: combine(rs, TIMINGS, (*TIMINGS, "load_after", "error")) for n, rs in rounds.items()}
 
         print("evaluating every run's final weights with one function ...", flush=True)
         for a in archs:
@@ -547,7 +504,8 @@ def main() -> int:
         print(f"\n{os.cpu_count()} cores, {args.threads} threads per run, runs one after another"
               + (f", medians of {args.repeat} rounds" if args.repeat > 1 else "")
               + ". targets: real target tokens trained (labels, EOS included); tgt tok/s: those over the training loop; "
-              "all tok/s: source + target tokens over it; wall: the whole job (imports, data preparation from cold caches, "
+              "all tok/s: source + target tokens over it; tgt/cpu-s: target tokens over the loop's process CPU time (less "
+              "sensitive to other work on the machine); wall: the whole job (imports, data preparation from cold caches, "
               "model load, training, saving); peak: process peak RSS; load: 1-min load average when the run started "
               f"(above {args.threads}: other work shared the cores); eval: one function, fp32, the same held-out rows")
         comparisons = []
