@@ -36,8 +36,22 @@ def dist_config(tokenizer_dir: Path, data_dir: Path, micro_batch_size: int) -> d
         "train": {"max_steps": 6, "micro_batch_size": micro_batch_size, "grad_accum": 2, "precision": "fp32", "device": "cpu"},
         "optim": {"lr": 1.0e-3, "warmup_steps": 2},
         "checkpoint": {"every_steps": 3, "keep_last": 2},
-        "log": {"every_steps": 1, "example_indices": True},
+        "log": {"every_steps": 1, "example_indices": True, "report": False},
     }
+
+
+def one_process_run(tmp_path_factory, tokenizer_dir: Path, data_dir: Path) -> Path:
+    """``dist_config`` in one process with twice the micro-batch (the same global batch of 8 rows),
+    trained in this process once per session: the reference of this module and of test_distributed_launch."""
+    from rich.console import Console
+
+    from trainforge.engine.trainer import train
+    from trainforge.metrics.console import ConsoleReporter
+
+    run = tmp_path_factory.getbasetemp() / "one-process-reference"
+    if not (run / "summary.json").is_file():
+        train(RunConfig.model_validate(dist_config(tokenizer_dir, data_dir, 4)), run, ConsoleReporter(Console(quiet=True)))
+    return run
 
 
 def records(run: Path) -> list[dict]:
@@ -75,15 +89,9 @@ def two_proc(tmp_path_factory, tiny_tokenizer_dir, toy_data_dir) -> tuple[Path, 
     return config, tmp / "run"
 
 
-def test_two_processes_train_like_one_with_the_same_global_batch(two_proc, tmp_path, tiny_tokenizer_dir, toy_data_dir):
-    from rich.console import Console
-
-    from trainforge.engine.trainer import train
-    from trainforge.metrics.console import ConsoleReporter
-
+def test_two_processes_train_like_one_with_the_same_global_batch(two_proc, tmp_path_factory, tiny_tokenizer_dir, toy_data_dir):
     _, run2 = two_proc
-    run1 = tmp_path / "one"
-    train(RunConfig.model_validate(dist_config(tiny_tokenizer_dir, toy_data_dir, 4)), run1, ConsoleReporter(Console(quiet=True)))
+    run1 = one_process_run(tmp_path_factory, tiny_tokenizer_dir, toy_data_dir)
 
     # same losses, grad norms, eval losses, token counts and examples (in the same order) at every step
     assert_close_records(records(run2), records(run1))

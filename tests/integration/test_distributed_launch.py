@@ -16,7 +16,7 @@ import pytest
 import torch
 from integration_helpers import root_conftest, run_cli, show
 from safetensors.torch import load_file
-from test_distributed import dist_config, final_weights, records
+from test_distributed import dist_config, final_weights, one_process_run, records
 
 from trainforge.checkpoint import scan_checkpoints
 
@@ -113,20 +113,13 @@ def wait_all(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[
     return [(p.returncode, *o) for p, o in zip(procs, outs)]
 
 
-def test_two_nodes_train_like_one_process_and_resume_after_a_node_dies(tmp_path, tiny_tokenizer_dir, toy_data_dir):
-    from rich.console import Console
-
-    from trainforge.config import RunConfig
-    from trainforge.engine.trainer import train
-    from trainforge.metrics.console import ConsoleReporter
-
+def test_two_nodes_train_like_one_process_and_resume_after_a_node_dies(tmp_path, tmp_path_factory, tiny_tokenizer_dir, toy_data_dir):
     config = write_config(tmp_path / "nodes.yaml", dist_config(tiny_tokenizer_dir, toy_data_dir, 2))
     done = wait_all(node_launchers(config, tmp_path / "two", tmp_path))
     assert all(rc == 0 for rc, _, _ in done), done
 
     # one process, twice the micro-batch (the same global batch of 8 rows): the same weights
-    one = tmp_path / "one"
-    train(RunConfig.model_validate(dist_config(tiny_tokenizer_dir, toy_data_dir, 4)), one, ConsoleReporter(Console(quiet=True)))
+    one = one_process_run(tmp_path_factory, tiny_tokenizer_dir, toy_data_dir)
     for name, value in final_weights(one).items():
         torch.testing.assert_close(final_weights(tmp_path / "two")[name], value, rtol=0, atol=1e-5, msg=name)
 
