@@ -80,6 +80,18 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """torch on one CPU thread in this process, as in the CLI subprocesses (integration_helpers): the
+    tests' tiny shapes run fastest on one core, and two threads sharing a busy 2-core machine wait on
+    each other at every op (measured 10x slower steps; selftest runs on one thread for the same reason).
+    In-process and CLI runs that a test compares bitwise then run alike."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _token_cache(tmp_path_factory):
     """Keep the token cache of every test run (and its CLI subprocesses) out of the home directory."""
     import os

@@ -44,6 +44,10 @@ def cli_command(args: list, faults: dict | None = None, nproc: int = 0) -> tuple
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )
+    # torch on one thread, as in the tests' own process (conftest._one_thread); under --nproc the
+    # launcher gives each worker its share of the cores itself, as a user's run gets it
+    if "--nproc" not in map(str, args):
+        env.setdefault("OMP_NUM_THREADS", "1")
     entry = ["-m", "trainforge"] if faults is None else [str(FAULT_RUNNER), json.dumps(faults)]
     if nproc:  # under torchrun, as a user would start it: every process gets this environment
         entry = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry]
