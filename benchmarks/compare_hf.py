@@ -144,7 +144,7 @@ def build_inputs(work: Path, s: dict) -> dict:
     """Corpus files, tokenizer, initial weights; the step counts of the epoch-based runs."""
     import itertools
 
-    from trainforge.data.sources import iter_python_functions, iter_stdlib_sources
+    from trainforge.data.sources import iter_stdlib_sources
     from trainforge.model.tokenizer import train_bpe_tokenizer
 
     a, b = s["a"], s["b"]
@@ -152,14 +152,7 @@ def build_inputs(work: Path, s: dict) -> dict:
     write_jsonl(work / "text_train.jsonl", [{"text": t} for t in docs[: a["documents"]]])
     write_jsonl(work / "text_eval.jsonl", [{"text": t} for t in docs[a["documents"] :]])
 
-    pairs, seen = [], set()
-    for r in iter_python_functions():  # distinct rows only: no pair is both trained on and evaluated
-        key = (r.data["prompt"], r.data["completion"])
-        if key not in seen:
-            seen.add(key)
-            pairs.append({"prompt": key[0], "completion": key[1]})
-        if len(pairs) == b["rows"] + b["eval_rows"]:
-            break
+    pairs = [{"prompt": p, "completion": c} for p, c in function_pairs(b["rows"] + b["eval_rows"])]
     write_jsonl(work / "sft_train.jsonl", pairs[: b["rows"]])
     write_jsonl(work / "sft_eval.jsonl", pairs[b["rows"] :])
 
@@ -177,6 +170,19 @@ def build_inputs(work: Path, s: dict) -> dict:
         "sft_eval": str(work / "sft_eval.jsonl"),
     }
     return {**s, "paths": paths, "pad_token_id": tok.pad_token_id}
+
+
+def function_pairs(n: int) -> list[tuple[str, str]]:
+    """The first ``n`` distinct (signature + docstring, body) pairs of ``builtin:python-functions``:
+    distinct, so that no pair is both trained on and evaluated."""
+    from trainforge.data.sources import iter_python_functions
+
+    pairs: dict[tuple[str, str], None] = {}
+    for r in iter_python_functions():
+        pairs.setdefault((r.data["prompt"], r.data["completion"]))
+        if len(pairs) == n:
+            break
+    return list(pairs)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -641,6 +647,43 @@ def report(pair_name: str, title: str, names: list[str], results: dict) -> list[
     return comparisons
 
 
+def add_common_arguments(ap: argparse.ArgumentParser) -> None:
+    """--repeat, --threads, --workdir, --out, and the hidden arguments a child run is started with."""
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over all runs (interleaved); timings are medians")
+    ap.add_argument("--threads", type=int, default=2, help="torch/OMP threads of every run")
+    ap.add_argument("--workdir", type=Path, default=None, help="keep inputs, runs and logs here (default: a temp dir, removed)")
+    ap.add_argument("--out", type=Path, default=None, help="write all settings and results as JSON")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+
+
+def start_session(args: argparse.Namespace, prefix: str) -> Path:
+    """The parent's set-up: offline, transformers quiet, ``--threads`` torch threads; the work directory
+    (``--workdir``, else a new temporary one, which the caller removes)."""
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    work = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    return work
+
+
+def run_rounds(names: list[str], repeat: int, run_one) -> dict[str, list[dict]]:
+    """``repeat`` rounds, each running every one of ``names`` in turn (interleaved: a slow spell of the
+    machine spreads over the runs); each run's results, round by round."""
+    rounds: dict[str, list[dict]] = {n: [] for n in names}
+    for k in range(repeat):
+        if repeat > 1:
+            print(f"round {k + 1} of {repeat}")
+        for name in names:
+            rounds[name].append(run_one(name))
+    return rounds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny settings: a smoke check in about two minutes")
@@ -649,13 +692,7 @@ def main() -> int:
     ap.add_argument("--sft-rows", type=int, default=None, help="training rows of pair B (one epoch each)")
     ap.add_argument("--runs", default=",".join(RUNS),
                     help=f"comma-separated, in this order: {', '.join(RUNS)} (default); also {', '.join(EXTRA_B)}")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds over all runs (interleaved); timings are medians")
-    ap.add_argument("--threads", type=int, default=2, help="torch/OMP threads of every run")
-    ap.add_argument("--workdir", type=Path, default=None, help="keep inputs, runs and logs here (default: a temp dir, removed)")
-    ap.add_argument("--out", type=Path, default=None, help="write all settings and results as JSON")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    add_common_arguments(ap)
     args = ap.parse_args()
     if args.child:
         child(args.child, args.spec, args.result)
@@ -665,16 +702,11 @@ def main() -> int:
     unknown = set(runs) - set(RUNS + EXTRA_B)
     if unknown:
         ap.error(f"unknown runs: {', '.join(sorted(unknown))}; choose from {', '.join(RUNS + EXTRA_B)}")
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="tf-compare-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = start_session(args, "tf-compare-")
     started = time.perf_counter()
     try:
         import torch
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
-        torch.set_num_threads(args.threads)
         s = build_inputs(work, settings(args))
         spec = work / "spec.json"
         spec.write_text(json.dumps(s, indent=2))
@@ -683,12 +715,7 @@ def main() -> int:
               f"{args.threads} threads per run; torch {torch.__version__}")
         print(f"A: {a['documents']} stdlib files, {a['steps']} steps x {a['batch_size']} blocks of {a['max_length']} tokens")
         print(f"B: {b['rows']} prompt/completion rows, one epoch, micro-batch {b['batch_size']}, max_length {b['max_length']}")
-        rounds: dict[str, list[dict]] = {n: [] for n in runs}
-        for k in range(args.repeat):
-            if args.repeat > 1:
-                print(f"round {k + 1} of {args.repeat}")
-            for name in runs:
-                rounds[name].append(run_child(name, spec, work, args.threads))
+        rounds = run_rounds(runs, args.repeat, lambda name: run_child(name, spec, work, args.threads))
         results = {n: combine(rs) for n, rs in rounds.items()}
 
         print("evaluating every run's final weights with one function ...")

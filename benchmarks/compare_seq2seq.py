@@ -63,13 +63,22 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 T_START = time.perf_counter()  # a child's whole-job clock starts before torch / transformers are imported
 
-from compare_hf import Counter, combine, hf_common_args, launch_child  # noqa: E402 (the same machinery; stdlib only)
+from compare_hf import (  # noqa: E402 (the same machinery; its module level imports the standard library only)
+    Counter,
+    add_common_arguments,
+    combine,
+    function_pairs,
+    hf_common_args,
+    launch_child,
+    run_rounds,
+    start_session,
+    write_jsonl,
+)
 
 ARCHS = ("t5", "bart")
 
@@ -113,17 +122,8 @@ def settings(args: argparse.Namespace) -> dict:
 
 def build_inputs(work: Path, s: dict, archs: list[str]) -> dict:
     """The JSONL of source/target rows, and per architecture a tokenizer and the initial weights."""
-    from trainforge.data.sources import iter_python_functions
-
     d = s["data"]
-    rows, seen = [], set()
-    for r in iter_python_functions():  # distinct pairs only: no pair is both trained on and evaluated
-        key = (r.data["prompt"], r.data["completion"])
-        if key not in seen:
-            seen.add(key)
-            rows.append({"source": key[0], "target": key[1]})
-        if len(rows) == d["rows"] + d["eval_rows"]:
-            break
+    rows = [{"source": p, "target": t} for p, t in function_pairs(d["rows"] + d["eval_rows"])]
     write_jsonl(work / "train.jsonl", rows[: d["rows"]])
     write_jsonl(work / "eval.jsonl", rows[d["rows"] :])
     texts = [t for r in rows[: d["rows"]] for t in (r["source"], r["target"])]
@@ -133,12 +133,6 @@ def build_inputs(work: Path, s: dict, archs: list[str]) -> dict:
         s[f"{arch}_parameters"] = save_initial_model(arch, model_dir, build_tokenizer(arch, texts, s["vocab_size"]), s)
         s["paths"][f"{arch}_model"] = str(model_dir)
     return s
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
 
 
 def build_tokenizer(arch: str, texts: list[str], vocab_size: int):
@@ -443,13 +437,7 @@ def main() -> int:
                                                  "also hf-ARCH-grouped)")
     ap.add_argument("--rows", type=int, default=None, help="training rows")
     ap.add_argument("--epochs", type=int, default=None, help="epochs over the training rows")
-    ap.add_argument("--repeat", type=int, default=1, help="rounds over all runs (interleaved); timings are medians")
-    ap.add_argument("--threads", type=int, default=2, help="torch/OMP threads of every run")
-    ap.add_argument("--workdir", type=Path, default=None, help="keep inputs, runs and logs here (default: a temp dir, removed)")
-    ap.add_argument("--out", type=Path, default=None, help="write all settings and results as JSON")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    add_common_arguments(ap)  # --repeat, --threads, --workdir, --out
     args = ap.parse_args()
     if args.child:
         child(args.child, args.spec, args.result)
@@ -465,16 +453,11 @@ def main() -> int:
             ap.error(f"unknown runs: {', '.join(sorted(set(runs) - set(known)))}; choose from {', '.join(known)}")
     else:
         runs = [n for a in archs for n in run_names(a) if not n.endswith("grouped")]
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="tf-compare-seq2seq-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = start_session(args, "tf-compare-seq2seq-")  # offline, --threads, the work directory
     started = time.perf_counter()
     try:
         import torch
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
-        torch.set_num_threads(args.threads)
         s = build_inputs(work, settings(args), archs)
         spec = work / "spec.json"
         spec.write_text(json.dumps(s, indent=2))
@@ -484,12 +467,7 @@ def main() -> int:
         print(f"data: {d['rows']} stdlib functions (signature + docstring -> body), {d['epochs']} epochs, micro-batch "
               f"{d['batch_size']}, source <= {d['max_length']} and target <= {d['max_target_length']} tokens; fp32; "
               f"{args.threads} threads per run; torch {torch.__version__}", flush=True)
-        rounds: dict[str, list[dict]] = {n: [] for n in runs}
-        for k in range(args.repeat):
-            if args.repeat > 1:
-                print(f"round {k + 1} of {args.repeat}")
-            for name in runs:
-                rounds[name].append(run_child(name, spec, work, args.threads))
+        rounds = run_rounds(runs, args.repeat, lambda name: run_child(name, spec, work, args.threads))
         results = {n: combine(rs, TIMINGS, (*TIMINGS, "load_after", "error")) for n, rs in rounds.items()}
 
         print("evaluating every run's final weights with one function ...", flush=True)
