@@ -186,53 +186,11 @@ def measure_matmul(dtype: torch.dtype, n: int = 1024) -> float:
 
 
 def configure_backends(device: torch.device) -> None:
-    """Global switches that do not change results beyond the chosen precision: TF32 on a GPU, and on a
-    CPU a heap that hands freed tensors back (``return_freed_cpu_memory``)."""
+    """Global speed switches that do not change results beyond the chosen precision."""
     if device.type == "cuda":
         # TF32 matmuls on Ampere+: ~8x fp32 throughput for the few fp32 matmuls left under autocast
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    else:
-        return_freed_cpu_memory()
-
-
-CPU_MMAP_THRESHOLD = 128 * 1024
-"""glibc malloc's mmap threshold, pinned: blocks of this size and more get their own mapping, unmapped when freed."""
-_M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
-
-
-def return_freed_cpu_memory() -> bool:
-    """Pin glibc malloc's mmap threshold at its initial 128 KiB, so that every tensor of 128 KiB or more is
-    its own mapping and goes back to the OS when freed. Left alone, glibc raises the threshold (up to
-    32 MiB) each time it frees such a block; tensors below it then come from its heaps, which keep what
-    is freed and fragment: a CPU step's peak RSS exceeded its live tensors by 0.6-1.3 GiB on a 170M
-    model (benchmarks/bench_memory.py: full fp32 3.97-4.36 GiB against 3.03 GiB of tensors, LoRA fp32
-    3.43 against 1.67), by a different amount in each run. Pinned, the peak is the resident memory
-    before the first step plus the live tensors, within 1% (the measured figures are in the README).
-    Returns whether it applied: glibc only, and not where the user set the threshold (``MALLOC_MMAP_THRESHOLD_``,
-    ``GLIBC_TUNABLES``)."""
-    libc = _glibc()
-    return libc is not None and not _user_threshold() and bool(libc.mallopt(_M_MMAP_THRESHOLD, CPU_MMAP_THRESHOLD))
-
-
-def cpu_heap_returns_memory() -> bool:
-    """Whether a CPU run on this machine pins the threshold (``return_freed_cpu_memory``): how ``plan`` prices its process."""
-    return _glibc() is not None and not _user_threshold()
-
-
-def _user_threshold() -> bool:
-    return "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
-
-
-def _glibc():
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - glibc only (musl and macOS have other allocators)
-        return libc
-    except (OSError, AttributeError):
-        return None
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -273,26 +231,13 @@ def process_rss_bytes() -> int:
         return peak_memory_bytes(torch.device("cpu"))
 
 
-CPU_RUN_EXTRA_GIB = 0.05
+CPU_RUN_EXTRA_GIB = 0.3
 """A training process's resident memory beyond the planner's own at the same point (token store
-pages, tokenizer, loader, metrics), with the heap pinned (``return_freed_cpu_memory``): 0.04-0.06 GiB
-in ``benchmarks/bench_plan.py`` (6M and 30M models) and ``benchmarks/bench_memory.py`` (170M);
-LoRA/QLoRA runs hold ``CPU_ADAPTER_EXTRA_GIB`` more (PEFT; bitsandbytes' CPU backend)."""
-CPU_ADAPTER_EXTRA_GIB = 0.05
-CPU_ALLOCATOR_OVERHEAD = 0.0
-"""Process peak RSS over the peak of live tensors on a CPU with the heap pinned: none measured (within 1%)."""
-UNPINNED_CPU = (0.3, 0.15, 0.15)
-"""(run extra GiB, adapter extra GiB, allocator overhead) where glibc's threshold is left to itself (not glibc,
-or the user set it): set before pinning from bench_plan's 6M/30M runs, where glibc's retention varied
-from run to run (0.3-1.05x of the live tensors on the 170M model)."""
-
-
-def cpu_process_constants() -> tuple[float, float, float]:
-    """(run extra GiB, adapter extra GiB, allocator overhead) that ``plan`` adds to a CPU step's tensors."""
-    if cpu_heap_returns_memory():
-        return CPU_RUN_EXTRA_GIB, CPU_ADAPTER_EXTRA_GIB, CPU_ALLOCATOR_OVERHEAD
-    return UNPINNED_CPU
-
+pages, tokenizer and data preparation, loader, metrics): 0.2-0.3 GiB in ``benchmarks/bench_plan.py``
+(6M and 30M models, full fine-tunes); LoRA/QLoRA runs hold ``CPU_ADAPTER_EXTRA_GIB`` more."""
+CPU_ADAPTER_EXTRA_GIB = 0.15  # loading a pretrained base through PEFT (and bitsandbytes' CPU backend)
+CPU_ALLOCATOR_OVERHEAD = 0.15
+"""Process peak RSS over the peak of live tensors on a CPU: freed blocks glibc keeps mapped."""
 
 MEMORY_CAP_ENV = "TRAINFORGE_MEMORY_GIB"
 """Caps the memory ``plan`` and the auto settings assume this machine has (to leave room for other jobs)."""
@@ -328,7 +273,6 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
     else:
         tflops, bandwidth, overhead = {"fp32": 0.0}, 0.0, 0.0
     memory = available_memory_bytes(device) or 0
-    run_extra, _, allocator_overhead = cpu_process_constants()
     return HardwareProfile(
         name="this",
         title=f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads (this machine)",
@@ -339,8 +283,8 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
         kind="cpu",
         source="measured here: matmul, copy-bandwidth and per-op probes (cached in cpu_peak.json)",
         # Python, torch and transformers (loaded by now), plus what a training process holds beyond them
-        fixed_gib=process_rss_bytes() / GIB + run_extra,
-        allocator_overhead=allocator_overhead,
+        fixed_gib=process_rss_bytes() / GIB + CPU_RUN_EXTRA_GIB,
+        allocator_overhead=CPU_ALLOCATOR_OVERHEAD,
         op_overhead_s=overhead,
         matmul_efficiency=1.0,  # the probes measure what this CPU reaches, not a datasheet peak
         bandwidth_efficiency=1.0,

@@ -215,25 +215,3 @@ def test_load_peak_counts_the_weight_file_bytes_read_and_what_they_become(tiny_m
     _, full = plan("full", "fp32")
     assert full.mapped == full.converted == 0 and full.process == full.fixed == int(0.25 * GIB)
     assert plan("lora", "bf16", tiny_device(64.0))[1] is None  # a GPU profile
-
-
-def test_a_cpu_run_hands_freed_tensors_back_to_the_os():
-    """configure_backends pins glibc's mmap threshold on a CPU: tensors of 128 KiB and more are unmapped
-    when freed, even with small blocks allocated between them, so resident memory follows live tensors
-    (what plan's CPU process peak assumes) instead of keeping a step's freed activations."""
-    from trainforge.hardware import configure_backends, cpu_heap_returns_memory, process_rss_bytes
-
-    if not cpu_heap_returns_memory():
-        pytest.skip("glibc only, and not where the user set the threshold")
-    configure_backends(torch.device("cpu"))
-    big = torch.ones(2**22)
-    del big  # a freed 16 MiB block: glibc alone then raises its threshold to 16 MiB and keeps half of what follows
-    before = process_rss_bytes()
-    chunks, small = [], []
-    for _ in range(64):
-        chunks.append(torch.ones(2**18))  # 1 MiB each, touched
-        small.append(torch.ones(16))  # small blocks between them, which would hold a heap's top in place
-    grown = process_rss_bytes() - before
-    del chunks
-    assert grown >= 60 * 2**20
-    assert process_rss_bytes() - before < 8 * 2**20

@@ -73,9 +73,9 @@ def fixed_bytes(cfg: RunConfig, profile: HardwareProfile) -> float:
     a run with adapters holds beyond a full fine-tune."""
     fixed = profile.fixed_gib * GIB
     if profile.kind == "cpu" and cfg.model.method != "full":
-        from ..hardware import cpu_process_constants
+        from ..hardware import CPU_ADAPTER_EXTRA_GIB
 
-        fixed += cpu_process_constants()[1] * GIB
+        fixed += CPU_ADAPTER_EXTRA_GIB * GIB
     return fixed
 
 
