@@ -117,8 +117,10 @@ def cpu_matmul_flops(precision: str, cache_dir: Path | None = None) -> float:
     """Measured FLOP/s of a large matmul on this CPU in ``precision`` with the current thread count;
     cached per machine, thread count and torch version (the probe takes about a second)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    # fp16 has no CPU kernels (emulated, ~1000x slower than fp32): a small matrix keeps the probe short
-    return cached_probe(precision, lambda: measure_matmul(dtype, 256 if dtype is torch.float16 else 1024), cache_dir)
+    # fp16 has no CPU kernels (emulated, ~1000x slower than fp32), nor has bf16 without AVX512-BF16/AMX:
+    # a small matrix keeps the probe short (it cost 30-70 s at 1024 on a loaded 2-core AVX2 machine)
+    emulated = dtype is torch.float16 or (dtype is torch.bfloat16 and not cpu_has_native_bf16())
+    return cached_probe(precision, lambda: measure_matmul(dtype, 256 if emulated else 1024), cache_dir)
 
 
 def cached_probe(name: str, measure, cache_dir: Path | None = None) -> float:
