@@ -43,7 +43,7 @@ def bart_chat_run(tmp_path_factory, bart_dir):
     return d / "run", d / "eval.jsonl", summary
 
 
-def _captured_source(monkeypatch, model_dir, prompt=None, chat=None) -> list[int]:
+def _captured_source(monkeypatch, model_dir, prompt=None, chat=None, reporter=QUIET) -> list[int]:
     """The encoder input ``trainforge generate`` hands to the model, for ``--prompt`` or ``--chat``."""
     import trainforge.tools.generate as tool
 
@@ -54,7 +54,7 @@ def _captured_source(monkeypatch, model_dir, prompt=None, chat=None) -> list[int
         return ""
 
     monkeypatch.setattr(tool, "generate", capture)
-    tool.run_generate(model_dir, prompt, chat, 4, 0.0, 0, "cpu", "fp32", lambda _: None, QUIET)
+    tool.run_generate(model_dir, prompt, chat, 4, 0.0, 0, "cpu", "fp32", lambda _: None, reporter)
     assert seen["stop"] is None  # the decoder learned the reply and its EOS: no end-of-turn marker to stop at
     return seen["ids"]
 
@@ -76,6 +76,21 @@ def test_the_encoder_reads_prompts_and_chat_turns_as_training_read_sources(monke
     text = tok.decode(ids[:-1])  # the whole conversation, earlier reply included, and the assistant's header to come
     assert ids[-1] == tok.eos_token_id and "zeta delta" in text and "reverse: beta alpha" in text
     assert text.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_a_prompt_longer_than_the_runs_sources_is_cut_as_training_cut_them(bart_chat_run, monkeypatch):
+    import io
+
+    from transformers import AutoTokenizer
+
+    run, _, _ = bart_chat_run  # data.max_length: 48 source tokens
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    row = {"source": "reverse: " + " ".join(["alpha", "beta", "gamma", "delta"] * 12), "target": "x"}
+    assert len(training_sources(tok, [row], 10_000)[0]) > 48
+    out = io.StringIO()
+    ids = _captured_source(monkeypatch, run, prompt=row["source"], reporter=ConsoleReporter(Console(file=out, width=400)))
+    assert ids == training_sources(tok, [row], 48)[0] and len(ids) == 48 and ids[-1] == tok.eos_token_id
+    assert "data.max_length=48" in out.getvalue() and "cut to its first 47 tokens and EOS" in out.getvalue()
 
 
 def _logits(model, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
