@@ -57,15 +57,30 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo_field(name: str) -> str:
+    """The first ``name : value`` line of /proc/cpuinfo ('' where there is none, e.g. off Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(name) and ":" in line:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo_field("flags").split())
+
+
+def cpu_identity() -> str:
+    """The CPU model and whether it has native bf16: a VM or container keeps its host name when it
+    moves to other hardware, and a figure measured on one CPU must not be reused on another."""
+    model = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    flags = _cpu_flags()
+    # the model name alone can be generic in a VM ("AMD EPYC"): the widest matmul ISA tells them apart
+    isa = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
+    return "-".join(model.split()) + (f"+{isa}" if isa else "")
 
 
 def peak_flops(device: torch.device, precision: str, cache_dir: Path | None = None) -> tuple[float, str]:
@@ -124,9 +139,9 @@ def cpu_matmul_flops(precision: str, cache_dir: Path | None = None) -> float:
 
 
 def cached_probe(name: str, measure, cache_dir: Path | None = None) -> float:
-    """``measure()`` once per machine, thread count and torch version, kept in ``cpu_peak.json``."""
+    """``measure()`` once per machine, CPU model, thread count and torch version, kept in ``cpu_peak.json``."""
     threads = torch.get_num_threads()
-    key = f"{platform.node()}-{platform.processor() or platform.machine()}-{threads}t-{name}-torch{torch.__version__}"
+    key = f"{platform.node()}-{cpu_identity()}-{threads}t-{name}-torch{torch.__version__}"
     cache = (cache_dir or default_cache_dir()) / "cpu_peak.json"
     table = {}
     if cache.is_file():

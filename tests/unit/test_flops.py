@@ -48,3 +48,15 @@ def test_probe_leaves_the_global_random_stream_alone(tmp_path):
     torch.manual_seed(3)
     cpu_matmul_flops("fp32", tmp_path / "fresh")
     torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)
+
+
+def test_cpu_peak_probe_is_measured_again_on_another_cpu(tmp_path, monkeypatch):
+    """Same host name, other hardware (a VM moved, a container image reused): the cached figure is not reused."""
+    import trainforge.hardware as hardware
+
+    monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: 1.0e9)
+    monkeypatch.setattr(hardware, "cpu_identity", lambda: "Old-CPU")
+    assert cpu_matmul_flops("fp32", tmp_path) == 1.0e9
+    monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: 5.0e10)
+    monkeypatch.setattr(hardware, "cpu_identity", lambda: "New-CPU+bf16")
+    assert cpu_matmul_flops("fp32", tmp_path) == 5.0e10
