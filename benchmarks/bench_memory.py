@@ -1,10 +1,10 @@
 """Memory levers side by side: peak process memory and tokens/s of one model under each lever.
 
-    python benchmarks/bench_memory.py [--quick] [--steps 3] [--runs NAME,NAME] [--out results.json]
+    python benchmarks/bench_memory.py [--quick] [--steps 3] [--runs NAME,NAME] [--batch-size 4] [--max-length 256] [--out results.json]
 
 One Llama-shaped model (~170M parameters, untied; --quick: ~1M) saved once in fp32, one
 prompt/completion JSONL (documented stdlib functions), the same hyperparameters everywhere:
-micro-batch 4 rows of 256 tokens, packed (TRL: packing=True, its padding-free BFD), LoRA r 16 /
+micro-batch 4 rows of 256 tokens (`--batch-size`, `--max-length`), packed (TRL: packing=True, its padding-free BFD), LoRA r 16 /
 alpha 32 on every linear layer of the blocks, lr 1e-4, `--steps` optimizer steps. Each run is
 its own subprocess, one after another; its peak RSS is the process's own high-water mark over
 the whole run, which is what decides whether a run fits.
@@ -70,7 +70,8 @@ def settings(args: argparse.Namespace) -> dict:
         model = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12, "num_attention_heads": 16}
         vocab, rows = 8192, 400
     return {
-        "model": model, "vocab_size": vocab, "rows": rows, "max_length": 256, "batch_size": 4, "steps": args.steps,
+        "model": model, "vocab_size": vocab, "rows": rows, "max_length": args.max_length, "batch_size": args.batch_size,
+        "steps": args.steps,
         "lora": {"r": 16, "alpha": 32}, "lr": 1.0e-4, "seed": 0, "threads": args.threads,
         "optim": {"lr": 1.0e-4, "min_lr_ratio": 0.1, "warmup_steps": 0, "weight_decay": 0.0, "betas": [0.9, 0.999],
                   "eps": 1.0e-8, "max_grad_norm": 1.0},
@@ -296,6 +297,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
+    # shorter steps where bf16 is emulated (a CPU without AVX512-BF16/AMX multiplies bf16 at ~1 GFLOP/s):
+    # weights, gradients and optimizer state do not depend on them, activations scale with them
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", type=Path)

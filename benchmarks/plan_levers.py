@@ -1,12 +1,19 @@
 """The memory levers as `trainforge plan` predicts them, beside what `benchmarks/bench_memory.py`
-measured for the same runs (the README's memory-levers table: peak RSS of each run's process,
-170M-parameter Llama, 4 x 256 tokens, LoRA r 16 on every linear layer).
+measured for the same runs: same model, data, micro-batch, row length and LoRA settings, read from
+bench_memory's JSON.
 
-    python benchmarks/plan_levers.py [--measured results.json]
+    python benchmarks/bench_memory.py --runs tf-full-fp32,tf-full-fp32-ckpt,tf-lora-fp32,tf-lora-bf16,tf-lora-bf16-ckpt,tf-qlora-bf16-ckpt --out bm.json
+    python benchmarks/plan_levers.py --measured bm.json [--json levers.json]
 
-Without --measured, the figures of the README table are used (bench_memory.py, 2 CPU cores,
-2026-11-22). A lever's saving is the difference between two runs, so the process's fixed cost
-cancels: predicted and measured savings compare directly.
+Each quantity is compared with the same quantity:
+- tensors: plan's peak of live tensors in one step against the live tensor peak of a real
+  steady-state step (bench_memory's last step, traced as `plan --measure` traces);
+- steps: plan's process peak of a step against the peak RSS of the training steps;
+- load: plan's peak RSS while the model loads against the peak RSS before the first step;
+- run: plan's larger of the two against the peak RSS of the whole run.
+A lever's saving is the difference between the runs without and with it, so fixed costs cancel. The
+tensor savings are the ones `plan` prints for a run (`memory.levers` in `--json`): a lever there is
+the same config traced with that one setting flipped.
 """
 
 from __future__ import annotations
@@ -21,16 +28,9 @@ from pathlib import Path
 
 import yaml
 
-GIB = 2**30
-README_PEAK_RSS_GIB = {  # bench_memory.py, as in the README's memory-levers table
-    "tf-full-fp32": 4.28, "tf-full-fp32-ckpt": 3.44, "tf-lora-fp32": 3.36,
-    "tf-lora-bf16": 2.03, "tf-lora-bf16-ckpt": 1.31, "tf-qlora-bf16-ckpt": 1.31,
-}
-RUNS = {  # name -> (method, precision, checkpointing), as bench_memory.TF_RUNS
-    "tf-full-fp32": ("full", "fp32", False), "tf-full-fp32-ckpt": ("full", "fp32", True),
-    "tf-lora-fp32": ("lora", "fp32", False), "tf-lora-bf16": ("lora", "bf16", False),
-    "tf-lora-bf16-ckpt": ("lora", "bf16", True), "tf-qlora-bf16-ckpt": ("qlora", "bf16", True),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_memory import GIB, TF_RUNS, build_inputs  # noqa: E402  (the benchmark's own runs and model)
+
 LEVERS = [  # (lever, run without it, run with it)
     ("activation checkpointing (full, fp32)", "tf-full-fp32", "tf-full-fp32-ckpt"),
     ("bf16 frozen base (LoRA)", "tf-lora-fp32", "tf-lora-bf16"),
@@ -38,65 +38,97 @@ LEVERS = [  # (lever, run without it, run with it)
     ("NF4 base (QLoRA vs LoRA, bf16, checkpointing)", "tf-lora-bf16-ckpt", "tf-qlora-bf16-ckpt"),
     ("all three (full fp32 -> QLoRA)", "tf-full-fp32", "tf-qlora-bf16-ckpt"),
 ]
+QUANTITIES = ("tensors", "steps", "load", "run")
+NAN = float("nan")
 
 
-def model_dir(root: Path) -> Path:
-    """bench_memory's 170M Llama, saved with (random) fp32 weights as bench_memory saves it: loading
-    maps the weight file, which is part of what a CPU run's peak RSS holds."""
-    path = root / "llama-170m"
+def model_dir(settings: dict) -> Path:
+    """The measured run's model directory, or the same model rebuilt (same seed, data and tokenizer)."""
+    path = Path(settings["paths"]["model_dir"])
     if (path / "config.json").is_file():
         return path
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
-                         num_key_value_heads=16, vocab_size=8192, max_position_embeddings=1024, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2)
-    with torch.device("cpu"):
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return path
+    rebuilt = build_inputs(Path(tempfile.mkdtemp(prefix="trainforge-levers-")), dict(settings))
+    return Path(rebuilt["paths"]["model_dir"])
 
 
-def predict(root: Path, name: str) -> dict:
-    method, precision, ckpt = RUNS[name]
-    data = root / "one.jsonl"
+def predict(settings: dict, model: Path, name: str, work: Path) -> dict:
+    """`trainforge plan --json` for one of bench_memory's runs -> {tensors, steps, load, run} in GiB."""
+    overrides = TF_RUNS[name]
+    data = work / "one.jsonl"
     data.write_text('{"prompt": "a", "completion": "b"}\n')
     cfg = {
-        "model": {"path": str(model_dir(root)), "method": method, "lora": {"r": 16, "alpha": 32}},
-        "data": {"train": str(data), "eval": None, "max_length": 256},
-        "train": {"max_steps": 3, "micro_batch_size": 4, "precision": precision, "activation_checkpointing": ckpt, "device": "cpu"},
-    }
-    path = root / f"{name}.yaml"
+        "model": {"path": str(model), "method": overrides["model.method"],
+                  "lora": {"r": settings["lora"]["r"], "alpha": settings["lora"]["alpha"]}},
+        "data": {"train": str(data), "eval": None, "max_length": settings["max_length"]},
+        "train": {"max_steps": settings["steps"], "micro_batch_size": settings["batch_size"], "device": "cpu",
+                  "precision": overrides["train.precision"],
+                  "activation_checkpointing": overrides.get("train.activation_checkpointing", False)},
+    }  # fmt: skip
+    path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(settings.get("threads", 1))}
     r = subprocess.run([sys.executable, "-m", "trainforge", "plan", str(path), "--json"], capture_output=True, text=True, env=env)
     if r.returncode not in (0, 1):
         raise SystemExit(f"plan failed for {name}:\n{r.stderr[-2000:]}")
     m = json.loads(r.stdout)["memory"]
-    return {"tensors": m["peak_tensor_bytes"] / GIB, "process": m["peak_process_bytes"] / GIB}
+    load = m.get("load_process_bytes") or 0
+    return {"tensors": m["peak_tensor_bytes"] / GIB, "steps": m["peak_process_bytes"] / GIB, "load": load / GIB,
+            "run": max(m["peak_process_bytes"], load) / GIB, "levers": {k: v / GIB for k, v in m["levers"].items()}}
+
+
+def read_measured(results: dict) -> dict[str, dict[str, float]]:
+    """bench_memory's results -> {run: {tensors, steps, load, run}} in GiB."""
+    out = {}
+    for name, r in results.items():
+        if "peak_rss_bytes" not in r:
+            continue
+        phases = r.get("phase_peak_rss_bytes", {})
+        out[name] = {
+            "tensors": r.get("live_tensor_peak_bytes", NAN) / GIB,
+            "steps": phases.get("steps", NAN) / GIB,
+            "load": phases.get("load", NAN) / GIB,
+            "run": r["peak_rss_bytes"] / GIB,
+        }
+    return out
+
+
+def ratio(p: float, q: float) -> str:
+    return f"{p / q:.2f}" if q == q and abs(q) > 0.005 else "-"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--measured", type=Path, help="bench_memory.py --out JSON (default: the README's figures)")
+    ap.add_argument("--measured", type=Path, required=True, help="bench_memory.py --out JSON")
+    ap.add_argument("--json", type=Path, help="write predicted and measured figures here")
     args = ap.parse_args()
-    measured = dict(README_PEAK_RSS_GIB)
-    if args.measured:
-        measured = {r["name"]: r["peak_rss_bytes"] / GIB for r in json.loads(args.measured.read_text()) if "peak_rss_bytes" in r}
-    root = Path(tempfile.mkdtemp(prefix="trainforge-levers-"))
-    predicted = {name: predict(root, name) for name in RUNS}
-    print("| run | plan: tensors GiB | plan: process GiB | measured peak RSS GiB |")
-    print("|---|---|---|---|")
-    for name in RUNS:
-        p = predicted[name]
-        print(f"| {name} | {p['tensors']:.2f} | {p['process']:.2f} | {measured.get(name, float('nan')):.2f} |")
-    print()
-    print("| lever | plan: saving GiB | measured saving GiB | plan / measured |")
-    print("|---|---|---|---|")
+    bench = json.loads(args.measured.read_text())
+    settings, measured = bench["settings"], read_measured(bench["results"])
+    runs = [name for name in TF_RUNS if name in measured]
+    model, work = model_dir(settings), Path(tempfile.mkdtemp(prefix="trainforge-levers-"))
+    predicted = {name: predict(settings, model, name, work) for name in runs}
+    print(f"{settings['parameters'] / 1e6:.0f}M-parameter Llama, micro-batch {settings['batch_size']} x {settings['max_length']} "
+          f"tokens, LoRA r {settings['lora']['r']}; plan / measured, GiB\n")  # fmt: skip
+    print("| run | tensors of a step | ratio | process, steps | ratio | load | ratio | whole run | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in runs:
+        p, q = predicted[name], measured[name]
+        print(f"| {name} | " + " | ".join(f"{p[k]:.2f} / {q[k]:.2f} | {ratio(p[k], q[k])}" for k in QUANTITIES) + " |")
+    print("\nsavings, plan / measured, GiB\n")
+    print("| lever | tensors of a step | ratio | process, steps | ratio | whole run | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    savings = {}
     for lever, before, after in LEVERS:
-        p = predicted[before]["process"] - predicted[after]["process"]
-        q = measured[before] - measured[after]
-        print(f"| {lever} | {p:.2f} | {q:.2f} | {p / q:.2f} |" if q else f"| {lever} | {p:.2f} | {q:.2f} | - |")
+        if before not in predicted or after not in predicted:
+            continue
+        cells, savings[lever] = [], {}
+        for k in ("tensors", "steps", "run"):
+            p = predicted[before][k] - predicted[after][k]
+            q = measured[before][k] - measured[after][k]
+            savings[lever][k] = {"plan": p, "measured": q}
+            cells.append(f"{p:.2f} / {q:.2f} | {ratio(p, q)}")
+        print(f"| {lever} | " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": settings, "predicted": predicted, "measured": measured, "savings": savings}, indent=1))
 
 
 if __name__ == "__main__":

@@ -112,6 +112,37 @@ def test_each_memory_lever_lowers_the_prediction(tiny_model_dir):
     assert qlora["weights"] < lora16["weights"]
 
 
+def test_plan_shows_each_lever_as_the_prediction_with_that_lever_flipped(tiny_model_dir):
+    """LoRA in fp32 without checkpointing: plan's levers are the peaks of the same run with checkpointing,
+    with a bf16 run (the frozen base stored in bf16) and with QLoRA, each traced on its own; and back."""
+    from trainforge.tools.plan import lever_savings
+
+    tok = load_tokenizer(tiny_model_dir)
+    device = tiny_device(64.0)
+
+    def cfg(method: str) -> RunConfig:
+        return RunConfig.model_validate({
+            "model": {"path": str(tiny_model_dir), "method": method},
+            "data": {"train": str(tiny_model_dir / "config.json"), "max_length": 64},
+        })
+
+    def tensors(method: str, precision: str, ckpt: bool) -> int:
+        return predict_memory(cfg(method), tok, PRECISIONS[precision], device, 4, ckpt).tensors
+
+    planned = predict_memory(cfg("lora"), tok, PRECISIONS["fp32"], device, 4, False)
+    levers = lever_savings(cfg("lora"), tok, PRECISIONS["fp32"], device, planned, 1, 1, "none")
+    assert levers == {
+        "with_activation_checkpointing": tensors("lora", "fp32", True),
+        "with_precision_bf16": tensors("lora", "bf16", False),
+        "with_method_qlora": tensors("qlora", "fp32", False),
+    }
+    assert all(v < planned.tensors for v in levers.values())  # each one saves memory here
+    planned = predict_memory(cfg("qlora"), tok, PRECISIONS["bf16"], device, 4, True)
+    levers = lever_savings(cfg("qlora"), tok, PRECISIONS["bf16"], device, planned, 1, 1, "none")
+    assert levers == {"without_activation_checkpointing": tensors("qlora", "bf16", False), "with_method_lora": tensors("lora", "bf16", True)}
+    assert levers["without_activation_checkpointing"] > planned.tensors
+
+
 def tiny_device(gib: float) -> HardwareProfile:
     return HardwareProfile("tiny", "a tiny device", gib, {"fp32": 1.0, "bf16": 2.0, "fp16": 2.0}, 100.0, True,
                            fixed_gib=0.0, allocator_overhead=0.0)

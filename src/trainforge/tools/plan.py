@@ -166,16 +166,41 @@ def _with_comms(step: StepTime, memory: MemoryPrediction, profile: HardwareProfi
     return StepTime(step.seconds + extra, step.compute_s, step.memory_s + extra, step.overhead_s, step.flops, step.tokens)
 
 
+LEVER_TITLES = {  # memory.levers keys, as the console says them
+    "with_activation_checkpointing": "with activation checkpointing",
+    "without_activation_checkpointing": "without activation checkpointing",
+    "with_precision_bf16": "with precision bf16 (frozen base stored in bf16)",
+    "with_precision_fp16": "with precision fp16 (frozen base stored in fp16)",
+    "with_precision_fp32": "with precision fp32 (frozen base stored in fp32)",
+    "with_method_qlora": "with method qlora (NF4 base)",
+    "with_method_lora": "with method lora (base not quantized)",
+}
+
+
 def lever_savings(
     cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, memory: MemoryPrediction,
     accum: int, world_size: int, mode: str,
 ) -> dict[str, int]:
-    """Predicted peak tensor bytes with each memory lever flipped from the planned settings: what it saves."""
+    """Predicted peak tensor bytes with each memory lever flipped from the planned settings (each one
+    traced step more): activation checkpointing on every run; under LoRA the frozen base's precision
+    (a half-precision run stores it in bf16/fp16, an fp32 run in fp32) and its NF4 quantization
+    (LoRA <-> QLoRA). The difference to ``memory.tensors`` is what the lever saves or costs."""
     out = {}
     flipped = not memory.activation_checkpointing
     other = predict_memory(cfg, tokenizer, precision, profile, memory.micro_batch_size, flipped, accum, world_size, mode)
-    key = "with_activation_checkpointing" if flipped else "without_activation_checkpointing"
-    out[key] = other.tensors
+    out["with_activation_checkpointing" if flipped else "without_activation_checkpointing"] = other.tensors
+    method = cfg.model.method
+    if method == "lora" and precision.name in ("fp32", "bf16", "fp16"):
+        half = "bf16" if profile.bf16 or profile.kind == "cpu" else "fp16"  # CPUs store bf16 even where they emulate it
+        target = PRECISIONS[half if precision.name == "fp32" else "fp32"]
+        other = predict_memory(cfg, tokenizer, target, profile, memory.micro_batch_size, memory.activation_checkpointing,
+                               accum, world_size, mode)  # fmt: skip
+        out[f"with_precision_{target.name}"] = other.tensors
+    if method in ("lora", "qlora"):
+        swapped = cfg.model_copy(update={"model": cfg.model.model_copy(update={"method": "qlora" if method == "lora" else "lora"})})
+        other = predict_memory(swapped, tokenizer, precision, profile, memory.micro_batch_size, memory.activation_checkpointing,
+                               accum, world_size, mode)  # fmt: skip
+        out[f"with_method_{swapped.model.method}"] = other.tensors
     return out
 
 
@@ -356,7 +381,7 @@ def render(plan: dict[str, Any], console) -> None:
     verdict = "[green]fits[/green]" if m["fits"] else "[red]does not fit[/red]"
     console.print(f"{verdict}: {m['share']:.0%} of {m['capacity_bytes'] / GIB:.1f} GiB")
     for lever, value in m["levers"].items():
-        console.print(f"  {lever.replace('_', ' ')}: tensors {value / GIB:.3f} GiB "
+        console.print(f"  {LEVER_TITLES.get(lever, lever.replace('_', ' '))}: tensors {value / GIB:.3f} GiB "
                       f"({(value - m['peak_tensor_bytes']) / GIB:+.3f})")
     mfu = f", MFU {t['mfu']:.0%}" if t.get("mfu") else ""
     how = f"; {t['ops_measured']} distinct ops timed on this machine" if t["ops_measured"] else ""
