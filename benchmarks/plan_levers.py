@@ -8,7 +8,7 @@ bench_memory's JSON.
 Each quantity is compared with the same quantity:
 - tensors: plan's peak of live tensors in one step against the live tensor peak of a real
   steady-state step (bench_memory's last step, traced as `plan --measure` traces);
-- steps: plan's process peak of a step against the peak RSS of the training steps;
+- steps: plan's process peak of a step against the peak RSS of the training steps (the traced one included);
 - load: plan's peak RSS while the model loads against the peak RSS before the first step;
 - run: plan's larger of the two against the peak RSS of the whole run.
 A lever's saving is the difference between the runs without and with it, so fixed costs cancel. The
@@ -85,7 +85,8 @@ def read_measured(results: dict) -> dict[str, dict[str, float]]:
         phases = r.get("phase_peak_rss_bytes", {})
         out[name] = {
             "tensors": r.get("live_tensor_peak_bytes", NAN) / GIB,
-            "steps": phases.get("steps", NAN) / GIB,
+            # the training steps, the traced last one included (with --steps 2 it is the only one with Adam state)
+            "steps": max(phases.get("steps", NAN), phases.get("traced_step", NAN)) / GIB,
             "load": phases.get("load", NAN) / GIB,
             "run": r["peak_rss_bytes"] / GIB,
         }
