@@ -59,3 +59,22 @@ def test_flash_attention_only_serves_half_precision_runs(monkeypatch):
     cuda = torch.device("cuda")
     assert attention_implementation("auto", cuda, half_precision=True) == "flash_attention_2"
     assert attention_implementation("auto", cuda, half_precision=False) == "sdpa"
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_forced_bf16_warns_where_the_cpu_emulates_it(native, finetune_config, tmp_path, monkeypatch):
+    """`train.precision: bf16` on a CPU without AVX512-BF16/AMX trains many times slower than fp32: say so."""
+    import io
+
+    from rich.console import Console
+
+    from trainforge.config import RunConfig
+    from trainforge.engine import setup, trainer
+    from trainforge.metrics.console import ConsoleReporter
+
+    monkeypatch.setattr(setup, "cpu_has_native_bf16", lambda: native)
+    cfg = finetune_config  # a fresh dict per test
+    cfg["train"].update(precision="bf16", max_steps=1, grad_accum=1)
+    buf = io.StringIO()
+    trainer.train(RunConfig.model_validate(cfg), tmp_path / "run", ConsoleReporter(Console(file=buf, width=400)))
+    assert ("bf16 on this CPU is emulated" in buf.getvalue()) is not native

@@ -19,6 +19,7 @@ from ..hardware import (
     Precision,
     available_memory_bytes,
     configure_backends,
+    cpu_has_native_bf16,
     describe,
     peak_flops,
     pick_device,
@@ -84,6 +85,9 @@ def setup(
     reporter.info(f"trainforge {__version__} | {describe(device)}{procs} | precision {precision.name} ({why})")
     if precision.name == "fp16" and device.type == "cpu":
         reporter.warn("fp16 on a CPU is emulated and slow: it checks the fp16 + loss-scaling path that older GPUs take; use bf16 or fp32 to train")
+    elif precision.name == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
+        reporter.warn("bf16 on this CPU is emulated (no AVX512-BF16 or AMX), many times slower than fp32: it checks the path "
+                      "GPUs take; set train.precision: auto (fp32 here) to train")
 
     with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
         tokenizer = get_tokenizer(cfg, reporter)

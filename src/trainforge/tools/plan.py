@@ -19,7 +19,7 @@ from ..config import RunConfig, resolve_grad_accum
 from ..engine.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_load_memory, predict_memory
 from ..engine.memory import estimate_memory
 from ..engine.timing import StepTime, measure_ops, predict_step_time
-from ..hardware import PRECISIONS, Precision, pick_device, resolve_precision, this_profile
+from ..hardware import PRECISIONS, Precision, cpu_has_native_bf16, pick_device, resolve_precision, this_profile
 from ..profiles import GIB, HardwareProfile, find_profile
 
 SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write speed (local NVMe order); a finding, not a decision, uses it
@@ -305,6 +305,8 @@ def findings(
         add("error", f"train.precision bf16: {profile.title} has no bf16", "set train.precision: auto (fp16 with loss scaling)")
     if precision.name == "fp16" and profile.kind == "cpu":
         add("warn", "fp16 on a CPU is emulated: very slow", "set train.precision: auto")
+    if precision.name == "bf16" and profile.kind == "cpu" and device is not None and not cpu_has_native_bf16():
+        add("warn", "bf16 on this CPU is emulated (no AVX512-BF16 or AMX): very slow", "set train.precision: auto (fp32 here)")
     from ..model.load import architecture_field
 
     max_pos = architecture_field(cfg.model, "max_position_embeddings")
