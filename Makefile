@@ -22,8 +22,11 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	$(VENV)/bin/trainforge train --output runs/demo
 
+# tests run torch on one thread each (tests/conftest.py), so one worker per core halves the wall time
+# on the 2-core CI machine; --durations names the slowest tests in every run's output
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=15
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
