@@ -323,6 +323,9 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
         source="measured here: matmul, copy-bandwidth and per-op probes (cached in cpu_peak.json)",
         # Python, torch and transformers (loaded by now), plus what a training process holds beyond them
         fixed_gib=process_rss_bytes() / GIB + CPU_RUN_EXTRA_GIB,
+        # until the first step a training process holds what the planner holds: the run's extras come with the steps
+        # (bench_memory, 170M Llama: 0.38-0.45 GiB at the end of loading without casts, the planner 0.33 + PEFT's)
+        load_fixed_gib=process_rss_bytes() / GIB,
         allocator_overhead=CPU_ALLOCATOR_OVERHEAD,
         op_overhead_s=overhead,
         matmul_efficiency=1.0,  # the probes measure what this CPU reaches, not a datasheet peak

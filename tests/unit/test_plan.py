@@ -245,4 +245,6 @@ def test_load_peak_counts_the_weight_file_bytes_read_and_what_they_become(tiny_m
     assert load.process == load.fixed + load.mapped + load.converted
     _, full = plan("full", "fp32")
     assert full.mapped == full.converted == 0 and full.process == full.fixed == int(0.25 * GIB)
+    _, full = plan("full", "fp32", replace(cpu, load_fixed_gib=0.125))  # before its first step a process holds less
+    assert full.process == full.fixed == int(0.125 * GIB)
     assert plan("lora", "bf16", tiny_device(64.0))[1] is None  # a GPU profile

@@ -68,10 +68,11 @@ def predict_memory(
     return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size, activation_checkpointing, trace)
 
 
-def fixed_bytes(cfg: RunConfig, profile: HardwareProfile) -> float:
-    """What the process holds besides the step's tensors: the profile's fixed cost, on a CPU plus what
-    a run with adapters holds beyond a full fine-tune."""
-    fixed = profile.fixed_gib * GIB
+def fixed_bytes(cfg: RunConfig, profile: HardwareProfile, loading: bool = False) -> float:
+    """What the process holds besides the step's tensors: the profile's fixed cost (``loading``: before
+    the first step, where the profile tells them apart), on a CPU plus what a run with adapters holds
+    beyond a full fine-tune."""
+    fixed = (profile.load_fixed_gib if loading and profile.load_fixed_gib is not None else profile.fixed_gib) * GIB
     if profile.kind == "cpu" and cfg.model.method != "full":
         from ..hardware import CPU_ADAPTER_EXTRA_GIB
 
@@ -85,7 +86,7 @@ class LoadPrediction:
 
     mapped: int  # weight-file bytes read through the file mapping (pages resident until loading ends)
     converted: int  # the weights those became, in the dtype the run keeps them in, and the adapters
-    fixed: int  # the process's fixed cost, as for a step
+    fixed: int  # the process's fixed cost before its first step
     process: int  # fixed + mapped + converted (with the allocator's overhead)
 
 
@@ -115,7 +116,7 @@ def predict_load_memory(cfg: RunConfig, precision: Precision, profile: HardwareP
     storage = storage_dtype(cfg.model, precision.autocast_dtype)
     quantized = cfg.model.method == "qlora"
     read = [t for t in tensors if quantized or (t.dtype.is_floating_point and t.dtype != storage)]
-    fixed = int(fixed_bytes(cfg, profile))
+    fixed = int(fixed_bytes(cfg, profile, loading=True))
     if not read:
         return LoadPrediction(0, 0, fixed, fixed)
     adapters = memory.trace.trainable_grads if cfg.model.method != "full" and memory.trace is not None else 0
