@@ -3,10 +3,11 @@
     python benchmarks/compare_seq2seq.py [--quick] [--arch t5,bart] [--rows N] [--epochs N]
                                          [--runs NAME,NAME] [--repeat N] [--threads 2] [--workdir DIR] [--out r.json]
 
-Measured on 2 shared CPU cores (1-minute load average 7 to 9.5): the default took 19 minutes, its four
-training loops 93-167 CPU-seconds each, so a few minutes on a quiet machine; --quick 3-4 minutes
-there, most of it imports. Timings are only as clean as the machine: check the load column, compare
-the per-CPU-second column, and use --repeat 3 for medians (--threads 1 suffers least from a busy machine).
+On 2 quiet CPU cores the default takes about 2 minutes and --repeat 3 about 4 (250 s); on the same
+cores shared with other work (1-minute load average 7 to 9.5) the default took 19 minutes and its
+figures moved by up to 3x between rounds. Timings are only as clean as the machine: check the load
+column, compare the per-CPU-second column, and use --repeat 3 for medians (--threads 1 suffers
+least from a busy machine).
 
 Per architecture (T5: relative attention, gated-GELU feed-forward as in T5 v1.1 / Flan-T5, the
 head shared with the embeddings and its input scaled by d_model**-0.5 as in the original T5, the
