@@ -269,8 +269,9 @@ def plan(
         cfg = load_config(config, set_ or [], plan_only=not measure)
     except ConfigError as e:
         _fail(str(e))
-    from .tools.plan import make_plan, render, render_measured
-    from .tools.plan import measure as run_measure
+    from .tools.plan import make_plan, render
+    from .tools.plan_measure import measure as run_measure
+    from .tools.plan_measure import render_measured
 
     try:
         result = make_plan(cfg, hardware, nproc)

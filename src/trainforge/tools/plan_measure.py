@@ -1,0 +1,133 @@
+"""`trainforge plan --measure`: real steps at the planned settings on this machine, longest rows
+first, in a fresh process, beside what plan predicted (tools/plan.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..profiles import GIB
+
+
+def measure(
+    config_path: str | None, overrides: list[str], plan: dict[str, Any], steps: int = 5, warmup: int = 2
+) -> dict[str, Any]:
+    """Run real steps at the planned settings on this machine, longest rows first, in a fresh process
+    (its own peak memory): live tensor peak of a steady-state step (every tensor counted as it is
+    allocated and freed), the process peak (RSS on a CPU; allocated and reserved on a GPU), tokens/s."""
+    import multiprocessing
+    import tempfile
+
+    chosen = {d["setting"]: d["choice"] for d in plan["decisions"]}
+    settings = [
+        f"train.micro_batch_size={chosen['micro_batch_size']}",
+        f"train.activation_checkpointing={chosen['activation_checkpointing']}",
+    ]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    workdir = tempfile.mkdtemp(prefix="trainforge-plan-")
+    proc = ctx.Process(target=_measure_child, args=(config_path, [*overrides, *settings], steps, warmup, workdir, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def _measure_child(config_path: str | None, overrides: list[str], steps: int, warmup: int, workdir: str, queue) -> None:
+    try:
+        queue.put(measure_steps(config_path, overrides, steps, warmup, Path(workdir)))
+    except BaseException as e:  # the parent reports it
+        queue.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def measure_steps(config_path: str | None, overrides: list[str], steps: int, warmup: int, workdir: Path) -> dict[str, Any]:
+    """In this process: one traced steady-state step on the longest rows, then timed steps."""
+    from rich.console import Console
+
+    from ..config import load_config
+    from ..engine.oom import fetch_step
+    from ..engine.setup import setup
+    from ..engine.step import forward_backward, optimizer_step
+    from ..engine.trace import StepTracer
+    from ..engine.trainer import train_loop
+    from ..hardware import peak_memory_bytes
+    from ..metrics.console import ConsoleReporter
+    from ..metrics.tracker import read_metrics
+    from .bench import bench_overrides
+
+    cfg = load_config(config_path, [*overrides, *bench_overrides(warmup, steps, workdir, False), "log.report_to=[]"])
+    run = setup(cfg, workdir / "run", ConsoleReporter(Console(quiet=True)), resume="never")
+    run.loader.longest_first = True
+    run.batches = iter(run.loader)
+
+    def one_step() -> None:
+        mbs = fetch_step(run)
+        loss = forward_backward(run.train_model, mbs, run.precision, run.device, run.scaler, None, run.sync, fused=cfg.train.fused_loss)
+        optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
+
+    one_step()  # creates the optimizer state: the traced step is a steady-state one
+    run.loader.load_state_dict({"epoch": 0, "offset": 0})
+    run.batches = iter(run.loader)
+    tracer = StepTracer()
+    tracer.track_training_state(run.model, run.optimizer, run.params)
+    with tracer:
+        one_step()
+    tracer.close()
+    tracer.ops.clear()
+    run.loader.load_state_dict({"epoch": 0, "offset": 0})
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+    total = run.max_steps
+    run.max_steps = warmup
+    train_loop(run)
+    run.max_steps = total
+    train_loop(run)
+    run.metrics.close()
+    rec = [r for r in read_metrics(run.out / "metrics.jsonl") if "loss" in r][-1]
+    out = {
+        "tokens_per_s": rec["tokens_per_s"],
+        "live_tensor_peak_bytes": tracer.peak,
+        "live_tensor_parts": tracer.peak_parts,
+        "process_peak_bytes": peak_memory_bytes(run.device),  # peak RSS on a CPU
+    }
+    if run.device.type == "cuda":
+        out.update(gpu_process_peak(run.device))
+    return out
+
+
+def gpu_process_peak(device: torch.device) -> dict[str, int]:
+    """What the card had to hold for this run: the allocator's peak reserved memory plus what the
+    device holds outside the allocator (CUDA context, library workspaces), read as total - free -
+    reserved now. Comparable to plan's process peak, which adds the profile's context to its tensors.
+    Memory of other processes on the same GPU would count as outside too: measure on an idle GPU."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(0, total - free - torch.cuda.memory_reserved(device))
+    reserved = int(torch.cuda.max_memory_reserved(device))
+    return {"reserved_peak_bytes": reserved, "outside_allocator_bytes": int(outside),
+            "allocated_peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "process_peak_bytes": reserved + int(outside)}
+
+
+def render_measured(plan: dict[str, Any], measured: dict[str, Any], console) -> None:
+    """Predicted beside measured: peak tensors, process peak, tokens/s."""
+    from rich.table import Table
+
+    if "error" in measured:
+        console.print(f"[red]measure failed[/red]: {measured['error']}")
+        return
+    m, t = plan["memory"], plan["time"]
+    table = Table(title="predicted vs measured (this machine, longest rows first)", title_justify="left")
+    for col in ("", "predicted", "measured", "measured / predicted"):
+        table.add_column(col, justify="right")
+    rows = [
+        ("peak tensors (GiB)", m["peak_tensor_bytes"] / GIB, measured["live_tensor_peak_bytes"] / GIB),
+        ("process peak (GiB)", m["peak_process_bytes"] / GIB, measured["process_peak_bytes"] / GIB),
+        ("tokens/s", t["tokens_per_s"], measured["tokens_per_s"]),
+    ]
+    for name, p, q in rows:
+        table.add_row(name, f"{p:,.3f}" if p < 100 else f"{p:,.0f}", f"{q:,.3f}" if q < 100 else f"{q:,.0f}", f"{q / p:.2f}" if p else "-")
+    console.print(table)
