@@ -647,6 +647,16 @@ def report(pair_name: str, title: str, names: list[str], results: dict) -> list[
     return comparisons
 
 
+def legend(args: argparse.Namespace, columns: str) -> str:
+    """The line under a results table: the machine and rounds, the benchmark's own ``columns``, then the
+    columns every side-by-side benchmark shares."""
+    rounds = f", medians of {args.repeat} rounds" if args.repeat > 1 else ""
+    return (f"\n{os.cpu_count()} cores, {args.threads} threads per run, runs one after another{rounds}. {columns}; "
+            "wall: the whole job (imports, data preparation from cold caches, model load, training, saving); peak: "
+            f"process peak RSS; load: 1-min load average when the run started (above {args.threads}: other work shared "
+            "the cores); eval: one function, fp32, the same held-out rows")
+
+
 def add_common_arguments(ap: argparse.ArgumentParser) -> None:
     """--repeat, --threads, --workdir, --out, and the hidden arguments a child run is started with."""
     ap.add_argument("--repeat", type=int, default=1, help="rounds over all runs (interleaved); timings are medians")
@@ -730,12 +740,8 @@ def main() -> int:
             for n in todo:
                 results[n]["eval_loss"] = eval_loss(results[n]["final_dir"], batches)
 
-        print(f"\n{os.cpu_count()} cores, {args.threads} threads per run, runs one after another"
-              + (f", medians of {args.repeat} rounds" if args.repeat > 1 else "")
-              + ". tokens: real (non-pad) input tokens trained; tok/s: over the training loop; tok/cpu-s: over its "
-              "process CPU time; wall: the whole job (imports, data preparation from cold caches, model load, "
-              "training, saving); peak: process peak RSS; load: 1-min load average when the run started "
-              f"(above {args.threads}: other work shared the cores); eval: one function, fp32, same held-out rows")
+        print(legend(args, "tokens: real (non-pad) input tokens trained; tok/s: over the training loop; tok/cpu-s: over "
+                           "its process CPU time"))
         comparisons = []
         if order["a"]:
             comparisons += report("a", f"A. pretraining blocks, {a['steps']} steps x {a['batch_size']} x {a['max_length']} "

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -76,6 +75,7 @@ from compare_hf import (  # noqa: E402 (the same machinery; its module level imp
     function_pairs,
     hf_common_args,
     launch_child,
+    legend,
     run_rounds,
     start_session,
     write_jsonl,
@@ -482,13 +482,9 @@ def main() -> int:
             for n in names:
                 results[n]["eval_loss"] = eval_loss(results[n]["final_dir"], batches)
 
-        print(f"\n{os.cpu_count()} cores, {args.threads} threads per run, runs one after another"
-              + (f", medians of {args.repeat} rounds" if args.repeat > 1 else "")
-              + ". targets: real target tokens trained (labels, EOS included); tgt tok/s: those over the training loop; "
-              "all tok/s: source + target tokens over it; tgt/cpu-s: target tokens over the loop's process CPU time (less "
-              "sensitive to other work on the machine); wall: the whole job (imports, data preparation from cold caches, "
-              "model load, training, saving); peak: process peak RSS; load: 1-min load average when the run started "
-              f"(above {args.threads}: other work shared the cores); eval: one function, fp32, the same held-out rows")
+        print(legend(args, "targets: real target tokens trained (labels, EOS included); tgt tok/s: those over the training "
+                           "loop; all tok/s: source + target tokens over it; tgt/cpu-s: target tokens over the loop's process "
+                           "CPU time (less sensitive to other work on the machine)"))
         comparisons = []
         for a in archs:
             names = [n for n in run_names(a) if n in results]
