@@ -1,38 +1,29 @@
 """Command line: parse, load the config, call one function.
 
-Exit codes of ``trainforge train``: 0 done; 1 an unexpected error (a traceback); 2 bad input
-(config, data, output directory, a checkpoint that does not fit) or a run directory another live
-run holds (runlock.py); 3 stopped on non-finite
-loss/gradients (train.max_skipped_steps in a row); 4 out of memory even at micro-batch 1;
-75 stopped by SIGTERM/SIGINT after saving a checkpoint (EX_TEMPFAIL: run it again to resume).
-A second signal ends the process at once, by the signal (128 + its number in a shell).
+Every error a user can act on is a ``TrainforgeError`` (errors.py), which names its exit code; the
+codes are listed once, in ``errors.EXIT_CODES``. A second signal ends the process at once, by the
+signal (128 + its number in a shell).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
+from .errors import EXIT_BAD_INPUT, TrainforgeError, exit_codes_text
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 err = Console(stderr=True, highlight=False)
 
-EXIT_BAD_INPUT = 2
-EXIT_NONFINITE = 3
-EXIT_OUT_OF_MEMORY = 4
-EXIT_INTERRUPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, retrying (resuming) is expected to work
-
-TRAIN_EPILOG = (
-    "Exit codes: 0 done; 1 unexpected error; 2 bad input (config, data, output dir, a checkpoint that does not "
-    "fit) or an output dir another live run holds (it is named); 3 stopped after train.max_skipped_steps non-finite steps in a row; 4 out of memory even at "
-    "micro-batch 1; 75 stopped by SIGTERM/SIGINT after saving a checkpoint: run the same command to resume "
-    "(a second signal stops at once, without saving)."
-)
+TRAIN_EPILOG = "Exit codes: " + exit_codes_text()
 
 
 @app.callback()
@@ -66,12 +57,10 @@ def train(
     ] = None,
 ) -> None:
     """Train a model and write config.yaml, metrics.jsonl, checkpoints/, final/ and summary.json."""
-    from .config import ConfigError, load_config
+    from .config import load_config
 
-    try:
+    with user_errors():
         cfg = load_config(config, set_ or [])
-    except ConfigError as e:
-        _fail(str(e))
     output = output or Path("runs") / f"{config.stem if config else 'default'}-{time.strftime('%Y%m%d-%H%M%S')}"
     if nproc is not None and nproc > 1:
         from .launch import launch
@@ -79,15 +68,9 @@ def train(
         args = [*([str(config)] if config else []), *(a for s in set_ or [] for a in ("--set", s))]
         raise typer.Exit(launch(nproc, [*args, "--output", str(output), "--resume", resume]))
 
-    from .data.sources import DataError
-    from .dist import DistError, launched_by_torchrun
-    from .engine.nonfinite import NonFiniteError
+    from .dist import launched_by_torchrun
     from .engine.oom import OutOfMemory
-    from .engine.preempt import Interrupted
-    from .engine.resume import ResumeError
-    from .engine.trainer import OutputDirError
     from .engine.trainer import train as run_training
-    from .runlock import LeaseLost, RunDirBusy
 
     worker = launched_by_torchrun()
     # errors every rank meets alike (the same data, config, run directory, loss) are printed by rank 0 only
@@ -97,14 +80,9 @@ def train(
         try:
             run_training(cfg, output, resume=resume)
             code = 0
-        except (DataError, OutputDirError, ResumeError, DistError, ConfigError, RunDirBusy, LeaseLost) as e:
-            _fail(str(e), quiet=alike)
-        except NonFiniteError as e:
-            _fail(str(e), EXIT_NONFINITE, quiet=alike)
-        except OutOfMemory as e:
-            _fail(str(e), EXIT_OUT_OF_MEMORY)
-        except Interrupted as e:
-            _fail(str(e), EXIT_INTERRUPTED, label="stopped", quiet=alike)
+        except TrainforgeError as e:
+            # out of memory is one rank's own: every rank says so; the others fail alike and rank 0 speaks
+            _fail_with(e, quiet=alike and not isinstance(e, OutOfMemory))
         except Exception as e:
             if not (worker and _peer_failure(e)):
                 raise
@@ -150,19 +128,11 @@ def prepare(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
 ) -> None:
     """Tokenize, pack and cache the data only; a later `train` with the same data reuses the cache."""
-    from .config import ConfigError, load_config
-
-    try:
-        cfg = load_config(config, set_ or [])
-    except ConfigError as e:
-        _fail(str(e))
-    from .data.sources import DataError
+    from .config import load_config
     from .data.plan import prepare_only
 
-    try:
-        prepare_only(cfg)
-    except DataError as e:
-        _fail(str(e))
+    with user_errors():
+        prepare_only(load_config(config, set_ or []))
 
 
 @app.command()
@@ -184,14 +154,11 @@ def bench(
 
     from rich.console import Console
 
-    from .config import ConfigError
     from .tools.bench import bench as run_bench
     from .tools.bench import render
 
-    try:
+    with user_errors():
         results = run_bench(str(config) if config else None, set_ or [], sweep or [], steps, warmup, synthetic)
-    except ConfigError as e:
-        _fail(str(e))
     render(results, Console())
     if out:
         out.write_text(json.dumps(results, indent=2))
@@ -219,10 +186,8 @@ def selftest(
     from .hardware import describe, pick_device
     from .tools.selftest import results_json, run_selftest
 
-    try:
+    with user_errors():  # --device cuda without CUDA
         resolved = pick_device(device)
-    except RuntimeError as e:  # --device cuda without CUDA
-        _fail(str(e))
     results = run_selftest(str(resolved), quick)
     if out:
         out.write_text(json.dumps(results_json(results, describe(resolved)), indent=2))
@@ -250,7 +215,7 @@ def plan(
 
     from rich.console import Console
 
-    from .config import ConfigError, load_config
+    from .config import load_config
 
     console = Console(highlight=False, soft_wrap=True)
     if hardware.lower() == "list":
@@ -265,18 +230,14 @@ def plan(
         return
     if measure and (hardware.lower() != "this" or nproc > 1):
         _fail("--measure runs real steps on this machine in one process: use it with --hardware this and no --nproc")
-    try:
+    with user_errors():
         cfg = load_config(config, set_ or [], plan_only=not measure)
-    except ConfigError as e:
-        _fail(str(e))
     from .tools.plan import make_plan, render
     from .tools.plan_measure import measure as run_measure
     from .tools.plan_measure import render_measured
 
-    try:
+    with user_errors(ValueError):  # an unknown --hardware profile is a ValueError
         result = make_plan(cfg, hardware, nproc)
-    except (ConfigError, ValueError) as e:
-        _fail(str(e))
     if measure:
         result["measured"] = run_measure(str(config) if config else None, set_ or [], result, measure_steps)
     if json_out:
@@ -296,17 +257,15 @@ def config(
     reference: Annotated[bool, typer.Option("--reference", help="print every key with its default, as Markdown")] = False,
 ) -> None:
     """Print the resolved config (every default spelled out), or the reference of all keys."""
-    from .config import ConfigError, load_config
+    from .config import load_config
 
     if reference:
         from .tools.config_reference import config_reference
 
         typer.echo(config_reference(), nl=False)
         return
-    try:
+    with user_errors():
         typer.echo(load_config(config, set_ or []).to_yaml(), nl=False)
-    except ConfigError as e:
-        _fail(str(e))
 
 
 MODEL_ARG_HELP = "a run directory (its final/), a Hugging Face model directory, or a LoRA adapter directory"
@@ -339,22 +298,17 @@ def generate(
         _fail("give exactly one of --prompt TEXT or --chat (turns on stdin)")
     if precision is not None and precision not in ("bf16", "fp16", "fp32", "auto"):
         _fail(f"--precision {precision!r}: use bf16, fp16, fp32 or auto")
-    from .config import ConfigError
-    from .data.sources import DataError
-    from .model.resolve import ModelSourceError
     from .tools.generate import run_generate
 
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()  # stream: each piece reaches the terminal (or pipe) as it is generated
 
-    try:
+    with user_errors():
         run_generate(
             model, prompt, sys.stdin.read() if chat else None, max_new_tokens, temperature, seed, device, precision,
             write, _stderr_reporter(),
         )
-    except (ModelSourceError, DataError, ConfigError) as e:
-        _fail(str(e))
     sys.stdout.write("\n")
 
 
@@ -374,15 +328,10 @@ def eval_(
     apply; on the run's eval file the loss equals the run's final eval_loss. Progress goes to stderr."""
     import json
 
-    from .config import ConfigError
-    from .data.sources import DataError
-    from .model.resolve import ModelSourceError
     from .tools.evaluate import evaluate_model, render
 
-    try:
+    with user_errors():
         result = evaluate_model(model, data, set_ or [], _stderr_reporter())
-    except (ModelSourceError, DataError, ConfigError) as e:
-        _fail(str(e))
     typer.echo(json.dumps(result) if as_json else render(result))
 
 
@@ -397,13 +346,10 @@ def export(
 ) -> None:
     """Export a model: with --merge a plain Hugging Face directory (safetensors, config, generation config,
     tokenizer) that loads without PEFT; without, the adapter or full model copied with its tokenizer."""
-    from .model.resolve import ModelSourceError
     from .tools.export import export as run_export
 
-    try:
+    with user_errors():
         run_export(model, out, merge, dtype, _stderr_reporter())
-    except ModelSourceError as e:
-        _fail(str(e))
 
 
 def _stderr_reporter():
@@ -424,13 +370,26 @@ def report(
     """Write one self-contained HTML page of a run's curves (loss, learning rate, grad norm, tokens/s,
     MFU, memory, data wait; resumes, checkpoints, out-of-memory back-offs and skipped steps marked);
     with several runs, the curves overlaid and their summaries side by side, config differences first."""
-    from .metrics.report import ReportError, write_report
+    from .metrics.report import write_report
 
-    try:
+    with user_errors():
         path = write_report(run_dirs, out)
-    except ReportError as e:
-        _fail(str(e))
     typer.echo(f"wrote {path}")
+
+
+@contextlib.contextmanager
+def user_errors(*also: type[Exception]) -> Iterator[None]:
+    """Turn a ``TrainforgeError`` (or one of ``also``, as bad input) into its message on stderr and its exit code."""
+    try:
+        yield
+    except TrainforgeError as e:
+        _fail_with(e)
+    except also as e:
+        _fail(str(e))
+
+
+def _fail_with(e: TrainforgeError, quiet: bool = False) -> None:
+    _fail(str(e), e.exit_code, e.label, quiet)
 
 
 def _fail(message: str, code: int = EXIT_BAD_INPUT, label: str = "error", quiet: bool = False) -> None:

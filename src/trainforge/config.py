@@ -20,6 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from .errors import TrainforgeError
+
 BUILTIN_STDLIB = "builtin:python-stdlib"
 """Text source: the Python standard library's own sources, present on every install."""
 BUILTIN_FUNCTIONS = "builtin:python-functions"
@@ -31,7 +33,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TRAINFORGE_CACHE") or Path.home() / ".cache" / "trainforge")
 
 
-class ConfigError(ValueError):
+class ConfigError(TrainforgeError, ValueError):
     """A configuration problem the user can fix; the CLI prints it and exits with code 2."""
 
 

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import TrainforgeError
+
 MODES = ("ddp", "fsdp")
 
 
-class DistError(RuntimeError):
+class DistError(TrainforgeError, RuntimeError):
     """A distributed setting that cannot work (the CLI exits with code 2)."""
 
 

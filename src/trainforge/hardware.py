@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import default_cache_dir
+from .config import ConfigError, default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def pick_device(requested: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(requested)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device={requested!r} but CUDA is not available on this machine; use 'auto' or 'cpu'")
+        raise ConfigError(f"train.device={requested!r} but CUDA is not available on this machine; use 'auto' or 'cpu'")
     return device
 
 
@@ -108,7 +108,7 @@ def resolve_precision(requested: str, device: torch.device, cache_dir: Path | No
     bf16 only where it is native and its matmuls measure ``BF16_MIN_SPEEDUP`` x fp32, else fp32."""
     if requested != "auto":
         if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise RuntimeError("train.precision=bf16: this GPU has no bf16 support; use fp16, fp32 or auto")
+            raise ConfigError("train.precision=bf16: this GPU has no bf16 support; use fp16, fp32 or auto")
         return PRECISIONS[requested], "as configured"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)

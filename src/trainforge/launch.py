@@ -19,8 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .errors import EXIT_CODES, EXIT_OK, EXIT_UNEXPECTED
+
 EXIT_DIR_ENV = "TRAINFORGE_EXIT_DIR"
-MEANINGFUL = (2, 3, 4, 75)  # trainforge's own exit codes: they say what to do next (see cli.py)
+MEANINGFUL = tuple(c for c in EXIT_CODES if c not in (EXIT_OK, EXIT_UNEXPECTED))  # they say what to do next
 
 
 def torchrun_command(nproc: int, train_args: list[str]) -> list[str]:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import TMP_MARK, boot_id, host_name, process_alive, process_start_ticks, process_tag
+from .errors import TrainforgeError
 
 LEASE_FILE = "lease.json"
 TIMEOUT_ENV = "TRAINFORGE_LEASE_TIMEOUT_S"
@@ -51,11 +52,15 @@ RENEWALS_PER_TIMEOUT = 6
 POLL_S = 0.25  # how often the renewal thread looks at the stop flag, and a waiting newcomer at the lease
 
 
-class RunDirBusy(RuntimeError):
+class OutputDirError(TrainforgeError, RuntimeError):
+    """The output directory cannot be used for this run."""
+
+
+class RunDirBusy(TrainforgeError, RuntimeError):
     """Another live process holds the run directory (or the lease settings are wrong)."""
 
 
-class LeaseLost(RuntimeError):
+class LeaseLost(TrainforgeError, RuntimeError):
     """This process's lease was taken over by another process: it must not write the run directory."""
 
 
@@ -364,8 +369,6 @@ def hold_run_dir(
     """Hold the lease on ``run_dir`` for the block (under torchrun rank 0 holds it; every rank fails
     alike when it cannot). ``max_wait_s``: a cap on the wait for a stopping holder (the other ranks
     wait in a collective that has its own timeout)."""
-    from .engine.resume import OutputDirError
-
     main = ctx is None or ctx.is_main
     lease: RunLease | None = None
     error: tuple[bool, str] | None = None  # (the directory cannot be written, message)

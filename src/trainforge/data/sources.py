@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BUILTIN_FUNCTIONS, BUILTIN_STDLIB
+from ..errors import TrainforgeError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 
 
-class DataError(ValueError):
+class DataError(TrainforgeError, ValueError):
     """Bad input data; the message names the file, the line (or row) and what was expected."""
 
 

@@ -7,9 +7,13 @@ from typing import Any
 
 import torch
 
+from ..errors import EXIT_NONFINITE, TrainforgeError
 
-class NonFiniteError(RuntimeError):
+
+class NonFiniteError(TrainforgeError, RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
+
+    exit_code = EXIT_NONFINITE
 
 
 def skip_update_if(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:

@@ -7,14 +7,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..data.loader import Batch
+from ..errors import EXIT_OUT_OF_MEMORY, TrainforgeError
 from .step import forward_backward
 
 if TYPE_CHECKING:
     from .run import Run
 
 
-class OutOfMemory(RuntimeError):
+class OutOfMemory(TrainforgeError, RuntimeError):
     """Out of memory with a micro-batch of one row: nothing left to split."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
 
 
 def smallest_factor(n: int) -> int:

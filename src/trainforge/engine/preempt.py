@@ -7,11 +7,16 @@ import signal
 import threading
 from types import FrameType
 
+from ..errors import EXIT_INTERRUPTED, TrainforgeError
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class Interrupted(Exception):
+class Interrupted(TrainforgeError):
     """The run stopped on a signal after saving a checkpoint; running the same command resumes it."""
+
+    exit_code = EXIT_INTERRUPTED
+    label = "stopped"
 
 
 class StopRequest:

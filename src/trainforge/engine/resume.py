@@ -32,7 +32,9 @@ from ..checkpoint import (
     scan_checkpoints,
 )
 from ..config import RunConfig
+from ..errors import TrainforgeError
 from ..metrics.console import ConsoleReporter
+from ..runlock import OutputDirError
 from .schedule import build_scheduler
 from .sharded import load_sharded, sharded_state
 
@@ -43,11 +45,7 @@ CHECKPOINTS = "checkpoints"
 FIXED_TRAIN_KEYS = ("seed", "micro_batch_size", "grad_accum", "epochs")
 
 
-class OutputDirError(RuntimeError):
-    """The output directory cannot be used for this run."""
-
-
-class ResumeError(RuntimeError):
+class ResumeError(TrainforgeError, RuntimeError):
     """The checkpoint cannot continue this run (it is unusable, or the run's settings changed)."""
 
 

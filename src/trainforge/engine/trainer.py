@@ -23,7 +23,7 @@ from ..runlock import hold_run_dir
 from .evaluate import evaluate
 from .oom import fetch_step, forward_backward_adaptive
 from .preempt import Interrupted, StopRequest
-from .resume import OutputDirError
+from ..runlock import OutputDirError
 from .run import Run, RunResult
 from .setup import setup
 from .sharded import full_model_state

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import yaml
 
 from ..atomic import atomic_write_text
+from ..errors import TrainforgeError
 from .sinks import flat_config
 from .tracker import EVENTS_FILE, read_events
 
@@ -38,7 +39,7 @@ MARKERS = {
 }
 
 
-class ReportError(ValueError):
+class ReportError(TrainforgeError, ValueError):
     """A directory that cannot be reported on (no metrics.jsonl); the CLI exits with code 2."""
 
 

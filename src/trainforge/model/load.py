@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..config import LoraSettings, ModelSettings, is_encoder_decoder, model_type_of
+from ..errors import TrainforgeError
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -238,7 +239,7 @@ def nf4_config(compute_dtype: torch.dtype | None):
     )
 
 
-class QuantizationUnavailable(RuntimeError):
+class QuantizationUnavailable(TrainforgeError, RuntimeError):
     """QLoRA was asked for and bitsandbytes is not installed."""
 
 

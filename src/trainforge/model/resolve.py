@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from ..config import TOKENIZER_FILES, dir_is_encoder_decoder
+from ..errors import TrainforgeError
 from ..hardware import Precision
 
 RUN_CONFIG = "config.yaml"
@@ -32,7 +33,7 @@ MODEL_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(TrainforgeError, ValueError):
     """The path is not a run, model or adapter directory (the message names what it lacks)."""
 
 

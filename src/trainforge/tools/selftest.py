@@ -184,11 +184,15 @@ class Result:
         self.error = f"{self.error}; {message}" if self.error else message
 
 
-class CheckFailed(AssertionError):
+class CheckOutcome(Exception):
+    """How a check ends other than by passing (a control-flow signal inside selftest, never shown to a user as an error)."""
+
+
+class CheckFailed(CheckOutcome):
     """A selftest check did not hold."""
 
 
-class Skip(Exception):
+class Skip(CheckOutcome):
     """A case or check that does not apply on this device."""
 
 
