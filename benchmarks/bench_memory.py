@@ -155,7 +155,7 @@ def trace_last_step(phases: Phases) -> dict:
     """Patch trainforge's loop so that its last step runs under ``StepTracer`` (the live tensor peak of a
     steady-state step, as ``trainforge plan --measure`` takes it), with the phases' ends marked around it."""
     from trainforge.engine import trainer
-    from trainforge.engine.trace import StepTracer
+    from trainforge.engine.predict.trace import StepTracer
 
     found: dict = {}
     state: dict = {}

@@ -14,7 +14,7 @@ import trainforge.engine.step as step_module
 import trainforge.engine.setup as engine_setup
 import trainforge.engine.trainer as trainer
 from trainforge.config import RunConfig
-from trainforge.engine.memory import GIB, estimate_memory, memory_warning
+from trainforge.engine.predict.memory import GIB, estimate_memory, memory_warning
 from trainforge.engine.nonfinite import NonFiniteError, NonFiniteGuard, skip_update_if
 from trainforge.engine.oom import OutOfMemory, fetch_step, forward_backward_adaptive, smallest_factor
 from trainforge.engine.step import forward_backward

@@ -10,11 +10,11 @@ import torch
 from conftest import TINY_LLAMA_INIT
 from trainforge.config import RunConfig
 from trainforge.data.loader import Batch
-from trainforge.engine.fit import FIT_MARGIN, fit_run, predict_memory
+from trainforge.engine.predict.fit import FIT_MARGIN, fit_run, predict_memory
 from trainforge.engine.optim import build_optimizer
 from trainforge.engine.step import forward_backward, optimizer_step
-from trainforge.engine.timing import predict_step_time
-from trainforge.engine.trace import StepTracer, _trace, trace_training_step
+from trainforge.engine.predict.timing import predict_step_time
+from trainforge.engine.predict.trace import StepTracer, _trace, trace_training_step
 from trainforge.hardware import PRECISIONS
 from trainforge.model.load import build_model
 from trainforge.model.tokenizer import load_tokenizer
@@ -178,7 +178,7 @@ def test_checkpointing_auto_turns_on_only_when_the_run_does_not_fit(tmp_path):
 
 
 def test_time_model_roofline():
-    from trainforge.engine.trace import OpRecord, StepTrace
+    from trainforge.engine.predict.trace import OpRecord, StepTrace
 
     ops = [OpRecord("mm", 2e12, 1_000, "bfloat16", "forward"), OpRecord("add", 0.0, int(2e9), "float32", "backward"),
            OpRecord("_fused_adamw", 0.0, int(1e9), "float32", "optimizer")]
@@ -223,7 +223,7 @@ def test_load_peak_counts_the_weight_file_bytes_read_and_what_they_become(tiny_m
     same files casts nothing, so loading maps them lazily and holds nothing; a GPU is not priced."""
     from dataclasses import replace
 
-    from trainforge.engine.fit import predict_load_memory
+    from trainforge.engine.predict.fit import predict_load_memory
 
     tok = load_tokenizer(tiny_model_dir)
     cpu = replace(tiny_device(64.0), kind="cpu", fixed_gib=0.25)

@@ -11,7 +11,7 @@ from trainforge.config import RunConfig
 from trainforge.data.loader import Batch
 from trainforge.engine.optim import build_optimizer
 from trainforge.engine.step import forward_backward, optimizer_step
-from trainforge.engine.trace import StepTracer, _trace, trace_training_step
+from trainforge.engine.predict.trace import StepTracer, _trace, trace_training_step
 from trainforge.hardware import PRECISIONS
 from trainforge.model.load import build_model
 from trainforge.model.tokenizer import load_tokenizer

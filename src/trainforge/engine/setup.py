@@ -41,8 +41,8 @@ from ..model.load import (
     weight_storage,
 )
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
-from .fit import Fit, fit_run
-from .memory import estimate_memory, memory_warning
+from .predict.fit import Fit, fit_run
+from .predict.memory import estimate_memory, memory_warning
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer
 from .preempt import StopRequest

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from ..config import RunConfig, resolve_grad_accum
-from ..engine.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_load_memory, predict_memory
-from ..engine.memory import estimate_memory
-from ..engine.timing import StepTime, measure_ops, predict_step_time
+from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_load_memory, predict_memory
+from ..engine.predict.memory import estimate_memory
+from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
 from ..hardware import PRECISIONS, Precision, cpu_has_native_bf16, pick_device, resolve_precision, this_profile
 from ..profiles import GIB, HardwareProfile, find_profile
 

@@ -52,7 +52,7 @@ def measure_steps(config_path: str | None, overrides: list[str], steps: int, war
     from ..engine.oom import fetch_step
     from ..engine.setup import setup
     from ..engine.step import forward_backward, optimizer_step
-    from ..engine.trace import StepTracer
+    from ..engine.predict.trace import StepTracer
     from ..engine.trainer import train_loop
     from ..hardware import peak_memory_bytes
     from ..metrics.console import ConsoleReporter

@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
-    from ..hardware import Precision
+    from ...config import RunConfig
+    from ...hardware import Precision
 
 KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
 
@@ -289,7 +289,7 @@ def trace_training_step(
     layer); its batch is the worst case of both sides: ``max_length`` source and ``max_target_length``
     target tokens in every row.
     """
-    from ..model.load import model_depth
+    from ...model.load import model_depth
 
     known = model_depth(cfg.model)
     depth = known[1] if known else None
@@ -314,12 +314,12 @@ def _trace(
 ) -> StepTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..config import is_encoder_decoder
-    from ..data.loader import Batch, padded_width
-    from ..model.load import build_model_skeleton
-    from .loss import chunk_as
-    from .optim import build_optimizer
-    from .step import loss_sum, optimizer_step
+    from ...config import is_encoder_decoder
+    from ...data.loader import Batch, padded_width
+    from ...model.load import build_model_skeleton
+    from ..loss import chunk_as
+    from ..optim import build_optimizer
+    from ..step import loss_sum, optimizer_step
 
     cpu = torch.device("cpu")
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing, layers)

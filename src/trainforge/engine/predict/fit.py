@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import RunConfig
-from ..hardware import Precision
-from ..profiles import GIB, HardwareProfile
+from ...config import RunConfig
+from ...hardware import Precision
+from ...profiles import GIB, HardwareProfile
 from .trace import StepTrace, trace_training_step
 
 FIT_MARGIN = 0.90  # micro_batch_size: auto and checkpointing: auto keep the predicted process peak under this share
@@ -74,7 +74,7 @@ def fixed_bytes(cfg: RunConfig, profile: HardwareProfile, loading: bool = False)
     beyond a full fine-tune."""
     fixed = (profile.load_fixed_gib if loading and profile.load_fixed_gib is not None else profile.fixed_gib) * GIB
     if profile.kind == "cpu" and cfg.model.method != "full":
-        from ..hardware import CPU_ADAPTER_EXTRA_GIB
+        from ...hardware import CPU_ADAPTER_EXTRA_GIB
 
         fixed += CPU_ADAPTER_EXTRA_GIB * GIB
     return fixed
@@ -107,8 +107,8 @@ def predict_load_memory(cfg: RunConfig, precision: Precision, profile: HardwareP
     """
     if profile.kind != "cpu" or cfg.model.init is not None or cfg.model.path is None:
         return None
-    from ..model.load import storage_dtype
-    from ..model.weight_files import stored_tensors
+    from ...model.load import storage_dtype
+    from ...model.weight_files import stored_tensors
 
     tensors = stored_tensors(cfg.model.path)
     if tensors is None:
