@@ -57,6 +57,18 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
+def emulated_precision(precision: str, native_bf16: bool) -> tuple[str, str] | None:
+    """On a CPU: (what is wrong, what to do) when ``precision`` runs emulated there, else None.
+    Training and ``plan`` say the same."""
+    if precision == "fp16":
+        return ("fp16 on a CPU is emulated and slow: it checks the fp16 + loss-scaling path that older GPUs take",
+                "use bf16 or fp32 to train (train.precision: auto)")
+    if precision == "bf16" and not native_bf16:
+        return ("bf16 on this CPU is emulated (no AVX512-BF16 or AMX), many times slower than fp32: it checks the path GPUs take",
+                "set train.precision: auto (fp32 here) to train")
+    return None
+
+
 def _cpuinfo_field(name: str) -> str:
     """The first ``name : value`` line of /proc/cpuinfo ('' where there is none, e.g. off Linux)."""
     try:

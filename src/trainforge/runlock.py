@@ -358,6 +358,20 @@ def _busy_message(run_dir: Path, holder: LeaseInfo) -> str:
     )
 
 
+def probe_run_dir(out: Path) -> bool:
+    """Create ``out`` if needed and check that files can be written in it; True when it already holds a run
+    (a non-empty metrics.jsonl; an empty one is a run that failed in its setup)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise OutputDirError(f"cannot write to output directory {out}: {e.strerror}") from None
+    metrics = out / "metrics.jsonl"
+    return metrics.exists() and metrics.stat().st_size > 0
+
+
 @contextlib.contextmanager
 def hold_run_dir(
     run_dir: Path,

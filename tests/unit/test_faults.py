@@ -163,7 +163,7 @@ def test_oom_backoff_halves_micro_batch_with_the_same_examples_and_gradient(conf
     torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-6)
     for name, p in run.model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=1e-6, msg=name)
-    assert run.oom_backoffs == [{"step": 1, "micro_batch_size": 2, "grad_accum": 4}]
+    assert run.counters.oom_backoffs == [{"step": 1, "micro_batch_size": 2, "grad_accum": 4}]
     run.metrics.close()
 
 

@@ -10,16 +10,16 @@ import torch
 from conftest import TINY_LLAMA_INIT
 from trainforge.config import RunConfig
 from trainforge.data.loader import Batch
-from trainforge.engine.predict.fit import FIT_MARGIN, fit_run, predict_memory
 from trainforge.engine.optim import build_optimizer
-from trainforge.engine.step import forward_backward, optimizer_step
+from trainforge.engine.predict.fit import FIT_MARGIN, fit_run, predict_memory
 from trainforge.engine.predict.timing import predict_step_time
 from trainforge.engine.predict.trace import StepTracer, _trace, trace_training_step
+from trainforge.engine.step import forward_backward, optimizer_step
 from trainforge.hardware import PRECISIONS
 from trainforge.model.load import build_model
 from trainforge.model.tokenizer import load_tokenizer
 from trainforge.profiles import GIB, PROFILES, HardwareProfile, find_profile, profile_for_gpu_name
-from trainforge.tools.plan import VocabOnly
+from trainforge.tools.plan import VocabOnly, eval_batches_per_pass
 
 
 def config(overrides: dict, tmp_path) -> RunConfig:
@@ -248,3 +248,15 @@ def test_load_peak_counts_the_weight_file_bytes_read_and_what_they_become(tiny_m
     _, full = plan("full", "fp32", replace(cpu, load_fixed_gib=0.125))  # before its first step a process holds less
     assert full.process == full.fixed == int(0.125 * GIB)
     assert plan("lora", "bf16", tiny_device(64.0))[1] is None  # a GPU profile
+
+
+def test_eval_time_counts_the_eval_rows_in_micro_batches():
+    """Prepared data: the eval pass is its rows over the micro-batch (not the rows themselves as batches)."""
+    cfg = RunConfig.model_validate(
+        {"model": {"init": TINY_LLAMA_INIT}, "data": {"train": "builtin:python-stdlib"}, "train": {"micro_batch_size": 4}}
+    )
+    assert eval_batches_per_pass(cfg, {"eval_rows": 100}) == 25
+    assert eval_batches_per_pass(cfg, {"eval_sequences": 10, "eval_rows": 100}) == 3
+    assert eval_batches_per_pass(cfg, {}) == 13  # not prepared: 50 rows assumed
+    capped = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_max_batches": 7})})
+    assert eval_batches_per_pass(capped, {"eval_rows": 100}) == 7

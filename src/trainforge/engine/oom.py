@@ -77,7 +77,7 @@ def back_off(run: Run, position: dict) -> list[Batch]:
     run.grad_accum *= f
     run.batches = iter(run.loader)
     event = {"step": run.step + 1, "micro_batch_size": b // f, "grad_accum": run.grad_accum}
-    run.oom_backoffs.append(event)
+    run.counters.oom_backoffs.append(event)
     run.metrics.event("oom_backoff", event["step"], micro_batch_size=b // f, grad_accum=run.grad_accum)
     run.reporter.warn(
         f"out of memory at step {run.step + 1} with micro-batch {b}: retrying the step with micro-batch "

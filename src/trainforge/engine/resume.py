@@ -1,4 +1,4 @@
-"""The run directory and resuming: which checkpoint, whether it fits this run, and restoring a run from it.
+"""Resuming: which checkpoint continues a run, and whether it fits it (``Run.load_state_dict`` restores it).
 
 What must match a checkpoint (``fixed_settings``): the model, data and optimizer sections and
 the seed and batch layout of ``train``; the data as tokenized (counts and tokenizer). What may
@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
-import torch
 
 from .. import __version__
 from ..checkpoint import (
@@ -34,12 +30,11 @@ from ..checkpoint import (
 from ..config import RunConfig
 from ..errors import TrainforgeError
 from ..metrics.console import ConsoleReporter
-from ..runlock import OutputDirError
-from .schedule import build_scheduler
-from .sharded import load_sharded, sharded_state
+from ..runlock import OutputDirError, probe_run_dir
+from .state import trainable_state
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .run import Run  # for annotations only: the run module imports nothing of this one
 
 CHECKPOINTS = "checkpoints"
 FIXED_TRAIN_KEYS = ("seed", "micro_batch_size", "grad_accum", "epochs")
@@ -147,23 +142,10 @@ def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
 # ---------------------------------------------------------------- choosing the checkpoint
 
 
-def open_run_dir(
-    output_dir: Path, cfg: RunConfig, resume: str, reporter: ConsoleReporter
-) -> tuple[Path, ResumePlan | None]:
-    """Check the output directory is writable; find the checkpoint to resume from (``resume``: auto|never|PATH).
-
-    A fresh run gets its ``config.yaml`` here; a resumed one when ``restore`` has checked it.
-    """
-    out = Path(output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise OutputDirError(f"cannot write to output directory {out}: {e.strerror}") from None
-    metrics = out / "metrics.jsonl"
-    holds_run = metrics.exists() and metrics.stat().st_size > 0  # empty: a run that failed in its setup
+def choose_checkpoint(out: Path, cfg: RunConfig, resume: str, reporter: ConsoleReporter) -> ResumePlan | None:
+    """The checkpoint to continue from (``resume``: auto|never|PATH), loaded; None for a fresh run.
+    Refuses an output directory that holds another run (runlock.probe_run_dir)."""
+    holds_run = probe_run_dir(out)
     if resume == "never":
         if holds_run:
             raise OutputDirError(
@@ -185,10 +167,7 @@ def open_run_dir(
                 f"{out} already holds another run; resuming {candidates[0].path} into it would mix the two runs' "
                 "metrics: choose a new --output"
             )
-    if not candidates:
-        (out / "config.yaml").write_text(cfg.to_yaml())
-        return out, None
-    return out, _load_first(candidates, cfg, same_run, reporter)
+    return _load_first(candidates, cfg, same_run, reporter) if candidates else None
 
 
 def _newest_first(root: Path, reporter: ConsoleReporter, recover: bool = False) -> list[CheckpointInfo]:
@@ -233,85 +212,14 @@ def _load_first(
     raise ResumeError("no checkpoint could be loaded: " + ", ".join(str(c.path) for c in candidates))
 
 
-# ---------------------------------------------------------------- saving and restoring a run
+# ---------------------------------------------------------------- whether it continues this run
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights a checkpoint holds: LoRA adapters only, or everything for full training."""
-    if hasattr(model, "peft_config"):  # adapters only; the frozen (maybe 4-bit) base is rebuilt from model.path
-        return {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
-    return model.state_dict()
-
-
-def capture_rng() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {  # as tensors and numbers: checkpoints load with weights_only=True, no pickled objects
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
-        },
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    keys = n["keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def capture_state(run: Run) -> dict[str, Any]:
-    """Everything a resume needs to continue exactly where the run is now.
-
-    Data-parallel: all ranks call it together; the random states of every rank are gathered
-    (``rng_ranks``), and under FSDP model and optimizer are this rank's shards.
-    """
-    if run.dist.mode == "fsdp":
-        weights = sharded_state(run.model, run.optimizer)
-    else:
-        weights = {"model": trainable_state(run.model), "optimizer": run.optimizer.state_dict()}
-    rng = capture_rng()
-    extra = {"rng_ranks": run.dist.all_gather_object(rng)} if run.dist.enabled else {}
-    return {
-        **weights,
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": run.scaler.state_dict() if run.scaler is not None else None,
-        "loader": run.loader.state_dict(),
-        "micro_batch_size": run.loader.batch_size,  # after any out-of-memory back-off
-        "grad_accum": run.grad_accum,
-        "rng": rng,
-        **extra,
-        "window": run.window.state_dict(),
-        "nonfinite": run.guard.state_dict(),
-        "counters": {
-            "step": run.step,
-            "schedule_steps": run.schedule_steps,
-            "tokens_seen": run.tokens_seen,
-            "data_wait_s": run.data_wait_s,
-            "loop_time_s": run.loop_time_s,
-            "last_train_loss": run.last_train_loss,
-            "eval_before": run.eval_before,
-            "last_eval": run.last_eval,
-            "metrics_records": run.metrics.records,
-            "oom_backoffs": run.oom_backoffs,
-            "trackers": run.metrics.tracker_state(),  # W&B / MLflow run ids: a resume continues the same runs
-        },
-    }
-
-
-def restore(run: Run, plan: ResumePlan) -> None:
-    """Load the checkpoint into a freshly set-up run; random states last, after all of setup used them."""
-    info, state, c = plan.checkpoint, plan.state, plan.state["counters"]
-    changed = _differences(info.meta.get("data", {}), data_fingerprint(run.tokenizer, run.data_stats))
+def check_fits_run(plan: ResumePlan, run: Run) -> None:
+    """The chosen checkpoint continues ``run``: the same data as tokenized, a ``max_steps`` not below its
+    step, the same processes, the same trained tensors."""
+    info, state = plan.checkpoint, plan.state
+    changed = _differences(info.meta.get("data", {}), data_fingerprint(run.tokenizer, run.facts.data_stats))
     if changed:
         raise ResumeError(
             f"cannot resume from {info.path}: the training data differ from the checkpoint's: " + "; ".join(changed)
@@ -329,37 +237,14 @@ def restore(run: Run, plan: ResumePlan) -> None:
                 f"({len(state['model'])} tensors, {len(expected)} expected)"
             )
 
-    o = run.cfg.optim
-    run.schedule_steps = c["schedule_steps"]
-    run.scheduler = build_scheduler(run.optimizer, o.schedule, o.warmup_steps, run.schedule_steps, o.min_lr_ratio)
-    if run.dist.mode == "fsdp":
-        load_sharded(run.model, run.optimizer, info.path)
-    else:
-        run.model.load_state_dict(state["model"], strict=False)
-        run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    if run.scaler is not None and state["scaler"] is not None:
-        run.scaler.load_state_dict(state["scaler"])
-    run.loader.load_state_dict(state["loader"])
-    run.loader.batch_size, run.grad_accum = state["micro_batch_size"], state["grad_accum"]
-    run.window.load_state_dict(state["window"])
-    run.guard.load_state_dict(state["nonfinite"])
-    run.step, run.resumed_from = c["step"], c["step"]
-    run.tokens_seen, run.data_wait_s, run.loop_time_s = c["tokens_seen"], c["data_wait_s"], c["loop_time_s"]
-    run.last_train_loss, run.eval_before, run.last_eval = c["last_train_loss"], c["eval_before"], c["last_eval"]
-    run.oom_backoffs = list(c["oom_backoffs"])
-    if plan.same_run:
-        dropped = run.metrics.truncate(c["metrics_records"])
-        if dropped:
-            run.reporter.info(f"metrics.jsonl: dropped {dropped} records written after {info.path.name}")
-    if run.dist.is_main:
-        (run.out / "config.yaml").write_text(run.cfg.to_yaml())
-    restore_rng(state["rng_ranks"][run.dist.rank] if "rng_ranks" in state else state["rng"])
 
+def resume_note(plan: ResumePlan, run: Run) -> str:
+    """One line on what the resumed run continues from and what differs from the configured run."""
+    info, c = plan.checkpoint, run.counters
     notes = [f"resuming from {info.path} (step {info.step} of {run.max_steps})"]
-    if run.max_steps != run.schedule_steps:
+    if run.max_steps != c.schedule_steps:
         notes.append(
-            f"the learning-rate schedule keeps its {run.schedule_steps}-step horizon (train.max_steps is now {run.max_steps})"
+            f"the learning-rate schedule keeps its {c.schedule_steps}-step horizon (train.max_steps is now {run.max_steps})"
         )
     if run.grad_accum != run.cfg.train.grad_accum:
         notes.append(
@@ -367,4 +252,4 @@ def restore(run: Run, plan: ResumePlan) -> None:
         )
     if info.meta.get("version") != __version__:
         notes.append(f"the checkpoint was written by trainforge {info.meta.get('version')}")
-    run.reporter.info("; ".join(notes))
+    return "; ".join(notes)

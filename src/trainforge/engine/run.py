@@ -1,4 +1,4 @@
-"""The state of one run: what setup builds, the loop advances and finish reports."""
+"""The state of one run: what setup builds, the loop advances and finish reports; its checkpoint is the union of its parts."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from ..metrics.window import LogWindow
 from .compile_auto import CompileAuto
 from .nonfinite import NonFiniteGuard
 from .preempt import StopRequest
-from .resume import capture_state
 from .saver import Checkpointer
+from .state import Counters, Stateful, TrainedWeights, capture_rng, restore_rng
 
 
 @dataclass
@@ -32,55 +32,100 @@ class RunResult:
     tokenizer: Any
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What setup found out about the run and reports in summary.json; fixed once the run starts."""
+
+    precision_reason: str  # why this precision: configured, or what `auto` found on this device
+    data_format: str
+    data_stats: dict[str, Any]
+    flops_per_token: float  # model FLOPs per trained token (forward + backward), for MFU
+    peak_flops: float  # of all devices in the run's precision; 0: unknown, no MFU
+    choices: dict[str, Any]  # what auto settings resolved to and why
+
+
 @dataclass
 class Run:
-    """Everything a run holds between setup and finish; the loop reads and advances it."""
+    """Everything a run holds between setup and finish: its components, the services it reports
+    through, its counters and the facts setup found. The loop reads and advances it."""
 
     cfg: RunConfig
     out: Path
-    reporter: ConsoleReporter
+    max_steps: int
+    # components
     device: torch.device
     precision: Precision
     tokenizer: Any
     model: torch.nn.Module
+    train_model: torch.nn.Module | None  # what the step runs: the DDP/FSDP wrapper, else ``model`` itself
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None
     loader: TrainLoader
     eval_set: list[Batch]
+    grad_accum: int  # micro-batches per step: train.grad_accum, multiplied after an out-of-memory back-off
+    compile_auto: CompileAuto  # when to compile (train.compile), from this machine's past measurements
+    # services
+    reporter: ConsoleReporter
     metrics: MetricsLog
-    max_steps: int
-    data_format: str
-    data_stats: dict[str, int]
     saver: Checkpointer
     guard: NonFiniteGuard
     window: LogWindow
     stop: StopRequest
-    grad_accum: int  # micro-batches per step: train.grad_accum, multiplied after an out-of-memory back-off
-    schedule_steps: int  # horizon of the LR schedule: max_steps, or the original one after a resume
+    dist: DistContext
+    sync: Any  # sync(last): context of a micro-batch's backward (gradient exchange on the last only)
+    facts: RunFacts
     timer: StepTimer = field(default_factory=lambda: StepTimer(torch.device("cpu")))  # phases of profiled steps
+    counters: Counters = field(default_factory=Counters)
     compiled: bool = False  # the decoder runs through torch.compile
-    compile_auto: CompileAuto | None = None  # when to compile (train.compile), from this machine's past measurements
-    flops_per_token: float = 0.0  # model FLOPs per trained token (forward + backward), for MFU
-    peak_flops: float = 0.0  # of the device in the run's precision; 0: unknown, no MFU
-    dist: DistContext = field(default_factory=DistContext)
-    train_model: torch.nn.Module | None = None  # what the step runs: the DDP wrapper, else ``model`` itself
-    sync: Any = None  # sync(last): context of a micro-batch's backward (gradient exchange on the last only)
-    batches: Iterator[Batch] | None = None
-    step: int = 0  # optimizer steps completed
-    tokens_seen: int = 0
-    data_wait_s: float = 0.0
-    loop_time_s: float = 0.0
-    last_train_loss: float | None = None
-    eval_before: dict[str, float] = field(default_factory=dict)
-    last_eval: dict[str, float] = field(default_factory=dict)
-    oom_backoffs: list[dict[str, int]] = field(default_factory=list)
+    batches: Iterator[Batch] | None = None  # the loader's iterator while the loop runs
     resumed_from: int | None = None
-    precision_reason: str = ""  # why this precision: configured, or what `auto` found on this device
-    choices: dict[str, Any] = field(default_factory=dict)  # what auto settings resolved to and why (summary.json)
+    started_at: float = 0.0  # time.perf_counter() when setup began: summary.json's wall time
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint holds (LoRA: adapter weights only); see ``resume.capture_state``."""
-        return capture_state(self)
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self.counters.step
 
+    def weights(self) -> TrainedWeights:
+        return TrainedWeights(self.model, self.optimizer, sharded=self.dist.mode == "fsdp")
+
+    def parts(self) -> dict[str, Stateful]:
+        """The parts whose own ``state_dict`` a checkpoint holds, under their keys in ``state.pt``."""
+        return {"scheduler": self.scheduler, "loader": self.loader, "window": self.window, "nonfinite": self.guard}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds (LoRA: adapter weights only) to continue exactly where the run is now.
+
+        Data-parallel: all ranks call it together; the random states of every rank are gathered
+        (``rng_ranks``), and under FSDP model and optimizer are this rank's shards.
+        """
+        rng = capture_rng()
+        return {
+            **self.weights().state_dict(),
+            **{name: part.state_dict() for name, part in self.parts().items()},
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "micro_batch_size": self.loader.batch_size,  # after any out-of-memory back-off
+            "grad_accum": self.grad_accum,
+            "rng": rng,
+            **({"rng_ranks": self.dist.all_gather_object(rng)} if self.dist.enabled else {}),
+            "counters": {
+                **self.counters.state_dict(),
+                "metrics_records": self.metrics.records,
+                "trackers": self.metrics.tracker_state(),  # W&B / MLflow run ids: a resume continues the same runs
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any], path: Path | None = None) -> None:
+        """Continue from a checkpoint's state (``path``: its directory, where FSDP shards lie). Random
+        states last: call it after everything that consumes them is built."""
+        self.weights().load_state_dict(state, path)
+        for name, part in self.parts().items():
+            part.load_state_dict(state[name])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.loader.batch_size, self.grad_accum = state["micro_batch_size"], state["grad_accum"]
+        self.counters.load_state_dict(state["counters"])
+        self.resumed_from = self.counters.step
+        restore_rng(state["rng_ranks"][self.dist.rank] if "rng_ranks" in state else state["rng"])

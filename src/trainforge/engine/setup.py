@@ -1,8 +1,9 @@
-"""Everything before the first step: device and precision, data, model, optimizer, schedule, resume."""
+"""Setting up a run: everything before the first step (device and precision, data, model, optimizer, schedule, resume)."""
 
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from ..hardware import (
     configure_backends,
     cpu_has_native_bf16,
     describe,
+    emulated_precision,
     peak_flops,
     pick_device,
     resolve_precision,
@@ -34,7 +36,6 @@ from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
 from ..model.load import (
     build_model,
-    build_model_skeleton,
     count_parameters,
     describe_storage,
     overflows_in_fp16,
@@ -42,15 +43,16 @@ from ..model.load import (
 )
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .predict.fit import Fit, fit_run
-from .predict.memory import estimate_memory, memory_warning
+from .predict.memory import MemoryEstimate, estimate_memory, memory_warning
 from .nonfinite import NonFiniteGuard
 from .optim import build_optimizer
 from .preempt import StopRequest
-from .resume import CHECKPOINTS, ResumePlan, checkpoint_meta, open_run_dir, restore
-from .run import Run
+from .resume import CHECKPOINTS, ResumePlan, check_fits_run, checkpoint_meta, choose_checkpoint, resume_note
+from .run import Run, RunFacts
 from .saver import Checkpointer
 from .schedule import build_scheduler
 from .sharded import checkpoint_writer
+from .state import Counters
 
 
 def seed_everything(seed: int) -> None:
@@ -67,9 +69,11 @@ def setup(
     stop: StopRequest | None = None,
     ctx: DistContext | None = None,
 ) -> Run:
-    """Data, tokenizer, model, optimizer, schedule, loaders: everything before the first step."""
+    """Everything before the first step, in phases: device and precision; data, tokenizer and the run
+    directory; the model fitted to this machine; optimizer and services; the checkpoint to resume."""
     from transformers.utils import logging as hf_logging
 
+    started_at = time.perf_counter()
     ctx = ctx or DistContext()
     if cfg.log.report_to:
         require_trackers(cfg.log.report_to)  # a tracker asked for but not installed fails before any work
@@ -77,22 +81,15 @@ def setup(
         resolve_grad_accum(cfg.train, ctx.world_size)
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
-    device = device_for(pick_device(cfg.train.device), ctx)
-    precision, why = resolve_precision(cfg.train.precision, device, cfg.data.cache_dir)
-    precision, why = fp16_safe_precision(cfg, precision, why, reporter)
-    configure_backends(device)
-    procs = f" | {ctx.world_size} processes" if ctx.enabled else ""
-    reporter.info(f"trainforge {__version__} | {describe(device)}{procs} | precision {precision.name} ({why})")
-    if precision.name == "fp16" and device.type == "cpu":
-        reporter.warn("fp16 on a CPU is emulated and slow: it checks the fp16 + loss-scaling path that older GPUs take; use bf16 or fp32 to train")
-    elif precision.name == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-        reporter.warn("bf16 on this CPU is emulated (no AVX512-BF16 or AMX), many times slower than fp32: it checks the path "
-                      "GPUs take; set train.precision: auto (fp32 here) to train")
+    device, precision, why = choose_device_and_precision(cfg, ctx, reporter)
 
     with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
         tokenizer = get_tokenizer(cfg, reporter)
         data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
-        out, resume_plan = open_run_dir(output_dir, cfg, resume, reporter)
+        out = Path(output_dir)
+        resume_plan = choose_checkpoint(out, cfg, resume, reporter)
+        if resume_plan is None and ctx.is_main:
+            (out / "config.yaml").write_text(cfg.to_yaml())  # a resumed run's, once the checkpoint is checked
     reporter.info(f"output: {out}")
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     # train.global_batch_size fixes the rows per step whatever the process count: grad_accum follows
@@ -106,6 +103,84 @@ def setup(
     reporter.info(describe_data(data, efficiency))
     data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
 
+    model = build_run_model(cfg, tokenizer, precision, device, reporter)
+    rough = estimate_memory(model, loader.batch_size, cfg.row_tokens(), precision)
+    warning = memory_warning(rough, available_memory_bytes(device), device)
+    if warning:
+        reporter.warn(warning)
+    train_model = wrap_for_ranks(ctx, cfg, model, loader, rough, device, reporter)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
+    # a resumed run keeps its schedule's horizon (resume.py's docstring says why)
+    schedule_steps = resume_plan.state["counters"]["schedule_steps"] if resume_plan is not None else max_steps
+    o = cfg.optim
+    metrics = open_metrics(cfg, out, resume_plan, reporter) if ctx.is_main else NullMetricsLog()
+    saver = Checkpointer(
+        out / CHECKPOINTS,
+        cfg.checkpoint.model_copy(update={"async_": False}) if ctx.mode == "fsdp" else cfg.checkpoint,
+        checkpoint_meta(cfg, tokenizer, {**data_stats, "store": data.prepared.cache_path.name}, ctx.world_size, ctx.mode),
+        reporter,
+        writer=checkpoint_writer(ctx),
+    )
+    saver.on_event = metrics.event  # checkpoints and the pauses they cost, to events.jsonl
+    run = Run(
+        cfg=cfg,
+        out=out,
+        max_steps=max_steps,
+        device=device,
+        precision=precision,
+        tokenizer=tokenizer,
+        model=model,
+        train_model=train_model,
+        params=[p for p in model.parameters() if p.requires_grad],
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, o.schedule, o.warmup_steps, schedule_steps, o.min_lr_ratio),
+        scaler=torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None,
+        loader=loader,
+        eval_set=eval_batches(data.eval_rows, data.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
+        if data.eval_collate
+        else [],
+        grad_accum=cfg.train.grad_accum,
+        compile_auto=CompileAuto(
+            cfg.train.compile, compile_key(compile_shape(cfg, model, precision, device, ctx)),
+            (cfg.data.cache_dir or default_cache_dir()) / HISTORY_FILE, device,
+        ),
+        reporter=reporter,
+        metrics=metrics,
+        saver=saver,
+        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device),
+        window=LogWindow.on(device),
+        stop=stop or StopRequest(),
+        dist=ctx,
+        sync=ctx.no_sync(train_model),
+        facts=run_facts(cfg, model, precision, device, ctx, why, data.prepared.format, data_stats, fit, reporter),
+        timer=StepTimer(device),
+        counters=Counters(schedule_steps=schedule_steps),
+        started_at=started_at,
+    )
+    if resume_plan is not None:
+        continue_from(run, resume_plan)  # last: it restores the random states that building the run consumed
+    return run
+
+
+def choose_device_and_precision(cfg: RunConfig, ctx: DistContext, reporter: ConsoleReporter) -> tuple[torch.device, Precision, str]:
+    """This process's device, the run's precision and why; backends configured for them, and said."""
+    device = device_for(pick_device(cfg.train.device), ctx)
+    precision, why = resolve_precision(cfg.train.precision, device, cfg.data.cache_dir)
+    precision, why = fp16_safe_precision(cfg, precision, why, reporter)
+    configure_backends(device)
+    procs = f" | {ctx.world_size} processes" if ctx.enabled else ""
+    reporter.info(f"trainforge {__version__} | {describe(device)}{procs} | precision {precision.name} ({why})")
+    emulated = emulated_precision(precision.name, cpu_has_native_bf16()) if device.type == "cpu" else None
+    if emulated:
+        reporter.warn("; ".join(emulated))
+    return device, precision, why
+
+
+def build_run_model(
+    cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, reporter: ConsoleReporter
+) -> torch.nn.Module:
+    """The model of ``model`` (pretrained, or from its config) with its method applied, on ``device``, in train mode."""
     model = build_model(
         cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None,
         compute_dtype=precision.autocast_dtype, activation_checkpointing=cfg.train.activation_checkpointing,
@@ -118,69 +193,38 @@ def setup(
         + (", activation checkpointing" if cfg.train.activation_checkpointing else "")
     )
     reporter.info(f"weights: {describe_storage(weight_storage(model))}")
-    train_model = wrap_for_ranks(ctx, cfg, model, loader, precision, device, reporter)
-    optimizer = build_optimizer(model, cfg.optim, device)
+    return model
 
-    max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
-    o = cfg.optim
-    run = Run(
-        cfg=cfg,
-        out=out,
-        reporter=reporter,
-        device=device,
-        precision=precision,
-        tokenizer=tokenizer,
-        model=model,
-        params=[p for p in model.parameters() if p.requires_grad],
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, o.schedule, o.warmup_steps, max_steps, o.min_lr_ratio),
-        scaler=torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None,
-        loader=loader,
-        eval_set=eval_batches(data.eval_rows, data.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
-        if data.eval_collate
-        else [],
-        metrics=open_metrics(cfg, out, resume_plan, reporter) if ctx.is_main else NullMetricsLog(),
-        timer=StepTimer(device),
-        max_steps=max_steps,
-        data_format=data.prepared.format,
-        data_stats=data_stats,
-        saver=Checkpointer(
-            out / CHECKPOINTS,
-            cfg.checkpoint.model_copy(update={"async_": False}) if ctx.mode == "fsdp" else cfg.checkpoint,
-            checkpoint_meta(cfg, tokenizer, {**data_stats, "store": data.prepared.cache_path.name}, ctx.world_size, ctx.mode),
-            reporter,
-            writer=checkpoint_writer(ctx),
-        ),
-        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device),
-        window=LogWindow.on(device),
-        stop=stop or StopRequest(),
-        grad_accum=cfg.train.grad_accum,
-        schedule_steps=max_steps,
-        dist=ctx,
-        train_model=train_model,
-        sync=ctx.no_sync(train_model),
-        precision_reason=why,
-        choices=fit_summary(fit),
-    )
-    run.compile_auto = CompileAuto(
-        cfg.train.compile, compile_key(compile_shape(cfg, model, precision, device, ctx)),
-        (cfg.data.cache_dir or default_cache_dir()) / HISTORY_FILE, device,
-    )
+
+def run_facts(
+    cfg: RunConfig, model: torch.nn.Module, precision: Precision, device: torch.device, ctx: DistContext, why: str,
+    data_format: str, data_stats: dict[str, Any], fit: Fit, reporter: ConsoleReporter,
+) -> RunFacts:
+    """FLOPs per token and the device peak (for MFU), with what setup chose and why; the compute line is said."""
     # encoder-decoder: a source token costs the encoder's matmuls, a target token the decoder's and the head's
     share = data_stats["train_target_tokens"] / max(data_stats["train_tokens"], 1) if data_stats.get("encoder_decoder") else None
-    run.flops_per_token = flops_per_token(model, cfg.data.max_length, share)
+    per_token = flops_per_token(model, cfg.data.max_length, share)
     device_peak, source = peak_flops(device, precision.name, cfg.data.cache_dir)
-    run.peak_flops = device_peak * ctx.world_size  # tokens/s is the global figure: so is the peak
+    peak = device_peak * ctx.world_size  # tokens/s is the global figure: so is the peak
     reporter.info(
-        f"compute: {run.flops_per_token / 1e6:.1f} MFLOP per token; device peak "
-        + (f"{run.peak_flops / 1e12:.2f} TFLOP/s ({source})" if run.peak_flops else source)
+        f"compute: {per_token / 1e6:.1f} MFLOP per token; device peak "
+        + (f"{peak / 1e12:.2f} TFLOP/s ({source})" if peak else source)
     )
-    warn_if_too_big(run)
-    run.saver.on_event = run.metrics.event  # checkpoints and the pauses they cost, to events.jsonl
-    if resume_plan is not None:
-        restore(run, resume_plan)  # last: it restores the random states that building the run consumed
-        run.metrics.event("resume", run.step, checkpoint=resume_plan.checkpoint.path.name)
-    return run
+    return RunFacts(why, data_format, data_stats, per_token, peak, fit_summary(fit))
+
+
+def continue_from(run: Run, plan: ResumePlan) -> None:
+    """Load the chosen checkpoint into the freshly built run, once it is checked to continue it."""
+    check_fits_run(plan, run)
+    run.load_state_dict(plan.state, plan.checkpoint.path)
+    if plan.same_run:
+        dropped = run.metrics.truncate(plan.state["counters"]["metrics_records"])
+        if dropped:
+            run.reporter.info(f"metrics.jsonl: dropped {dropped} records written after {plan.checkpoint.path.name}")
+    if run.dist.is_main:
+        (run.out / "config.yaml").write_text(run.cfg.to_yaml())
+    run.reporter.info(resume_note(plan, run))
+    run.metrics.event("resume", run.step, checkpoint=plan.checkpoint.path.name)
 
 
 def fp16_safe_precision(cfg: RunConfig, precision: Precision, why: str, reporter: ConsoleReporter) -> tuple[Precision, str]:
@@ -233,12 +277,8 @@ def fit_to_machine(
     fit = None
     if ctx.is_main:
         profile = this_profile(device, cfg.data.cache_dir, timing=False)
-        rough = None
-        if t.micro_batch_size != "auto":
-            skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
-            rough = estimate_memory(skeleton, t.micro_batch_size, cfg.row_tokens(), precision).total
         mode = "fsdp" if t.distributed == "fsdp" else "ddp"
-        fit = fit_run(cfg, tokenizer, precision, profile, ctx.world_size, mode, rough)
+        fit = fit_run(cfg, tokenizer, precision, profile, ctx.world_size, mode, quick=True)
         if fit.memory is not None:
             fit.memory.trace = None  # its ops are the plan's business; the run keeps the figures
     fit = ctx.broadcast_object(fit)
@@ -278,13 +318,12 @@ def compile_shape(cfg: RunConfig, model: torch.nn.Module, precision: Precision, 
 
 
 def wrap_for_ranks(
-    ctx: DistContext, cfg: RunConfig, model: torch.nn.Module, loader: TrainLoader, precision: Precision,
+    ctx: DistContext, cfg: RunConfig, model: torch.nn.Module, loader: TrainLoader, est: MemoryEstimate,
     device: torch.device, reporter: ConsoleReporter,
 ) -> torch.nn.Module:
-    """Choose DDP or FSDP2 (``train.distributed``) and wrap; alone, the model itself."""
+    """Choose DDP or FSDP2 (``train.distributed``) from the model state's size in ``est``, and wrap; alone, the model itself."""
     if not ctx.enabled:
         return model
-    est = estimate_memory(model, loader.batch_size, cfg.row_tokens(), precision)
     known = [a for a in ctx.all_gather_object(available_memory_bytes(device)) if a is not None]
     ctx.mode, why = choose_mode(  # the same inputs on every rank: all ranks choose alike
         cfg.train.distributed, est.weights + est.grads + est.optimizer, min(known) if known else None, ctx.local_world_size
@@ -298,12 +337,3 @@ def wrap_for_ranks(
     if ctx.rank:
         torch.manual_seed(cfg.train.seed + 1_000_003 * ctx.rank)  # own dropout masks per rank; rank 0 keeps its stream
     return wrapped
-
-
-def warn_if_too_big(run: Run) -> None:
-    """Estimate the run's memory before the first step; warn when the device has less available."""
-    estimate = estimate_memory(run.model, run.loader.batch_size, run.cfg.row_tokens(), run.precision)
-    warning = memory_warning(estimate, available_memory_bytes(run.device), run.device)
-    if warning:
-        run.reporter.warn(warning)
-

@@ -1,9 +1,15 @@
-"""The trainer: setup -> loop -> save. ``setup`` (engine/setup.py) builds the run; this module is the loop."""
+"""The lifecycle of a run, one for every tool: ``open_run`` (setup) -> ``train_loop(run, n)`` (steps) -> ``finish``.
+
+``train`` is the three in a row. ``bench``, ``plan --measure`` and ``selftest`` use the same
+calls and never reach into a run's internals; ``setup`` (engine/setup.py) builds the run.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,19 +23,18 @@ from ..hardware import peak_memory_bytes, pick_device
 from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepProfile
 from ..model.compile import compile_decoder
-from ..model.load import count_parameters, weight_storage
 from ..model.generate import sample
-from ..runlock import hold_run_dir
+from ..model.load import count_parameters, weight_storage
+from ..runlock import OutputDirError, hold_run_dir
 from .evaluate import evaluate
 from .oom import fetch_step, forward_backward_adaptive
 from .preempt import Interrupted, StopRequest
-from ..runlock import OutputDirError
 from .run import Run, RunResult
 from .setup import setup
 from .sharded import full_model_state
-from .step import optimizer_step
+from .step import forward_backward, optimizer_step
 
-__all__ = ["OutputDirError", "Run", "RunResult", "train"]
+__all__ = ["OutputDirError", "Run", "RunResult", "finish", "open_run", "probe_step", "rewind_data", "train", "train_loop"]
 
 
 def train(
@@ -40,7 +45,25 @@ def train(
     ``resume``: ``auto`` continues from the newest complete checkpoint in ``output_dir``,
     ``never`` refuses a directory that holds a run, a path names the checkpoint to continue.
     """
-    wall_start = time.perf_counter()
+    with open_run(cfg, output_dir, reporter, resume) as run:
+        train_loop(run)
+        run.saver.close()  # the end-of-run checkpoint is reported before final/ and the summary
+        return finish(run)
+
+
+@contextlib.contextmanager
+def open_run(
+    cfg: RunConfig,
+    output_dir: Path,
+    reporter: ConsoleReporter | None = None,
+    resume: str = "auto",
+    stop: StopRequest | None = None,
+) -> Iterator[Run]:
+    """Set up a run holding its run directory (one writer: runlock.py), under torchrun in its process
+    group; on leaving, close what it opened: pending checkpoint, console, report.html, metrics, the group.
+
+    ``stop``: who asks the run to stop; by default SIGTERM/SIGINT do, for the block.
+    """
     completed = False
     ctx = init_distributed(pick_device(cfg.train.device).type, cfg.train.dist_timeout_s)
     try:
@@ -50,17 +73,13 @@ def train(
             reporter = ConsoleReporter(Console(quiet=True))
         output_dir = ctx.broadcast_object(Path(output_dir))  # a default name holds the time: rank 0's wins
         reporter = reporter or ConsoleReporter()
-        # one writer per run directory: a lease held (by rank 0) until everything is written (runlock.py)
-        with StopRequest() as stop, hold_run_dir(
+        with (contextlib.nullcontext(stop) if stop is not None else StopRequest()) as stop, hold_run_dir(
             output_dir, ctx, reporter, lambda: stop.requested, cfg.train.dist_timeout_s * 0.9 if ctx.enabled else None
         ):
             run = setup(cfg, output_dir, reporter, resume, stop, ctx)
             try:
-                train_loop(run)
-                run.saver.close()  # the end-of-run checkpoint is reported before final/ and the summary
-                result = finish(run, wall_start)
+                yield run
                 completed = True
-                return result
             finally:
                 run.saver.close()
                 run.reporter.stop()
@@ -74,28 +93,50 @@ def train(
             shutdown(wait_for_peers=completed)  # a failed rank must not wait for peers stuck in its collective
 
 
+def probe_step(run: Run) -> None:
+    """One optimizer step on the next batches outside the run's record (no counters, schedule, logs or
+    checkpoints): for tools that trace or time a bare step. ``rewind_data`` puts the batches back."""
+    if run.batches is None:
+        run.batches = iter(run.loader)
+    loss = forward_backward(
+        run.train_model, fetch_step(run), run.precision, run.device, run.scaler, None, run.sync, fused=run.cfg.train.fused_loss
+    )
+    optimizer_step(run.params, run.optimizer, run.cfg.optim.max_grad_norm, run.scaler, loss)
+
+
+def rewind_data(run: Run, longest_first: bool | None = None) -> None:
+    """Start the data again at its first batch; ``longest_first``: from now on in that order (the
+    largest batches first, as ``plan --measure`` wants), or back to the seeded shuffle."""
+    if longest_first is not None:
+        run.loader.longest_first = longest_first
+    run.loader.load_state_dict({"epoch": 0, "offset": 0})
+    run.batches = None
+
+
 def run_eval(run: Run, label: str) -> dict[str, float]:
     """Evaluate, log to metrics.jsonl and the console."""
     result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist, run.cfg.train.fused_loss)
     if result:
         run.metrics.write({"step": run.step, **result})
         run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} (ppl {result['eval_ppl']:.1f})")
-        run.last_eval = result
+        run.counters.last_eval = result
     return result
 
 
-def train_loop(run: Run) -> None:
-    """The hot loop: fetch micro-batches, forward/backward, step; log, eval, checkpoint."""
-    cfg = run.cfg
-    if run.step == 0 and run.resumed_from is None:
-        run.eval_before = run_eval(run, "before training")
+def train_loop(run: Run, steps: int | None = None) -> None:
+    """The hot loop: fetch micro-batches, forward/backward, step; log, eval, checkpoint. ``steps``: stop
+    after this many more (the last of them is logged), else at ``train.max_steps``."""
+    cfg, c = run.cfg, run.counters
+    if c.step == 0 and run.resumed_from is None and not c.eval_before:
+        c.eval_before = run_eval(run, "before training")
+    end = run.max_steps if steps is None else min(run.max_steps, c.step + steps)
     run.batches = iter(run.loader)
-    first_step, loop_start = run.step, time.perf_counter()
+    first_step, loop_start = c.step, time.perf_counter()
     tick = run.window.started = loop_start
     run.reporter.start(run.max_steps, first_step)
     if not run.compiled:
-        compile_if(run, run.compile_auto.at_start(run.max_steps - run.step))
-    while run.step < run.max_steps:
+        compile_if(run, run.compile_auto.at_start(run.max_steps - c.step))
+    while c.step < end:
         step_start = time.perf_counter()
         position = run.loader.state_dict()  # where this step's examples start: an out-of-memory retry re-reads them
         profile = StepProfile(run.timer, run.step + 1, run.out / "profile") if run.step + 1 in cfg.log.profile_steps else None
@@ -103,7 +144,7 @@ def train_loop(run: Run) -> None:
         with run.timer.phase("data"):
             micro_batches = fetch_step(run)
         wait = time.perf_counter() - t
-        run.data_wait_s += wait
+        c.data_wait_s += wait
         # all ranks' token counts (the loss divisor) and agreement on stopping / a time-based save
         n_targets, step_tokens, stop, time_due = run.dist.step_totals(
             sum(mb.n_targets for mb in micro_batches),
@@ -124,26 +165,26 @@ def train_loop(run: Run) -> None:
             report_profile(run, profile)
         lr = run.scheduler.get_last_lr()[0]
         run.scheduler.step()
-        run.step += 1
+        c.step += 1
 
         indices = step_indices(run, micro_batches)
         run.guard.record(skipped, run.step, indices)  # raises after train.max_skipped_steps in a row
-        run.tokens_seen += step_tokens
+        c.tokens_seen += step_tokens
         run.window.add(loss, skipped, step_tokens, indices if cfg.log.example_indices else None, len(indices), wait)
         now = time.perf_counter()
-        run.loop_time_s, tick = run.loop_time_s + now - tick, now
-        step, last = run.step, run.step == run.max_steps
+        c.loop_time_s, tick = c.loop_time_s + now - tick, now
+        step, last = c.step, c.step == run.max_steps
         run.compile_auto.record_step(now - step_start, run.compiled)  # compile: auto learns from measured steps
         if not run.compiled:
             compile_if(run, run.compile_auto.after_eager_steps(run.max_steps - step))
 
-        if step % cfg.log.every_steps == 0 or last:
+        if step % cfg.log.every_steps == 0 or step == end:
             log_step(run, lr, grad_norm, eta=(now - loop_start) / (step - first_step) * (run.max_steps - step))
         else:
             run.reporter.advance(step)
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
             run_eval(run, f"at step {step}")
-        run.saver.maybe_save(step, last, run.checkpoint_state, time_due if run.dist.enabled else None)
+        run.saver.maybe_save(step, last, run.state_dict, time_due if run.dist.enabled else None)
     run.reporter.stop()
 
 
@@ -177,7 +218,8 @@ def step_indices(run: Run, micro_batches: list[Batch]) -> list[int]:
 
 
 def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
-    """Write the window's record to metrics.jsonl and the console (the only host syncs of the loop)."""
+    """Write the window's record to metrics.jsonl and the console: the loop's only planned host syncs
+    (a non-fused optimizer, gradient clipping or a GradScaler may add their own inside the step)."""
     w, now = run.window, time.perf_counter()
     span = max(now - w.started, 1e-9)
     tokens_per_s = w.tokens / span
@@ -186,14 +228,14 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
         "loss": w.mean_loss(),
         "lr": lr,
         "grad_norm": grad_norm.item(),
-        "tokens": run.tokens_seen,
+        "tokens": run.counters.tokens_seen,
         "tokens_per_s": tokens_per_s,  # real (non-pad) input tokens
         "samples_per_s": w.rows / span,
         "steps_per_s": w.steps / span,
-        "mfu": tokens_per_s * run.flops_per_token / run.peak_flops if run.peak_flops else None,
+        "mfu": tokens_per_s * run.facts.flops_per_token / run.facts.peak_flops if run.facts.peak_flops else None,
         "data_wait_pct": 100.0 * w.data_wait_s / span,
         "peak_memory_bytes": peak_memory_bytes(run.device),
-        "elapsed_s": run.loop_time_s,
+        "elapsed_s": run.counters.loop_time_s,
         "skipped_steps": int(run.guard.total),
     }
     if run.device.type == "cuda":
@@ -202,14 +244,14 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
         rec["example_indices"] = w.indices
     run.metrics.write(rec)
     run.reporter.log_step(rec, run.max_steps, eta)
-    run.last_train_loss = rec["loss"]
+    run.counters.last_train_loss = rec["loss"]
     w.reset()
 
 
 def stop_on_signal(run: Run) -> None:
     """SIGTERM/SIGINT arrived: save the finished step and stop (the CLI exits with code 75)."""
     run.reporter.stop()
-    saved = run.saver.save_now(run.step, run.checkpoint_state)
+    saved = run.saver.save_now(run.step, run.state_dict)
     where = f"checkpoint {step_dir_name(run.step)} saved" if saved else "saving a checkpoint failed (see above)"
     run.metrics.event("stop", run.step, signal=run.stop.name, saved=saved)
     raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; run the same command again to resume")
@@ -231,12 +273,12 @@ def write_report(run: Run) -> None:
         run.reporter.info(f"report: {path}")
 
 
-def finish(run: Run, wall_start: float) -> RunResult:
+def finish(run: Run) -> RunResult:
     """Final eval, final/ (HF format, written atomically), summary.json, sample."""
-    cfg, out = run.cfg, run.out
+    cfg, out, c, facts = run.cfg, run.out, run.counters, run.facts
     run_eval(run, "after training")
-    if run.eval_before and run.last_eval:
-        run.reporter.info(f"eval loss {run.eval_before['eval_loss']:.4f} before -> {run.last_eval['eval_loss']:.4f} after")
+    if c.eval_before and c.last_eval:
+        run.reporter.info(f"eval loss {c.eval_before['eval_loss']:.4f} before -> {c.last_eval['eval_loss']:.4f} after")
 
     # FSDP: every rank hands its shards to rank 0, which writes a plain (unsharded) HF directory
     weights = full_model_state(run.model) if run.dist.mode == "fsdp" else None
@@ -252,39 +294,40 @@ def finish(run: Run, wall_start: float) -> RunResult:
     peak = int(run.dist.all_reduce(torch.tensor(peak_memory_bytes(run.device), device=run.device), "max").item())
 
     trainable, total = count_parameters(run.model)
+    tokens_per_s = c.tokens_seen / max(c.loop_time_s, 1e-9)
     summary = {
         "trainforge_version": __version__,
-        "steps": run.step,
+        "steps": c.step,
         "wall_time_s": 0.0,
-        "train_time_s": run.loop_time_s,
-        "tokens": run.tokens_seen,
-        "tokens_per_s": run.tokens_seen / max(run.loop_time_s, 1e-9),
-        "mfu": run.tokens_seen / max(run.loop_time_s, 1e-9) * run.flops_per_token / run.peak_flops if run.peak_flops else None,
-        "flops_per_token": run.flops_per_token,
+        "train_time_s": c.loop_time_s,
+        "tokens": c.tokens_seen,
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * facts.flops_per_token / facts.peak_flops if facts.peak_flops else None,
+        "flops_per_token": facts.flops_per_token,
         "compiled": run.compiled,
-        "data_wait_s": run.data_wait_s,
+        "data_wait_s": c.data_wait_s,
         "skipped_steps": int(run.guard.total),
         "micro_batch_size": run.loader.batch_size,
         "grad_accum": run.grad_accum,
-        "oom_backoffs": run.oom_backoffs,
+        "oom_backoffs": c.oom_backoffs,
         "resumed_from_step": run.resumed_from,
         **run.saver.summary(),
         "peak_memory_bytes": peak,  # the largest of any process
         "world_size": run.dist.world_size,
         "distributed": run.dist.mode,
-        "final_train_loss": run.last_train_loss,
-        "eval_loss_before": run.eval_before.get("eval_loss"),
-        "eval_loss": run.last_eval.get("eval_loss"),
-        "eval_ppl": run.last_eval.get("eval_ppl"),
+        "final_train_loss": c.last_train_loss,
+        "eval_loss_before": c.eval_before.get("eval_loss"),
+        "eval_loss": c.last_eval.get("eval_loss"),
+        "eval_ppl": c.last_eval.get("eval_ppl"),
         "device": str(run.device),
         "precision": run.precision.name,
-        "precision_reason": run.precision_reason,
+        "precision_reason": facts.precision_reason,
         "parameters": total,
         "trainable_parameters": trainable,
         "weights": weight_storage(run.model),  # parameter counts by role and storage dtype
         "activation_checkpointing": cfg.train.activation_checkpointing,
-        **run.choices,
-        "data": {"format": run.data_format, **run.data_stats},
+        **facts.choices,
+        "data": {"format": facts.data_format, **facts.data_stats},
         "final_dir": str(final_dir),
     }
     if cfg.log.sample_prompt and (run.dist.is_main or run.dist.mode == "fsdp"):  # FSDP: generating is collective
@@ -292,12 +335,12 @@ def finish(run: Run, wall_start: float) -> RunResult:
                       autocast=run.precision.autocast(run.device))
         summary["sample"] = text
         run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
-    summary["wall_time_s"] = time.perf_counter() - wall_start
+    summary["wall_time_s"] = time.perf_counter() - run.started_at
     if run.dist.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.metrics.summary(summary)
     run.reporter.info(
-        f"done: {run.step} steps, {run.tokens_seen:,} tokens in {run.loop_time_s:.1f}s "
+        f"done: {c.step} steps, {c.tokens_seen:,} tokens in {c.loop_time_s:.1f}s "
         f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"
     )
     return RunResult(out, summary, run.model, run.tokenizer)

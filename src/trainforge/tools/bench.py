@@ -72,6 +72,7 @@ def bench_overrides(warmup: int, steps: int, workdir: Path, synthetic: bool) -> 
         "checkpoint.every_steps=null",
         "checkpoint.every_minutes=null",
         "log.sample_prompt=null",
+        "log.report=false",
         f"log.every_steps={warmup + steps + 1}",  # no log inside the window: it spans exactly the measured steps
     ]
     if synthetic:
@@ -84,19 +85,14 @@ def run_variant(config_path: str | None, overrides: list[str], warmup: int, out_
     try:
         from rich.console import Console
 
-        from ..engine.setup import setup
-        from ..engine.trainer import train_loop
+        from ..engine.trainer import open_run, train_loop
         from ..metrics.console import ConsoleReporter
         from ..metrics.tracker import read_metrics
 
         cfg = load_config(config_path, overrides)
-        run = setup(cfg, Path(out_dir), ConsoleReporter(Console(quiet=True)), resume="never")
-        total = run.max_steps
-        run.max_steps = warmup  # warm-up: compile, allocator, caches; logged at its last step and discarded
-        train_loop(run)
-        run.max_steps = total
-        train_loop(run)
-        run.metrics.close()
+        with open_run(cfg, Path(out_dir), ConsoleReporter(Console(quiet=True)), resume="never") as run:
+            train_loop(run, warmup)  # warm-up: compile, allocator, caches; logged at its last step and discarded
+            train_loop(run)  # the measured steps: one log record spans exactly them
         rec = [r for r in read_metrics(run.out / "metrics.jsonl") if "loss" in r][-1]
         queue.put({k: rec.get(k) for k in ("tokens_per_s", "samples_per_s", "mfu", "data_wait_pct", "peak_memory_bytes", "loss")})
     except BaseException as e:  # the parent reports it beside the other variants

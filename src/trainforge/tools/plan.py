@@ -19,7 +19,15 @@ from ..config import RunConfig, resolve_grad_accum
 from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_load_memory, predict_memory
 from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
-from ..hardware import PRECISIONS, Precision, cpu_has_native_bf16, pick_device, resolve_precision, this_profile
+from ..hardware import (
+    PRECISIONS,
+    Precision,
+    cpu_has_native_bf16,
+    emulated_precision,
+    pick_device,
+    resolve_precision,
+    this_profile,
+)
 from ..profiles import GIB, HardwareProfile, find_profile
 
 SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write speed (local NVMe order); a finding, not a decision, uses it
@@ -83,13 +91,7 @@ def make_plan(
     tokenizer = plan_tokenizer(cfg)
     t = cfg.train
     mode = _distributed_mode(cfg, tokenizer, precision, profile, world_size)
-    rough = None
-    if t.micro_batch_size != "auto":
-        from ..model.load import build_model_skeleton
-
-        skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
-        rough = estimate_memory(skeleton, t.micro_batch_size, cfg.row_tokens(), precision).total
-    fit = fit_run(cfg, tokenizer, precision, profile, world_size, mode, None if t.micro_batch_size == "auto" else rough)
+    fit = fit_run(cfg, tokenizer, precision, profile, world_size, mode, quick=True)
     mbs, ckpt = fit.micro_batch_size, fit.activation_checkpointing
     resolved = cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": mbs, "activation_checkpointing": ckpt})})
     accum = resolve_grad_accum(resolved.train, world_size)
@@ -303,10 +305,10 @@ def findings(
             "set train.micro_batch_size: auto, or lower it and raise train.grad_accum")
     if precision.name == "bf16" and not profile.bf16 and profile.kind == "gpu":
         add("error", f"train.precision bf16: {profile.title} has no bf16", "set train.precision: auto (fp16 with loss scaling)")
-    if precision.name == "fp16" and profile.kind == "cpu":
-        add("warn", "fp16 on a CPU is emulated: very slow", "set train.precision: auto")
-    if precision.name == "bf16" and profile.kind == "cpu" and device is not None and not cpu_has_native_bf16():
-        add("warn", "bf16 on this CPU is emulated (no AVX512-BF16 or AMX): very slow", "set train.precision: auto (fp32 here)")
+    # another machine's CPU profile: whether its bf16 is native is unknown, so only fp16 is said
+    emulated = emulated_precision(precision.name, device is None or cpu_has_native_bf16()) if profile.kind == "cpu" else None
+    if emulated:
+        add("warn", *emulated)
     from ..model.load import architecture_field
 
     max_pos = architecture_field(cfg.model, "max_position_embeddings")
@@ -338,7 +340,7 @@ def findings(
             add("warn", f"checkpoint.every_steps {cfg.checkpoint.every_steps}: saving (~{save_s:.1f}s each) takes {share:.0%} of the run",
                 f"set checkpoint.every_steps: {better} or more, or checkpoint.async: true")
     if cfg.train.eval_every and step.seconds:
-        batches = cfg.train.eval_max_batches or math.ceil(data.get("eval_sequences") or data.get("eval_rows") or 50 / cfg.train.micro_batch_size)
+        batches = eval_batches_per_pass(cfg, data)
         eval_s = batches * step.seconds / cfg.train.grad_accum / 3  # a forward pass only: about a third of a micro-batch's time
         share = eval_s / (cfg.train.eval_every * step.seconds + eval_s)
         if share > 2 * WASTE_SHARE:
@@ -350,6 +352,13 @@ def findings(
         add("warn", "micro-batch 1 with accumulation: each pass is too small to use the device well",
             "set train.micro_batch_size: auto with train.global_batch_size to keep the global batch")
     return out
+
+
+def eval_batches_per_pass(cfg: RunConfig, data: dict[str, Any]) -> int:
+    """Micro-batches of one evaluation: ``train.eval_max_batches``, else the eval rows (50 when the data is
+    not prepared yet) over the micro-batch."""
+    rows = data.get("eval_sequences") or data.get("eval_rows") or 50
+    return cfg.train.eval_max_batches or math.ceil(rows / cfg.train.micro_batch_size)
 
 
 def _free_disk(path: Path) -> int | None:

@@ -49,54 +49,39 @@ def measure_steps(config_path: str | None, overrides: list[str], steps: int, war
     from rich.console import Console
 
     from ..config import load_config
-    from ..engine.oom import fetch_step
-    from ..engine.setup import setup
-    from ..engine.step import forward_backward, optimizer_step
     from ..engine.predict.trace import StepTracer
-    from ..engine.trainer import train_loop
+    from ..engine.trainer import open_run, probe_step, rewind_data, train_loop
     from ..hardware import peak_memory_bytes
     from ..metrics.console import ConsoleReporter
     from ..metrics.tracker import read_metrics
     from .bench import bench_overrides
 
     cfg = load_config(config_path, [*overrides, *bench_overrides(warmup, steps, workdir, False), "log.report_to=[]"])
-    run = setup(cfg, workdir / "run", ConsoleReporter(Console(quiet=True)), resume="never")
-    run.loader.longest_first = True
-    run.batches = iter(run.loader)
-
-    def one_step() -> None:
-        mbs = fetch_step(run)
-        loss = forward_backward(run.train_model, mbs, run.precision, run.device, run.scaler, None, run.sync, fused=cfg.train.fused_loss)
-        optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
-
-    one_step()  # creates the optimizer state: the traced step is a steady-state one
-    run.loader.load_state_dict({"epoch": 0, "offset": 0})
-    run.batches = iter(run.loader)
-    tracer = StepTracer()
-    tracer.track_training_state(run.model, run.optimizer, run.params)
-    with tracer:
-        one_step()
-    tracer.close()
-    tracer.ops.clear()
-    run.loader.load_state_dict({"epoch": 0, "offset": 0})
-    if run.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(run.device)
-    total = run.max_steps
-    run.max_steps = warmup
-    train_loop(run)
-    run.max_steps = total
-    train_loop(run)
-    run.metrics.close()
+    with open_run(cfg, workdir / "run", ConsoleReporter(Console(quiet=True)), resume="never") as run:
+        rewind_data(run, longest_first=True)
+        probe_step(run)  # creates the optimizer state: the traced step is a steady-state one
+        rewind_data(run)
+        tracer = StepTracer()
+        tracer.track_training_state(run.model, run.optimizer, run.params)
+        with tracer:
+            probe_step(run)
+        tracer.close()
+        tracer.ops.clear()
+        rewind_data(run)
+        if run.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(run.device)
+        train_loop(run, warmup)
+        train_loop(run)
+        process_peak = peak_memory_bytes(run.device)  # peak RSS on a CPU
+        gpu = gpu_process_peak(run.device) if run.device.type == "cuda" else {}
     rec = [r for r in read_metrics(run.out / "metrics.jsonl") if "loss" in r][-1]
-    out = {
+    return {
         "tokens_per_s": rec["tokens_per_s"],
         "live_tensor_peak_bytes": tracer.peak,
         "live_tensor_parts": tracer.peak_parts,
-        "process_peak_bytes": peak_memory_bytes(run.device),  # peak RSS on a CPU
+        "process_peak_bytes": process_peak,
+        **gpu,
     }
-    if run.device.type == "cuda":
-        out.update(gpu_process_peak(run.device))
-    return out
 
 
 def gpu_process_peak(device: torch.device) -> dict[str, int]:

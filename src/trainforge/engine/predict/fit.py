@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ...config import RunConfig
 from ...hardware import Precision
 from ...profiles import GIB, HardwareProfile
+from .memory import estimate_memory
 from .trace import StepTrace, trace_training_step
 
 FIT_MARGIN = 0.90  # micro_batch_size: auto and checkpointing: auto keep the predicted process peak under this share
@@ -143,7 +144,7 @@ def fit_run(
     profile: HardwareProfile,
     world_size: int = 1,
     mode: str = "ddp",
-    rough_bytes: int | None = None,
+    quick: bool = False,
     margin: float = FIT_MARGIN,
 ) -> Fit:
     """Resolve ``train.micro_batch_size`` and ``train.activation_checkpointing`` when they are ``auto``.
@@ -151,7 +152,8 @@ def fit_run(
     Checkpointing turns on only when the run does not fit without it (at the configured micro-batch,
     or at one row when the micro-batch is auto too). The auto micro-batch is the largest that fits in
     ``margin`` of the device, from two traces (1 and 2 rows: memory grows linearly in rows) and a
-    check of the pick. ``rough_bytes``: a quick upper estimate; far below the device, nothing is traced.
+    check of the pick. ``quick``: with a fixed micro-batch, first the rough estimate (memory.py) of the
+    model's skeleton; far below the device, nothing is traced.
     """
     t = cfg.train
     auto_mbs, auto_ckpt = t.micro_batch_size == "auto", t.activation_checkpointing == "auto"
@@ -163,9 +165,11 @@ def fit_run(
 
     if not auto_mbs and not auto_ckpt:
         return Fit(t.micro_batch_size, t.activation_checkpointing, "as configured", "as configured", None)
-    if not auto_mbs and rough_bytes is not None and rough_bytes < QUICK_SHARE * profile.memory_bytes:
-        why = f"off: a rough estimate ({rough_bytes / GIB:.2f} GiB) is far below the {profile.memory_bytes / GIB:.1f} GiB of the device"
-        return Fit(t.micro_batch_size, False, "as configured", why, None)
+    if not auto_mbs and quick:
+        rough = rough_skeleton_bytes(cfg, tokenizer, precision, t.micro_batch_size)
+        if rough < QUICK_SHARE * profile.memory_bytes:
+            why = f"off: a rough estimate ({rough / GIB:.2f} GiB) is far below the {profile.memory_bytes / GIB:.1f} GiB of the device"
+            return Fit(t.micro_batch_size, False, "as configured", why, None)
 
     ckpt_options = [False, True] if auto_ckpt else [t.activation_checkpointing]
     if not auto_mbs:
@@ -195,6 +199,14 @@ def fit_run(
             why = f"1: even one row is predicted at {m.process / GIB:.2f} GiB, over {margin:.0%} of {profile.memory_bytes / GIB:.1f} GiB"
         return Fit(mbs, ckpt, why, _why_ckpt(auto_ckpt, ckpt, m, profile), m)
     raise AssertionError("unreachable: the last checkpointing option always returns")
+
+
+def rough_skeleton_bytes(cfg: RunConfig, tokenizer, precision: Precision, micro_batch_size: int) -> int:
+    """The rough estimate (memory.py) of a step at ``micro_batch_size`` rows, from the model's skeleton (no weights)."""
+    from ...model.load import build_model_skeleton
+
+    skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
+    return estimate_memory(skeleton, micro_batch_size, cfg.row_tokens(), precision).total
 
 
 def _why_ckpt(auto: bool, on: bool, m: MemoryPrediction, profile: HardwareProfile) -> str:
