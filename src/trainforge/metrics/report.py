@@ -23,7 +23,7 @@ import yaml
 
 from ..atomic import atomic_write_text
 from ..errors import TrainforgeError
-from .sinks import flat_config
+from .sink import flat_config
 from .tracker import EVENTS_FILE, read_events
 
 REPORT_FILE = "report.html"
