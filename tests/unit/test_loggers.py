@@ -18,7 +18,9 @@ import trainforge.engine.trainer as trainer
 from trainforge.config import ConfigError, LogSettings, RunConfig, load_config
 from trainforge.engine.preempt import Interrupted
 from trainforge.metrics.console import ConsoleReporter
-from trainforge.metrics.sinks import TrackerMissing, require_trackers, scalars
+from trainforge.engine.resume import fixed_settings
+from trainforge.metrics.sink import flat_config, scalars
+from trainforge.metrics.sinks import TrackerMissing, require_trackers
 from trainforge.metrics.tracker import read_metrics
 from trainforge.metrics.wandb_sink import wandb_mode
 
@@ -196,3 +198,24 @@ def test_scalars_are_the_numeric_fields_of_a_record():
     group, values = scalars({"step": 3, "loss": 1.5, "mfu": None, "compiled": True, "profile": {"data_s": 0.1}, "example_indices": [[1]]})
     assert group == "train" and values == {"loss": 1.5, "profile/data_s": 0.1}
     assert scalars({"step": 4, "eval_loss": 2.0, "eval_ppl": 7.4})[0] == "eval"
+
+
+def test_flat_config_names_nested_settings_section_dot_key():
+    nested = {"model": {"path": "m", "lora": {"r": 8, "targets": ["q", "v"]}, "extra": {}}, "seed": None, "tags": []}
+    assert list(flat_config(nested).items()) == [
+        ("model.path", "m"), ("model.lora.r", 8), ("model.lora.targets", ["q", "v"]), ("model.extra", {}),
+        ("seed", None), ("tags", []),
+    ]  # lists, None and empty dicts stay values, in the config's order
+    assert flat_config({"r": 8, "sub": {"k": 1}}, "lora") == {"lora.r": 8, "lora.sub.k": 1}  # prefix: the node's own name
+    assert flat_config({}, "data") == {"data": {}} and flat_config([1, {"a": 2}], "x") == {"x": [1, {"a": 2}]}
+    assert flat_config({}) == {"": {}} and flat_config({1: {2: 3}}) == {"1.2": 3}
+
+
+def test_flat_config_names_the_settings_a_checkpoint_is_bound_to(finetune_config):
+    """The ``section.key`` names and values of a checkpoint's fixed settings are flat_config's."""
+    cfg = RunConfig.model_validate({**finetune_config, "model": {**finetune_config["model"], "method": "lora", "lora": {"target_modules": ["q_proj", "v_proj"]}}})
+    d = cfg.model_dump(mode="json")
+    flat = {k: v for section in ("model", "data", "optim") for k, v in flat_config(d[section], section).items()}
+    fixed = {k: v for k, v in fixed_settings(cfg).items() if not k.startswith("train.")}
+    assert fixed == {k: v for k, v in flat.items() if k not in ("data.cache_dir", "data.num_workers")}
+    assert any(isinstance(v, list) for v in fixed.values())  # the LoRA target modules: a list kept whole

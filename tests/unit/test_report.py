@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainforge.metrics.report import PANELS, ReportError, config_differences, load_run, write_report
+from trainforge.metrics.report import ReportError, write_report
+from trainforge.metrics.report_charts import PANELS
+from trainforge.metrics.report_data import config_differences, load_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

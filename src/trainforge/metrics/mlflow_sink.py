@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .sinks import flat_config, scalars
+from .sink import flat_config, scalars
 
 MAX_BATCH = 100  # MLflow's limit of params per log_batch call (metrics: 1000)
 

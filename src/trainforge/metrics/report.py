@@ -1,283 +1,29 @@
-"""report.html: one self-contained page (plots drawn by matplotlib, inlined as PNG; no script, no
-network) of one run, or of several overlaid for comparison with their summaries side by side.
+"""report.html: one self-contained page of one run, or of several compared, written atomically.
 
-Read from the run directory only: ``metrics.jsonl`` (train and eval records), ``events.jsonl``
-(resumes, checkpoints and the pauses they cost, out-of-memory back-offs, stops on a signal),
-``summary.json`` (absent while a run is going or after it stopped) and ``config.yaml``.
-Skipped (non-finite) steps come from the ``skipped_steps`` count of the train records.
+The page: the runs' summaries side by side (config differences first), the charts
+(``report_charts.py``: plots drawn by matplotlib, inlined as PNG; no script, no network), the
+events table and each run's config. What it shows of a run is read by ``report_data.py``.
 """
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from ..atomic import atomic_write_text
-from ..errors import TrainforgeError
-from .sinks import flat_config
-from .tracker import EVENTS_FILE, read_events
+from .report_charts import CAPTIONS, PANELS, figure_png
+from .report_data import EVENT_LABELS, ReportError, RunData, config_differences, load_run
+from .sink import flat_config
+
+__all__ = ["REPORT_FILE", "ReportError", "render_html", "write_report"]
 
 REPORT_FILE = "report.html"
-RUN_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"]
-# event kind -> (label, colour, line style, line width)
-MARKERS = {
-    "resume": ("resume", "#6a0dad", "--", 1.6),
-    "checkpoint": ("checkpoint", "#9a9a9a", ":", 1.0),
-    "checkpoint_failed": ("checkpoint failed", "#b00020", ":", 1.6),
-    "oom_backoff": ("out-of-memory back-off", "#e85d04", "-.", 1.6),
-    "skipped": ("skipped steps", "#f4a100", "-", 1.3),
-    "stop": ("stopped by a signal", "#222222", (0, (1, 1)), 1.6),
-}
-
-
-class ReportError(TrainforgeError, ValueError):
-    """A directory that cannot be reported on (no metrics.jsonl); the CLI exits with code 2."""
-
-
-@dataclass
-class RunData:
-    """What a report shows of one run directory."""
-
-    path: Path
-    name: str
-    train: list[dict[str, Any]]
-    evals: list[dict[str, Any]]
-    events: list[dict[str, Any]]
-    summary: dict[str, Any] | None
-    config: dict[str, Any] | None
-    marks: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # kind -> [(step, note)]
-
-    @property
-    def status(self) -> str:
-        last = self.train[-1]["step"] if self.train else 0
-        stops = [e for e in self.events if e.get("event") == "stop"]
-        if self.summary is not None:
-            return "finished"
-        if stops and stops[-1].get("step") == last:
-            return f"stopped by {stops[-1].get('signal') or 'a signal'} at step {last}"
-        return f"running, or ended without a summary, at step {last}"
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now, or torn by a crash
-            continue
-    return records
-
-
-def load_run(path: Path) -> RunData:
-    """A run directory's metrics, events, summary and config."""
-    path = Path(path)
-    metrics = path / "metrics.jsonl"
-    if not path.is_dir():
-        raise ReportError(f"{path}: no such directory; give a run directory (the --output of trainforge train)")
-    if not metrics.is_file():
-        raise ReportError(f"{path}: no metrics.jsonl there; is it a trainforge run directory (the --output of trainforge train)?")
-    records = _read_jsonl(metrics)
-    summary_path, config_path = path / "summary.json", path / "config.yaml"
-    try:
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    except json.JSONDecodeError:
-        summary = None
-    try:
-        config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else None
-    except yaml.YAMLError:
-        config = None
-    run = RunData(
-        path=path,
-        name=path.resolve().name,
-        train=[r for r in records if "loss" in r and "step" in r],
-        evals=[r for r in records if "eval_loss" in r and "step" in r],
-        events=read_events(path / EVENTS_FILE),
-        summary=summary,
-        config=config if isinstance(config, dict) else None,
-    )
-    run.marks = _marks(run)
-    return run
-
-
-def _marks(run: RunData) -> dict[str, list[tuple[int, str]]]:
-    """Per kind of event, the (step, note) places to mark on the step axis."""
-    marks: dict[str, dict[int, str]] = {k: {} for k in MARKERS}
-    for e in run.events:
-        kind, step = e.get("event"), e.get("step")
-        if kind not in marks or not isinstance(step, int):
-            continue
-        if kind == "checkpoint":
-            note = f"paused {e.get('pause_s', 0):.2f}s"
-        elif kind == "oom_backoff":
-            note = f"micro-batch {e.get('micro_batch_size')} x accumulation {e.get('grad_accum')}"
-        elif kind == "resume":
-            note = f"from {e.get('checkpoint', 'a checkpoint')}"
-        elif kind == "stop":
-            note = f"{e.get('signal', 'signal')}, checkpoint {'saved' if e.get('saved') else 'not saved'}"
-        else:
-            note = str(e.get("error", ""))
-        marks[kind][step] = note
-    s = run.summary or {}
-    if not any(e.get("event") == "resume" for e in run.events) and isinstance(s.get("resumed_from_step"), int):
-        marks["resume"][s["resumed_from_step"]] = "resumed (from summary.json)"  # runs without events.jsonl
-    if not marks["oom_backoff"]:
-        for b in s.get("oom_backoffs") or []:
-            marks["oom_backoff"][b["step"]] = f"micro-batch {b.get('micro_batch_size')} x accumulation {b.get('grad_accum')}"
-    before = 0
-    for r in run.train:
-        n = r.get("skipped_steps") or 0
-        if n > before:
-            marks["skipped"][r["step"]] = f"{n - before} skipped by step {r['step']} ({n} in all)"
-        before = max(before, n)
-    return {k: sorted(v.items()) for k, v in marks.items() if v}
-
-
-# ---------------------------------------------------------------- plots
-
-
-@dataclass
-class Series:
-    label: str
-    x: list[float]
-    y: list[float]
-    style: dict[str, Any]
-
-
-def _num(v: Any) -> float:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
-
-
-def _tokens_at(run: RunData, step: float) -> float:
-    """Tokens trained by ``step``, interpolated between the train records (0 at step 0)."""
-    import numpy as np
-
-    steps = [0] + [r["step"] for r in run.train if "tokens" in r]
-    tokens = [0] + [r["tokens"] for r in run.train if "tokens" in r]
-    return float(np.interp(step, steps, tokens)) if len(steps) > 1 else math.nan
-
-
-def _train_series(run: RunData, key: str, scale: float = 1.0, x: str = "step") -> tuple[list[float], list[float]]:
-    rows = [r for r in run.train if key in r]
-    return [_num(r.get(x)) for r in rows], [_num(r[key]) * scale for r in rows]
-
-
-PanelFn = Callable[[RunData, int, bool], list[Series]]
-
-
-def _loss(x: str) -> PanelFn:
-    def series(run: RunData, i: int, several: bool) -> list[Series]:
-        color = RUN_COLORS[i % len(RUN_COLORS)] if several else None
-        prefix = f"{run.name}: " if several else ""
-        xs, ys = _train_series(run, "loss", x=x)
-        out = [Series(f"{prefix}train", xs, ys, {"color": color or "#1f77b4", "lw": 1.6})]
-        if run.evals:
-            steps = [r["step"] for r in run.evals]
-            ex = steps if x == "step" else [_tokens_at(run, s) for s in steps]
-            out.append(
-                Series(f"{prefix}eval", ex, [_num(r["eval_loss"]) for r in run.evals],
-                       {"color": color or "#d62728", "lw": 1.2, "ls": "--", "marker": "o", "ms": 4})
-            )
-        return out
-
-    return series
-
-
-def _metric(key: str, label: str, scale: float = 1.0, extra: tuple[str, str] | None = None) -> PanelFn:
-    def series(run: RunData, i: int, several: bool) -> list[Series]:
-        color = RUN_COLORS[i % len(RUN_COLORS)]
-        xs, ys = _train_series(run, key, scale)
-        name = run.name if several else label
-        out = [Series(name, xs, ys, {"color": color, "lw": 1.5})]
-        if extra and any(extra[0] in r for r in run.train):
-            xs, ys = _train_series(run, extra[0], scale)
-            out.append(Series(f"{run.name}: {extra[1]}" if several else extra[1], xs, ys, {"color": color, "lw": 1.2, "ls": "--"}))
-        return out
-
-    return series
-
-
-CAPTIONS = {
-    "Loss against steps": "train: mean loss of the steps since the previous record; eval: loss on the eval set",
-    "Loss against tokens": "the same against real (non-padding) tokens trained, for runs of different batch sizes",
-    "Learning rate": "at each logged step, after warmup and schedule",
-    "Gradient norm (before clipping)": "global L2 norm of the gradients; optim.max_grad_norm clips above it",
-    "Throughput": "real input tokens per second over the steps since the previous record (all processes; "
-    "encoder-decoder runs: source and target tokens)",
-    "MFU (model FLOPs utilization)": "model FLOPs per second / the device's peak in the run's precision",
-    "Peak memory": "peak so far: CUDA memory allocated (reserved by the allocator: dashed), or the process's peak RSS on a CPU",
-    "Data wait": "share of the time the loop waited for the next batch",
-}
-
-# (title, y label, x axis, series, y log scale when the values span this ratio or more)
-PANELS: list[tuple[str, str, str, PanelFn, float | None]] = [
-    ("Loss against steps", "loss", "step", _loss("step"), None),
-    ("Loss against tokens", "loss", "tokens", _loss("tokens"), None),
-    ("Learning rate", "learning rate", "step", _metric("lr", "lr"), None),
-    ("Gradient norm (before clipping)", "grad norm", "step", _metric("grad_norm", "grad norm"), 50.0),
-    ("Throughput", "tokens/s", "step", _metric("tokens_per_s", "tokens/s"), None),
-    ("MFU (model FLOPs utilization)", "MFU %", "step", _metric("mfu", "MFU", 100.0), None),
-    ("Peak memory", "GiB", "step", _metric("peak_memory_bytes", "peak allocated", 2.0**-30, ("reserved_memory_bytes", "reserved")), None),
-    ("Data wait", "% of step time", "step", _metric("data_wait_pct", "waiting for data"), None),
-]
-
-
-def _figure_png(title: str, ylabel: str, xaxis: str, series: list[Series], runs: list[RunData], log_ratio: float | None) -> str:
-    """One panel as a base64 PNG: the series, and the runs' events as vertical lines."""
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import EngFormatter, MaxNLocator
-
-    fig = Figure(figsize=(6.4, 3.5), dpi=100)
-    fig.subplots_adjust(left=0.12, right=0.98, top=0.9, bottom=0.15)
-    ax = fig.add_subplot()
-    ax.set_title(title, fontsize=11)
-    ax.set_xlabel("step" if xaxis == "step" else "tokens trained")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    if xaxis == "tokens":
-        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
-    else:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    values = [v for s in series for v in s.y if math.isfinite(v)]
-    for s in series:
-        if any(math.isfinite(v) for v in s.y):
-            ax.plot(s.x, s.y, label=s.label, **s.style)
-    if not values:
-        ax.text(0.5, 0.5, "not measured in this run" if runs[0].train else "no steps logged yet",
-                ha="center", va="center", transform=ax.transAxes, color="#666666")
-    elif log_ratio and min(values) > 0 and max(values) / min(values) >= log_ratio:
-        ax.set_yscale("log")
-    else:  # 2e-3, not 0.00200: tick labels stay short and the axis label stays on the figure
-        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 5))
-    seen: set[str] = set()
-    for run in runs:
-        for kind, places in run.marks.items():
-            label, color, ls, lw = MARKERS[kind]
-            for step, _ in places:
-                x = step if xaxis == "step" else _tokens_at(run, step)
-                if math.isfinite(x):
-                    ax.axvline(x, color=color, ls=ls, lw=lw, alpha=0.9, zorder=0)
-                    seen.add(kind)
-    handles, labels = ax.get_legend_handles_labels()
-    for kind in MARKERS:
-        if kind in seen:
-            label, color, ls, lw = MARKERS[kind]
-            handles.append(Line2D([], [], color=color, ls=ls, lw=lw))
-            labels.append(label)
-    if handles and (len(handles) > 1 or len(runs) > 1):
-        ax.legend(handles, labels, fontsize=8, loc="best", framealpha=0.85)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 # ---------------------------------------------------------------- tables
@@ -364,15 +110,6 @@ def _data_summary(stats: Any) -> str:
         parts.append(f"{stats['train_target_tokens']:,} target tokens per epoch")
     return ", ".join(parts)
 
-
-def config_differences(runs: list[RunData]) -> list[str]:
-    """The config keys whose values are not the same in every run (a key one run lacks differs)."""
-    flats = [flat_config(r.config or {}) for r in runs]
-    keys = sorted(set().union(*flats)) if flats else []
-    missing = object()
-    return [k for k in keys if len({json.dumps(f.get(k, missing), default=str, sort_keys=True) for f in flats}) > 1]
-
-
 def _config_value(run: RunData, key: str) -> str:
     flat = flat_config(run.config or {})
     if key not in flat:
@@ -408,7 +145,7 @@ def _events_table(runs: list[RunData]) -> str:
     for run in runs:
         for kind, places in run.marks.items():
             for step, note in places:
-                rows.append((run.name, step, MARKERS[kind][0], note))
+                rows.append((run.name, step, EVENT_LABELS[kind], note))
     if not rows:
         return "<p>No resumes, checkpoints, out-of-memory back-offs, skipped steps or stops.</p>"
     rows.sort(key=lambda r: (r[0], r[1]))
@@ -425,6 +162,9 @@ def _config_block(run: RunData) -> str:
     esc = html.escape
     text = yaml.safe_dump(run.config, sort_keys=False) if run.config else "(no config.yaml)"
     return f"<details><summary>config of {esc(run.name)}</summary><pre>{esc(text)}</pre></details>"
+
+
+# ---------------------------------------------------------------- the page
 
 
 CSS = """
@@ -451,7 +191,7 @@ def render_html(runs: list[RunData]) -> str:
     figures = []
     for title, ylabel, xaxis, panel, log_ratio in PANELS:
         series = [s for i, r in enumerate(runs) for s in panel(r, i, several)]
-        png = _figure_png(title, ylabel, xaxis, series, runs, log_ratio)
+        png = figure_png(title, ylabel, xaxis, series, runs, log_ratio)
         figures.append(
             f'<figure><img alt="{esc(title)}" src="data:image/png;base64,{png}"><figcaption>{esc(CAPTIONS[title])}</figcaption></figure>'
         )

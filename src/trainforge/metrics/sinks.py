@@ -1,9 +1,9 @@
-"""Trackers beside metrics.jsonl (``log.report_to``): TensorBoard, Weights & Biases, MLflow.
+"""Building the trackers that ``log.report_to`` asks for, and failing early when one is not installed.
 
-Every tracker gets the same scalars as metrics.jsonl (``scalars``), the resolved config and,
-at the end, summary.json. A tracker is a small object with ``write(record)``, ``summary(dict)``,
-``artifact(path)``, ``state()`` (what a resume needs to continue the same tracker run; kept in
-checkpoints) and ``close(ok)``. Only rank 0 builds them.
+What a tracker is (``Sink``) and the helpers trackers share (``scalars``, ``flat_config``) live in
+``sink.py``, which the tracker modules import; this factory imports them (W&B and MLflow only when
+asked for), so no import comes back here. Trackers: TensorBoard (``tensorboard_sink.py``),
+Weights & Biases (``wandb_sink.py``), MLflow (``mlflow_sink.py``). Only rank 0 builds them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from .sink import Sink, flat_config, scalars  # noqa: F401  (scalars, flat_config: importable from here as before)
+from .tensorboard_sink import TensorBoardSink
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 EXTRA = {"tensorboard": "tensorboard", "wandb": "trainforge[wandb]", "mlflow": "trainforge[mlflow]"}
@@ -38,73 +40,6 @@ def require_trackers(names: list[str]) -> None:
         )
 
 
-def scalars(record: dict[str, Any]) -> tuple[str, dict[str, float]]:
-    """(group, {name: value}) of a metrics.jsonl record: its numeric fields but ``step``, nested
-    dicts flattened with ``/`` (``profile/data_s``); group ``eval`` for eval records, else ``train``."""
-    group = "eval" if any(k.startswith("eval_") for k in record) else "train"
-    out: dict[str, float] = {}
-
-    def add(key: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                add(f"{key}/{k}", v)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = float(value)
-
-    for key, value in record.items():
-        if key != "step":
-            add(key, value)
-    return group, out
-
-
-def flat_config(node: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config as ``section.key`` -> value (lists and None kept as values)."""
-    if isinstance(node, dict) and node:
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(flat_config(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: node}
-
-
-class TensorBoardSink:
-    """Scalars under ``train/`` (or ``eval/``) in ``tb/`` of the run directory."""
-
-    name = "tensorboard"
-
-    def __init__(self, log_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(log_dir))
-        self.where = f"TensorBoard scalars in {log_dir} (tensorboard --logdir {log_dir})"
-
-    @classmethod
-    def create(cls, log_dir: Path) -> "TensorBoardSink | None":
-        try:
-            return cls(log_dir)
-        except ImportError:  # tensorboard not installed: metrics.jsonl alone
-            return None
-
-    def write(self, record: dict[str, Any]) -> None:
-        step = record.get("step", 0)
-        group, values = scalars(record)
-        for key, value in values.items():
-            self.writer.add_scalar(f"{group}/{key}", value, step)
-        self.writer.flush()
-
-    def summary(self, summary: dict[str, Any]) -> None:
-        pass  # summary.json sits beside tb/ in the run directory
-
-    def artifact(self, path: Path) -> None:
-        pass
-
-    def state(self) -> dict[str, Any]:
-        return {}
-
-    def close(self, ok: bool = True) -> None:
-        self.writer.close()
-
-
 def build_sinks(
     names: list[str],
     explicit: bool,
@@ -113,14 +48,14 @@ def build_sinks(
     project: str,
     config: dict[str, Any],
     resume: dict[str, Any] | None = None,
-) -> list[Any]:
+) -> list[Sink]:
     """The trackers ``names`` for run directory ``out``. ``explicit``: asked for in ``log.report_to``
     (a missing package is an error; otherwise TensorBoard is skipped when absent). ``resume``:
     the ``state()`` of each tracker from the checkpoint being resumed, to continue the same runs."""
     if explicit:
         require_trackers(names)
     resume = resume or {}
-    sinks: list[Any] = []
+    sinks: list[Sink | None] = []
     try:
         for name in names:
             if name == "tensorboard":

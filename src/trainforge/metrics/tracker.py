@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .sink import Sink
+
 # fields measured from the clock or the machine: they differ between identical runs, everything else must not
 MEASURED_FIELDS = frozenset(
     {"tokens_per_s", "samples_per_s", "steps_per_s", "mfu", "data_wait_pct", "peak_memory_bytes", "reserved_memory_bytes", "elapsed_s"}
@@ -27,7 +29,7 @@ class MetricsLog:
     signal) goes to ``events.jsonl`` beside it (``event``): never cut back, it tells the whole story.
     """
 
-    def __init__(self, path: Path, sinks: list | None = None):
+    def __init__(self, path: Path, sinks: list[Sink | None] | None = None):
         self.path = path
         self.records = _complete_lines(path)
         self.sinks = [s for s in (sinks or []) if s is not None]

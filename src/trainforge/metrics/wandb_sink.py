@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .sinks import scalars
+from .sink import scalars
 
 
 def logged_in() -> bool:

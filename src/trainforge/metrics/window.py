@@ -11,14 +11,29 @@ import torch
 
 @dataclass
 class LogWindow:
+    """A checkpoint keeps the whole window (``state_dict``): a run resumed mid-window logs the same
+    loss, tokens, rows and data wait as an uninterrupted one, over the same span of time."""
+
     loss_sum: torch.Tensor  # of the steps whose loss was finite
     finite_steps: torch.Tensor
     steps: int = 0
     tokens: int = 0
     indices: list[list[int]] = field(default_factory=list)  # per step, when log.example_indices is on
-    started: float = field(default_factory=time.perf_counter)
     rows: int = 0  # samples (rows) trained in the window
     data_wait_s: float = 0.0  # time the loop waited for batches in the window
+    carried_s: float = 0.0  # seconds the window had run before the checkpoint it was resumed from
+    timed_from: float = field(default_factory=time.perf_counter)  # when its time on this process began
+
+    @property
+    def started(self) -> float:
+        """When the window began, on this process's clock: ``now - started`` is its whole span, the
+        seconds carried over a resume included (the log step's rates divide by that span)."""
+        return self.timed_from - self.carried_s
+
+    @started.setter
+    def started(self, t: float) -> None:
+        """The window's time on this process begins at ``t`` (the loop's start); what it carried stays."""
+        self.timed_from = t
 
     @classmethod
     def on(cls, device: torch.device) -> "LogWindow":
@@ -45,8 +60,9 @@ class LogWindow:
     def reset(self) -> None:
         self.loss_sum.zero_()
         self.finite_steps.zero_()
-        self.steps, self.tokens, self.indices, self.started = 0, 0, [], time.perf_counter()
+        self.steps, self.tokens, self.indices = 0, 0, []
         self.rows, self.data_wait_s = 0, 0.0
+        self.carried_s, self.timed_from = 0.0, time.perf_counter()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -55,9 +71,16 @@ class LogWindow:
             "steps": self.steps,
             "tokens": self.tokens,
             "indices": [list(i) for i in self.indices],
+            "rows": self.rows,
+            "data_wait_s": self.data_wait_s,
+            "elapsed_s": time.perf_counter() - self.started,  # the span so far, carried into a resumed run
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's window. One written before rows, data wait and the span were kept loads with
+        none of them: its first record after the resume counts only this run's rows, wait and time."""
         self.loss_sum.copy_(state["loss_sum"])
         self.finite_steps.copy_(state["finite_steps"])
         self.steps, self.tokens, self.indices = state["steps"], state["tokens"], [list(i) for i in state["indices"]]
+        self.rows, self.data_wait_s = state.get("rows", 0), state.get("data_wait_s", 0.0)
+        self.carried_s, self.timed_from = state.get("elapsed_s", 0.0), time.perf_counter()
