@@ -30,6 +30,7 @@ from ..checkpoint import (
 from ..config import RunConfig
 from ..errors import TrainforgeError
 from ..metrics.console import ConsoleReporter
+from ..metrics.sink import flat_config
 from ..runlock import OutputDirError, probe_run_dir
 from .state import trainable_state
 
@@ -59,20 +60,12 @@ def fixed_settings(cfg: RunConfig) -> dict[str, Any]:
     d = cfg.model_dump(mode="json")
     flat: dict[str, Any] = {}
     for section in ("model", "data", "optim"):
-        _flatten(d[section], section, flat)
+        flat.update(flat_config(d[section], section))
     for key in ("data.cache_dir", "data.num_workers"):  # where and how tokens are made, not what they are
         flat.pop(key, None)
     for key in FIXED_TRAIN_KEYS:
         flat[f"train.{key}"] = d["train"][key]
     return flat
-
-
-def _flatten(node: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(node, dict) and node:
-        for k, v in node.items():
-            _flatten(v, f"{prefix}.{k}", out)
-    else:
-        out[prefix] = node
 
 
 def data_fingerprint(tokenizer: Any, data_stats: dict[str, Any]) -> dict[str, Any]:
