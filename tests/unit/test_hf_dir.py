@@ -6,6 +6,7 @@ import json
 import os
 
 from trainforge import hf_dir
+from trainforge.config import ModelSettings, RunConfig
 
 
 def write(path, name, data) -> None:
@@ -46,3 +47,13 @@ def test_kinds_of_adapters_unreadable_and_missing_configs(tmp_path):
     assert hf_dir.init_kind({"architecture": "bart"}) == hf_dir.ModelKind("bart", True)
     assert hf_dir.init_kind({"architecture": "t5", "is_encoder_decoder": False}) == hf_dir.ModelKind("t5", False)
 
+
+def test_the_resolved_config_carries_the_kind(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"source": "a", "target": "b"}) + "\n")
+    cfg = RunConfig.model_validate({"model": {"init": {"architecture": "t5", "d_model": 32}},
+                                    "data": {"train": str(train), "max_length": 16, "max_target_length": 8}})
+    assert cfg.model.kind == hf_dir.ModelKind("t5", True) and cfg.row_tokens() == 16 + 8
+    assert cfg.data.packing is False and "packing" in cfg.data.model_fields_set  # resolved on the input
+    plain = ModelSettings(init={"architecture": "llama", "hidden_size": 32})
+    assert plain.kind == hf_dir.ModelKind("llama", False)
