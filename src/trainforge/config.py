@@ -1,26 +1,42 @@
 """Typed run configuration: YAML file + `--set` overrides -> one validated RunConfig.
 
 Every section forbids unknown keys. Errors name the full key (``train.micro_batch_size``),
-the value given, what is allowed and, for YAML files, the file and line.
+the value given, what is allowed and, for YAML files, the file and line (``config_errors``).
+The model section is ``config_model``; ``--set`` parsing is ``config_overrides``.
+
+A model's kind (encoder-decoder or not, its model type) is ``ModelSettings.kind``, read through ``hf_dir``
+(each config.json parsed once per version, each architecture's defaults built once). An encoder-decoder's
+unset ``data.packing`` resolves to false on the input, before validation: no validator changes a section.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import glob
-import importlib.util
-import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import TrainforgeError
+from .config_base import Section
+from .config_errors import ConfigError, format_errors, key_lines
+from .config_model import (
+    LoraSettings, ModelSettings, input_is_encoder_decoder, is_encoder_decoder, model_type_of, validate_init_fields,
+)
+from .config_overrides import apply_override, apply_overrides, parse_override
+from .hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind, dir_is_encoder_decoder
+
+# importable from here, where callers and tests have always found them
+__all__ = [
+    "BUILTIN_FUNCTIONS", "BUILTIN_STDLIB", "TOKENIZER_FILES", "WEIGHT_FILES", "CheckpointSettings", "ConfigError",
+    "DataSettings", "FieldNames", "LogSettings", "LoraSettings", "ModelKind", "ModelSettings", "OptimSettings",
+    "RunConfig", "Section", "SourceSpec", "TrainSettings", "apply_override", "default_cache_dir", "default_config",
+    "dir_is_encoder_decoder", "is_encoder_decoder", "load_config", "model_type_of", "parse_override",
+    "resolve_grad_accum", "resolve_max_steps", "validate_init_fields",
+]
 
 BUILTIN_STDLIB = "builtin:python-stdlib"
 """Text source: the Python standard library's own sources, present on every install."""
@@ -31,204 +47,6 @@ BUILTIN_FUNCTIONS = "builtin:python-functions"
 def default_cache_dir() -> Path:
     """Where token caches and machine probes live: $TRAINFORGE_CACHE, else ~/.cache/trainforge."""
     return Path(os.environ.get("TRAINFORGE_CACHE") or Path.home() / ".cache" / "trainforge")
-
-
-class ConfigError(TrainforgeError, ValueError):
-    """A configuration problem the user can fix; the CLI prints it and exits with code 2."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def _check_exists(path: Path | None, key: str) -> Path | None:
-    if path is not None and not Path(path).exists():
-        raise ValueError(f"path does not exist: {path} (give an existing local directory for {key})")
-    return path
-
-
-class LoraSettings(Section):
-    r: int = Field(16, gt=0, description="adapter rank")
-    alpha: float = Field(32.0, gt=0, description="scaling numerator: the update is scaled by alpha / r")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter input")
-    target_modules: str | list[str] = Field(
-        "all-linear", description="'all-linear' (every linear layer of the blocks) or module names"
-    )
-    use_dora: bool = Field(False, description="DoRA: adapters on the direction, plus a trained magnitude per output")
-    use_rslora: bool = Field(False, description="rank-stabilized LoRA: scale updates by alpha / sqrt(r) instead of alpha / r")
-
-
-class ModelSettings(Section):
-    path: Path | None = Field(None, description="local Hugging Face model directory")
-    init: dict[str, Any] | None = Field(
-        None, description="from scratch: {architecture: llama, ...any field of that transformers config}"
-    )
-    tokenizer: Literal["char"] | Path | None = Field(
-        None,
-        description="local tokenizer directory (default: model.path), or char: a character vocabulary "
-        "(the training text's characters plus EOS, PAD and UNK) built from the data",
-    )
-    tokenizer_vocab_size: int = Field(
-        8192, ge=260, description="vocabulary of the BPE tokenizer trained on the data when there is none"
-    )
-    method: Literal["full", "lora", "qlora"] = Field(
-        "full",
-        description="full: train every weight; lora: train PEFT adapters on a frozen base (stored in the run's "
-        "precision); qlora: the same on a 4-bit NF4 base (bitsandbytes)",
-    )
-    lora: LoraSettings = Field(default_factory=LoraSettings)
-    attention: Literal["auto", "sdpa", "packed_sdpa", "eager", "flash_attention_2"] = Field(
-        "auto",
-        description="attention kernel; auto: flash_attention_2 (varlen over packed documents) on CUDA when "
-        "flash-attn is installed, else sdpa; on CPU packed_sdpa (packed documents batched by length, causal SDPA, no row-sized mask)",
-    )
-
-    @field_validator("path")
-    @classmethod
-    def _path_exists(cls, v: Path | None) -> Path | None:
-        return _check_exists(v, "model.path")
-
-    @field_validator("tokenizer", mode="before")
-    @classmethod
-    def _tokenizer_exists(cls, v: Any) -> Any:
-        if v is None or v == "char":
-            return v
-        if not isinstance(v, (str, os.PathLike)):
-            raise ValueError("expected a local tokenizer directory or 'char' (a character vocabulary built from the data)")
-        if not Path(v).exists():
-            raise ValueError(f"path does not exist: {v} (give an existing local tokenizer directory, or 'char')")
-        return v
-
-    @field_validator("init")
-    @classmethod
-    def _init_fields_known(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            validate_init_fields(v)
-        return v
-
-    @model_validator(mode="after")
-    def _one_source(self, info: ValidationInfo) -> "ModelSettings":
-        if (self.path is None) == (self.init is None):
-            raise ValueError("give exactly one of model.path (a pretrained model) or model.init (from scratch)")
-        if self.method in ("lora", "qlora") and self.path is None:
-            raise ValueError(f"model.method: {self.method} needs a pretrained model.path to adapt; use 'full' with model.init")
-        if self.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError("model.method: qlora needs bitsandbytes for the 4-bit base: pip install 'trainforge[qlora]'")
-        if self.path is not None:
-            # a plan needs the architecture only: a directory with just the hub's config.json will do
-            plan_only = bool(info.context and info.context.get("plan"))
-            _check_model_dir(self.path, needs_tokenizer=self.tokenizer is None and not plan_only, needs_weights=not plan_only)
-        if isinstance(self.tokenizer, Path) and self.tokenizer.is_dir() and not _has_any(self.tokenizer, TOKENIZER_FILES):
-            raise ValueError(
-                f"model.tokenizer: {self.tokenizer} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
-                "save one there with tokenizer.save_pretrained(dir)"
-            )
-        return self
-
-
-# what a Hugging Face model directory holds (save_pretrained / a hub snapshot)
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-
-
-def _has_any(directory: Path, names: tuple[str, ...]) -> bool:
-    return any((directory / n).is_file() for n in names)
-
-
-def _check_model_dir(path: Path, needs_tokenizer: bool, needs_weights: bool = True) -> None:
-    """``model.path`` must be a model directory: a config, weights and (unless given apart) a tokenizer."""
-    if not path.is_dir():
-        raise ValueError(f"model.path: {path} is not a directory; give a local Hugging Face model directory")
-    missing = []
-    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-        missing.append("config.json")
-    if needs_weights and not _has_any(path, WEIGHT_FILES):
-        missing.append("weights (model.safetensors or pytorch_model.bin)")
-    if needs_tokenizer and not _has_any(path, TOKENIZER_FILES):
-        missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES)}; or set model.tokenizer)")
-    if missing:
-        raise ValueError(
-            f"model.path: {path} is not a Hugging Face model directory; it lacks {', '.join(missing)}. "
-            "Save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir), or download a hub "
-            "snapshot there beforehand (nothing is downloaded at run time)"
-        )
-
-
-def model_type_of(model: "ModelSettings") -> str | None:
-    """The transformers ``model_type`` of the configured model (``llama``, ``t5``, ``bart``, ...), read
-    from ``model.init`` or the directory's config.json (an adapter directory: its base's) without loading it."""
-    if model.init is not None:
-        return str(model.init["architecture"])
-    return _dir_config(model.path).get("model_type")
-
-
-def is_encoder_decoder(model: "ModelSettings") -> bool:
-    """Whether the configured model is an encoder-decoder (T5, mT5, BART, ...): the config's
-    ``is_encoder_decoder``, else its architecture's default; nothing is loaded."""
-    if model.init is not None:
-        return bool(model.init.get("is_encoder_decoder", _architecture_default(model.init["architecture"])))
-    return dir_is_encoder_decoder(Path(model.path))
-
-
-def dir_is_encoder_decoder(path: Path) -> bool:
-    """``is_encoder_decoder`` of a model directory (its config.json, else its architecture's default), or of
-    an adapter directory (PEFT's task type); nothing is loaded."""
-    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
-        try:  # an adapter directory: PEFT's task type names the kind of its base
-            return json.loads((path / "adapter_config.json").read_text()).get("task_type") == "SEQ_2_SEQ_LM"
-        except (OSError, ValueError):
-            return False
-    config = _dir_config(path)
-    if "is_encoder_decoder" in config:
-        return bool(config["is_encoder_decoder"])
-    return _architecture_default(config["model_type"]) if "model_type" in config else False
-
-
-def _dir_config(path: Path | None) -> dict[str, Any]:
-    try:
-        return json.loads((Path(path) / "config.json").read_text())
-    except (OSError, TypeError, ValueError):
-        return {}
-
-
-def _architecture_default(arch: str) -> bool:
-    from transformers import CONFIG_MAPPING  # lazy: importing transformers costs seconds
-
-    return bool(arch in CONFIG_MAPPING and getattr(CONFIG_MAPPING[arch](), "is_encoder_decoder", False))
-
-
-def validate_init_fields(init: dict[str, Any]) -> None:
-    """Check ``model.init``: a known architecture and only fields its transformers config has."""
-    from transformers import CONFIG_MAPPING  # lazy: importing transformers costs seconds
-
-    arch = init.get("architecture")
-    if arch is None:
-        raise ValueError("model.init needs 'architecture' (for example: llama)")
-    if arch not in CONFIG_MAPPING:
-        close = difflib.get_close_matches(str(arch), list(CONFIG_MAPPING.keys()), n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"model.init.architecture: unknown architecture {arch!r}{hint}")
-    known = known_config_fields(arch)
-    for key in init:
-        if key != "architecture" and key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"model.init.{key}: not a field of the {arch} config{hint}")
-
-
-def known_config_fields(arch: str) -> set[str]:
-    """Field names a transformers config class accepts (constructor arguments and attributes)."""
-    import inspect
-
-    from transformers import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[arch]
-    fields = set(cls().to_dict())
-    for klass in cls.__mro__:
-        if "__init__" in vars(klass):
-            fields |= {p for p in inspect.signature(klass.__init__).parameters if p not in ("self", "kwargs")}
-    fields |= set(getattr(cls, "attribute_map", {}))
-    return fields
 
 
 class SourceSpec(Section):
@@ -505,25 +323,40 @@ class RunConfig(Section):
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _packing_follows_the_model_kind(cls, raw: Any) -> Any:
+        """An encoder-decoder trains one source -> target example per row: an unset ``data.packing`` resolves to
+        false on (a copy of) the input, before validation; no validator changes a section, config.yaml says false."""
+        if not isinstance(raw, dict):
+            return raw
+        data = raw.get("data")
+        if isinstance(data, DataSettings):
+            unset = "packing" not in data.model_fields_set
+        else:
+            unset = isinstance(data, dict) and "packing" not in data
+        if not unset or not input_is_encoder_decoder(raw.get("model")):
+            return raw
+        resolved = data.model_copy(update={"packing": False}) if isinstance(data, DataSettings) else {**data, "packing": False}
+        return {**raw, "data": resolved}
+
     @model_validator(mode="after")
     def _fits_the_model_kind(self) -> "RunConfig":
         """Settings that depend on whether the model is decoder-only or encoder-decoder (T5, BART, ...)."""
-        d = self.data
-        if not is_encoder_decoder(self.model):
+        d, kind = self.data, self.model.kind
+        if not kind.encoder_decoder:
             if d.max_target_length is not None:
                 raise ValueError(
                     "data.max_target_length: only encoder-decoder models (T5, BART, ...) have a separate target; "
                     "this model is decoder-only: data.max_length limits the whole example"
                 )
             return self
-        kind = f"the model ({model_type_of(self.model) or 'encoder-decoder'}) is an encoder-decoder"
-        if d.packing is not False:
-            if "packing" in d.model_fields_set:  # packing across examples would need per-document cross-attention
-                raise ValueError(
-                    f"data.packing: {kind}; it trains one source -> target example per row, batches grouped by "
-                    "length and padded (no packing across examples); set data.packing: false or leave it unset"
-                )
-            d.packing = False
+        what = f"the model ({kind.model_type or 'encoder-decoder'}) is an encoder-decoder"
+        if d.packing is not False:  # given (an unset one resolved to false): packing across examples would need
+            raise ValueError(  # per-document cross-attention
+                f"data.packing: {what}; it trains one source -> target example per row, batches grouped by "
+                "length and padded (no packing across examples); set data.packing: false or leave it unset"
+            )
         problems = {
             "data.too_long": "split is for text only; use truncate or drop" if d.too_long == "split" else None,
             "data.format": "text rows have no source -> target pairs; use prompt_completion, source_target, alpaca "
@@ -535,12 +368,12 @@ class RunConfig(Section):
         }
         for key, problem in problems.items():
             if problem:
-                raise ValueError(f"{key}: {kind}: {problem}")
+                raise ValueError(f"{key}: {what}: {problem}")
         return self
 
     def row_tokens(self) -> int:
         """Tokens one row holds at most: ``data.max_length``, plus the target side of an encoder-decoder."""
-        return self.data.max_length + (self.data.target_limit() if is_encoder_decoder(self.model) else 0)
+        return self.data.max_length + (self.data.target_limit() if self.model.kind.encoder_decoder else 0)
 
     def to_yaml(self) -> str:
         """The resolved configuration as YAML (every default spelled out)."""
@@ -580,38 +413,6 @@ def default_config() -> dict[str, Any]:
 # ---------------------------------------------------------------- loading
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``"train.lr=1e-4"`` -> (["train", "lr"], 1e-4). Values are parsed as YAML, numbers leniently."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, for example --set train.max_steps=100")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"--set {item!r}: malformed key {key!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, str):  # YAML reads "1e-4" as a string; users mean a number
-        try:
-            value = float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
-            pass
-    return parts, value
-
-
-def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {'.'.join(parts)}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), plan_only: bool = False
 ) -> RunConfig:
@@ -629,111 +430,25 @@ def load_config(
         text = path.read_text()
         try:
             data = yaml.safe_load(text) or {}
-            marks = _key_lines(yaml.compose(text))
+            marks = key_lines(yaml.compose(text))
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, train, ...)")
         source = str(path)
     data = copy.deepcopy(data)
-    overridden: set[tuple[str, ...]] = set()
-    for item in overrides:
-        parts, value = parse_override(item)
-        apply_override(data, parts, value)
-        overridden.add(tuple(parts))
+    overridden = apply_overrides(data, overrides)
     try:
         return RunConfig.model_validate(data, context={"plan": plan_only})
     except ValidationError as e:
         raise ConfigError(_format_errors(e, data, source, marks, overridden)) from None
 
 
-def _key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
-    """Map each key path of a composed YAML document to its 1-based line number."""
-    lines: dict[tuple[str, ...], int] = {}
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            path = prefix + (str(key_node.value),)
-            lines[path] = key_node.start_mark.line + 1
-            lines.update(_key_lines(value_node, path))
-    return lines
-
-
 def _format_errors(
-    err: ValidationError,
-    data: dict[str, Any],
-    source: str,
-    marks: dict[tuple[str, ...], int],
-    overridden: set[tuple[str, ...]],
+    err: ValidationError, data: dict[str, Any], source: str, marks: dict[tuple[str, ...], int], overridden: set[tuple[str, ...]]
 ) -> str:
-    out = [f"invalid configuration ({source}):"]
-    for e in err.errors():
-        loc = _strip_union_tags(tuple(str(p) for p in e["loc"]))
-        msg = e["msg"].removeprefix("Value error, ")
-        named = _KEY_PREFIX.match(msg)
-        if named:  # a validator that knows the exact key names it first: "model.init.x: ..."
-            loc, msg = tuple(named.group(1).split(".")), named.group(2)
-        key = ".".join(loc) if loc else "(top level)"
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key" + _allowed_keys_hint(loc)
-        elif e["type"] == "missing":
-            msg = "required key is missing"
-        given = _lookup(data, loc)
-        where = ""
-        if loc in overridden:
-            where = " (from --set)"
-        else:
-            line = _nearest_line(marks, loc)
-            if line:
-                where = f" ({source}, line {line})"
-        shown = given is not _MISSING and not isinstance(given, dict) and e["type"] != "extra_forbidden"
-        given_txt = f"; given {given!r}" if shown else ""
-        out.append(f"  {key}: {msg}{given_txt}{where}")
-    return "\n".join(out)
-
-
-_MISSING = object()
-_KEY_PREFIX = re.compile(r"^((?:model|data|train|optim|checkpoint|log)(?:\.[A-Za-z0-9_]+)+): (.*)$", re.S)
-
-
-def _strip_union_tags(loc: tuple[str, ...]) -> tuple[str, ...]:
-    # pydantic adds the union member type to locations ("train.str", "eval.float"); users never typed those
-    tags = {"str", "float", "int", "bool", "none"}
-    kept = [p for p in loc if p not in tags and not p.startswith(("function-", "list[", "tuple["))]
-    return tuple(kept)
-
-
-def _lookup(data: Any, loc: tuple[str, ...]) -> Any:
-    node = data
-    for part in loc:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return _MISSING
-    return node
-
-
-def _nearest_line(marks: dict[tuple[str, ...], int], loc: tuple[str, ...]) -> int | None:
-    for n in range(len(loc), 0, -1):
-        if loc[:n] in marks:
-            return marks[loc[:n]]
-    return None
-
-
-def _allowed_keys_hint(loc: tuple[str, ...]) -> str:
-    model: type[BaseModel] = RunConfig
-    for part in loc[:-1]:
-        field = model.model_fields.get(part)
-        ann = field.annotation if field else None
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
-            return ""
-    allowed = [f.alias or name for name, f in model.model_fields.items()]
-    close = difflib.get_close_matches(loc[-1], allowed, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"{hint} allowed here: {', '.join(allowed)}"
+    """The message of a failed validation of a run config (``config_errors.format_errors`` against ``RunConfig``)."""
+    return format_errors(err, data, source, marks, overridden, RunConfig)
 
 
 def resolve_grad_accum(train: "TrainSettings", world_size: int) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelSettings, RunConfig, is_encoder_decoder
+from ..config import ModelSettings, RunConfig
 from ..metrics.console import ConsoleReporter
 from ..model.tokenizer import build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
 from .formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
@@ -66,7 +66,7 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     Encoder-decoder models (T5, BART, ...): source -> target pairs, one per row (the config
     turns packing off for them), batched by ``Seq2SeqCollator``."""
     d = cfg.data
-    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=is_encoder_decoder(cfg.model))
+    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=cfg.model.kind.encoder_decoder)
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
     collator = collator_for(cfg, tokenizer)
@@ -85,7 +85,7 @@ def collator_for(cfg: RunConfig, tokenizer, model: ModelSettings | None = None) 
     for an encoder-decoder (its decoder's start token from ``model``, default ``cfg.model``), else
     ``RowCollator``. Training and ``trainforge eval`` batch alike through it."""
     d = cfg.data
-    if is_encoder_decoder(cfg.model):
+    if cfg.model.kind.encoder_decoder:
         from ..model.load import decoder_start_token_id
 
         start = decoder_start_token_id(model or cfg.model, tokenizer)

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from ..config import LoraSettings, ModelSettings, is_encoder_decoder, model_type_of
+from ..config import LoraSettings, ModelSettings
 from ..errors import TrainforgeError
+from ..hf_dir import init_kind, read_config
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -26,7 +27,7 @@ def init_config(init: dict[str, Any], tokenizer):
     fields.setdefault("pad_token_id", tokenizer.pad_token_id)
     fields.setdefault("bos_token_id", tokenizer.bos_token_id)
     config_class = CONFIG_MAPPING[init["architecture"]]
-    if fields.get("is_encoder_decoder", getattr(config_class(), "is_encoder_decoder", False)):
+    if init_kind(init).encoder_decoder:
         # the decoder starts from the pad token (T5's convention); BART's defaults name ids of its own vocabulary
         fields.setdefault("decoder_start_token_id", tokenizer.pad_token_id)
         if getattr(config_class(), "forced_eos_token_id", None) is not None:
@@ -36,11 +37,11 @@ def init_config(init: dict[str, Any], tokenizer):
 
 def model_class(cfg: ModelSettings):
     """``AutoModelForSeq2SeqLM`` for an encoder-decoder (T5, BART, ...), else ``AutoModelForCausalLM``."""
-    return auto_model_class(is_encoder_decoder(cfg))
+    return auto_model_class(cfg.kind.encoder_decoder)
 
 
 def auto_model_class(encoder_decoder: bool):
-    """The transformers auto class of a model of this kind (``config.dir_is_encoder_decoder`` of a directory).
+    """The transformers auto class of a model of this kind (``hf_dir.dir_is_encoder_decoder`` of a directory).
     Chosen, never guessed: ``AutoModelForCausalLM`` would load BART's directory as its decoder alone."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
@@ -53,7 +54,7 @@ T5_FAMILY = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
 
 def overflows_in_fp16(cfg: ModelSettings) -> str | None:
     """The model type when the configured model is of the T5 family (known to overflow in fp16), else None."""
-    kind = model_type_of(cfg)
+    kind = cfg.kind.model_type
     return kind if kind in T5_FAMILY else None
 
 
@@ -119,7 +120,7 @@ def build_model(
     ``activation_checkpointing``: each decoder layer recomputes its activations in backward.
     """
     auto_class = model_class(cfg)  # AutoModelForSeq2SeqLM for T5, BART, ...
-    attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision, is_encoder_decoder(cfg))
+    attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision, cfg.kind.encoder_decoder)
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
     base_dtype = storage_dtype(cfg, compute_dtype)
     if cfg.init is not None:
@@ -159,12 +160,7 @@ def architecture_field(cfg: ModelSettings, name: str):
     directory's config.json, without building anything; None when it is not given."""
     if cfg.init is not None:
         return cfg.init.get(name)
-    import json
-
-    try:
-        return json.loads((cfg.path / "config.json").read_text()).get(name)
-    except (OSError, ValueError):
-        return None
+    return read_config(cfg.path).get(name)
 
 
 # the depth fields of a model's stacks: decoder-only, T5's encoder and decoder, BART's encoder and decoder
@@ -175,7 +171,7 @@ def model_depth(cfg: ModelSettings) -> tuple[tuple[str, ...], int] | None:
     """The depth fields of the model's layer stacks and their one shared depth (an encoder-decoder:
     encoder and decoder layers; a plan extrapolates over them together), or None when that is not
     known or the stacks differ in depth."""
-    fields = DEPTH_FIELDS[1:] if is_encoder_decoder(cfg) else DEPTH_FIELDS[:1]
+    fields = DEPTH_FIELDS[1:] if cfg.kind.encoder_decoder else DEPTH_FIELDS[:1]
     for names in fields:
         depths = {architecture_field(cfg, n) for n in names}
         if len(depths) == 1 and None not in depths:
@@ -209,7 +205,7 @@ def build_model_skeleton(
             setattr(config, name, layers)
         if isinstance(getattr(config, "layer_types", None), list):  # per-layer kinds (sliding / full attention)
             config.layer_types = config.layer_types[:layers]
-    if is_encoder_decoder(cfg):  # padded rows with a padding mask, as the run computes them
+    if cfg.kind.encoder_decoder:  # padded rows with a padding mask, as the run computes them
         attn = attention_implementation(cfg.attention, torch.device("cpu"), compute_dtype is not None, True)
     else:
         # causal SDPA without a materialized mask, whose memory is linear in the row length as flash-attention's;

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import yaml
 
-from ..config import TOKENIZER_FILES, dir_is_encoder_decoder
 from ..errors import TrainforgeError
 from ..hardware import Precision
+from ..hf_dir import TOKENIZER_FILES, dir_is_encoder_decoder, has_any
 
 RUN_CONFIG = "config.yaml"
 FINAL = "final"
@@ -73,10 +73,6 @@ class ModelSource:
         return f"{what} ({kind}" + (f" on {self.base})" if self.base else ")")
 
 
-def _has_any(directory: Path, names: tuple[str, ...]) -> bool:
-    return any((directory / n).is_file() for n in names)
-
-
 def resolve_source(path: str | Path) -> ModelSource:
     """Find the model that ``path`` names; ``ModelSourceError`` says what is missing."""
     path = Path(path)
@@ -105,14 +101,14 @@ def resolve_source(path: str | Path) -> ModelSource:
 
     if (weights / ADAPTER_CONFIG).is_file():
         src.adapter = json.loads((weights / ADAPTER_CONFIG).read_text())
-        if not _has_any(weights, ADAPTER_WEIGHTS):
+        if not has_any(weights, ADAPTER_WEIGHTS):
             raise ModelSourceError(f"{weights} has adapter_config.json but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
         src.base = _adapter_base(src)
     else:
         missing = []
         if not (weights / "config.json").is_file():
             missing.append("config.json")
-        if not _has_any(weights, MODEL_WEIGHTS):
+        if not has_any(weights, MODEL_WEIGHTS):
             missing.append("weights (model.safetensors or pytorch_model.bin)")
         if missing:
             raise ModelSourceError(
@@ -130,7 +126,7 @@ def _adapter_base(src: ModelSource) -> Path:
     if not named:
         raise ModelSourceError(f"{src.weights / ADAPTER_CONFIG} names no base model (base_model_name_or_path is empty)")
     base = Path(named)
-    if not (base / "config.json").is_file() or not _has_any(base, MODEL_WEIGHTS):
+    if not (base / "config.json").is_file() or not has_any(base, MODEL_WEIGHTS):
         raise ModelSourceError(
             f"the adapter in {src.weights} adapts {named}, which is not a local model directory (config.json + weights); "
             f"nothing is downloaded: put the base model there, or set base_model_name_or_path in {ADAPTER_CONFIG}"
@@ -141,7 +137,7 @@ def _adapter_base(src: ModelSource) -> Path:
 def _tokenizer_dir(src: ModelSource) -> Path:
     configured = (src.run_config or {}).get("model", {}).get("tokenizer")
     for candidate in (src.weights, src.base, Path(configured) if configured and configured != "char" else None):
-        if candidate is not None and _has_any(candidate, TOKENIZER_FILES):
+        if candidate is not None and has_any(candidate, TOKENIZER_FILES):
             return candidate
     raise ModelSourceError(f"{src.weights} has no tokenizer files ({', '.join(TOKENIZER_FILES)})" + (f", nor has its base {src.base}" if src.base else ""))
 

@@ -50,10 +50,10 @@ def plan_tokenizer(cfg: RunConfig):
     """The run's tokenizer where one exists on disk; else a stand-in of the size it will have."""
     from ..model.tokenizer import load_tokenizer
 
-    from ..config import TOKENIZER_FILES
+    from ..hf_dir import TOKENIZER_FILES, has_any
 
     source = cfg.model.tokenizer if cfg.model.tokenizer not in (None, "char") else cfg.model.path
-    if cfg.model.tokenizer != "char" and source is not None and any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+    if cfg.model.tokenizer != "char" and source is not None and has_any(Path(source), TOKENIZER_FILES):
         return load_tokenizer(source)
     if cfg.model.path is not None:  # a config-only directory: the model's own vocabulary
         from ..model.load import architecture_field
@@ -249,10 +249,9 @@ def decisions(
     world_size: int, mode: str,
 ) -> list[dict[str, str]]:
     """What the run would decide by itself on this hardware, and why."""
-    from ..config import is_encoder_decoder
     from ..model.load import attention_implementation
 
-    encoder_decoder = is_encoder_decoder(cfg.model)
+    encoder_decoder = cfg.model.kind.encoder_decoder
     if device is not None or encoder_decoder:
         attn = attention_implementation(cfg.model.attention, device or torch.device("cpu"), precision.autocast_dtype is not None, encoder_decoder)
         if attn.startswith("trainforge_"):

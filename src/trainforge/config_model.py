@@ -1,0 +1,174 @@
+"""The model section of a run config: which model (a directory or from scratch), its tokenizer, training method and kind.
+
+Its validators check paths and a model directory's files (``hf_dir``: stat calls only) and ``model.init``'s
+fields against the architecture's transformers config (built once per architecture). ``ModelSettings.kind``
+is the model's kind, resolved through ``hf_dir``, which parses a config.json once per version.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from . import hf_dir
+from .config_base import Section
+from .hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind
+
+
+def _check_exists(path: Path | None, key: str) -> Path | None:
+    if path is not None and not Path(path).exists():
+        raise ValueError(f"path does not exist: {path} (give an existing local directory for {key})")
+    return path
+
+
+class LoraSettings(Section):
+    r: int = Field(16, gt=0, description="adapter rank")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter input")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="'all-linear' (every linear layer of the blocks) or module names"
+    )
+    use_dora: bool = Field(False, description="DoRA: adapters on the direction, plus a trained magnitude per output")
+    use_rslora: bool = Field(False, description="rank-stabilized LoRA: scale updates by alpha / sqrt(r) instead of alpha / r")
+
+
+class ModelSettings(Section):
+    path: Path | None = Field(None, description="local Hugging Face model directory")
+    init: dict[str, Any] | None = Field(
+        None, description="from scratch: {architecture: llama, ...any field of that transformers config}"
+    )
+    tokenizer: Literal["char"] | Path | None = Field(
+        None,
+        description="local tokenizer directory (default: model.path), or char: a character vocabulary "
+        "(the training text's characters plus EOS, PAD and UNK) built from the data",
+    )
+    tokenizer_vocab_size: int = Field(
+        8192, ge=260, description="vocabulary of the BPE tokenizer trained on the data when there is none"
+    )
+    method: Literal["full", "lora", "qlora"] = Field(
+        "full",
+        description="full: train every weight; lora: train PEFT adapters on a frozen base (stored in the run's "
+        "precision); qlora: the same on a 4-bit NF4 base (bitsandbytes)",
+    )
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    attention: Literal["auto", "sdpa", "packed_sdpa", "eager", "flash_attention_2"] = Field(
+        "auto",
+        description="attention kernel; auto: flash_attention_2 (varlen over packed documents) on CUDA when "
+        "flash-attn is installed, else sdpa; on CPU packed_sdpa (packed documents batched by length, causal SDPA, no row-sized mask)",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, v: Path | None) -> Path | None:
+        return _check_exists(v, "model.path")
+
+    @field_validator("tokenizer", mode="before")
+    @classmethod
+    def _tokenizer_exists(cls, v: Any) -> Any:
+        if v is None or v == "char":
+            return v
+        if not isinstance(v, (str, os.PathLike)):
+            raise ValueError("expected a local tokenizer directory or 'char' (a character vocabulary built from the data)")
+        if not Path(v).exists():
+            raise ValueError(f"path does not exist: {v} (give an existing local tokenizer directory, or 'char')")
+        return v
+
+    @field_validator("init")
+    @classmethod
+    def _init_fields_known(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            validate_init_fields(v)
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self, info: ValidationInfo) -> "ModelSettings":
+        if (self.path is None) == (self.init is None):
+            raise ValueError("give exactly one of model.path (a pretrained model) or model.init (from scratch)")
+        if self.method in ("lora", "qlora") and self.path is None:
+            raise ValueError(f"model.method: {self.method} needs a pretrained model.path to adapt; use 'full' with model.init")
+        if self.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("model.method: qlora needs bitsandbytes for the 4-bit base: pip install 'trainforge[qlora]'")
+        if self.path is not None:
+            # a plan needs the architecture only: a directory with just the hub's config.json will do
+            plan_only = bool(info.context and info.context.get("plan"))
+            _check_model_dir(self.path, needs_tokenizer=self.tokenizer is None and not plan_only, needs_weights=not plan_only)
+        if isinstance(self.tokenizer, Path) and self.tokenizer.is_dir() and not hf_dir.has_any(self.tokenizer, TOKENIZER_FILES):
+            raise ValueError(
+                f"model.tokenizer: {self.tokenizer} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
+                "save one there with tokenizer.save_pretrained(dir)"
+            )
+        return self
+
+    @property
+    def kind(self) -> ModelKind:
+        """The model's kind (encoder-decoder or not, its ``model_type``), from ``model.init`` or the directory's
+        config.json (an adapter directory: PEFT's task type), read once per version of the file; nothing is loaded."""
+        return hf_dir.init_kind(self.init) if self.init is not None else hf_dir.model_kind(self.path)
+
+
+def _check_model_dir(path: Path, needs_tokenizer: bool, needs_weights: bool = True) -> None:
+    """``model.path`` must be a model directory: a config, weights and (unless given apart) a tokenizer."""
+    if not path.is_dir():
+        raise ValueError(f"model.path: {path} is not a directory; give a local Hugging Face model directory")
+    missing = []
+    if not hf_dir.has_any(path, (hf_dir.CONFIG, hf_dir.ADAPTER_CONFIG)):
+        missing.append("config.json")
+    if needs_weights and not hf_dir.has_any(path, WEIGHT_FILES):
+        missing.append("weights (model.safetensors or pytorch_model.bin)")
+    if needs_tokenizer and not hf_dir.has_any(path, TOKENIZER_FILES):
+        missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES)}; or set model.tokenizer)")
+    if missing:
+        raise ValueError(
+            f"model.path: {path} is not a Hugging Face model directory; it lacks {', '.join(missing)}. "
+            "Save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir), or download a hub "
+            "snapshot there beforehand (nothing is downloaded at run time)"
+        )
+
+
+def model_type_of(model: ModelSettings) -> str | None:
+    """The transformers ``model_type`` of the configured model (``llama``, ``t5``, ``bart``, ...): ``model.kind.model_type``."""
+    return model.kind.model_type
+
+
+def is_encoder_decoder(model: ModelSettings) -> bool:
+    """Whether the configured model is an encoder-decoder (T5, mT5, BART, ...): ``model.kind.encoder_decoder``."""
+    return model.kind.encoder_decoder
+
+
+def validate_init_fields(init: dict[str, Any]) -> None:
+    """Check ``model.init``: a known architecture and only fields its transformers config has."""
+    arch = init.get("architecture")
+    if arch is None:
+        raise ValueError("model.init needs 'architecture' (for example: llama)")
+    if not hf_dir.is_architecture(arch):
+        close = difflib.get_close_matches(str(arch), hf_dir.architectures(), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"model.init.architecture: unknown architecture {arch!r}{hint}")
+    known = hf_dir.known_config_fields(arch)
+    for key in init:
+        if key != "architecture" and key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"model.init.{key}: not a field of the {arch} config{hint}")
+
+
+def input_is_encoder_decoder(model: Any) -> bool:
+    """Whether a model section, not yet validated, names an encoder-decoder (False where validation will reject it)."""
+    if isinstance(model, ModelSettings):
+        return model.kind.encoder_decoder
+    if not isinstance(model, dict):
+        return False
+    path, init = model.get("path"), model.get("init")
+    try:
+        if init is None and isinstance(path, (str, os.PathLike)):
+            return hf_dir.model_kind(path).encoder_decoder
+        if path is None and isinstance(init, dict) and isinstance(init.get("architecture"), str):
+            return hf_dir.init_kind(init).encoder_decoder
+    except Exception:  # an architecture transformers cannot build: the model section's own validator says so
+        pass
+    return False

@@ -1,0 +1,52 @@
+"""``--set KEY=VALUE`` overrides: each value parsed as YAML (numbers leniently) and set into the nested config mapping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from .config_errors import ConfigError
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"train.lr=1e-4"`` -> (["train", "lr"], 1e-4). Values are parsed as YAML, numbers leniently."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, for example --set train.max_steps=100")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {item!r}: malformed key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):  # YAML reads "1e-4" as a string; users mean a number
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    return parts, value
+
+
+def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
+    """Set ``value`` at the key path ``parts`` of ``data``, making the sections on the way."""
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {'.'.join(parts)}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(data: dict[str, Any], items: list[str] | tuple[str, ...]) -> set[tuple[str, ...]]:
+    """Apply ``--set`` items to ``data`` in order; the key paths they set (errors there say "from --set")."""
+    overridden: set[tuple[str, ...]] = set()
+    for item in items:
+        parts, value = parse_override(item)
+        apply_override(data, parts, value)
+        overridden.add(tuple(parts))
+    return overridden
