@@ -23,14 +23,14 @@ on the GPU, which exercises what only runs there: flash-attention varlen over pa
 (when flash_attn is installed), pinned memory with non-blocking copies, the lagged guard.
 
 Nothing is downloaded: tokenizer, model and data are built locally from fixed seeds, once per
-cache directory (``selftest/`` in trainforge's cache).
+cache directory (``selftest/`` in trainforge's cache), which several selftests may share at once.
 
 Modules, one job each (no module imports the package itself):
 
     cases.py       the matrix: ``Case``, ``matrix``, ``CHECKS``, ``plan``, each case's run config
     tolerances.py  how far each precision may depart from fp32, and why
     results.py     ``Result``; ``CheckOutcome`` (``CheckFailed``, ``Skip``) that end a case or check early
-    assets.py      tokenizer, "pretrained" model and data, built once per cache directory
+    assets.py      tokenizer, "pretrained" model and data, built once per cache (``trainforge.atomic``)
     reporters.py   the silent reporter the training runs report to
     training.py    a training case: train, check, compare with the fp32 reference
     checks.py      the checks beside the training cases

@@ -1,7 +1,9 @@
 """The tiny tokenizer, "pretrained" model and data selftest trains on, built locally once per cache.
 
 Everything is made from fixed seeds (nothing is downloaded) into a directory named by a hash of
-its contents.
+its contents, and written through ``trainforge.atomic``: each writer fills a temporary of its own
+(``.NAME.tmp-HOST-PID-RANDOM``) that then appears whole, so several selftests sharing one cache
+directory never touch each other's half-written files.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ import hashlib
 import json
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ...atomic import atomic_write_dir, atomic_write_text, remove_stale_temps, staging_dir
 from .reporters import quiet
 
 
@@ -72,6 +75,9 @@ MODEL_INIT = {
 }
 PRETRAIN_STEPS = 60
 ASSETS_VERSION = 1  # bump when what build_assets makes changes in a way the content hash cannot see
+# A temporary whose writer is gone (its process on this host has ended; another host's, or a name
+# without an owner, unchanged this long) is removed by the next build in the same directory.
+STALE_TEMP_S = 2 * 3600
 
 
 @dataclass(frozen=True)
@@ -95,12 +101,13 @@ def build_assets(parent: Path, cache_dir: Path | None = None) -> Assets:
     blob = json.dumps([ASSETS_VERSION, files, MODEL_INIT, PRETRAIN_STEPS], sort_keys=True)
     root = parent / hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
     root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(root, STALE_TEMP_S)
     data = {}
     for kind, (train, held_out) in files.items():
         data[kind] = (root / f"{kind}_train.jsonl", root / f"{kind}_eval.jsonl")
         for path, rows in zip(data[kind], (train, held_out)):
             if not path.is_file():
-                _atomic_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     tok_dir, model_dir = root / "tokenizer", root / "pretrained"
     if not (tok_dir / "tokenizer.json").is_file():
         from ...model.tokenizer import train_bpe_tokenizer
@@ -108,7 +115,7 @@ def build_assets(parent: Path, cache_dir: Path | None = None) -> Assets:
         texts = [r["text"] for r in files["text"][0] + files["pretrain"][0]]
         texts += [r["prompt"] + r["completion"] for r in files["completion"][0]]
         texts += [m["content"] for r in files["chat"][0] for m in r["messages"]] + ["<|im_start|>user\n<|im_end|>\n"] * 20
-        _atomic_dir(tok_dir, train_bpe_tokenizer(texts, vocab_size=320).save_pretrained)
+        atomic_write_dir(tok_dir, train_bpe_tokenizer(texts, vocab_size=320).save_pretrained)
     if not (model_dir / "config.json").is_file():
         _pretrain(root, tok_dir, data["pretrain"][0], model_dir, cache_dir)
     shapes = {"concat": data["text"], "packed": data["text"], "completion": data["completion"], "chat": data["chat"]}
@@ -117,12 +124,12 @@ def build_assets(parent: Path, cache_dir: Path | None = None) -> Assets:
 
 def _pretrain(root: Path, tokenizer: Path, text: Path, model_dir: Path, cache_dir: Path | None) -> None:
     """The "pretrained" model LoRA adapts: the tiny Llama (tied embeddings) trained briefly on
-    forward word cycles. LoRA on random weights barely learns in a few steps."""
+    forward word cycles. LoRA on random weights barely learns in a few steps. The run goes to a
+    directory of this writer alone; its ``final/`` then appears at ``model_dir`` whole."""
     from ...config import RunConfig
     from ...engine.trainer import train
 
-    out = root / "pretrain-run"
-    shutil.rmtree(out, ignore_errors=True)
+    out = staging_dir(root / "pretrain-run")
     cfg = {
         "model": {"init": {**MODEL_INIT, "tie_word_embeddings": True}, "tokenizer": str(tokenizer)},
         "data": {"train": str(text), "eval": None, "max_length": 64, "num_workers": 1, "cache_dir": str_or_none(cache_dir)},
@@ -131,25 +138,17 @@ def _pretrain(root: Path, tokenizer: Path, text: Path, model_dir: Path, cache_di
         "checkpoint": {"every_minutes": None},
         "log": {"every_steps": PRETRAIN_STEPS, "tensorboard": False, "report": False},
     }
-    with rng_kept():
-        train(RunConfig.model_validate(cfg), out, quiet(), resume="never")
-    _atomic_dir(model_dir, lambda tmp: (out / "final").rename(tmp))
-    shutil.rmtree(out, ignore_errors=True)
+    try:
+        with rng_kept():
+            train(RunConfig.model_validate(cfg), out, quiet(), resume="never")
+        atomic_write_dir(model_dir, lambda tmp: _move_contents(out / "final", tmp))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def _atomic_dir(target: Path, write: Callable[[Path], Any]) -> None:
-    """``write(tmp)`` fills a directory that then appears at ``target`` whole (or not at all)."""
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+def _move_contents(src: Path, dst: Path) -> None:
+    for p in src.iterdir():
+        p.rename(dst / p.name)
 
 
 def str_or_none(path: Path | None) -> str | None:
