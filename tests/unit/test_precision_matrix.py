@@ -2,9 +2,10 @@
 case) trains through the real entry point and tracks fp32; the checks beside it; and broken
 paths, to show that the checks catch what they are there for.
 
-The matrix, its tolerances and their justification live in ``trainforge/tools/selftest.py``:
-``trainforge selftest`` runs the same cases on the user's machine. Every precision is forced,
-so this runs alike on CPUs with and without native bf16 (fp16 is emulated on any CPU).
+The matrix, its tolerances and their justification live in ``trainforge/tools/selftest/``
+(``cases.py``, ``tolerances.py``): ``trainforge selftest`` runs the same cases on the user's
+machine. Every precision is forced, so this runs alike on CPUs with and without native bf16
+(fp16 is emulated on any CPU).
 """
 
 from __future__ import annotations

@@ -1,0 +1,128 @@
+"""The matrix: which training paths (``Case``) and checks selftest runs, and each case's run config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .assets import MODEL_INIT, Assets, str_or_none
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DATA_SHAPES = ("concat", "packed", "completion", "chat")
+METHODS = ("full", "lora")
+HEADS = ("fused", "standard")
+
+STEPS = 8  # optimizer steps per case: enough for the loss to fall clearly, few enough to stay fast
+CHECKPOINT_EVERY = 4  # a mid-run and an end-of-run checkpoint; the resume check stops after step 4
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training path: precision x data shape x method x head (x compiled)."""
+
+    precision: str
+    data: str
+    method: str
+    head: str
+    compiled: bool = False
+    checkpointing: bool = False  # train.activation_checkpointing
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.precision}-{self.data}-{self.method}-{self.head}"
+            + ("-compiled" if self.compiled else "")
+            + ("-checkpointing" if self.checkpointing else "")
+        )
+
+    @property
+    def reference(self) -> "Case":
+        """The fp32 eager case of the same data, method and head: what this one must track."""
+        return Case("fp32", self.data, self.method, self.head)
+
+
+QUICK = {("concat", "full", "fused"), ("packed", "full", "fused"), ("completion", "full", "fused"), ("chat", "full", "fused"),
+         ("packed", "full", "standard"), ("chat", "lora", "fused"), ("completion", "lora", "standard")}
+"""The ``--quick`` subset, per precision: every data shape, LoRA and the standard head."""
+
+
+def matrix(quick: bool = False, compiled_precision: str | None = "bf16") -> list[Case]:
+    """The cases, fp32 references first. ``quick``: ``QUICK`` per precision and no compile.
+    ``compiled_precision``: the precision of the compiled case (None: none)."""
+    cases = [
+        Case(p, d, m, h)
+        for p in PRECISIONS
+        for d in DATA_SHAPES
+        for m in METHODS
+        for h in HEADS
+        if not quick or (d, m, h) in QUICK
+    ]
+    if compiled_precision and not quick:
+        cases.append(Case(compiled_precision, "packed", "full", "fused", compiled=True))
+    # activation checkpointing recomputes each layer in backward: it must track the plain run
+    cases += [Case("fp32", "packed", "full", "fused", checkpointing=True), Case(compiled_precision or "bf16", "chat", "lora", "fused", checkpointing=True)]
+    return cases
+
+
+CASES = matrix()
+"""The full matrix (as on CPU), for test parametrization."""
+
+CHECKS = (
+    *(f"head-grads-{p}" for p in PRECISIONS),
+    *(f"attention-{p}" for p in PRECISIONS),
+    *(f"resume-{p}" for p in PRECISIONS),
+    "nonfinite-guard",
+    "pinned-memory",
+)
+"""The checks beside the training cases; every one is cheap, ``--quick`` runs them all."""
+
+
+def case_config(case: Case, assets: Assets, device: str, cache_dir: Path | None = None) -> dict[str, Any]:
+    """The run config of a case: a few steps with checkpoints, eval, final save and a sample."""
+    train_file, eval_file = assets.data[case.data]
+    data: dict[str, Any] = {
+        "train": str(train_file),
+        "eval": str(eval_file),
+        "max_length": 64,
+        "num_workers": 1,  # tiny data: a process pool would cost more than it saves
+        "cache_dir": str_or_none(cache_dir),
+        "packing": {"concat": "concat", "packed": True, "completion": False, "chat": True}[case.data],
+    }
+    if case.data == "concat":
+        data["too_long"] = "split"
+    if case.method == "lora":
+        model = {"path": str(assets.pretrained), "method": "lora", "lora": {"r": 8, "alpha": 16}}
+    else:
+        model = {"init": dict(MODEL_INIT), "tokenizer": str(assets.tokenizer), "method": "full"}
+    return {
+        "model": model,
+        "data": data,
+        "train": {
+            "max_steps": STEPS,
+            "micro_batch_size": 4,
+            "grad_accum": 2,  # loss normalization and (fp16) loss scaling across micro-batches
+            "precision": case.precision,
+            "device": device,
+            "fused_loss": case.head == "fused",
+            "compile": case.compiled,
+            "activation_checkpointing": case.checkpointing,
+            "eval_max_batches": 2,
+            "seed": 0,
+        },
+        # LoRA trains only its low-rank update (B starts at zero): a larger step
+        "optim": {"lr": 5e-3 if case.method == "lora" else 3e-3, "warmup_steps": 0, "schedule": "constant"},
+        "checkpoint": {"every_steps": CHECKPOINT_EVERY, "every_minutes": None, "keep_last": 2},
+        # no end-of-run sample when compiled: each new generation length would compile a graph
+        "log": {"every_steps": 1, "tensorboard": False, "report": False,
+                "sample_prompt": None if case.compiled else "alpha beta", "sample_tokens": 6},
+    }
+
+
+def plan(device: torch.device, quick: bool = False) -> tuple[list[Case], list[str]]:
+    """The cases and checks ``trainforge selftest`` runs on ``device``: the compiled case in the
+    precision ``auto`` picks on a GPU (fp16 on GPUs without bf16), bf16 elsewhere."""
+    compiled = "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16"
+    return matrix(quick, compiled), list(CHECKS)

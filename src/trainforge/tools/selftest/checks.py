@@ -1,0 +1,197 @@
+"""The checks beside the training cases (``CHECKS``): head gradients, attention, resume, guard, pinned memory."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .assets import MODEL_INIT, Assets, rng_kept
+from .cases import CHECKPOINT_EVERY, Case, case_config
+from .lifecycle import train_stopped_after_checkpoint
+from .probes import attention_implementations, masked_batch, packed_attention_gap
+from .reporters import quiet
+from .results import CheckFailed, Result, Skip
+from .tolerances import ATTENTION_TOL, CUDA_RESUME_TOL, HEAD_GRAD_TOL, LOSS_TOL, fmt_values, relative_gap
+
+
+class Checks:
+    """The ``_check_<name>`` methods ``SelfTest.check`` (runner.py) dispatches to, one per kind of
+    check; each returns its detail line or raises ``CheckFailed``/``Skip``. The runner provides the
+    state below."""
+
+    device: torch.device
+    workdir: Path
+    cache_dir: Path | None
+    assets: Assets
+    weights: dict[str, dict[str, torch.Tensor]]
+    case: Callable[[Case], Result]
+    tolerance: Callable[[dict[str, float], str], float]
+
+    def _check_head_grads(self, precision: str) -> str:
+        """Fused vs standard LM-head loss: the loss and every gradient, on two packed rows with
+        masked positions (prompts, a fully masked document, document ends, padding), for the
+        untied full model and LoRA on the tied "pretrained" one."""
+        from ...config import LoraSettings, ModelSettings
+        from ...engine.loss import fused_head
+        from ...engine.step import loss_sum
+        from ...hardware import PRECISIONS as MODES
+        from ...model.load import apply_lora, build_model
+        from ...model.tokenizer import load_tokenizer
+
+        mode, tol = MODES[precision], self.tolerance(HEAD_GRAD_TOL, precision)
+        half = mode.autocast_dtype is not None  # flash-attention (CUDA) serves bf16/fp16 only
+        tok = load_tokenizer(self.assets.tokenizer)
+        notes = []
+        for label in ("full", "lora"):
+            with rng_kept():
+                if label == "full":
+                    model = build_model(ModelSettings(init=dict(MODEL_INIT), tokenizer=self.assets.tokenizer), tok, 0, self.device, half)
+                else:
+                    base = build_model(ModelSettings(path=self.assets.pretrained), tok, 0, self.device, half)
+                    model = apply_lora(base, LoraSettings(r=4, alpha=8))
+                    torch.manual_seed(1)
+                    for n, p in model.named_parameters():
+                        if "lora_B" in n:  # B starts at zero, which would make A's gradient zero on both paths
+                            torch.nn.init.normal_(p, std=0.02)
+            model = model.to(self.device)
+            if fused_head(model) is None:
+                raise CheckFailed(f"{label}: the model has no fused head path: the comparison would be standard vs standard")
+            batch = masked_batch(len(tok), self.device)
+            runs = {}
+            for fused in (True, False):
+                model.zero_grad(set_to_none=True)
+                loss = loss_sum(model, batch, mode, fused=fused)
+                loss.backward()
+                runs[fused] = loss.item(), {n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None}
+            (loss_f, g_f), (loss_s, g_s) = runs[True], runs[False]
+            if g_f.keys() != g_s.keys() or not g_s:
+                raise CheckFailed(f"{label}: gradients of different tensors: fused {sorted(g_f)}, standard {sorted(g_s)}")
+            gaps = {n: float((g_f[n] - g_s[n]).norm() / g_s[n].norm().clamp_min(1e-30)) for n in g_s}
+            worst, gap = max(gaps.items(), key=lambda kv: kv[1])
+            loss_gap = abs(loss_f - loss_s) / abs(loss_s)
+            if gap > tol or loss_gap > tol:
+                raise CheckFailed(
+                    f"{label}: fused and standard head differ under {precision}: loss {loss_f:.5f} vs {loss_s:.5f}; "
+                    f"gradient of {worst} by {gap:.2e} (relative norm; tolerance {tol:.0e})"
+                )
+            notes.append(f"{label} {max(gap, loss_gap):.1e}")
+        return f"fused vs standard: {', '.join(notes)} (tol {tol:.0e})"
+
+    def _check_resume(self, precision: str) -> str:
+        """Stop a run after a checkpoint as SIGTERM does, resume it, and compare the final weights
+        and every step's loss with the uninterrupted run of the same case."""
+        from ...config import RunConfig
+        from ...engine import trainer
+        from ...metrics.tracker import read_metrics
+
+        case = Case(precision, "packed", "full", "fused")
+        whole = self.case(case)
+        if whole.status == "skipped":
+            raise Skip(whole.detail)
+        if not whole.ok:
+            raise CheckFailed(f"the uninterrupted run {case.name} failed: nothing to compare with")
+        cfg = RunConfig.model_validate(case_config(case, self.assets, str(self.device), self.cache_dir))
+        out = self.workdir / f"resume-{precision}"
+        shutil.rmtree(out, ignore_errors=True)
+        train_stopped_after_checkpoint(cfg, out)
+        resumed = trainer.train(cfg, out, quiet(), resume="auto")
+        if resumed.summary["resumed_from_step"] != CHECKPOINT_EVERY:
+            raise CheckFailed(f"resumed from step {resumed.summary['resumed_from_step']}, expected {CHECKPOINT_EVERY}")
+        losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+        expected = self.weights[case.name]
+        got = {k: v.detach().cpu() for k, v in resumed.model.state_dict().items()}
+        diff = max(float((got[k].float() - v.float()).abs().max()) for k, v in expected.items())
+        if self.device.type == "cpu":
+            exact = losses == whole.losses and diff == 0.0
+            if not exact:
+                raise CheckFailed(
+                    f"the resumed run differs from the uninterrupted one: largest weight difference {diff:.2e}; "
+                    f"losses {fmt_values(losses)} vs {fmt_values(whole.losses)}"
+                )
+            return f"stopped at step {CHECKPOINT_EVERY}, resumed: bitwise equal to the uninterrupted run"
+        scale = max(float(v.float().abs().max()) for v in expected.values())
+        loss_gap = relative_gap(losses, whole.losses)
+        if diff / scale > CUDA_RESUME_TOL or loss_gap > LOSS_TOL[precision] or len(losses) != len(whole.losses):
+            raise CheckFailed(
+                f"the resumed run differs from the uninterrupted one: weights by {diff / scale:.2e} (tolerance "
+                f"{CUDA_RESUME_TOL:.0e}), losses {fmt_values(losses)} vs {fmt_values(whole.losses)}"
+            )
+        return f"stopped at step {CHECKPOINT_EVERY}, resumed: weights within {diff / scale:.1e} of the uninterrupted run"
+
+    def _check_attention(self, precision: str) -> str:
+        """Packed rows (several documents, position_ids restarting at 0) against each document run
+        on its own, through every attention implementation that handles packed rows here."""
+        from ...hardware import PRECISIONS as MODES
+
+        mode, tol = MODES[precision], self.tolerance(ATTENTION_TOL, precision)
+        notes = []
+        for impl in attention_implementations(self.device):
+            if impl == "flash_attention_2" and mode.autocast_dtype is None:
+                continue  # flash-attention computes in fp16/bf16 only
+            gap, leak = packed_attention_gap(impl, mode, self.device)
+            if not leak > 10 * tol:  # the measure must tell a leak from rounding, or it proves nothing
+                raise CheckFailed(f"{impl}: rows without document boundaries differ by only {leak:.1e}: the check cannot see a leak")
+            if not gap <= tol:
+                raise CheckFailed(
+                    f"{impl}: packed documents differ from one-at-a-time by {gap:.2e} (tolerance {tol:.0e}; "
+                    f"attention across documents gives {leak:.1e})"
+                )
+            notes.append(f"{impl.removeprefix('trainforge_')} {gap:.1e}")
+        return f"{', '.join(notes)} vs per document (tol {tol:.0e}; a leak: {leak:.0e})"
+
+    def _check_nonfinite_guard(self, precision: str) -> str:
+        """The non-finite guard as CUDA runs it (its streak read one step late, from pinned memory
+        there) and the optimizer's update skip, on this device."""
+        from ...config import OptimSettings
+        from ...engine.nonfinite import NonFiniteError, NonFiniteGuard, skip_update_if
+        from ...engine.optim import build_optimizer
+
+        guard = NonFiniteGuard(2, self.device, lagged=True)
+        raised_at = None
+        for step, bad in enumerate([False, True, True, False, False], 1):
+            try:
+                guard.record(torch.tensor(bad, device=self.device), step, [step])
+            except NonFiniteError as e:
+                raised_at = step
+                if "training stopped at step 3" not in str(e):
+                    raise CheckFailed(f"the guard named the wrong step: {e}") from None
+                break
+        if raised_at != 4:  # the streak of steps 2-3 is read at step 4: one step late
+            raise CheckFailed(f"the lagged guard raised at step {raised_at}, expected 4 (one step after the streak)")
+        if int(guard.total) != 2:
+            raise CheckFailed(f"the guard counted {int(guard.total)} skipped steps, expected 2")
+        layer = torch.nn.Linear(4, 4).to(self.device)
+        opt = build_optimizer(layer, OptimSettings(lr=0.1), self.device)
+        before = layer.weight.detach().clone()
+        layer(torch.ones(2, 4, device=self.device)).sum().backward()
+        skip_update_if(opt, torch.tensor(True, device=self.device))
+        if not torch.equal(layer.weight, before):
+            raise CheckFailed("a step flagged non-finite changed the weights")
+        skip_update_if(opt, torch.tensor(False, device=self.device))
+        if torch.equal(layer.weight, before):
+            raise CheckFailed("a good step did not change the weights")
+        kind = "fused AdamW skips on the device" if opt.defaults.get("fused") else "AdamW skips after a host check"
+        return f"streak read one step late; {kind}"
+
+    def _check_pinned_memory(self, precision: str) -> str:
+        """CUDA: training batches come from pinned host memory and arrive intact, asynchronously."""
+        if self.device.type != "cuda":
+            raise Skip("CUDA only: pinned host memory needs a GPU")
+        from ...config import RunConfig
+        from ...data.plan import get_tokenizer, plan_data
+
+        case = Case("fp32", "chat", "full", "fused")
+        cfg = RunConfig.model_validate(case_config(case, self.assets, str(self.device), self.cache_dir))
+        plan = plan_data(cfg, get_tokenizer(cfg, quiet()), quiet(), pin=True)
+        batch = plan.collate(plan.train_rows[:4], [0, 1, 2, 3])
+        host = [t for t in (batch.input_ids, batch.labels, batch.position_ids) if t is not None]
+        if not all(t.is_pinned() for t in host):
+            raise CheckFailed("the collator did not pin the batch's host memory")
+        moved = batch.to(self.device)
+        torch.cuda.synchronize(self.device)
+        if not (torch.equal(moved.input_ids.cpu(), batch.input_ids) and torch.equal(moved.labels.cpu(), batch.labels)):
+            raise CheckFailed("a non-blocking copy from pinned memory arrived changed")
+        return "batches pinned; non-blocking copies arrive intact"
