@@ -314,7 +314,6 @@ def _trace(
 ) -> StepTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ...config import is_encoder_decoder
     from ...data.loader import Batch, padded_width
     from ...model.load import build_model_skeleton
     from ..loss import chunk_as
@@ -334,7 +333,7 @@ def _trace(
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(model, cfg.optim, cpu)
         ids = torch.zeros((rows, length), dtype=torch.long)
-        if is_encoder_decoder(cfg.model):  # source into the encoder (a padding mask, as batches have), target out
+        if cfg.model.kind.encoder_decoder:  # source into the encoder (a padding mask, as batches have), target out
             target = torch.zeros((rows, padded_width(cfg.data.target_limit())), dtype=torch.long)
             batch = Batch(ids, target, None, ids.numel() + target.numel(), target.numel(), list(range(rows)),
                           torch.ones_like(ids), target)

@@ -1,9 +1,7 @@
-"""Selftest's one hand-wired training lifecycle: a run stopped after a checkpoint, as SIGTERM stops it.
+"""A run stopped after a checkpoint, as SIGTERM stops a preempted job: what selftest's resume check continues.
 
-``train_stopped_after_checkpoint`` wires ``engine.trainer``'s pieces together itself (``setup``,
-``train_loop``, then the saver's and the metrics' clean-up that ``train`` would do) so that the
-resume check can stop a run after step ``CHECKPOINT_EVERY``, as a preempted job stops. Moved here
-unchanged from the resume check; a public lifecycle API in ``engine/`` is meant to replace it.
+It goes through the engine's public lifecycle (``open_run`` -> ``train_loop``) with its own stop
+request, which the reporter below raises once step ``CHECKPOINT_EVERY`` is logged.
 """
 
 from __future__ import annotations
@@ -39,12 +37,9 @@ def train_stopped_after_checkpoint(cfg, out: Path) -> None:
     from ...engine.preempt import Interrupted, StopRequest
 
     stop = StopRequest()
-    run = trainer.setup(cfg, out, _StopAfter(CHECKPOINT_EVERY, stop), "never", stop)
     try:
-        trainer.train_loop(run)
+        with trainer.open_run(cfg, out, _StopAfter(CHECKPOINT_EVERY, stop), "never", stop) as run:
+            trainer.train_loop(run)
         raise CheckFailed(f"the run did not stop after step {CHECKPOINT_EVERY} when asked to")
     except Interrupted:
         pass
-    finally:
-        run.saver.close()
-        run.metrics.close()
