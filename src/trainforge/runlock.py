@@ -358,11 +358,28 @@ def _busy_message(run_dir: Path, holder: LeaseInfo) -> str:
     )
 
 
+RUN_MARKER = ".trainforge-run"
+"""Left in a run directory when a run claims it: what tells a run directory from a user's folder."""
+RUN_FILES = ("metrics.jsonl", "checkpoints")  # run directories written before the marker existed hold these
+
+
 def probe_run_dir(out: Path) -> bool:
     """Create ``out`` if needed and check that files can be written in it; True when it already holds a run
-    (a non-empty metrics.jsonl; an empty one is a run that failed in its setup)."""
+    (a non-empty metrics.jsonl; an empty one is a run that failed in its setup).
+
+    A folder that is neither empty nor a trainforge run directory is refused: a run would replace the
+    user's files in it (a ``config.yaml``, a ``report.html``, ...)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if not (out / RUN_MARKER).exists() and not any((out / name).exists() for name in RUN_FILES):
+            foreign = sorted(p.name for p in out.iterdir() if p.name != LEASE_FILE and TMP_MARK not in p.name)
+            if foreign:
+                shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+                raise OutputDirError(
+                    f"{out} exists and is not a trainforge run directory (it holds {shown}); a run would overwrite "
+                    "files there: choose a new --output (an empty or missing directory)"
+                )
+            (out / RUN_MARKER).write_text("a trainforge run directory\n")
         probe = out / ".write-test"
         probe.write_text("ok")
         probe.unlink()

@@ -233,6 +233,28 @@ def test_output_dir_holding_a_run_is_refused(tmp_path, trainforge_cli, finetune_
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
 
 
+def test_a_folder_that_is_not_a_run_is_refused_and_left_as_it_was(tmp_path, trainforge_cli, finetune_config):
+    config = write_config(tmp_path / "finetune.yaml", finetune_config)
+    mine = tmp_path / "my-folder"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("# my own notes\n")
+    (mine / "report.html").write_text("<p>my report</p>")
+
+    proc = trainforge_cli("train", config, "--output", mine)
+    assert proc.returncode == 2, show(proc)
+    assert "is not a trainforge run directory" in proc.stderr and "config.yaml" in proc.stderr, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    assert (mine / "config.yaml").read_text() == "# my own notes\n"
+    assert (mine / "report.html").read_text() == "<p>my report</p>"
+    assert sorted(p.name for p in mine.iterdir()) == ["config.yaml", "report.html"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = trainforge_cli("train", config, "--output", empty, "--set", "train.max_steps=1")
+    assert proc.returncode == 0, show(proc)
+    assert (empty / "final").is_dir()
+
+
 # ---------------------------------------------------------------- console output is text, not markup
 
 
