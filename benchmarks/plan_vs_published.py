@@ -4,8 +4,8 @@ architecture's config.json (public values), and plan traces the step on fake ten
 
     python benchmarks/plan_vs_published.py [--out results.json]
 
-The published figures and their settings are listed in PUBLISHED with their sources; the README's
-plan section discusses every gap over 15%.
+The published figures and their settings are listed in PUBLISHED with their sources; docs/plan.md
+("Against published GPU measurements") discusses every gap over 15%.
 """
 
 from __future__ import annotations
