@@ -1,3 +1,5 @@
+"""`python -m trainforge`: the command line (cli.py)."""
+
 from .cli import main
 
 main()

@@ -1,1 +1,1 @@
-"""The engine: one training step, the schedule, evaluation, and the trainer that wires everything."""
+"""The engine: the run lifecycle (setup -> steps -> finish), one training step, its state and checkpoints; predict/ prices a step before running one."""
