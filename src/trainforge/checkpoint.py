@@ -95,6 +95,10 @@ class _ChecksumWriter:
 
     def __init__(self, file: Any):
         self.file, self.crc, self.bytes = file, 0, 0
+        self.name = getattr(file, "name", None)
+
+    def __repr__(self) -> str:  # names the file, as the file object itself does (logs, hooks on torch.save)
+        return f"<checksummed {self.file!r}>"
 
     def write(self, data: Any) -> int:
         self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
