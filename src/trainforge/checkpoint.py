@@ -4,8 +4,16 @@ A checkpoint is written into a hidden temporary directory named after the writin
 (``.step-NNNNNNNN.tmp-HOST-PID-RANDOM``, see atomic.py), every file is flushed to disk,
 and only then is the directory renamed to ``step-NNNNNNNN``; the ``latest`` pointer moves
 after that, and old checkpoints are pruned last. ``meta.json`` is written last inside the
-temporary directory and records the size of ``state.pt``, so a directory that was cut short
+temporary directory and records the size of every file, so a directory that was cut short
 (copied by hand, a disk that lost data) is recognized and skipped with a reason.
+
+``meta.json`` also records a CRC-32 of ``state.pt``, computed on the bytes as ``torch.save``
+writes them (no second read of the file while training waits). ``verify_checkpoint`` reads the
+file once, streaming, and compares: a file damaged in place (its size unchanged) is skipped on
+resume like a truncated one. The FSDP shard files (``sharded/``, written by all ranks through
+``torch.distributed.checkpoint``) are recorded by size only: hashing them would mean re-reading
+them or a custom storage writer. Checkpoints written before checksums existed (``files`` maps
+names to sizes) are still accepted, by size.
 
 Resume discovery scans the directories rather than trusting ``latest``: a process killed
 between the rename and the pointer update leaves a complete checkpoint the pointer misses.
@@ -17,6 +25,7 @@ import json
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +39,13 @@ STEP_PREFIX = "step-"
 LATEST = "latest"
 STATE_FILE = "state.pt"
 COMPLETE_MARKER = "meta.json"  # written last inside the temporary directory
+# The checksum of each file. CRC-32, not a cryptographic hash: it guards against damage, not against
+# tampering (whoever can rewrite state.pt can rewrite meta.json beside it), it catches every error
+# burst of up to 32 bits (so any single flipped byte) and is the fastest: on a 200 MB buffer here
+# zlib.crc32 ran at ~1.96 GB/s, hashlib sha256 at ~1.13 GB/s, blake2b at ~0.56 GB/s; torch.save of a
+# 200 MB tensor took 0.33 s through the hashing writer against 0.22 s without it (page cache).
+CHECKSUM = "crc32"
+_READ_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -65,8 +81,8 @@ def save_checkpoint(
     def write(tmp: Path) -> None:
         if write_shards is not None:
             write_shards(tmp)
-        _write_state(tmp, state)
-        _write_meta(tmp, {"step": step, **meta})
+        checksums = _write_state(tmp, state) or {}
+        _write_meta(tmp, {"step": step, **meta}, checksums)
 
     path = atomic_write_dir(root / step_dir_name(step), write, staging)
     _move_latest(root, path.name)
@@ -74,15 +90,86 @@ def save_checkpoint(
     return path
 
 
-def _write_state(tmp: Path, state: dict[str, Any]) -> None:
-    torch.save(state, tmp / STATE_FILE)
+class _ChecksumWriter:
+    """A binary file that computes the CRC-32 and the length of what is written through it."""
+
+    def __init__(self, file: Any):
+        self.file, self.crc, self.bytes = file, 0, 0
+        self.name = getattr(file, "name", None)
+
+    def __repr__(self) -> str:  # names the file, as the file object itself does (logs, hooks on torch.save)
+        return f"<checksummed {self.file!r}>"
+
+    def write(self, data: Any) -> int:
+        self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
+        self.bytes += memoryview(data).nbytes
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def record(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, CHECKSUM: f"{self.crc:08x}"}
 
 
-def _write_meta(tmp: Path, meta: dict[str, Any]) -> None:
-    """The completion marker: written last, it records the size every file must have."""
-    files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+def _write_state(tmp: Path, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Write ``state.pt``; returns its size and checksum, taken from the bytes on their way to the file."""
+    with open(tmp / STATE_FILE, "wb") as f:
+        out = _ChecksumWriter(f)
+        torch.save(state, out)
+    return {STATE_FILE: out.record()}
+
+
+def _write_meta(tmp: Path, meta: dict[str, Any], checksums: dict[str, dict[str, Any]] | None = None) -> None:
+    """The completion marker: written last, it records the size every file must have, and the checksum
+    of those whose bytes were hashed as they were written (``checksums``)."""
+    files: dict[str, dict[str, Any]] = {}
+    for f in sorted(tmp.rglob("*")):
+        if f.is_file():
+            name, size = str(f.relative_to(tmp)), f.stat().st_size
+            known = (checksums or {}).get(name)
+            files[name] = known if known is not None and known["bytes"] == size else {"bytes": size}
     record = {**meta, "files": files, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     (tmp / COMPLETE_MARKER).write_text(json.dumps(record, indent=2))
+
+
+def _expected_size(record: Any) -> int:
+    """A file's size in ``meta.json``: ``{"bytes": N, ...}``, or a bare N (before checksums)."""
+    return int(record["bytes"]) if isinstance(record, dict) else int(record)
+
+
+def file_checksum(path: Path) -> str:
+    """The CRC-32 of a file, read once in large chunks."""
+    crc, buf = 0, bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{crc:08x}"
+
+
+def verify_checkpoint(info: CheckpointInfo) -> str | None:
+    """Why the checkpoint's files do not match the checksums in its ``meta.json`` (None: they do, or
+    none were recorded: see ``has_checksums``). Reads each checksummed file once."""
+    for name, record in info.meta.get("files", {}).items():
+        if not (isinstance(record, dict) and CHECKSUM in record):
+            continue
+        try:
+            got = file_checksum(info.path / name)
+        except OSError as e:
+            return f"{name} cannot be read ({e})"
+        if got != record[CHECKSUM]:
+            return (
+                f"{name} is damaged: its {CHECKSUM} is {got}, {COMPLETE_MARKER} recorded {record[CHECKSUM]} "
+                "(same size, different bytes)"
+            )
+    return None
+
+
+def has_checksums(info: CheckpointInfo) -> bool:
+    """Whether ``meta.json`` records a checksum of ``state.pt`` (checkpoints of older versions do not)."""
+    record = info.meta.get("files", {}).get(STATE_FILE)
+    return isinstance(record, dict) and CHECKSUM in record
 
 
 def _move_latest(root: Path, name: str) -> None:
@@ -104,10 +191,14 @@ def inspect_checkpoint(path: Path) -> CheckpointInfo | str:
         return f"{COMPLETE_MARKER} is unreadable ({e})"
     if not state_file.is_file():
         return f"{STATE_FILE} is missing"
-    for name, expected in meta.get("files", {}).items():
+    for name, record in meta.get("files", {}).items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
+        try:
+            expected = _expected_size(record)
+        except (ValueError, KeyError, TypeError) as e:
+            return f"{COMPLETE_MARKER} is unreadable (files.{name}: {e!r})"
         size = f.stat().st_size
         if size != expected:
             return f"{name} is truncated ({size:,} of {expected:,} bytes)"

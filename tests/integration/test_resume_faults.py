@@ -141,3 +141,39 @@ def test_nan_streak_exits_3_and_changed_setting_exits_2(tmp_path, finetune_confi
     proc = run_cli(["train", config, "--output", run, "--set", "train.micro_batch_size=2"], tmp_path)
     assert proc.returncode == 2, show(proc)
     assert "train.micro_batch_size: 4 in the checkpoint, 2 now" in proc.stderr, show(proc)
+
+
+def test_checkpoint_damaged_in_place_is_skipped_by_the_cli(tmp_path, finetune_config):
+    """4,096 bytes of the newest state.pt flipped, its size unchanged: the next start names the damage,
+    resumes from the previous checkpoint and writes finite weights to final/."""
+    import struct
+    import zipfile
+
+    from safetensors.torch import load_file
+
+    finetune_config["train"]["max_steps"] = 4
+    finetune_config["checkpoint"] = {"every_steps": 2, "keep_last": 3}
+    config = write_config(tmp_path / "finetune.yaml", finetune_config)
+    run = tmp_path / "run"
+    proc = run_cli(["train", config, "--output", run], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert visible_steps(run) == [2, 4]
+
+    state = run / "checkpoints" / "step-00000004" / "state.pt"
+    with zipfile.ZipFile(state) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)  # the largest tensor's bytes
+    data = bytearray(state.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start : start + 4096] = bytes(b ^ 0xFF for b in data[start : start + 4096])
+    state.write_bytes(bytes(data))
+
+    proc = run_cli(["train", config, "--output", run, "--set", "train.max_steps=6"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    out = proc.stdout + proc.stderr
+    assert "step-00000004: state.pt is damaged" in out and "resuming from" in out, show(proc)
+    assert "step-00000002 (step 2 of 6)" in out, show(proc)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 6 and "nonfinite_weights" not in summary
+    weights = load_file(run / "final" / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())

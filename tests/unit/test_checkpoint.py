@@ -93,3 +93,62 @@ def test_recover_hidden_removes_unfinished_and_restores_a_parked_checkpoint(tmp_
     notes = recover_hidden(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-00000004"]
     assert notes == ["restored step-00000004", "removed unfinished .step-00000006.tmp-node1-123-abcdef"]
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def test_meta_records_the_checksum_of_state_pt_as_written(tmp_path):
+    import json
+    import zlib
+
+    from trainforge.checkpoint import inspect_checkpoint, verify_checkpoint
+
+    path = save_checkpoint(tmp_path, 3, {"w": torch.randn(1000), "n": 5}, {}, keep_last=2)
+    record = json.loads((path / "meta.json").read_text())["files"]["state.pt"]
+    data = (path / "state.pt").read_bytes()
+    assert record == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    assert verify_checkpoint(inspect_checkpoint(path)) is None
+
+
+@pytest.mark.parametrize("offset", [0, 100, -1])
+def test_any_flipped_byte_is_recognized(tmp_path, offset):
+    from trainforge.checkpoint import inspect_checkpoint, verify_checkpoint
+
+    path = save_checkpoint(tmp_path, 3, {"w": torch.randn(1000)}, {}, keep_last=2)
+    data = bytearray((path / "state.pt").read_bytes())
+    data[offset] ^= 0x01  # one bit, the size unchanged
+    (path / "state.pt").write_bytes(bytes(data))
+    info = inspect_checkpoint(path)  # the sizes still match
+    assert "state.pt is damaged: its crc32 is" in verify_checkpoint(info)
+
+
+def test_meta_without_checksums_is_still_accepted(tmp_path):
+    import json
+
+    from trainforge.checkpoint import has_checksums, inspect_checkpoint, verify_checkpoint
+
+    path = save_checkpoint(tmp_path, 3, {"w": torch.zeros(10)}, {}, keep_last=2)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"] = {name: rec["bytes"] for name, rec in meta["files"].items()}  # the format before checksums
+    (path / "meta.json").write_text(json.dumps(meta))
+    info = inspect_checkpoint(path)
+    assert not has_checksums(info) and verify_checkpoint(info) is None
+    (path / "state.pt").write_bytes(b"x")
+    assert "truncated" in inspect_checkpoint(path)  # sizes are still checked
+
+
+def test_final_weights_check_warns_and_reports():
+    from trainforge.engine.nonfinite import final_weights_check
+
+    model = torch.nn.Linear(4, 4)
+    warnings: list[str] = []
+    assert final_weights_check(model, None, warnings.append) == {} and warnings == []
+    with torch.no_grad():
+        model.weight[0, :3] = float("nan")
+        model.bias[1] = float("inf")
+    got = final_weights_check(model, None, warnings.append)
+    assert got == {"nonfinite_weights": True, "nonfinite_tensors": {"weight": 3, "bias": 1}}
+    assert "4 non-finite values in 2 tensors" in warnings[0]
+    model.bias.requires_grad_(False)  # frozen (a LoRA base): not trained, not checked
+    assert final_weights_check(model, None, warnings.append)["nonfinite_tensors"] == {"weight": 3}

@@ -9,6 +9,8 @@ import errno
 import io
 import json
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -227,9 +229,102 @@ def test_truncated_and_unloadable_checkpoints_are_skipped_with_a_warning(config,
     result, log = train(config, reference)
     assert f"skipping checkpoint {root / 'step-00000006'}: state.pt is truncated" in log
     assert f"skipping checkpoint {root / 'step-00000005'}: no meta.json" in log
-    assert f"skipping checkpoint {root / 'step-00000004'}: it cannot be loaded" in log
+    assert f"skipping checkpoint {root / 'step-00000004'}: state.pt is damaged" in log  # its checksum
     assert f"resuming from {root / 'step-00000002'}" in log
     assert result.summary["resumed_from_step"] == 2 and result.summary["steps"] == 6
+
+
+def flip_inside_largest_tensor(path: Path, n: int = 4096) -> None:
+    """XOR ``n`` bytes inside the largest tensor's record of a state.pt in place: the size and the zip
+    structure unchanged, so ``torch.load`` still reads it (the damage the checksum is there for)."""
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    for i in range(start, start + min(n, info.file_size)):
+        data[i] ^= 0xA5
+    size = path.stat().st_size
+    path.write_bytes(bytes(data))
+    assert path.stat().st_size == size
+
+
+def rewrite_state(path: Path, st: dict) -> None:
+    """Save ``st`` as the checkpoint's state.pt with a correct checksum in its meta.json."""
+    record = ckpt._write_state(path, st)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"].update(record)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def all_finite(st: dict) -> bool:
+    from trainforge.engine.nonfinite import checkpoint_tensors, nonfinite_tensors
+
+    return not nonfinite_tensors(checkpoint_tensors(st))
+
+
+def test_checkpoint_with_flipped_bytes_is_skipped_for_the_previous_one(config, reference, reference_run):
+    root = reference / "checkpoints"
+    flip_inside_largest_tensor(root / "step-00000006" / "state.pt")
+    torch.load(root / "step-00000006" / "state.pt", weights_only=True)  # loads fine: only the checksum tells
+    config["train"]["max_steps"] = 6
+    result, log = train(config, reference)
+    assert f"skipping checkpoint {root / 'step-00000006'}: state.pt is damaged: its crc32 is" in log
+    assert f"resuming from {root / 'step-00000004'}" in log
+    assert result.summary["resumed_from_step"] == 4 and "nonfinite_weights" not in result.summary
+    assert all_finite(state(reference, 6))
+    assert_same_weights_and_optimizer(state(reference, 6), state(reference_run, 6))  # replayed exactly
+
+
+def test_checkpoint_with_nan_in_optimizer_state_is_skipped(config, reference, reference_run):
+    root = reference / "checkpoints"
+    st = state(reference, 6)
+    st["optimizer"]["state"][0]["exp_avg"].view(-1)[7] = float("nan")
+    rewrite_state(root / "step-00000006", st)  # the checksum matches: the second line catches it
+    assert ckpt.verify_checkpoint(ckpt.inspect_checkpoint(root / "step-00000006")) is None
+    result, log = train(config, reference)
+    assert (
+        f"skipping checkpoint {root / 'step-00000006'}: its weights or optimizer state are not finite: "
+        "1 non-finite values in 1 tensor (optimizer state exp_avg of parameter 0: 1)"
+    ) in log
+    assert f"resuming from {root / 'step-00000004'}" in log
+    assert_same_weights_and_optimizer(state(reference, 6), state(reference_run, 6))
+
+
+def test_nan_weights_in_the_only_checkpoint_named_in_resume_error(config, reference, tmp_path):
+    target = reference / "checkpoints" / "step-00000004"
+    st = state(reference, 4)
+    next(iter(st["model"].values())).view(-1)[0] = float("inf")
+    rewrite_state(target, st)
+    with pytest.raises(ResumeError, match=f"no checkpoint could be loaded: {target} \\(its weights or optimizer state"):
+        train(config, tmp_path / "new", resume=str(target))
+
+
+def test_checkpoints_without_checksums_still_resume(config, reference, reference_run):
+    root = reference / "checkpoints"
+    for c in scan_checkpoints(root)[0]:  # the meta.json format before checksums: sizes only
+        meta = json.loads((c.path / "meta.json").read_text())
+        meta["files"] = {name: rec["bytes"] for name, rec in meta["files"].items()}
+        (c.path / "meta.json").write_text(json.dumps(meta))
+    shutil.rmtree(root / "step-00000006")
+    _, log = train(config, reference)
+    assert f"checkpoint {root / 'step-00000004'} records no checksums" in log
+    assert f"resuming from {root / 'step-00000004'}" in log
+    assert_same_weights_and_optimizer(state(reference, 6), state(reference_run, 6))
+    assert "crc32" in json.loads((root / "step-00000006" / "meta.json").read_text())["files"]["state.pt"]
+
+
+def test_non_finite_final_weights_are_reported(config, tmp_path):
+    rep, buf = reporter()
+    with trainer.open_run(RunConfig.model_validate(config), tmp_path / "run", rep) as run:
+        trainer.train_loop(run, 2)
+        with torch.no_grad():
+            next(p for p in run.model.parameters() if p.requires_grad).view(-1)[:5] = float("nan")
+        result = trainer.finish(run)
+    assert "THE TRAINED WEIGHTS ARE NOT FINITE: 5 non-finite values in 1 tensor" in buf.getvalue()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["nonfinite_weights"] is True and result.summary["nonfinite_weights"] is True
+    assert list(summary["nonfinite_tensors"].values()) == [5]
 
 
 # ---------------------------------------------------------------- what a resume refuses and allows

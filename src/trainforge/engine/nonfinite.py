@@ -89,3 +89,48 @@ class NonFiniteGuard:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.total.copy_(state["total"])
         self.streak.copy_(state["streak"])
+
+
+# ---------------------------------------------------------------- non-finite values at rest (checkpoints, final/)
+
+
+def nonfinite_tensors(named: Any) -> list[tuple[str, int]]:
+    """``(name, count of NaN/Inf values)`` of each floating tensor in ``named`` (pairs) that holds any;
+    one ``isfinite`` pass per tensor, the values counted only where something was found."""
+    found = []
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            found.append((name, int((~torch.isfinite(t)).sum())))
+    return found
+
+
+def checkpoint_tensors(state: dict[str, Any]) -> Any:
+    """The trained weights and the optimizer state in a checkpoint's ``state.pt`` (pairs of name, tensor);
+    nothing for FSDP checkpoints, whose weights and optimizer state lie in ``sharded/``."""
+    yield from (state.get("model") or {}).items()
+    for pid, pstate in ((state.get("optimizer") or {}).get("state") or {}).items():
+        for key, value in pstate.items():
+            yield f"optimizer state {key} of parameter {pid}", value
+
+
+def describe(found: list[tuple[str, int]], most: int = 3) -> str:
+    """``1,024 non-finite values in 1 tensor (model.embed_tokens.weight: 1,024)``."""
+    total = sum(n for _, n in found)
+    listed = ", ".join(f"{name}: {n:,}" for name, n in found[:most]) + (", ..." if len(found) > most else "")
+    return f"{total:,} non-finite values in {len(found)} tensor{'s' if len(found) != 1 else ''} ({listed})"
+
+
+def final_weights_check(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None, warn: Any) -> dict[str, Any]:
+    """Before ``final/`` is written: are the trained weights finite? ``weights``: the full state FSDP gathered
+    on rank 0 (else the model's trainable parameters are read). Warns and returns the summary.json
+    fields when they are not; ``{}`` when they are."""
+    named = weights.items() if weights is not None else ((n, p.detach()) for n, p in model.named_parameters() if p.requires_grad)
+    found = nonfinite_tensors(named)
+    if not found:
+        return {}
+    warn(
+        f"THE TRAINED WEIGHTS ARE NOT FINITE: {describe(found)}. final/ is written as it is and summary.json records "
+        "nonfinite_weights: true; do not use it. The checkpoints before the damage hold finite weights: "
+        "resume from one of them (--resume PATH) after lowering optim.lr or checking the data"
+    )
+    return {"nonfinite_weights": True, "nonfinite_tensors": {name: n for name, n in found}}

@@ -22,16 +22,19 @@ from .. import __version__
 from ..checkpoint import (
     STEP_PREFIX,
     CheckpointInfo,
+    has_checksums,
     inspect_checkpoint,
     load_checkpoint_state,
     recover_hidden,
     scan_checkpoints,
+    verify_checkpoint,
 )
 from ..config import RunConfig
 from ..errors import TrainforgeError
 from ..metrics.console import ConsoleReporter
 from ..metrics.sink import flat_config
 from ..runlock import OutputDirError, probe_run_dir
+from .nonfinite import checkpoint_tensors, describe, nonfinite_tensors
 from .state import trainable_state
 
 if TYPE_CHECKING:
@@ -193,16 +196,30 @@ def _checkpoints_at(path: Path, reporter: ConsoleReporter) -> list[CheckpointInf
 def _load_first(
     candidates: list[CheckpointInfo], cfg: RunConfig, same_run: bool, reporter: ConsoleReporter
 ) -> ResumePlan:
-    """The newest candidate that fits the config and loads; unloadable ones are skipped with a warning."""
+    """The newest candidate that fits the config, matches its checksums, loads and holds finite weights and
+    optimizer state; the others are skipped with a warning (the reason named), the previous one tried."""
+    skipped: list[str] = []
     for info in candidates:
         check_settings(info, cfg)
-        try:
-            state = load_checkpoint_state(info.path)
-        except Exception as e:  # a damaged file: zip, pickle or I/O errors alike
-            reporter.warn(f"skipping checkpoint {info.path}: it cannot be loaded ({type(e).__name__}: {e})")
+        if not has_checksums(info):  # written before checksums existed: sizes checked, bytes cannot be
+            reporter.info(f"checkpoint {info.path} records no checksums (an older trainforge wrote it): not verified")
+        reason = verify_checkpoint(info)  # reads each checksummed file once, streaming
+        state = None
+        if reason is None:
+            try:
+                state = load_checkpoint_state(info.path)
+            except Exception as e:  # a damaged file: zip, pickle or I/O errors alike
+                reason = f"it cannot be loaded ({type(e).__name__}: {e})"
+        if state is not None:
+            found = nonfinite_tensors(checkpoint_tensors(state))
+            if found:
+                reason = f"its weights or optimizer state are not finite: {describe(found)}"
+        if reason is not None:
+            reporter.warn(f"skipping checkpoint {info.path}: {reason}")
+            skipped.append(f"{info.path} ({reason})")
             continue
         return ResumePlan(info, state, same_run)
-    raise ResumeError("no checkpoint could be loaded: " + ", ".join(str(c.path) for c in candidates))
+    raise ResumeError("no checkpoint could be loaded: " + "; ".join(skipped))
 
 
 # ---------------------------------------------------------------- whether it continues this run

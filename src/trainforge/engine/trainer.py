@@ -27,6 +27,7 @@ from ..model.generate import sample
 from ..model.load import count_parameters, weight_storage
 from ..runlock import OutputDirError, hold_run_dir
 from .evaluate import evaluate
+from .nonfinite import final_weights_check
 from .oom import fetch_step, forward_backward_adaptive
 from .preempt import Interrupted, StopRequest
 from .run import Run, RunResult
@@ -282,6 +283,7 @@ def finish(run: Run) -> RunResult:
 
     # FSDP: every rank hands its shards to rank 0, which writes a plain (unsharded) HF directory
     weights = full_model_state(run.model) if run.dist.mode == "fsdp" else None
+    nonfinite = final_weights_check(run.model, weights, run.reporter.warn) if run.dist.is_main else {}
 
     def write_final(tmp: Path) -> None:
         run.model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
@@ -329,6 +331,7 @@ def finish(run: Run) -> RunResult:
         **facts.choices,
         "data": {"format": facts.data_format, **facts.data_stats},
         "final_dir": str(final_dir),
+        **nonfinite,  # {"nonfinite_weights": True, ...} when final/ holds NaN/Inf
     }
     if cfg.log.sample_prompt and (run.dist.is_main or run.dist.mode == "fsdp"):  # FSDP: generating is collective
         text = sample(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed,
