@@ -14,7 +14,6 @@ import pytest
 import torch
 from hostile_dirs import adapter_on, custom_code_model, custom_code_tokenizer, unknown_architecture
 
-from trainforge import hf_dir
 from trainforge.config import ModelSettings
 from trainforge.errors import TrainforgeError
 from trainforge.hardware import PRECISIONS
@@ -141,3 +140,19 @@ def test_the_hostile_directories_are_armed(tiny_model_dir, tiny_tokenizer_dir, t
     subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=120)
     assert marker.is_file()
     shutil.rmtree(tmp_path / "modules", ignore_errors=True)
+
+
+def test_every_loader_checks_even_past_validation(tiny_model_dir, tiny_tokenizer_dir, tmp_path, marker, no_prompt):
+    """Settings built without validation (selftest, tools) still meet the check where the load happens."""
+    evil = custom_code_model(tiny_model_dir, tmp_path / "evil", marker)
+    cfg = ModelSettings.model_construct(path=evil, init=None, method="full", attention="sdpa", lora=None, tokenizer=None)
+    tok = tokenizer.load_tokenizer(tiny_tokenizer_dir)
+    for call in (
+        lambda: load.build_model(cfg, tok, 0, torch.device("cpu"), False),
+        lambda: load.build_model_skeleton(cfg, tok, None, False),
+        lambda: load.decoder_start_token_id(cfg, tok),
+        lambda: tokenizer.load_tokenizer(evil),
+        lambda: resolve.resolve_source(evil),
+    ):
+        with pytest.raises(CustomCodeError, match=rf"{evil} needs custom code"):
+            call()
