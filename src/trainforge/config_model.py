@@ -97,11 +97,14 @@ class ModelSettings(Section):
             # a plan needs the architecture only: a directory with just the hub's config.json will do
             plan_only = bool(info.context and info.context.get("plan"))
             _check_model_dir(self.path, needs_tokenizer=self.tokenizer is None and not plan_only, needs_weights=not plan_only)
+            _refuse_custom_code(self.path, "model.path")
         if isinstance(self.tokenizer, Path) and self.tokenizer.is_dir() and not hf_dir.has_any(self.tokenizer, TOKENIZER_FILES):
             raise ValueError(
                 f"model.tokenizer: {self.tokenizer} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
                 "save one there with tokenizer.save_pretrained(dir)"
             )
+        if isinstance(self.tokenizer, Path):
+            _refuse_custom_code(self.tokenizer, "model.tokenizer")
         return self
 
     @property
@@ -128,6 +131,14 @@ def _check_model_dir(path: Path, needs_tokenizer: bool, needs_weights: bool = Tr
             "Save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir), or download a hub "
             "snapshot there beforehand (nothing is downloaded at run time)"
         )
+
+
+def _refuse_custom_code(path: Path, key: str) -> None:
+    """``hf_dir.refuse_custom_code`` at validation, before any data is prepared: its message under ``key``."""
+    try:
+        hf_dir.refuse_custom_code(path)
+    except hf_dir.UnsupportedModelDir as e:
+        raise ValueError(f"{key}: {e}") from None
 
 
 def model_type_of(model: ModelSettings) -> str | None:

@@ -3,8 +3,12 @@
 Files are parsed once per version (resolved path, mtime, size, inode) and transformers configs built once
 per architecture, however often a run asks for a model's kind.
 
-A leaf at the package's top level, importing nothing of trainforge: the config schema, a low layer that
-must not import ``model/``, resolves a run's model kind through it, and so do ``model/`` and the tools.
+``refuse_custom_code`` is the one check that a directory about to be loaded needs no code of its own
+(``auto_map`` naming Python files of the directory, or a ``model_type`` transformers does not ship): trainforge
+never runs code from a model or tokenizer directory (docs/security.md); every loader calls it first.
+
+A leaf at the package's top level, importing nothing of trainforge but the error base: the config schema, a low
+layer that must not import ``model/``, resolves a run's model kind through it, and so do ``model/`` and the tools.
 Kept under ``model/`` it would have made the schema reach up into a higher layer.
 """
 
@@ -18,8 +22,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .errors import TrainforgeError
+
 CONFIG = "config.json"
 ADAPTER_CONFIG = "adapter_config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 # what a Hugging Face model directory holds (save_pretrained / a hub snapshot)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -105,6 +112,81 @@ def known_config_fields(arch: str) -> frozenset[str]:
             fields |= {p for p in inspect.signature(klass.__init__).parameters if p not in ("self", "kwargs")}
     fields |= set(getattr(cls, "attribute_map", {}))
     return frozenset(fields)
+
+
+class UnsupportedModelDir(TrainforgeError, ValueError):
+    """A model, tokenizer or adapter directory trainforge will not load: it needs code transformers does not ship."""
+
+
+class CustomCodeError(UnsupportedModelDir):
+    """The directory's ``auto_map`` names Python code of its own (``configuration_*.py``, ``modeling_*.py``, ...)."""
+
+
+SHIPPED_ONLY = "trainforge loads only architectures that transformers ships"
+
+
+def refuse_custom_code(path: str | Path, role: str = "", _seen: frozenset[Path] = frozenset()) -> None:
+    """Raise unless ``path`` loads with transformers' own classes alone; nothing is imported from it, no prompt.
+
+    Refused: a config.json whose ``auto_map`` is needed (its ``model_type`` is not one transformers ships),
+    a config.json naming a ``model_type`` transformers does not know, a tokenizer_config.json whose ``auto_map``
+    names a tokenizer class transformers does not ship, and an adapter (adapter_config.json) whose local base
+    directory is refused. An ``auto_map`` beside a shipped ``model_type`` (hub snapshots of models transformers
+    has since adopted) is ignored: loaders pass ``trust_remote_code=False``, and transformers uses its own class.
+    ``role``: what the directory is to the user (``model.tokenizer``), put before its name in the message."""
+    where = f"{role} {path}".strip()
+    config = _read_json(*_version(path, CONFIG))
+    model_type = config.get("model_type")
+    shipped = isinstance(model_type, str) and is_architecture(model_type)
+    auto_map = config.get("auto_map")
+    if auto_map and not shipped:
+        raise CustomCodeError(f"{where} needs custom code ({CONFIG} auto_map: {_describe_auto_map(auto_map)}); {SHIPPED_ONLY}")
+    if model_type is not None and not shipped:
+        raise UnsupportedModelDir(
+            f"{where}: {CONFIG} names model_type {model_type!r}, which transformers does not know; {SHIPPED_ONLY}"
+        )
+    tokenizer_config = _read_json(*_version(path, TOKENIZER_CONFIG))
+    tokenizer_map = tokenizer_config.get("auto_map")
+    if tokenizer_map and not _shipped_tokenizer_class(tokenizer_config.get("tokenizer_class")):
+        raise CustomCodeError(
+            f"{where} needs custom code ({TOKENIZER_CONFIG} auto_map: {_describe_auto_map(tokenizer_map)}); {SHIPPED_ONLY}"
+        )
+    if not config:
+        adapter = _read_json(*_version(path, ADAPTER_CONFIG))
+        base = adapter.get("base_model_name_or_path")
+        seen = _seen | {Path(path).resolve()}
+        if isinstance(base, str) and base and Path(base).is_dir() and Path(base).resolve() not in seen:
+            try:
+                refuse_custom_code(base, _seen=seen)
+            except UnsupportedModelDir as e:
+                raise type(e)(f"the adapter in {where} adapts {base}: {e}") from None
+
+
+def _describe_auto_map(auto_map: Any) -> str:
+    """``AutoConfig=configuration_evil.EvilConfig, ...``: what an ``auto_map`` points at, short."""
+    if isinstance(auto_map, dict):
+        parts = [f"{k}={v if not isinstance(v, (list, tuple)) else ', '.join(map(str, filter(None, v)))}" for k, v in auto_map.items()]
+    elif isinstance(auto_map, (list, tuple)):
+        parts = [str(v) for v in auto_map if v]
+    else:
+        parts = [str(auto_map)]
+    text = "; ".join(parts)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _shipped_tokenizer_class(name: Any) -> bool:
+    """Whether transformers has a tokenizer class of this name (``Fast`` suffix or not)."""
+    if not isinstance(name, str) or not name:
+        return False
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    try:
+        return any(
+            (cls := tokenizer_class_from_name(n)) is not None and cls.__module__.startswith("transformers.")
+            for n in (name, name.removesuffix("Fast"), name + "Fast")
+        )
+    except Exception:  # an odd name transformers chokes on is no class of it
+        return False
 
 
 def _version(path: str | Path | None, name: str) -> tuple[str, tuple[int, int, int] | None]:

@@ -10,7 +10,7 @@ import torch
 
 from ..config import LoraSettings, ModelSettings
 from ..errors import TrainforgeError
-from ..hf_dir import init_kind, read_config
+from ..hf_dir import init_kind, read_config, refuse_custom_code
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -67,7 +67,8 @@ def decoder_start_token_id(cfg: ModelSettings, tokenizer) -> int:
         from transformers import AutoConfig, GenerationConfig
 
         path = str(cfg.path.resolve())
-        start = getattr(AutoConfig.from_pretrained(path), "decoder_start_token_id", None)
+        refuse_custom_code(cfg.path, "model.path")
+        start = getattr(AutoConfig.from_pretrained(path, trust_remote_code=False), "decoder_start_token_id", None)
         if start is None and (cfg.path / "generation_config.json").is_file():
             start = GenerationConfig.from_pretrained(path).decoder_start_token_id
     if start is None:
@@ -124,11 +125,16 @@ def build_model(
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
     base_dtype = storage_dtype(cfg, compute_dtype)
     if cfg.init is not None:
-        model = auto_class.from_config(init_config(cfg.init, tokenizer), dtype=torch.float32, attn_implementation=attn)
+        model = auto_class.from_config(
+            init_config(cfg.init, tokenizer), dtype=torch.float32, attn_implementation=attn, trust_remote_code=False
+        )
     else:
+        refuse_custom_code(cfg.path, "model.path")  # never run the directory's code; trust_remote_code=False besides
         extra = {"quantization_config": nf4_config(compute_dtype)} if cfg.method == "qlora" else {}
         # loaded straight in the storage dtype: no fp32 copy of a bf16 base is ever materialized
-        model = auto_class.from_pretrained(str(cfg.path.resolve()), dtype=base_dtype, attn_implementation=attn, **extra)
+        model = auto_class.from_pretrained(
+            str(cfg.path.resolve()), dtype=base_dtype, attn_implementation=attn, trust_remote_code=False, **extra
+        )
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     return adapt(model, cfg, activation_checkpointing)
@@ -197,7 +203,8 @@ def build_model_skeleton(
     if cfg.init is not None:
         config, base_dtype = init_config(cfg.init, tokenizer), torch.float32
     else:
-        config = AutoConfig.from_pretrained(str(cfg.path.resolve()))
+        refuse_custom_code(cfg.path, "model.path")
+        config = AutoConfig.from_pretrained(str(cfg.path.resolve()), trust_remote_code=False)
         config.vocab_size = max(config.vocab_size, len(tokenizer))
     if layers is not None:
         depth = model_depth(cfg)
@@ -214,7 +221,7 @@ def build_model_skeleton(
 
         attn = register_causal()
     with torch.device("meta"):
-        model = model_class(cfg).from_config(config, dtype=base_dtype, attn_implementation=attn)
+        model = model_class(cfg).from_config(config, dtype=base_dtype, attn_implementation=attn, trust_remote_code=False)
         return adapt(model, cfg, activation_checkpointing)
 
 

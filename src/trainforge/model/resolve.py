@@ -23,7 +23,7 @@ import yaml
 
 from ..errors import TrainforgeError
 from ..hardware import Precision
-from ..hf_dir import TOKENIZER_FILES, dir_is_encoder_decoder, has_any
+from ..hf_dir import TOKENIZER_FILES, dir_is_encoder_decoder, has_any, refuse_custom_code
 
 RUN_CONFIG = "config.yaml"
 FINAL = "final"
@@ -116,7 +116,14 @@ def resolve_source(path: str | Path) -> ModelSource:
                 "(config.yaml + final/), a Hugging Face model directory (config.json + weights) or a LoRA adapter "
                 "directory (adapter_config.json + adapter weights)"
             )
+    # never run a directory's code (auto_map) nor guess at an architecture transformers lacks; loads pass
+    # trust_remote_code=False besides, so transformers can neither prompt nor import the directory's files
+    refuse_custom_code(weights)
+    if src.base is not None:
+        refuse_custom_code(src.base)
     src.tokenizer_dir = _tokenizer_dir(src)
+    if src.tokenizer_dir not in (weights, src.base):
+        refuse_custom_code(src.tokenizer_dir)
     return src
 
 
@@ -180,14 +187,14 @@ def load_model(
     compute = precision.autocast_dtype or torch.float32
     if src.adapter is None:
         dtype = torch.float32 if src.run_dir is not None else compute
-        model = auto_class.from_pretrained(str(src.weights), dtype=dtype, attn_implementation=attn)
+        model = auto_class.from_pretrained(str(src.weights), dtype=dtype, attn_implementation=attn, trust_remote_code=False)
         return model.to(device).eval()
 
     from peft import PeftModel
 
     quantized = src.quantized if quantized is None else quantized
     extra = {"quantization_config": nf4_config(precision.autocast_dtype)} if quantized else {}
-    base = auto_class.from_pretrained(str(src.base), dtype=compute, attn_implementation=attn, **extra)
+    base = auto_class.from_pretrained(str(src.base), dtype=compute, attn_implementation=attn, trust_remote_code=False, **extra)
     if vocab_size is not None and base.get_input_embeddings().num_embeddings < vocab_size:
         base.resize_token_embeddings(vocab_size)
     if quantized:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..hf_dir import refuse_custom_code
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 UNK_TOKEN = "<|unk|>"
@@ -15,7 +17,8 @@ def load_tokenizer(path: str | Path):
     """A tokenizer from a local directory, with a pad token guaranteed (EOS reused when missing)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path))
+    refuse_custom_code(path)  # never run the directory's code; trust_remote_code=False below besides
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {path} has no EOS token; trainforge needs one to separate documents")
     if tok.pad_token_id is None:

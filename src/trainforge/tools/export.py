@@ -82,10 +82,12 @@ def merge_adapter(src: ModelSource, out: Path, dtype: str | None, reporter: Cons
         from ..model.load import nf4_config
 
         reporter.info("QLoRA: loading the base in 4-bit NF4 as it trained, dequantizing it to fp32, then merging")
-        base = auto_class.from_pretrained(str(src.base), dtype=torch.float32, quantization_config=nf4_config(torch.float32))
+        base = auto_class.from_pretrained(
+            str(src.base), dtype=torch.float32, quantization_config=nf4_config(torch.float32), trust_remote_code=False
+        )
         base = base.dequantize(dtype=torch.float32)
     else:
-        base = auto_class.from_pretrained(str(src.base), dtype=torch.float32)
+        base = auto_class.from_pretrained(str(src.base), dtype=torch.float32, trust_remote_code=False)
     if base.get_input_embeddings().num_embeddings < len(tokenizer):
         base.resize_token_embeddings(len(tokenizer))  # as training did
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
@@ -121,7 +123,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _resave(src: ModelSource, out: Path, dtype: torch.dtype) -> str:
     """A full model re-saved in ``dtype`` with its tokenizer."""
-    model = auto_model_class(src.encoder_decoder).from_pretrained(str(src.weights), dtype=dtype)
+    model = auto_model_class(src.encoder_decoder).from_pretrained(str(src.weights), dtype=dtype, trust_remote_code=False)
     return _save_plain(model, load_source_tokenizer(src), out, dtype)
 
 
