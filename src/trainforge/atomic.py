@@ -4,7 +4,8 @@ Everything shared on disk is written under a hidden temporary name that only thi
 uses (``.NAME.tmp-HOST-PID-RANDOM``), flushed, and renamed into place. Two processes writing
 the same target never touch each other's temporaries; readers see the old or the new
 version, never half of one. A temporary left by a process that died is recognized by its
-name (``process_alive``) or by its age (``is_stale_temp``) and removed by whoever cleans up.
+name (``process_alive``) or by its age (both in ``temp_owner_gone``) and removed by whoever
+cleans up (``remove_stale_temps``).
 """
 
 from __future__ import annotations
