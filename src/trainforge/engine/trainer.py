@@ -18,7 +18,7 @@ from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepProfile
 from ..model.compile import compile_decoder
 from ..model.load import count_parameters, weight_storage
-from ..model.generate import sample
+from ..data.prompt import sample_prompt
 from ..runlock import hold_run_dir
 from .evaluate import evaluate
 from .oom import fetch_step, forward_backward_adaptive
@@ -288,7 +288,7 @@ def finish(run: Run, wall_start: float) -> RunResult:
         "final_dir": str(final_dir),
     }
     if cfg.log.sample_prompt and (run.dist.is_main or run.dist.mode == "fsdp"):  # FSDP: generating is collective
-        text = sample(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed,
+        text = sample_prompt(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed,
                       autocast=run.precision.autocast(run.device))
         summary["sample"] = text
         run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
