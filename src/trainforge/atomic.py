@@ -4,11 +4,16 @@ Everything shared on disk is written under a hidden temporary name that only thi
 uses (``.NAME.tmp-HOST-PID-RANDOM``), flushed, and renamed into place. Two processes writing
 the same target never touch each other's temporaries; readers see the old or the new
 version, never half of one. A temporary left by a process that died is recognized by its
-name (``process_alive``) or by its age (``is_stale_temp``) and removed by whoever cleans up.
+name (``process_alive``) or by its age (both in ``temp_owner_gone``) and removed by whoever
+cleans up (``remove_stale_temps``).
+
+Two ways to put a directory in place: ``atomic_write_dir`` replaces the target (a checkpoint, an
+export); ``publish_dir`` publishes it once (a cache entry: the first complete one is kept).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -154,6 +159,26 @@ def fsync_tree(path: Path) -> None:
     fsync_dir(path)
 
 
+def parked_name(target: Path) -> Path:
+    """The hidden name ``target`` is moved aside to while it is replaced: ``.NAME.old-TAG``."""
+    target = Path(target)
+    return target.parent / f".{target.name}{OLD_MARK}{process_tag()}"
+
+
+def _staged(target: Path, write: Callable[[Path], None], staging: Path | None) -> Path:
+    """Run ``write(tmp_dir)`` in a new per-process temporary directory beside ``target`` and flush
+    everything; the temporary is removed when ``write`` fails."""
+    tmp = Path(staging) if staging is not None else staging_dir(target)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
 def atomic_write_dir(target: Path, write: Callable[[Path], None], staging: Path | None = None) -> Path:
     """Run ``write(tmp_dir)`` in a per-process temporary directory, flush everything, then rename
     it to ``target``.
@@ -163,13 +188,10 @@ def atomic_write_dir(target: Path, write: Callable[[Path], None], staging: Path 
     after a crash). ``staging``: the temporary directory to use (it must not exist yet).
     """
     target = Path(target)
-    tmp = Path(staging) if staging is not None else staging_dir(target)
-    tmp.mkdir(parents=True)
+    tmp = _staged(target, write, staging)
     try:
-        write(tmp)
-        fsync_tree(tmp)
         if target.exists():
-            old = target.parent / f".{target.name}{OLD_MARK}{process_tag()}"
+            old = parked_name(target)
             target.rename(old)
             tmp.rename(target)
             shutil.rmtree(old)
@@ -180,6 +202,66 @@ def atomic_write_dir(target: Path, write: Callable[[Path], None], staging: Path 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def publish_dir(
+    target: Path, write: Callable[[Path], None], complete: Callable[[Path], bool], staging: Path | None = None
+) -> bool:
+    """Publish a directory once: run ``write(tmp_dir)`` in a per-process temporary directory, flush
+    everything, and rename it to ``target`` unless a complete ``target`` (``complete(target)``) is there.
+
+    For content that is the same whoever writes it (a cache entry named by what it holds): of
+    several processes publishing one target, the first complete one wins and is never replaced;
+    the others drop their copy. An incomplete ``target`` (damaged: a hand copy) is parked as
+    ``.NAME.old-TAG`` and replaced; a complete one that lands between the check and the parking is
+    put back and kept. Returns True when this process's directory was published, False when
+    another's complete one was kept.
+    """
+    target = Path(target)
+    tmp = _staged(target, write, staging)
+    try:
+        published = _rename_once(tmp, target, complete)
+        if published:
+            fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not published:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return published
+
+
+def _taken(e: OSError, target: Path, complete: Callable[[Path], bool]) -> bool:
+    """A rename onto ``target`` failed because another process's complete directory is there."""
+    return e.errno in (errno.ENOTEMPTY, errno.EEXIST) and complete(target)
+
+
+def _rename_once(tmp: Path, target: Path, complete: Callable[[Path], bool]) -> bool:
+    if complete(target):  # another process finished while this one wrote
+        return False
+    if target.exists():  # incomplete: damaged, replaced
+        aside = parked_name(target)
+        try:
+            target.rename(aside)
+        except FileNotFoundError:
+            pass  # another process moved it first
+        else:
+            if complete(aside):  # a complete one landed after the check: it stays
+                try:
+                    aside.rename(target)
+                except OSError as e:
+                    if not _taken(e, target, complete):
+                        raise
+                    shutil.rmtree(aside, ignore_errors=True)
+                return False
+            shutil.rmtree(aside, ignore_errors=True)
+    try:
+        tmp.rename(target)
+    except OSError as e:  # ENOTEMPTY / EEXIST: another process's complete directory got there first
+        if not _taken(e, target, complete):
+            raise
+        return False
+    return True
 
 
 def atomic_write_text(path: Path, text: str) -> Path:

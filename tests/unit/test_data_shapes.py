@@ -10,7 +10,8 @@ import pytest
 from conftest import WORDS, write_jsonl
 from trainforge.config import DataSettings, FieldNames
 from trainforge.data.formats import Renderer, tokenize_rendered
-from trainforge.data.prepare import held_out_blocks, prepare_data
+from trainforge.data.holdout import held_out_blocks
+from trainforge.data.prepare import prepare_data
 from trainforge.data.sources import DataError, Row
 from trainforge.data.store import TokenStore
 from trainforge.data.plan import lost_tokens_warning

@@ -65,6 +65,21 @@ def test_generation_streams_pieces_that_make_up_the_text(tiny_model_dir):
     assert greedy == generate(model, tok, ids, max_new_tokens=8, temperature=0.0, seed=99)
 
 
+def test_the_sample_takes_ids_tokenized_through_the_data_package(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from trainforge.data.prompt import prompt_ids, sample_prompt
+    from trainforge.model.generate import sample
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = prompt_ids(tok, "alpha beta", encoder_decoder=False)
+    assert ids.tolist() == tok("alpha beta", return_tensors="pt")["input_ids"].tolist()
+    text = sample(model, tok, ids, 6, seed=2)
+    assert text.startswith("alpha beta") and sample_prompt(model, tok, "alpha beta", 6, seed=2) == text
+
+
 # ---------------------------------------------------------------- resolving what the user named
 
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from trainforge.atomic import remove_stale_temps, staging_dir
-from trainforge.data.prepare import publish_entry
+from trainforge.data.cache import publish_entry
 from trainforge.runlock import (
     LEASE_FILE,
     TIMEOUT_ENV,

@@ -101,7 +101,8 @@ def _logits(model, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> 
 def test_bart_chat_run_eval_generate_and_export(bart_chat_run, monkeypatch, tmp_path):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from trainforge.model.generate import generate, sample
+    from trainforge.data.prompt import sample_prompt as sample
+    from trainforge.model.generate import generate
     from trainforge.tools.evaluate import evaluate_model
     from trainforge.tools.generate import run_generate
 

@@ -86,7 +86,7 @@ def test_saved_dataset_source_files_cover_its_arrow_and_json_files(tmp_path, dat
 
 def test_saved_dataset_edit_changes_the_cache_fingerprint(tmp_path, datasets, tiny_tokenizer_dir):
     from trainforge.config import DataSettings
-    from trainforge.data.prepare import fingerprint
+    from trainforge.data.cache import fingerprint
     from trainforge.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_tokenizer_dir)

@@ -18,12 +18,12 @@ from .. import __version__
 from ..checkpoint import atomic_write_dir, step_dir_name
 from ..config import RunConfig
 from ..data.loader import Batch
+from ..data.prompt import sample_prompt
 from ..dist import init_distributed, shutdown
 from ..hardware import peak_memory_bytes, pick_device
 from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepProfile
 from ..model.compile import compile_decoder
-from ..model.generate import sample
 from ..model.load import count_parameters, weight_storage
 from ..runlock import OutputDirError, hold_run_dir
 from .evaluate import evaluate
@@ -334,8 +334,8 @@ def finish(run: Run) -> RunResult:
         **nonfinite,  # {"nonfinite_weights": True, ...} when final/ holds NaN/Inf
     }
     if cfg.log.sample_prompt and (run.dist.is_main or run.dist.mode == "fsdp"):  # FSDP: generating is collective
-        text = sample(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed,
-                      autocast=run.precision.autocast(run.device))
+        text = sample_prompt(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed,
+                             autocast=run.precision.autocast(run.device))
         summary["sample"] = text
         run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
     summary["wall_time_s"] = time.perf_counter() - run.started_at

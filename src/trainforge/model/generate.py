@@ -1,8 +1,9 @@
-"""Text from a model: the end-of-run sample (``sample``) and ``trainforge generate`` (``generate``, streamed).
+"""Text from a model, given token ids: the end-of-run sample (``sample``) and ``trainforge generate`` (``generate``, streamed).
 
-Encoder-decoder models (T5, BART, ...): the prompt is the encoder's input, tokenized as training
-tokenized sources (``data.seq2seq.source_tokens``), and the text is the decoder's output, which
-starts from the model's decoder start token."""
+Callers tokenize, through the data package (``data.prompt``: as training tokenized). A decoder-only
+model continues its prompt's ids; an encoder-decoder model (T5, BART, ...) reads them with its
+encoder (a source, as training stored sources), and the text is its decoder's output, which starts
+from the model's decoder start token."""
 
 from __future__ import annotations
 
@@ -17,26 +18,17 @@ def is_encoder_decoder(model) -> bool:
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
-def prompt_ids(model, tokenizer, prompt: str, max_source_length: int | None = None) -> torch.Tensor:
-    """``prompt`` as the model reads it (1 x T): a decoder-only model's tokenization, or an encoder-decoder's
-    source as training stored it (EOS-terminated, cut at ``max_source_length`` keeping EOS)."""
-    if is_encoder_decoder(model):
-        from ..data.seq2seq import source_tokens
-
-        return torch.tensor([source_tokens(tokenizer, prompt, max_length=max_source_length)])
-    return tokenizer(prompt, return_tensors="pt")["input_ids"]
-
-
 @torch.no_grad()
 def sample(
-    model, tokenizer, prompt: str, max_new_tokens: int = 64, seed: int = 0, temperature: float = 0.8,
+    model, tokenizer, input_ids: torch.Tensor, max_new_tokens: int = 64, seed: int = 0, temperature: float = 0.8,
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> str:
-    """Continue ``prompt`` with seeded top-k sampling; returns prompt + continuation (an encoder-decoder:
-    the decoder's reply to ``prompt``). ``autocast``: the run's precision context (a bf16 frozen base
-    needs it, as training did)."""
+    """Continue ``input_ids`` (1 x T) with seeded top-k sampling; returns prompt + continuation (an
+    encoder-decoder: the decoder's reply to its input). ``autocast``: the run's precision context (a
+    bf16 frozen base needs it, as training did). Text is tokenized by ``data.prompt.sample_prompt``.
+    """
     device = next(model.parameters()).device
-    ids = prompt_ids(model, tokenizer, prompt).to(device)
+    ids = input_ids.to(device)
     enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     was_training = model.training
     model.eval()

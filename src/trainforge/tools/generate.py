@@ -28,7 +28,7 @@ import torch
 
 from ..config import ConfigError
 from ..data.formats import DEFAULT_CHAT_TEMPLATE
-from ..data.seq2seq import source_tokens
+from ..data.prompt import prompt_ids
 from ..data.sources import DataError
 from ..hardware import PRECISIONS, configure_backends, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
@@ -123,10 +123,10 @@ def run_generate(
         text = tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False, add_generation_prompt=True)
         templated = True  # the template writes its own special tokens
     if src.encoder_decoder:
-        input_ids = torch.tensor([encoder_source(src, tokenizer, text, templated, reporter)])
+        input_ids = encoder_source(src, tokenizer, text, templated, reporter)
         stop = None  # the decoder learned the reply and its EOS; no end-of-turn marker to stop at
     else:
-        input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=not templated)["input_ids"]
+        input_ids = prompt_ids(tokenizer, text, encoder_decoder=False, templated=templated)
     if input_ids.shape[1] == 0:
         input_ids = input_ids.new_full((1, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id)
     return generate(
@@ -135,13 +135,13 @@ def run_generate(
     )
 
 
-def encoder_source(src: ModelSource, tokenizer, text: str, templated: bool, reporter: ConsoleReporter) -> list[int]:
-    """An encoder-decoder's input: ``text`` tokenized as training tokenized sources, cut at the run's
-    ``data.max_length`` (keeping EOS) as training cut them, which is said on stderr."""
+def encoder_source(src: ModelSource, tokenizer, text: str, templated: bool, reporter: ConsoleReporter) -> torch.Tensor:
+    """An encoder-decoder's input (1 x T): ``text`` tokenized as training tokenized sources, cut at the
+    run's ``data.max_length`` (keeping EOS) as training cut them, which is said on stderr."""
     limit = (src.run_config or {}).get("data", {}).get("max_length")
-    ids = source_tokens(tokenizer, text, templated)
-    if limit and len(ids) > limit:
-        reporter.warn(f"the prompt is {len(ids)} tokens; the run trained on sources of at most data.max_length={limit}: "
+    ids = prompt_ids(tokenizer, text, encoder_decoder=True, templated=templated)
+    if limit and ids.shape[1] > limit:
+        reporter.warn(f"the prompt is {ids.shape[1]} tokens; the run trained on sources of at most data.max_length={limit}: "
                       f"cut to its first {limit - 1} tokens and EOS, as training cut them")
-        ids = source_tokens(tokenizer, text, templated, limit)
+        ids = prompt_ids(tokenizer, text, encoder_decoder=True, templated=templated, max_length=limit)
     return ids

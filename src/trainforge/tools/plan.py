@@ -209,7 +209,8 @@ def lever_savings(
 def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
     """Row and token counts of the prepared data (the token cache), when it is prepared."""
     from ..config import default_cache_dir
-    from ..data.prepare import fingerprint, resolve_format
+    from ..data.cache import fingerprint
+    from ..data.prepare import resolve_format
     from ..data.sources import DataError
 
     if isinstance(tokenizer, VocabOnly):

@@ -29,7 +29,7 @@ class TrainingCases:
         from ...engine.trainer import train
         from ...hardware import PRECISIONS as MODES
         from ...metrics.tracker import read_metrics
-        from ...model.generate import sample
+        from ...data.prompt import sample_prompt
 
         if case.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise Skip("this GPU has no bf16")
@@ -78,7 +78,7 @@ class TrainingCases:
         if not s.get("sample"):
             raise CheckFailed("no sample was generated at the end of the run")
         with MODES[case.precision].autocast(self.device):  # generation under mixed precision, as users may run it
-            text = sample(run.model, run.tokenizer, "alpha beta", 6)
+            text = sample_prompt(run.model, run.tokenizer, "alpha beta", 6)
         if not text.startswith("alpha beta"):
             raise CheckFailed(f"a sample under {case.precision} autocast does not continue its prompt: {text!r}")
 

@@ -1,0 +1,89 @@
+"""The token cache: an entry's key (a fingerprint of everything that changes the stored tokens), its place, and publishing it.
+
+An entry is a directory ``CACHE/data/KEY`` holding the train (and eval) token stores and
+``stats.json``, which is written last: an entry with ``stats.json`` is complete. Entries are
+published once through the project's atomic protocol (``atomic.publish_dir``): parallel jobs
+building the same entry never share a temporary, the first complete entry wins and is never
+replaced (the same key means the same tokens), the others use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from ..atomic import publish_dir, remove_stale_temps
+from ..config import DataSettings, default_cache_dir
+from .holdout import holdout_kind
+from .sources import source_files
+
+STORE_VERSION = 1  # bump when the store layout or tokenization rules change
+SEQ2SEQ_VERSION = 1  # source -> target stores of encoder-decoder models (data/seq2seq.py): a key of their own
+# too_long: split stores mark split continuations (continues.npy) from version 2 on; a key of its
+# own, so the stores (and checkpoints' store keys) of every other setting stay valid
+SPLIT_VERSION = 2
+# a build temporary of another host is left over (its process gone) when nothing in it changed for
+# this long; on this host a build whose process no longer runs is removed at once
+STALE_BUILD_S = 2 * 3600
+STATS_FILE = "stats.json"  # written last: its presence marks a complete entry
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
+    h.update(json.dumps([tokenizer.eos_token_id, tokenizer.bos_token_id, str(getattr(tokenizer, "chat_template", ""))]).encode())
+    return h.hexdigest()
+
+
+def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool = False) -> str:
+    """Hash of source contents, tokenizer, and every setting that changes the stored tokens.
+    ``seq2seq``: source -> target pairs of an encoder-decoder model (other stores keep their keys)."""
+    h = hashlib.blake2b(digest_size=16)
+    exclude = {"packing", "cache_dir", "num_workers", "train", "max_target_length"}
+    settings = cfg.model_dump(mode="json", exclude=exclude)
+    settings["train"] = [s.path for s in cfg.sources()]  # weights are applied when loading, not stored
+    settings["too_long"] = cfg.too_long_for(fmt)  # the default and the same policy set by hand share a cache
+    key = {"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}
+    if seq2seq:
+        key["seq2seq"] = {"v": SEQ2SEQ_VERSION, "max_target_length": cfg.target_limit()}
+    if settings["too_long"] == "split":
+        key["split_v"] = SPLIT_VERSION
+        if holdout_kind(cfg.eval, settings["too_long"]) == "blocks":
+            key["holdout"] = "blocks"
+    h.update(json.dumps(key, sort_keys=True).encode())
+    h.update(tokenizer_fingerprint(tokenizer).encode())
+    specs = [s.path for s in cfg.sources()] + ([cfg.eval] if isinstance(cfg.eval, str) else [])
+    for spec in specs:
+        for path in source_files(spec):
+            h.update(str(path.name).encode())
+            with open(path, "rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+    return h.hexdigest()
+
+
+def entry_dir(cfg: DataSettings, key: str) -> Path:
+    """Where the entry ``key`` lives: ``data/KEY`` under ``data.cache_dir`` (or the default cache)."""
+    return (cfg.cache_dir or default_cache_dir()) / "data" / key
+
+
+def is_complete(root: Path) -> bool:
+    """The entry at ``root`` is complete (its ``stats.json``, written last, is there)."""
+    return (Path(root) / STATS_FILE).is_file()
+
+
+def publish_entry(root: Path, build: Callable[[Path], None]) -> bool:
+    """Build a cache entry in a temporary directory of this process (``build(tmp)``), then publish it
+    at ``root`` unless a complete entry is there (``atomic.publish_dir``).
+
+    Entries of other keys are not waited for. An entry without ``stats.json`` (damaged: a hand
+    copy) is replaced. Returns False when another process's entry was used. Leftover temporaries
+    of builds whose process is gone are removed first.
+    """
+    root = Path(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(root.parent, STALE_BUILD_S)
+    return publish_dir(root, build, is_complete)

@@ -1,0 +1,117 @@
+"""Publishing a token-cache entry through the one atomic protocol (``atomic.publish_dir``): the first
+complete entry wins and is never replaced, a damaged one is, a dead build's temporary is removed."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainforge.atomic import staging_dir
+from trainforge.data.cache import publish_entry
+
+
+def writes(text: str):
+    def write(tmp: Path) -> None:
+        (tmp / "train").mkdir()
+        (tmp / "train" / "ids.bin").write_bytes(b"\0" * 64)
+        (tmp / "stats.json").write_text(text)  # what makes an entry complete
+
+    return write
+
+
+def hidden(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def test_a_complete_entry_landing_while_a_damaged_one_is_replaced_is_kept(tmp_path, monkeypatch):
+    """The damaged entry is checked, then another process publishes its complete entry before this one
+    parks what it checked: the complete entry stays, this process uses it (it is never replaced)."""
+    root = tmp_path / "data" / "key"
+    root.mkdir(parents=True)
+    (root / "train").mkdir()  # a hand copy without stats.json: damaged
+    racer = tmp_path / "racer"
+    racer.mkdir()
+    writes("racer")(racer)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if Path(dst).name.startswith(".key.old-") and racer.exists():  # about to park the damaged entry
+            shutil.rmtree(root)
+            real_rename(racer, root)  # the other process got there first
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    assert publish_entry(root, writes("mine")) is False
+    assert (root / "stats.json").read_text() == "racer"
+    assert hidden(root.parent) == []
+
+
+def test_a_damaged_entry_is_replaced_and_a_complete_one_is_not(tmp_path):
+    root = tmp_path / "data" / "key"
+    (root / "train").mkdir(parents=True)  # no stats.json
+    assert publish_entry(root, writes("first")) is True
+    assert (root / "stats.json").read_text() == "first"
+    assert publish_entry(root, writes("second")) is False
+    assert (root / "stats.json").read_text() == "first"
+    assert hidden(root.parent) == []
+
+
+def test_a_failed_build_leaves_nothing(tmp_path):
+    root = tmp_path / "data" / "key"
+
+    def fail(tmp: Path) -> None:
+        (tmp / "stats.json").write_text("half")
+        raise RuntimeError("tokenizer crashed")
+
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):
+        publish_entry(root, fail)
+    assert not root.exists() and hidden(root.parent) == []
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_dead_builds_temporary_is_removed_by_the_next_publisher(tmp_path):
+    root = tmp_path / "data" / "key"
+    root.parent.mkdir(parents=True)
+    host, _, rand = staging_dir(root).name.rsplit("-", 2)
+    dead = root.parent / f"{host}-{_dead_pid()}-{rand}"  # a build whose process was killed
+    dead.mkdir()
+    writes("half")(dead)
+    other = root.parent / f".other.tmp-{host}-{os.getpid()}-abcdef"  # a live build of another entry
+    other.mkdir()
+    assert publish_entry(root, writes("mine")) is True
+    assert hidden(root.parent) == [other.name]
+
+
+def _publish(root: str, tag: str, go, results) -> None:
+    def write(tmp: Path) -> None:
+        writes(tag)(tmp)
+        go.wait()  # every publisher has built its copy before any renames: they all race
+
+    results.put((tag, publish_entry(Path(root), write)))
+
+
+def test_concurrent_publishers_of_one_entry_leave_one_complete_entry(tmp_path):
+    root = tmp_path / "data" / "key"
+    ctx = multiprocessing.get_context("fork")
+    go, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_publish, args=(str(root), f"p{k}", go, results)) for k in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    outcomes = dict(results.get(timeout=5) for _ in procs)
+    winners = [tag for tag, published in outcomes.items() if published]
+    assert len(winners) == 1 and (root / "stats.json").read_text() == winners[0]
+    assert sorted(p.name for p in root.parent.iterdir()) == ["key"]  # no temporaries left
