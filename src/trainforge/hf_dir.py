@@ -126,7 +126,7 @@ SHIPPED_ONLY = "trainforge loads only architectures that transformers ships"
 
 
 def refuse_custom_code(path: str | Path, role: str = "", _seen: frozenset[Path] = frozenset()) -> None:
-    """Raise unless ``path`` loads with transformers' own classes alone; nothing is imported from it, no prompt.
+    """Raise unless ``path`` loads with transformers' own classes alone (and its JSON files parse); nothing is imported from it, no prompt.
 
     Refused: a config.json whose ``auto_map`` is needed (its ``model_type`` is not one transformers ships),
     a config.json naming a ``model_type`` transformers does not know, a tokenizer_config.json whose ``auto_map``
@@ -135,6 +135,10 @@ def refuse_custom_code(path: str | Path, role: str = "", _seen: frozenset[Path] 
     has since adopted) is ignored: loaders pass ``trust_remote_code=False``, and transformers uses its own class.
     ``role``: what the directory is to the user (``model.tokenizer``), put before its name in the message."""
     where = f"{role} {path}".strip()
+    for name in (CONFIG, TOKENIZER_CONFIG, ADAPTER_CONFIG):
+        problem = _json_problem(*_version(path, name))
+        if problem:
+            raise UnsupportedModelDir(f"{where}: its {name} {problem}; fix or replace the file (a saved model writes it)")
     config = _read_json(*_version(path, CONFIG))
     model_type = config.get("model_type")
     shipped = isinstance(model_type, str) and is_architecture(model_type)
@@ -200,12 +204,30 @@ def _version(path: str | Path | None, name: str) -> tuple[str, tuple[int, int, i
 
 
 @lru_cache(maxsize=256)
+def _json_problem(file: str, version: tuple[int, int, int] | None) -> str | None:
+    """What is wrong with a JSON object file that exists (None: nothing, or no such file), per version."""
+    if version is None:
+        return None
+    try:
+        data = json.loads(Path(file).read_text(encoding="utf-8"))
+    except OSError as e:
+        return f"cannot be read ({e.strerror or type(e).__name__})"
+    except UnicodeDecodeError as e:
+        return f"is not UTF-8 text (byte {e.start})"
+    except json.JSONDecodeError as e:
+        return f"is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+    except RecursionError:
+        return "is JSON nested too deeply to parse"
+    return None if isinstance(data, dict) else f"holds a JSON {type(data).__name__}, not an object"
+
+
+@lru_cache(maxsize=256)
 def _read_json(file: str, version: tuple[int, int, int] | None) -> dict[str, Any]:
     """A JSON object file, cached per version; callers get it shared, to read (``read_config`` hands out copies)."""
     if version is None:
         return {}
     try:
         data = json.loads(Path(file).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # _json_problem says what is wrong, where it matters
         return {}
     return data if isinstance(data, dict) else {}

@@ -56,15 +56,16 @@ def cli_command(args: list, faults: dict | None = None, nproc: int = 0) -> tuple
 
 
 def run_cli(
-    args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S, faults: dict | None = None, nproc: int = 0
+    args: list, cwd: Path, timeout: float = CLI_TIMEOUT_S, faults: dict | None = None, nproc: int = 0,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """``python -m trainforge <args>`` in ``cwd``; stdout and stderr captured as text.
+    """``python -m trainforge <args>`` in ``cwd``; stdout and stderr captured as text; ``input``: its stdin.
 
     With ``faults``, the CLI runs under ``fault_runner.py``, which injects them (see there);
     with ``nproc``, under ``torchrun --standalone --nproc_per_node nproc``.
     """
     argv, env = cli_command(args, faults, nproc)
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, cwd=cwd, env=env, input=input, capture_output=True, text=True, timeout=timeout)
 
 
 def start_cli(

@@ -158,3 +158,26 @@ def test_eval_config_takes_the_runs_data_settings_and_reads_every_row(tmp_path, 
     assert plain.data.max_length == 128  # the model's context, below the 1024 default
     with pytest.raises(ConfigError, match="data.packing"):
         eval_config(resolve_source(tiny_model_dir), data, ["data.packing=sometimes"])
+
+
+def test_a_prompt_past_the_models_positions_keeps_its_end_and_a_stop_request_ends_the_sample(tiny_model_dir):
+    """A 120 KB log.sample_prompt once sampled for 93 s past the model's positions and ignored SIGTERM."""
+    from transformers import AutoModelForCausalLM
+
+    from trainforge.data.prompt import fit_context, prompt_ids, sample_prompt
+    from trainforge.model.generate import context_room, sample
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    positions = model.config.max_position_embeddings
+    assert context_room(model, 8) == positions - 8
+    long = prompt_ids(tok, "alpha beta " * 2000, encoder_decoder=False)
+    kept, cut = fit_context(long, context_room(model, 8))
+    assert kept.shape[1] == positions - 8 and cut == long.shape[1] - kept.shape[1]
+    assert kept[0].tolist() == long[0, -kept.shape[1] :].tolist()  # the end of the prompt, next to the reply
+    assert sample_prompt(model, tok, "alpha beta " * 2000, 8, seed=1)  # runs within the positions
+
+    ids = prompt_ids(tok, "alpha beta", encoder_decoder=False)
+    stopped = tok(sample(model, tok, ids, 40, seed=1, stop=lambda: True))["input_ids"]
+    assert len(stopped) <= ids.shape[1] + 1  # at most the token in flight when the request was seen

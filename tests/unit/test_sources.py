@@ -251,3 +251,21 @@ def test_binary_file_through_prepare_is_not_no_rows_found(tmp_path, tiny_tokeniz
     cfg = DataSettings(train=str(path), eval=None, cache_dir=tmp_path / "cache", num_workers=1, on_bad_row="skip")
     with pytest.raises(DataError, match=r"blob\.jsonl is not a text file"):
         prepare_data(cfg, load_tokenizer(tiny_tokenizer_dir), seed=0, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".txt"])
+def test_a_file_the_system_refuses_to_read_is_a_data_error_naming_it(tmp_path, monkeypatch, suffix):
+    """Permission denied (which root never meets, so it is injected), an I/O error: the file and the reason."""
+    path = tmp_path / f"rows{suffix}"
+    path.write_text('{"text": "a"}\n' if suffix != ".csv" else "text\na\n")
+    real_open = builtins.open
+
+    def refusing(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refusing)
+    monkeypatch.setattr(type(path), "read_bytes", lambda self: refusing(self))
+    with pytest.raises(DataError, match=rf"{path}: cannot be read \(Permission denied\)"):
+        list(iter_source(str(path), BadRows("error")))

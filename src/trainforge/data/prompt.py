@@ -9,10 +9,11 @@ EOS-terminated, cut at the source limit keeping EOS).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
-from ..model.generate import is_encoder_decoder, sample
+from ..model.generate import context_room, is_encoder_decoder, sample
 from .seq2seq import source_tokens
 
 
@@ -24,12 +25,19 @@ def prompt_ids(tokenizer, text: str, encoder_decoder: bool, templated: bool = Fa
     return tokenizer(text, return_tensors="pt", add_special_tokens=not templated)["input_ids"]
 
 
+def fit_context(ids: torch.Tensor, room: int | None) -> tuple[torch.Tensor, int]:
+    """The last ``room`` tokens of a prompt (1 x T) that would not leave the model room to write: (ids, tokens cut)."""
+    if room is None or ids.shape[1] <= room:
+        return ids, 0
+    return ids[:, -room:], ids.shape[1] - room
+
+
 def sample_prompt(
     model, tokenizer, prompt: str, max_new_tokens: int = 64, seed: int = 0, temperature: float = 0.8,
-    autocast: contextlib.AbstractContextManager | None = None,
+    autocast: contextlib.AbstractContextManager | None = None, stop: Callable[[], bool] | None = None,
 ) -> str:
-    """The end-of-run sample: ``prompt`` tokenized as training tokenized, continued with seeded top-k
-    sampling (``model.generate.sample``); returns prompt + continuation (an encoder-decoder: the
-    decoder's reply to ``prompt``)."""
-    ids = prompt_ids(tokenizer, prompt, is_encoder_decoder(model))
-    return sample(model, tokenizer, ids, max_new_tokens, seed, temperature, autocast)
+    """The end-of-run sample: ``prompt`` tokenized as training tokenized (its end, when it is longer than
+    the model's positions leave room for), continued with seeded top-k sampling (``model.generate.sample``);
+    returns prompt + continuation (an encoder-decoder: the decoder's reply to ``prompt``). ``stop``: end early."""
+    ids, _ = fit_context(prompt_ids(tokenizer, prompt, is_encoder_decoder(model)), context_room(model, max_new_tokens))
+    return sample(model, tokenizer, ids, max_new_tokens, seed, temperature, autocast, stop)

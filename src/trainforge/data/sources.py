@@ -106,12 +106,17 @@ def iter_source(spec: str, bad: BadRows, txt_mode: str = "file") -> Iterator[Row
         reader = READERS.get(path.suffix)
         if reader is None:
             raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}")
-        if path.suffix in TEXT_SUFFIXES:
-            check_text_file(path)
-        if path.suffix == ".txt":
-            yield from read_txt(path, bad, txt_mode)
-        else:
-            yield from reader(path, bad)
+        try:  # the file system's refusals (permissions, a directory named like a file, I/O errors) name the file
+            if path.suffix in TEXT_SUFFIXES:
+                check_text_file(path)
+            if path.suffix == ".txt":
+                yield from read_txt(path, bad, txt_mode)
+            else:
+                yield from reader(path, bad)
+        except OSError as e:
+            raise DataError(
+                f"{path}: cannot be read ({e.strerror or type(e).__name__}); check that it is a file this user may read"
+            ) from None
 
 
 # ---------------------------------------------------------------- text files
@@ -186,6 +191,9 @@ def read_jsonl(path: Path, bad: BadRows) -> Iterator[Row]:
             except json.JSONDecodeError as e:
                 bad.report(f"{where}: malformed JSON at column {e.colno}: {e.msg}")
                 continue
+            except RecursionError:  # the parser recurses once per level: thousands of nested brackets
+                bad.report(f"{where}: JSON nested too deeply to parse; a row is one object of text fields")
+                continue
             if not isinstance(obj, dict):
                 bad.report(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
                 continue
@@ -200,6 +208,8 @@ def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
         raise DataError(f"{path}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: malformed JSON at column {e.colno}: {e.msg}") from None
+    except RecursionError:  # the parser recurses once per level: thousands of nested brackets
+        raise DataError(f"{path}: JSON nested too deeply to parse; expected an array of row objects") from None
     if not isinstance(items, list):
         raise DataError(f"{path}: expected a JSON array of objects, got {type(items).__name__} (use .jsonl for one object per line)")
     for i, obj in enumerate(items, 1):

@@ -335,7 +335,7 @@ def finish(run: Run) -> RunResult:
     }
     if cfg.log.sample_prompt and (run.dist.is_main or run.dist.mode == "fsdp"):  # FSDP: generating is collective
         text = sample_prompt(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed,
-                             autocast=run.precision.autocast(run.device))
+                             autocast=run.precision.autocast(run.device), stop=lambda: run.stop.requested)
         summary["sample"] = text
         run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
     summary["wall_time_s"] = time.perf_counter() - run.started_at

@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+from transformers import StoppingCriteriaList
 
 
 def is_encoder_decoder(model) -> bool:
@@ -18,14 +19,35 @@ def is_encoder_decoder(model) -> bool:
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
+def context_room(model, max_new_tokens: int) -> int | None:
+    """How many prompt tokens a decoder-only model can read and still write ``max_new_tokens`` within its
+    positions (None: no limit known, or an encoder-decoder, whose source limit is the run's)."""
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if is_encoder_decoder(model) or not isinstance(positions, int):
+        return None
+    return max(1, positions - max_new_tokens)
+
+
+class _StopWhen:
+    """A transformers stopping criterion that ends generation between tokens once ``requested()`` is true
+    (a SIGTERM during the end-of-run sample must not wait for the sample)."""
+
+    def __init__(self, requested: Callable[[], bool]):
+        self.requested = requested
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.requested(), dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def sample(
     model, tokenizer, input_ids: torch.Tensor, max_new_tokens: int = 64, seed: int = 0, temperature: float = 0.8,
-    autocast: contextlib.AbstractContextManager | None = None,
+    autocast: contextlib.AbstractContextManager | None = None, stop: Callable[[], bool] | None = None,
 ) -> str:
     """Continue ``input_ids`` (1 x T) with seeded top-k sampling; returns prompt + continuation (an
     encoder-decoder: the decoder's reply to its input). ``autocast``: the run's precision context (a
-    bf16 frozen base needs it, as training did). Text is tokenized by ``data.prompt.sample_prompt``.
+    bf16 frozen base needs it, as training did). ``stop``: end early once it returns true. Text is
+    tokenized by ``data.prompt.sample_prompt``.
     """
     device = next(model.parameters()).device
     ids = input_ids.to(device)
@@ -43,6 +65,7 @@ def sample(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             use_cache=True,
+            **({"stopping_criteria": StoppingCriteriaList([_StopWhen(stop)])} if stop is not None else {}),
         )
     model.train(was_training)
     return tokenizer.decode(out[0], skip_special_tokens=True)

@@ -27,12 +27,13 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..data.chat import ChatLocator
 from ..data.formats import DEFAULT_CHAT_TEMPLATE
-from ..data.prompt import prompt_ids
+from ..data.prompt import fit_context, prompt_ids
 from ..data.sources import DataError
 from ..hardware import PRECISIONS, configure_backends, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
-from ..model.generate import generate
+from ..model.generate import context_room, generate
 from ..model.resolve import ModelSource, load_model, load_source_tokenizer, resolve_source, run_precision
 
 ROLES = ("system", "user", "assistant")
@@ -106,7 +107,7 @@ def run_generate(
     turns = read_chat(chat) if chat is not None else None
     try:
         dev = pick_device(device)
-    except RuntimeError:
+    except ConfigError:
         raise ConfigError(f"--device {device}: CUDA is not available on this machine; use auto or cpu") from None
     if precision is None and run_precision(src) in PRECISIONS:
         prec, why = PRECISIONS[run_precision(src)], "the run's precision (summary.json)"
@@ -120,13 +121,18 @@ def run_generate(
     text, templated = prompt or "", False
     if turns is not None:
         template, stop = chat_template(src, tokenizer)
-        text = tokenizer.apply_chat_template(turns, chat_template=template, tokenize=False, add_generation_prompt=True)
+        text = ChatLocator(tokenizer, template).render(turns, "--chat", generation_prompt=True)  # sandboxed; errors are DataErrors
         templated = True  # the template writes its own special tokens
     if src.encoder_decoder:
         input_ids = encoder_source(src, tokenizer, text, templated, reporter)
         stop = None  # the decoder learned the reply and its EOS; no end-of-turn marker to stop at
     else:
-        input_ids = prompt_ids(tokenizer, text, encoder_decoder=False, templated=templated)
+        input_ids, cut = fit_context(
+            prompt_ids(tokenizer, text, encoder_decoder=False, templated=templated), context_room(model, max_new_tokens)
+        )
+        if cut:
+            reporter.warn(f"the prompt is {cut} tokens longer than the model's positions leave room for "
+                          f"({max_new_tokens} new tokens): it reads the last {input_ids.shape[1]}")
     if input_ids.shape[1] == 0:
         input_ids = input_ids.new_full((1, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id)
     return generate(
