@@ -24,14 +24,14 @@ HUGE_INIT = {
 }
 
 
-def config(tmp_path, init: dict, **train) -> object:
+def config(tmp_path, init: dict, every_steps: int = 1, **train) -> object:
     docs = conf.toy_documents(200)
     data = conf.write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
     cfg = {
         "model": {"init": dict(init), "tokenizer_vocab_size": 300},
         "data": {"train": str(data), "eval": None, "max_length": 64},
         "train": {"max_steps": 2, "micro_batch_size": 2, "compile": False, "device": "cpu", "precision": "fp32", **train},
-        "checkpoint": {"every_steps": 1},
+        "checkpoint": {"every_steps": every_steps},
         "log": {"every_steps": 1, "report": False},
     }
     return conf.write_config(tmp_path / "run.yaml", cfg)
@@ -58,3 +58,17 @@ def test_a_model_that_can_never_fit_is_refused_before_it_is_built(tmp_path):
     plan = json.loads(r.stdout)
     assert not plan["memory"]["fits"]
     assert any(f["level"] == "error" and "exceeds" in f["message"] for f in plan["findings"])
+
+
+def test_a_full_disk_at_the_first_checkpoint_exits_2_naming_the_path(tmp_path):
+    """The disk fills up while step 2's checkpoint is written: the failed save is reported, then recording
+    it in events.jsonl fails too: exit 2, one paragraph naming the file and what to do, no traceback."""
+    cfg = config(tmp_path, TINY_LLAMA_INIT, every_steps=2, max_steps=4)
+    run = tmp_path / "run"
+    r = run_cli(["train", cfg, "--output", run], tmp_path, faults={"disk_full_from_save": [2, str(run)]})
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    err = " ".join(r.stderr.split())
+    assert "saving checkpoint step-00000002 failed" in " ".join(r.stdout.split())  # said before recording it failed
+    assert f"cannot write {run / 'events.jsonl'}: No space left on device" in err
+    assert "is full" in err and "Free space on that disk" in err and "holds no complete checkpoint" in err

@@ -16,6 +16,7 @@ from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import describe_data, get_tokenizer, plan_data
 from ..dist import DistContext, choose_mode, device_for
 from ..errors import TrainforgeError
+from ..rundir import writing
 from ..hardware import (
     PRECISIONS,
     Precision,
@@ -93,7 +94,8 @@ def setup(
         out = Path(output_dir)
         resume_plan = choose_checkpoint(out, cfg, resume, reporter)
         if resume_plan is None and ctx.is_main:
-            (out / "config.yaml").write_text(cfg.to_yaml())  # a resumed run's, once the checkpoint is checked
+            with writing(out / "config.yaml"):
+                (out / "config.yaml").write_text(cfg.to_yaml())  # a resumed run's, once the checkpoint is checked
     reporter.info(f"output: {out}")
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     # train.global_batch_size fixes the rows per step whatever the process count: grad_accum follows
@@ -152,7 +154,7 @@ def setup(
         reporter=reporter,
         metrics=metrics,
         saver=saver,
-        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device),
+        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device, newest_checkpoint=saver.newest_complete),
         window=LogWindow.on(device),
         stop=stop or StopRequest(),
         dist=ctx,
@@ -263,7 +265,8 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
         if dropped:
             run.reporter.info(f"metrics.jsonl: dropped {dropped} records written after {plan.checkpoint.path.name}")
     if run.dist.is_main:
-        (run.out / "config.yaml").write_text(run.cfg.to_yaml())
+        with writing(run.out / "config.yaml"):
+            (run.out / "config.yaml").write_text(run.cfg.to_yaml())
     run.reporter.info(resume_note(plan, run))
     run.metrics.event("resume", run.step, checkpoint=plan.checkpoint.path.name)
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..rundir import writing
 from .sink import Sink
 
 # fields measured from the clock or the machine: they differ between identical runs, everything else must not
@@ -27,18 +28,21 @@ class MetricsLog:
     trackers (``sinks.py``: TensorBoard, W&B, MLflow). What happened to the run besides its
     steps (a resume, a checkpoint and the pause it cost, an out-of-memory back-off, a stop on a
     signal) goes to ``events.jsonl`` beside it (``event``): never cut back, it tells the whole story.
+    A write that fails (disk full) raises ``RunDirWriteError`` naming the file (rundir.py).
     """
 
     def __init__(self, path: Path, sinks: list[Sink | None] | None = None):
         self.path = path
         self.records = _complete_lines(path)
         self.sinks = [s for s in (sinks or []) if s is not None]
-        self._file = open(path, "a", encoding="utf-8")
+        with writing(path):
+            self._file = open(path, "a", encoding="utf-8")
         self.events_path = path.with_name(EVENTS_FILE)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        with writing(self.path):
+            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.flush()
         self.records += 1
         for sink in self.sinks:
             sink.write(record)
@@ -54,15 +58,16 @@ class MetricsLog:
                 break
             end, kept = nl + 1, kept + 1
         dropped = _complete_lines(self.path) - kept
-        self._file.flush()
-        os.truncate(self.path, end)  # one call: the file is either cut or not
+        with writing(self.path):
+            self._file.flush()
+            os.truncate(self.path, end)  # one call: the file is either cut or not
         self.records = kept
         return dropped
 
     def event(self, event: str, step: int, **fields: Any) -> None:
         """Append ``{"event": event, "step": step, "time": unix time, **fields}`` to events.jsonl."""
         line = json.dumps({"event": event, "step": step, "time": round(time.time(), 3), **fields})
-        with open(self.events_path, "a", encoding="utf-8") as f:
+        with writing(self.events_path), open(self.events_path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
     def summary(self, summary: dict[str, Any]) -> None:
@@ -81,7 +86,10 @@ class MetricsLog:
 
     def close(self, ok: bool = True) -> None:
         """``ok``: the run finished (trackers mark it so); otherwise it failed or stopped."""
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # a line that failed to flush (disk full) was reported when it failed; the rest is on disk
+            pass
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
             sink.close(ok)
