@@ -3,8 +3,8 @@ away) is the environment's fault, not a bug, so it ends the run with ``RunDirWri
 naming the path and what to do, never with a traceback.
 
 The writers at the run directory's boundary wrap their writes in ``writing(path)``: metrics.jsonl and
-events.jsonl (metrics/tracker.py), config.yaml (engine/setup.py), final/ and summary.json
-(engine/trainer.py). A checkpoint that cannot be written is not one of them: the run reports it and
+events.jsonl (``MetricsLog``, which engine/setup.py hands it: metrics/ does not import this row),
+config.yaml (engine/setup.py), final/ and summary.json (engine/trainer.py). A checkpoint that cannot be written is not one of them: the run reports it and
 retries at the next interval (engine/saver.py); report.html is a warning (the run's own files are written).
 """
 

@@ -300,7 +300,7 @@ def open_metrics(cfg: RunConfig, out: Path, resume_plan: ResumePlan | None, repo
     for sink in sinks:
         if sink.name != "tensorboard":
             reporter.info(f"{sink.name}: {sink.where}")
-    return MetricsLog(out / "metrics.jsonl", sinks)
+    return MetricsLog(out / "metrics.jsonl", sinks, writing)  # a full disk: RunDirWriteError naming the file
 
 
 def fit_to_machine(
