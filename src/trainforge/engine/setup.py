@@ -16,7 +16,6 @@ from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import describe_data, get_tokenizer, plan_data
 from ..dist import DistContext, choose_mode, device_for
 from ..errors import TrainforgeError
-from ..rundir import writing
 from ..hardware import (
     PRECISIONS,
     Precision,
@@ -44,6 +43,7 @@ from ..model.load import (
     overflows_in_fp16,
     weight_storage,
 )
+from ..rundir import writing
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .predict.fit import Fit, fit_run, rough_skeleton_estimate
 from .predict.memory import MemoryEstimate, estimate_memory, memory_refusal, memory_warning
