@@ -18,12 +18,17 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .errors import EXIT_BAD_INPUT, TrainforgeError, exit_codes_text
+from .errors import EXIT_BAD_INPUT, EXIT_PLAN_ERROR, EXIT_UNEXPECTED, TrainforgeError, exit_codes_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 err = Console(stderr=True, highlight=False)
 
 TRAIN_EPILOG = "Exit codes: " + exit_codes_text()
+PLAN_EPILOG = (
+    f"Exit codes: 0 no finding is an error; {EXIT_PLAN_ERROR} a finding is an error (the run as planned would fail: "
+    f"it does not fit, the device cannot do it, ...; each finding names its fix); {EXIT_BAD_INPUT} bad input "
+    f"(config, unknown --hardware); {EXIT_UNEXPECTED} --measure's real steps failed, or an unexpected error."
+)
 
 
 @app.callback()
@@ -195,7 +200,7 @@ def selftest(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(epilog=PLAN_EPILOG)
 def plan(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
@@ -246,8 +251,10 @@ def plan(
         render(result, console)
         if measure:
             render_measured(result, result["measured"], console)
-    if any(f["level"] == "error" for f in result["findings"]) or "error" in result.get("measured", {}):
-        raise typer.Exit(1)
+    if any(f["level"] == "error" for f in result["findings"]):
+        raise typer.Exit(EXIT_PLAN_ERROR)
+    if "error" in result.get("measured", {}):
+        raise typer.Exit(EXIT_UNEXPECTED)
 
 
 @app.command()

@@ -12,15 +12,19 @@ EXIT_UNEXPECTED = 1  # a bug or an unforeseen failure: the traceback is printed
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
 EXIT_OUT_OF_MEMORY = 4
+EXIT_PLAN_ERROR = 5  # `trainforge plan`: a finding is an error (the run as planned would fail)
 EXIT_INTERRUPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, retrying (resuming) is expected to work
 
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "done",
     EXIT_UNEXPECTED: "unexpected error (a traceback is printed)",
-    EXIT_BAD_INPUT: "bad input (config, data, model directory, output directory, a checkpoint that does not fit) "
-    "or an output directory another live run holds (it is named)",
+    EXIT_BAD_INPUT: "bad input (config, data, model directory, output directory, a checkpoint that does not fit), "
+    "an output directory another live run holds (it is named), or a run directory that cannot be written "
+    "mid-run (disk full: the path is named)",
     EXIT_NONFINITE: "stopped after train.max_skipped_steps non-finite steps in a row",
-    EXIT_OUT_OF_MEMORY: "out of memory even at micro-batch 1",
+    EXIT_OUT_OF_MEMORY: "out of memory even at micro-batch 1, or refused before loading the model: "
+    "its estimated memory exceeds the device's twice over",
+    EXIT_PLAN_ERROR: "plan: a finding is an error (the run as planned would fail; each finding names its fix)",
     EXIT_INTERRUPTED: "stopped by SIGTERM/SIGINT after saving a checkpoint: run the same command again to resume "
     "(a second signal stops at once, without saving)",
 }

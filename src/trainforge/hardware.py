@@ -303,6 +303,21 @@ def memory_cap_gib(found: float) -> float:
         raise ValueError(f"${MEMORY_CAP_ENV}={cap!r}: expected a number of GiB, e.g. 12") from None
 
 
+def device_memory(device: torch.device) -> tuple[int | None, str]:
+    """(bytes, what they are) a run on ``device`` can have at most, as ``plan`` counts them: the GPU's total
+    memory, or on a CPU what the system has available plus what this process holds; capped by
+    $TRAINFORGE_MEMORY_GIB. None where the system does not say."""
+    if device.type == "cuda":
+        found, where = torch.cuda.get_device_properties(device).total_memory, f"the GPU ({torch.cuda.get_device_name(device)})"
+    else:
+        available = available_memory_bytes(device)
+        if available is None:
+            return None, "system memory"
+        found, where = available + process_rss_bytes(), "system memory available to this process"
+    capped = int(memory_cap_gib(found / 2**30) * 2**30)
+    return capped, where + (f", capped by ${MEMORY_CAP_ENV}" if capped < found else "")
+
+
 def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bool = True):
     """The hardware profile of the machine at hand: a GPU's table entry with its real memory, or
     this CPU as measured (matmul peak per precision, copy bandwidth, per-op overhead; cached).

@@ -12,6 +12,9 @@ Faults (all optional; steps are 1-based optimizer steps):
                                        most 10 minutes) for PATH to exist; signals sent meanwhile are handled
   {"pause_in_build": "PATH"}           build the token cache entry, then create PATH.paused and wait (at
                                        most 10 minutes) for PATH to exist before renaming it into place
+  {"disk_full_from_save": [2, "DIR"]}  the disk under DIR fills up as step 2's checkpoint is written: that
+                                       torch.save and, from then on, every open() for writing under DIR
+                                       raise OSError(ENOSPC), as a full tmpfs would
 
 The faults hook into trainforge by monkeypatching, so the product code carries no test switches.
 """
@@ -82,6 +85,38 @@ def install(faults: dict) -> None:
                 os.kill(os.getpid(), getattr(signal, save_fault[1]))
 
         torch.save = save_then_signal
+
+
+    full = faults.get("disk_full_from_save")
+    if full:
+        _fill_disk(full[0], full[1])
+
+
+def _fill_disk(step: int, directory: str) -> None:
+    import builtins
+    import errno
+
+    root, marker, filled = os.path.realpath(directory), f".{step_dir_name(step)}.tmp", [False]
+    real_open, real_save = builtins.open, torch.save
+
+    def no_space(path) -> OSError:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def under_root(path) -> bool:
+        return isinstance(path, (str, os.PathLike)) and os.path.realpath(path).startswith(root + os.sep)
+
+    def full_open(file, mode="r", *args, **kwargs):
+        if filled[0] and any(c in mode for c in "wax+") and under_root(file):
+            raise no_space(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def full_save(obj, f, *args, **kwargs):
+        filled[0] = filled[0] or marker in str(f)  # f: the checkpoint's checksumming writer, which names its file
+        if filled[0] and (under_root(f) or root in str(f)):
+            raise no_space(getattr(f, "name", f))
+        return real_save(obj, f, *args, **kwargs)
+
+    builtins.open, torch.save = full_open, full_save
 
 
 def _wait_for(path: str) -> None:

@@ -57,7 +57,7 @@ def test_plan_findings_with_fixes(tmp_path):
     messages = " | ".join(f["message"] + " -> " + f["fix"] for f in plan["findings"])
     assert "no bf16" in messages and "positions" in messages and "log.every_steps" in messages
     assert "micro-batch 1" in messages
-    assert r.returncode == 1  # errors were found
+    assert r.returncode == 5  # errors were found: plan's own documented code (errors.EXIT_PLAN_ERROR)
 
 
 def capped(tmp_path, cfg, room_gib: float) -> str:

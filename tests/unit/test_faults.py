@@ -91,6 +91,8 @@ def test_a_run_of_nan_steps_stops_naming_the_steps_and_examples(config, tmp_path
     step3 = [i for mb in records[3]["example_indices"] for i in mb]
     assert "stopped at step 4" in message and "steps 3-4" in message and "max_skipped_steps=2" in message
     assert f"step 3: {step3}" in message and "step 4: [" in message
+    newest = tmp_path / "run" / "checkpoints" / "step-00000003"  # step 3 was skipped: it holds step 2's weights
+    assert f"the newest checkpoint, {newest}, holds the last good weights" in message
     assert 4 not in records  # stopped before logging or saving step 4
     assert not (tmp_path / "run" / "checkpoints" / "step-00000004").exists()
     assert same_weights_and_optimizer(state(tmp_path / "run", 3), state(tmp_path / "run", 2))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,8 +45,13 @@ class NonFiniteGuard:
     is no device to wait for, so the count is read at once.
     """
 
-    def __init__(self, limit: int, device: torch.device, lagged: bool | None = None):
+    def __init__(
+        self, limit: int, device: torch.device, lagged: bool | None = None,
+        newest_checkpoint: Callable[[], Path | None] | None = None,
+    ):
+        """``newest_checkpoint``: asked when the run stops, the checkpoint its message names (None: there is none)."""
         self.limit = limit
+        self.newest_checkpoint = newest_checkpoint
         self.total = torch.zeros((), dtype=torch.int64, device=device)
         self.streak = torch.zeros((), dtype=torch.int64, device=device)
         self.lagged = device.type == "cuda" if lagged is None else lagged
@@ -80,8 +87,17 @@ class NonFiniteGuard:
             f"training stopped at step {step}: the loss or gradient norm was not finite for {streak} steps in a row "
             f"(steps {step - streak + 1}-{step}, train.max_skipped_steps={self.limit}); their updates were skipped. "
             f"Example indices of those batches: {listed or 'not recorded'}. Check those examples, lower optim.lr "
-            "or raise optim.warmup_steps; the newest checkpoint holds the last good weights"
+            f"or raise optim.warmup_steps{self._last_good()}"
         )
+
+    def _last_good(self) -> str:
+        """Where the last good weights are, as the message's last clause (skipped updates never reach the weights)."""
+        if self.newest_checkpoint is None:
+            return ""
+        newest = self.newest_checkpoint()
+        if newest is None:
+            return "; no checkpoint was saved before the stop, so none holds this run's weights (checkpoint.every_steps)"
+        return f"; the newest checkpoint, {newest}, holds the last good weights (skipped steps never changed them)"
 
     def state_dict(self) -> dict[str, Any]:
         return {"total": self.total.detach().cpu().clone(), "streak": self.streak.detach().cpu().clone()}

@@ -3,6 +3,7 @@ a failed save is reported, leaves earlier checkpoints intact and is retried at t
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +19,19 @@ from ..runlock import check_writer
 
 StateFn = Callable[[], dict[str, Any]]
 Writer = Callable[[Path, int, dict[str, Any], dict[str, Any], int], Any]  # save_checkpoint's signature
+
+
+def free_space(path: Path) -> str:
+    """`` (12.3 MiB free on its disk)``: what a failed save's message adds, as the errors of torch.save do not say
+    that the disk is full; empty when the disk cannot be asked."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return ""
+    return f" ({free / 2**20:,.1f} MiB free on its disk)"
 
 
 def cpu_snapshot(obj: Any) -> Any:
@@ -109,6 +123,13 @@ class Checkpointer:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
+    def newest_complete(self) -> Path | None:
+        """The newest complete checkpoint on disk, this run's or one it resumed from (a save in flight is waited
+        for first); None when there is none."""
+        self._poll(wait=True)
+        complete, _ = scan_checkpoints(self.root)
+        return complete[-1].path if complete else None
+
     def summary(self) -> dict[str, Any]:
         return {"checkpoint_saves": self.saves, "checkpoint_failures": self.failures, "checkpoint_stall_s": self.stall_s}
 
@@ -140,10 +161,11 @@ class Checkpointer:
 
     def _failed(self, step: int, error: Exception) -> None:
         self.failures += 1
-        self.on_event("checkpoint_failed", step, error=str(error))
         complete, _ = scan_checkpoints(self.root)
         kept = f"newest complete checkpoint: {complete[-1].path.name}" if complete else "no complete checkpoint yet"
         self.reporter.warn(
-            f"saving checkpoint {step_dir_name(step)} failed: {error}. Earlier checkpoints are intact ({kept}); "
-            "retrying at the next interval"
+            f"saving checkpoint {step_dir_name(step)} failed: {error}{free_space(self.root)}. Earlier checkpoints are "
+            f"intact ({kept}); retrying at the next interval"
         )
+        # said first: recording it may fail too when the disk is full, and stop the run (RunDirWriteError)
+        self.on_event("checkpoint_failed", step, error=str(error))

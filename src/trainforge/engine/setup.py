@@ -15,6 +15,7 @@ from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_m
 from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import describe_data, get_tokenizer, plan_data
 from ..dist import DistContext, choose_mode, device_for
+from ..errors import TrainforgeError
 from ..hardware import (
     PRECISIONS,
     Precision,
@@ -22,6 +23,7 @@ from ..hardware import (
     configure_backends,
     cpu_has_native_bf16,
     describe,
+    device_memory,
     emulated_precision,
     peak_flops,
     pick_device,
@@ -41,10 +43,12 @@ from ..model.load import (
     overflows_in_fp16,
     weight_storage,
 )
+from ..rundir import writing
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
-from .predict.fit import Fit, fit_run
-from .predict.memory import MemoryEstimate, estimate_memory, memory_warning
+from .predict.fit import Fit, fit_run, rough_skeleton_estimate
+from .predict.memory import MemoryEstimate, estimate_memory, memory_refusal, memory_warning
 from .nonfinite import NonFiniteGuard
+from .oom import OutOfMemory
 from .optim import build_optimizer
 from .preempt import StopRequest
 from .resume import CHECKPOINTS, ResumePlan, check_fits_run, checkpoint_meta, choose_checkpoint, resume_note
@@ -85,11 +89,13 @@ def setup(
 
     with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
         tokenizer = get_tokenizer(cfg, reporter)
+        refuse_what_cannot_fit(cfg, tokenizer, precision, device, ctx)  # before the data and the model cost anything
         data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
         out = Path(output_dir)
         resume_plan = choose_checkpoint(out, cfg, resume, reporter)
         if resume_plan is None and ctx.is_main:
-            (out / "config.yaml").write_text(cfg.to_yaml())  # a resumed run's, once the checkpoint is checked
+            with writing(out / "config.yaml"):
+                (out / "config.yaml").write_text(cfg.to_yaml())  # a resumed run's, once the checkpoint is checked
     reporter.info(f"output: {out}")
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     # train.global_batch_size fixes the rows per step whatever the process count: grad_accum follows
@@ -148,7 +154,7 @@ def setup(
         reporter=reporter,
         metrics=metrics,
         saver=saver,
-        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device),
+        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device, newest_checkpoint=saver.newest_complete),
         window=LogWindow.on(device),
         stop=stop or StopRequest(),
         dist=ctx,
@@ -161,6 +167,43 @@ def setup(
     if resume_plan is not None:
         continue_from(run, resume_plan)  # last: it restores the random states that building the run consumed
     return run
+
+
+def refuse_what_cannot_fit(cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx: DistContext) -> None:
+    """Raise ``OutOfMemory`` (exit 4) before anything is allocated when the rough estimate of the run, from the
+    model's skeleton on the meta device, exceeds the device's memory ``REFUSE_FACTOR`` times over (memory.py),
+    even at the least the run can get to on its own: one row on a single GPU (out of memory backs off to it),
+    else the configured micro-batch (a CPU process is killed, data-parallel ranks do not back off); with
+    activation checkpointing when it is on or auto; under FSDP the model state shared by the processes."""
+    capacity, where = device_memory(device)
+    if not capacity:
+        return
+    t = cfg.train
+    backs_off = device.type == "cuda" and not ctx.enabled
+    rows = t.micro_batch_size if isinstance(t.micro_batch_size, int) and not backs_off else 1
+    ckpt = t.activation_checkpointing is not False
+    shards = ctx.world_size if ctx.enabled and t.distributed != "ddp" else 1
+    try:
+        est = rough_skeleton_estimate(cfg, tokenizer, precision, rows, ckpt, shards)
+    except TrainforgeError:
+        raise
+    except Exception:  # a model the skeleton cannot describe: the run goes on, the warning after loading still speaks
+        return
+    at = f"at micro-batch {rows}" + (" with activation checkpointing" if ckpt else "")
+    fixes = (["lower train.micro_batch_size (raise train.grad_accum to keep the global batch)"] if rows > 1 else []) + [
+        f"lower data.max_length ({cfg.data.max_length})"
+    ]
+    if not ckpt:
+        fixes.append("set train.activation_checkpointing: auto")
+    if cfg.model.init is not None:
+        fixes.append("make model.init smaller (hidden_size, intermediate_size, num_hidden_layers)")
+    elif cfg.model.method != "qlora":
+        fixes.append("use model.method: " + ("lora or qlora" if cfg.model.method == "full" else "qlora"))
+    if ctx.enabled and shards == 1:
+        fixes.append("use train.distributed: fsdp")
+    message = memory_refusal(est, capacity, where, at, fixes)
+    if message:
+        raise OutOfMemory(message)
 
 
 def choose_device_and_precision(cfg: RunConfig, ctx: DistContext, reporter: ConsoleReporter) -> tuple[torch.device, Precision, str]:
@@ -222,7 +265,8 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
         if dropped:
             run.reporter.info(f"metrics.jsonl: dropped {dropped} records written after {plan.checkpoint.path.name}")
     if run.dist.is_main:
-        (run.out / "config.yaml").write_text(run.cfg.to_yaml())
+        with writing(run.out / "config.yaml"):
+            (run.out / "config.yaml").write_text(run.cfg.to_yaml())
     run.reporter.info(resume_note(plan, run))
     run.metrics.event("resume", run.step, checkpoint=plan.checkpoint.path.name)
 
@@ -256,7 +300,7 @@ def open_metrics(cfg: RunConfig, out: Path, resume_plan: ResumePlan | None, repo
     for sink in sinks:
         if sink.name != "tensorboard":
             reporter.info(f"{sink.name}: {sink.where}")
-    return MetricsLog(out / "metrics.jsonl", sinks)
+    return MetricsLog(out / "metrics.jsonl", sinks, writing)  # a full disk: RunDirWriteError naming the file
 
 
 def fit_to_machine(

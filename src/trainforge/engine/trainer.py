@@ -25,6 +25,7 @@ from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepProfile
 from ..model.compile import compile_decoder
 from ..model.load import count_parameters, weight_storage
+from ..rundir import writing
 from ..runlock import OutputDirError, hold_run_dir
 from .evaluate import evaluate
 from .nonfinite import final_weights_check
@@ -291,7 +292,8 @@ def finish(run: Run) -> RunResult:
 
     final_dir = out / "final"
     if run.dist.is_main:
-        atomic_write_dir(final_dir, write_final)
+        with writing(final_dir):  # disk full: RunDirWriteError naming it (rundir.py)
+            atomic_write_dir(final_dir, write_final)
         run.reporter.info(f"saved {final_dir}")
     peak = int(run.dist.all_reduce(torch.tensor(peak_memory_bytes(run.device), device=run.device), "max").item())
 
@@ -340,7 +342,8 @@ def finish(run: Run) -> RunResult:
         run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
     summary["wall_time_s"] = time.perf_counter() - run.started_at
     if run.dist.is_main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        with writing(out / "summary.json"):
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.metrics.summary(summary)
     run.reporter.info(
         f"done: {c.step} steps, {c.tokens_seen:,} tokens in {c.loop_time_s:.1f}s "

@@ -225,5 +225,8 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
             r.name = str(r.path)  # two runs of the same name from different places: tell them apart
     out = Path(out) if out is not None else (runs[0].path / REPORT_FILE if len(runs) == 1 else Path(REPORT_FILE))
     page = render_html(runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write_text(out, page)  # a browser (or a second writer) never sees half a page
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return atomic_write_text(out, page)  # a browser (or a second writer) never sees half a page
+    except OSError as e:  # disk full, read-only, ...: the environment's, said with the path (exit 2)
+        raise ReportError(f"cannot write {out}: {e.strerror or e}; free space there, or write it elsewhere with --out FILE") from e

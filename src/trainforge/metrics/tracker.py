@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +30,26 @@ class MetricsLog:
     trackers (``sinks.py``: TensorBoard, W&B, MLflow). What happened to the run besides its
     steps (a resume, a checkpoint and the pause it cost, an out-of-memory back-off, a stop on a
     signal) goes to ``events.jsonl`` beside it (``event``): never cut back, it tells the whole story.
+    ``writing(path)``: the context every write of ``path`` runs in; a run passes ``rundir.writing``, so a
+    write that fails (disk full) raises ``RunDirWriteError`` naming the file.
     """
 
-    def __init__(self, path: Path, sinks: list[Sink | None] | None = None):
+    def __init__(
+        self, path: Path, sinks: list[Sink | None] | None = None,
+        writing: Callable[[Path], AbstractContextManager[Any]] = lambda path: contextlib.nullcontext(),
+    ):
         self.path = path
+        self.writing = writing
         self.records = _complete_lines(path)
         self.sinks = [s for s in (sinks or []) if s is not None]
-        self._file = open(path, "a", encoding="utf-8")
+        with writing(path):
+            self._file = open(path, "a", encoding="utf-8")
         self.events_path = path.with_name(EVENTS_FILE)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        with self.writing(self.path):
+            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.flush()
         self.records += 1
         for sink in self.sinks:
             sink.write(record)
@@ -54,15 +65,16 @@ class MetricsLog:
                 break
             end, kept = nl + 1, kept + 1
         dropped = _complete_lines(self.path) - kept
-        self._file.flush()
-        os.truncate(self.path, end)  # one call: the file is either cut or not
+        with self.writing(self.path):
+            self._file.flush()
+            os.truncate(self.path, end)  # one call: the file is either cut or not
         self.records = kept
         return dropped
 
     def event(self, event: str, step: int, **fields: Any) -> None:
         """Append ``{"event": event, "step": step, "time": unix time, **fields}`` to events.jsonl."""
         line = json.dumps({"event": event, "step": step, "time": round(time.time(), 3), **fields})
-        with open(self.events_path, "a", encoding="utf-8") as f:
+        with self.writing(self.events_path), open(self.events_path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
     def summary(self, summary: dict[str, Any]) -> None:
@@ -81,7 +93,10 @@ class MetricsLog:
 
     def close(self, ok: bool = True) -> None:
         """``ok``: the run finished (trackers mark it so); otherwise it failed or stopped."""
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # a line that failed to flush (disk full) was reported when it failed; the rest is on disk
+            pass
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
             sink.close(ok)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from ...config import RunConfig
 from ...hardware import Precision
 from ...profiles import GIB, HardwareProfile
-from .memory import estimate_memory
-from .trace import StepTrace, trace_training_step
+from .memory import MemoryEstimate, estimate_memory
+from .trace import StepTrace, quantize_base_4bit, trace_training_step
 
 FIT_MARGIN = 0.90  # micro_batch_size: auto and checkpointing: auto keep the predicted process peak under this share
 AUTO_MAX_MICRO_BATCH = 256  # auto never picks more rows per pass than this (nor more than the global batch)
@@ -207,6 +209,27 @@ def rough_skeleton_bytes(cfg: RunConfig, tokenizer, precision: Precision, micro_
 
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
     return estimate_memory(skeleton, micro_batch_size, cfg.row_tokens(), precision).total
+
+
+def rough_skeleton_estimate(
+    cfg: RunConfig, tokenizer, precision: Precision, micro_batch_size: int, activation_checkpointing: bool = False,
+    shards: int = 1,
+) -> MemoryEstimate:
+    """The rough estimate (memory.py) of a step at ``micro_batch_size`` rows, from the model's skeleton on the
+    meta device: nothing is allocated, whatever the model's size. A QLoRA base counts at 4 bits per weight;
+    ``shards``: weights, gradients and optimizer state divided over that many processes (FSDP)."""
+    from ...model.load import build_model_skeleton
+
+    skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing)
+    if cfg.model.method == "qlora":
+        quantize_base_4bit(skeleton, precision.autocast_dtype or torch.float32)
+    est = estimate_memory(
+        skeleton, micro_batch_size, cfg.row_tokens(), precision, activation_checkpointing, cfg.train.fused_loss
+    )
+    if shards > 1:
+        w, g, o = (-(-x // shards) for x in (est.weights, est.grads, est.optimizer))
+        est = MemoryEstimate(w, g, o, est.activations)
+    return est
 
 
 def _why_ckpt(auto: bool, on: bool, m: MemoryPrediction, profile: HardwareProfile) -> str:

@@ -9,6 +9,10 @@ import torch
 from ...hardware import Precision
 
 GIB = 1024**3
+REFUSE_FACTOR = 2.0
+"""``train`` refuses, before loading the model, a run whose rough estimate exceeds the device's memory this many
+times over (between 1x and this, it warns): the estimate is rough, never this far off."""
+FUSED_LOSS_ROWS = 4096  # the fused loss's largest chunk of target positions (loss.CHUNK): its logits are all it holds
 
 
 @dataclass(frozen=True)
@@ -24,15 +28,20 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         parts = ("weights", "grads", "optimizer", "activations")
-        return f"{self.total / GIB:.2f} GiB (" + ", ".join(f"{p} {getattr(self, p) / GIB:.2f}" for p in parts) + ")"
+        return f"{self.total / GIB:,.2f} GiB (" + ", ".join(f"{p} {getattr(self, p) / GIB:,.2f}" for p in parts) + ")"
 
 
-def estimate_memory(model: torch.nn.Module, micro_batch_size: int, seq_len: int, precision: Precision) -> MemoryEstimate:
+def estimate_memory(
+    model: torch.nn.Module, micro_batch_size: int, seq_len: int, precision: Precision,
+    activation_checkpointing: bool = False, fused_loss: bool = False,
+) -> MemoryEstimate:
     """Bytes a training step needs at its peak, roughly (no fragmentation, no framework overhead).
 
     Activations kept for backward per token and layer: about 9 hidden-size vectors (norms,
     q/k/v, attention output, residuals) and 4 intermediate-size ones (gate, up, activation,
     product), in the compute dtype; plus fp32 logits and their gradient over the vocabulary.
+    ``activation_checkpointing``: each layer keeps only its input, and one layer at a time
+    recomputes the rest; ``fused_loss``: logits exist for one chunk of positions at a time.
     """
     c = getattr(model, "config", None)
     hidden = getattr(c, "hidden_size", 0)
@@ -45,7 +54,10 @@ def estimate_memory(model: torch.nn.Module, micro_batch_size: int, seq_len: int,
     optimizer = 2 * sum(p.numel() * 4 for p in trainable)  # AdamW: exp_avg and exp_avg_sq in fp32
     act_bytes = 4 if precision.autocast_dtype is None else 2
     tokens = micro_batch_size * seq_len
-    activations = tokens * (layers * act_bytes * (9 * hidden + 4 * inter) + vocab * 8)
+    layer = act_bytes * (9 * hidden + 4 * inter)
+    kept = layers * act_bytes * hidden + layer if activation_checkpointing else layers * layer
+    logits = vocab * 8 * (min(tokens, FUSED_LOSS_ROWS) if fused_loss else tokens)
+    activations = tokens * kept + logits
     return MemoryEstimate(weights, grads, optimizer, activations)
 
 
@@ -62,4 +74,18 @@ def memory_warning(estimate: MemoryEstimate, available: int | None, device: torc
         f"this run may not fit: estimated memory {estimate.describe()} exceeds the {available / GIB:.2f} GiB {where}; "
         "lower train.micro_batch_size (raise train.grad_accum to keep the global batch) or data.max_length, "
         "or use model.method: lora"
+    )
+
+
+def memory_refusal(estimate: MemoryEstimate, capacity: int | None, where: str, at: str, fixes: list[str]) -> str | None:
+    """Why a run whose rough ``estimate`` (``at``: the settings it assumes) exceeds ``capacity`` (the device's
+    memory, ``where``) more than ``REFUSE_FACTOR`` times over cannot run, and ``fixes``; None when it may start
+    (``memory_warning`` covers 1x-2x)."""
+    if not capacity or estimate.total <= REFUSE_FACTOR * capacity:
+        return None
+    return (
+        f"this run cannot fit: estimated memory {estimate.describe()} {at} is {estimate.total / capacity:,.1f}x the "
+        f"{capacity / GIB:.1f} GiB of {where}; refused before loading the model (above {REFUSE_FACTOR:g}x; between "
+        f"1x and {REFUSE_FACTOR:g}x a run starts with a warning). To fit: " + "; ".join(fixes)
+        + ". `trainforge plan CONFIG` shows the prediction part by part"
     )

@@ -1,0 +1,74 @@
+"""Hostile and broken inputs through the real CLI: a model that can never fit is refused before it is
+built (exit 4, in seconds, no traceback), `plan` says so with its own code (5), and a full disk while
+the run writes its directory ends with exit 2 naming the path."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from integration_helpers import root_conftest, run_cli
+
+from conftest import TINY_LLAMA_INIT
+
+conf = root_conftest()
+
+# ~137e9 parameters: terabytes of weights, gradients and AdamW state in fp32; on the meta device it costs nothing
+HUGE_INIT = {
+    "architecture": "llama",
+    "hidden_size": 32768,
+    "intermediate_size": 131072,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 64,
+    "max_position_embeddings": 128,
+}
+
+
+def config(tmp_path, init: dict, every_steps: int = 1, **train) -> object:
+    docs = conf.toy_documents(200)
+    data = conf.write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    cfg = {
+        "model": {"init": dict(init), "tokenizer_vocab_size": 300},
+        "data": {"train": str(data), "eval": None, "max_length": 64},
+        "train": {"max_steps": 2, "micro_batch_size": 2, "compile": False, "device": "cpu", "precision": "fp32", **train},
+        "checkpoint": {"every_steps": every_steps},
+        "log": {"every_steps": 1, "report": False},
+    }
+    return conf.write_config(tmp_path / "run.yaml", cfg)
+
+
+def test_a_model_that_can_never_fit_is_refused_before_it_is_built(tmp_path):
+    cfg = config(tmp_path, HUGE_INIT)
+    started = time.monotonic()
+    r = run_cli(["train", cfg, "--output", tmp_path / "run"], tmp_path, timeout=120)
+    took = time.monotonic() - started
+    assert r.returncode == 4, r.stderr
+    assert "Traceback" not in r.stderr
+    err = " ".join(r.stderr.split())
+    assert "this run cannot fit: estimated memory" in err and "refused before loading the model" in err
+    assert "GiB of system memory available to this process" in err
+    assert "make model.init smaller" in err and "trainforge plan CONFIG" in err
+    assert "model:" not in r.stdout  # build_run_model never ran: nothing of the model was allocated
+    assert took < 60, took  # terabytes would take far longer to allocate, or be killed
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+    # plan says the same with its own code, 5 (errors.EXIT_PLAN_ERROR)
+    r = run_cli(["plan", cfg, "--json"], tmp_path, timeout=300)
+    assert r.returncode == 5, r.stderr
+    plan = json.loads(r.stdout)
+    assert not plan["memory"]["fits"]
+    assert any(f["level"] == "error" and "exceeds" in f["message"] for f in plan["findings"])
+
+
+def test_a_full_disk_at_the_first_checkpoint_exits_2_naming_the_path(tmp_path):
+    """The disk fills up while step 2's checkpoint is written: the failed save is reported, then recording
+    it in events.jsonl fails too: exit 2, one paragraph naming the file and what to do, no traceback."""
+    cfg = config(tmp_path, TINY_LLAMA_INIT, every_steps=2, max_steps=4)
+    run = tmp_path / "run"
+    r = run_cli(["train", cfg, "--output", run], tmp_path, faults={"disk_full_from_save": [2, str(run)]})
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    err = " ".join(r.stderr.split())
+    assert "saving checkpoint step-00000002 failed" in " ".join(r.stdout.split())  # said before recording it failed
+    assert f"cannot write {run / 'events.jsonl'}: No space left on device" in err
+    assert "is full" in err and "Free space on that disk" in err and "holds no complete checkpoint" in err
