@@ -21,8 +21,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .config_base import Section
-from .config_errors import ConfigError, format_errors, key_lines
+from .config_base import MAX_COUNT, MAX_TOKENS, Section
+from .config_errors import ConfigError, format_errors, key_lines, read_yaml
 from .config_model import (
     LoraSettings, ModelSettings, input_is_encoder_decoder, is_encoder_decoder, model_type_of, validate_init_fields,
 )
@@ -98,11 +98,12 @@ class DataSettings(Section):
         False, description="also learn prompt / user / system tokens (default: completion- / assistant-only)"
     )
     max_length: int = Field(
-        1024, gt=0, description="tokens per training row; encoder-decoder models: source tokens per example (the encoder's side)"
+        1024, gt=0, le=MAX_TOKENS, description="tokens per training row; encoder-decoder models: source tokens per example (the encoder's side)"
     )
     max_target_length: int | None = Field(
         None,
         gt=0,
+        le=MAX_TOKENS,
         description="encoder-decoder models only: target tokens per example (the decoder's side, its EOS "
         "included); default: data.max_length",
     )
@@ -123,8 +124,8 @@ class DataSettings(Section):
     cache_dir: Path | None = Field(
         None, description="token cache (default: $TRAINFORGE_CACHE or ~/.cache/trainforge)"
     )
-    num_workers: int | None = Field(None, ge=1, description="tokenizer processes (default: all cores)")
-    max_documents: int | None = Field(None, gt=0, description="read at most this many documents (quick tries)")
+    num_workers: int | None = Field(None, ge=1, le=4096, description="tokenizer processes (default: all cores)")
+    max_documents: int | None = Field(None, gt=0, le=MAX_COUNT, description="read at most this many documents (quick tries)")
 
     @field_validator("train")
     @classmethod
@@ -171,16 +172,16 @@ def _check_source(spec: str) -> None:
 
 
 class TrainSettings(Section):
-    max_steps: int | None = Field(None, gt=0, description="optimizer steps (or give epochs)")
-    epochs: float | None = Field(None, gt=0, description="passes over the training data (or give max_steps)")
+    max_steps: int | None = Field(None, gt=0, le=MAX_COUNT, description="optimizer steps (or give epochs)")
+    epochs: float | None = Field(None, gt=0, le=10**6, description="passes over the training data (or give max_steps)")
     micro_batch_size: int | Literal["auto"] = Field(
         8,
         description="rows per forward pass; auto: the largest the plan predicts fits in 90% of the device's "
         "memory (see trainforge plan), at most global_batch_size / processes",
     )
-    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    grad_accum: int = Field(1, gt=0, le=2**20, description="micro-batches per optimizer step")
     global_batch_size: int | None = Field(
-        None, gt=0, description="rows per optimizer step over all processes; sets grad_accum to "
+        None, gt=0, le=2**30, description="rows per optimizer step over all processes; sets grad_accum to "
         "global_batch_size / (micro_batch_size x processes), which must divide it",
     )
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
@@ -198,14 +199,14 @@ class TrainSettings(Section):
         "linear layer (LoRA on the head, soft-capped logits) always take the standard path",
     )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="auto: CUDA when present, else CPU")
-    seed: int = Field(0, description="seeds initialization, data order, eval split and sampling")
+    seed: int = Field(0, ge=0, lt=2**32, description="seeds initialization, data order, eval split and sampling")
     compile: bool | Literal["auto"] = Field(
         "auto",
         description="torch.compile the decoder; auto: after timing the first steps, only when the time "
         "it saves over the remaining steps exceeds the expected compile time",
     )
-    eval_every: int | None = Field(None, gt=0, description="evaluate every N steps (always at start and end)")
-    eval_max_batches: int | None = Field(None, gt=0, description="cap on eval batches (default: all)")
+    eval_every: int | None = Field(None, gt=0, le=MAX_COUNT, description="evaluate every N steps (always at start and end)")
+    eval_max_batches: int | None = Field(None, gt=0, le=MAX_COUNT, description="cap on eval batches (default: all)")
     max_skipped_steps: int = Field(
         3,
         ge=1,
@@ -225,8 +226,8 @@ class TrainSettings(Section):
     @field_validator("micro_batch_size")
     @classmethod
     def _positive_batch(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and v <= 0:
-            raise ValueError("must be a positive number of rows, or auto")
+        if isinstance(v, int) and not 0 < v <= 2**20:
+            raise ValueError("must be a positive number of rows (at most 1048576), or auto")
         return v
 
     @model_validator(mode="after")
@@ -242,7 +243,7 @@ class OptimSettings(Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW moment decay rates")
     eps: float = Field(1e-8, gt=0, description="AdamW denominator epsilon")
     schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warmup")
-    warmup_steps: int = Field(0, ge=0, description="linear warmup from lr/warmup_steps to lr")
+    warmup_steps: int = Field(0, ge=0, le=MAX_COUNT, description="linear warmup from lr/warmup_steps to lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for linear and cosine")
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm; null: no clipping")
 
@@ -262,11 +263,11 @@ class CheckpointSettings(Section):
     # "async" is a Python keyword: the attribute is async_, the key users write is "async"
     model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True, validate_by_alias=True)
 
-    every_steps: int | None = Field(None, gt=0, description="save a checkpoint every N steps (and at the end)")
+    every_steps: int | None = Field(None, gt=0, le=MAX_COUNT, description="save a checkpoint every N steps (and at the end)")
     every_minutes: float | None = Field(
         30.0, gt=0, description="save a checkpoint when this many minutes passed since the last one; null: off"
     )
-    keep_last: int = Field(3, ge=1, description="checkpoints kept; older ones deleted after a newer one is complete")
+    keep_last: int = Field(3, ge=1, le=10**6, description="checkpoints kept; older ones deleted after a newer one is complete")
     async_: bool = Field(
         False,
         alias="async",
@@ -275,9 +276,9 @@ class CheckpointSettings(Section):
 
 
 class LogSettings(Section):
-    every_steps: int = Field(10, gt=0, description="write metrics.jsonl and the console line every N steps")
+    every_steps: int = Field(10, gt=0, le=MAX_COUNT, description="write metrics.jsonl and the console line every N steps")
     sample_prompt: str | None = Field(None, description="after training, print a sample continuing this prompt")
-    sample_tokens: int = Field(64, gt=0, description="length of that sample")
+    sample_tokens: int = Field(64, gt=0, le=2**16, description="length of that sample")
     profile_steps: list[int] = Field(
         default_factory=list,
         description="steps to profile: time split into data/forward/backward/optimizer, and a torch profiler "
@@ -425,14 +426,18 @@ def load_config(
         source = "built-in default config"
     else:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"{path} is a directory; give the config's YAML file (trainforge train DIR/config.yaml, ...)")
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        text = path.read_text()
         try:
-            data = yaml.safe_load(text) or {}
-            marks = key_lines(yaml.compose(text))
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start}); a config is YAML text") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+        data, node = read_yaml(text, str(path))
+        data, marks = data or {}, key_lines(node)
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, train, ...)")
         source = str(path)

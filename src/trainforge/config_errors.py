@@ -21,6 +21,55 @@ class ConfigError(TrainforgeError, ValueError):
     """A configuration problem the user can fix; the CLI prints it and exits with code 2."""
 
 
+class NotYaml(ConfigError):
+    """Text that does not parse as YAML (a ``--set`` value then stands for itself)."""
+
+
+MAX_DEPTH = 64  # a config is four levels deep; model.init and data.fields a few more
+SHOWN_CHARS = 200  # a value quoted in a message is cut here: a 120,000-digit number must not become the message
+
+
+def shown_value(value: Any) -> str:
+    """``repr(value)``, cut to ``SHOWN_CHARS`` characters (what an error message may quote of user input)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return "<a number too long to show>"
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
+
+
+def read_yaml(text: str, where: str) -> tuple[Any, yaml.Node | None]:
+    """(data, node tree) of a YAML config; ``where`` names it in errors. Aliases (``*name``) are refused
+    before anything is built: ten anchors of ten references each expand to 10^10 values (a YAML bomb),
+    and a config never needs them. Values Python cannot hold (an int of 100,000 digits) and nesting past
+    the parser's recursion are ConfigErrors too."""
+    try:
+        depth = 0
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events: aliases seen, never expanded
+            if isinstance(event, yaml.AliasEvent):
+                raise ConfigError(
+                    f"{where}, line {event.start_mark.line + 1}: YAML aliases (*{event.anchor[:40]}) are not allowed "
+                    "in a trainforge config; write the value out"
+                )
+            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+            if depth > MAX_DEPTH:  # PyYAML's time grows with the square of the depth, its composer recurses
+                raise ConfigError(f"{where}, line {event.start_mark.line + 1}: YAML nested more than {MAX_DEPTH} levels deep")
+        return yaml.safe_load(text), yaml.compose(text, Loader=yaml.SafeLoader)
+    except ConfigError:
+        raise
+    except yaml.YAMLError as e:
+        raise NotYaml(f"{where}: not valid YAML: {cut(str(e))}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: YAML nested too deeply to read") from None
+    except ValueError as e:  # int("1" * 100_000): past Python's limit for converting digits
+        raise ConfigError(f"{where}: a value cannot be read ({cut(str(e))})") from None
+
+
+def cut(text: str, limit: int = 500) -> str:
+    """``text`` cut to ``limit`` characters (a parser's message quotes the offending line)."""
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
 def key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
     """Map each key path of a composed YAML document to its 1-based line number."""
     lines: dict[tuple[str, ...], int] = {}
@@ -61,8 +110,8 @@ def format_errors(
             line = _nearest_line(marks, loc)
             if line:
                 where = f" ({source}, line {line})"
-        shown = given is not _MISSING and not isinstance(given, dict) and e["type"] != "extra_forbidden"
-        given_txt = f"; given {given!r}" if shown else ""
+        visible = given is not _MISSING and not isinstance(given, dict) and e["type"] != "extra_forbidden"
+        given_txt = f"; given {shown_value(given)}" if visible else ""
         out.append(f"  {key}: {msg}{given_txt}{where}")
     return "\n".join(out)
 

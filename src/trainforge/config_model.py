@@ -27,7 +27,7 @@ def _check_exists(path: Path | None, key: str) -> Path | None:
 
 
 class LoraSettings(Section):
-    r: int = Field(16, gt=0, description="adapter rank")
+    r: int = Field(16, gt=0, le=2**16, description="adapter rank")
     alpha: float = Field(32.0, gt=0, description="scaling numerator: the update is scaled by alpha / r")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter input")
     target_modules: str | list[str] = Field(

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
-from .config_errors import ConfigError
+from .config_errors import ConfigError, NotYaml, read_yaml, shown_value
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"train.lr=1e-4"`` -> (["train", "lr"], 1e-4). Values are parsed as YAML, numbers leniently."""
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, for example --set train.max_steps=100")
+        raise ConfigError(f"--set {shown_value(item)}: expected KEY=VALUE, for example --set train.max_steps=100")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(f"--set {item!r}: malformed key {key!r}")
+        raise ConfigError(f"--set {shown_value(item)}: malformed key {shown_value(key)}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+        value = read_yaml(raw, f"--set {key}")[0] if raw.strip() else None
+    except NotYaml:  # not YAML: the text itself (an alias, deep nesting or a number past Python's limits is refused)
         value = raw
     if isinstance(value, str):  # YAML reads "1e-4" as a string; users mean a number
         try:
