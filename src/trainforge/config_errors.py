@@ -3,12 +3,16 @@
 ``ConfigError`` is the error; ``format_errors`` turns pydantic's ``ValidationError`` into its message,
 ``key_lines`` finds the line of every key of a YAML document. Imports nothing of trainforge but the
 error base, so the schema (``config``) and its helpers raise and format without an import circle.
+
+A message never quotes a user's value or key whole: ``shown`` (a bounded repr) and ``clip`` cap each at
+``SHOWN_CHARS`` characters without building the full text, and at most ``MAX_ERRORS`` keys are listed.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import reprlib
 from typing import Any
 
 import yaml
@@ -19,6 +23,32 @@ from .errors import TrainforgeError
 
 class ConfigError(TrainforgeError, ValueError):
     """A configuration problem the user can fix; the CLI prints it and exits with code 2."""
+
+
+SHOWN_CHARS = 200
+"""Characters of a user's value (or key, or path) a message quotes at most."""
+MAX_ERRORS = 20
+"""Keys a validation message lists at most; the rest are counted."""
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 3, 8, 8, 8, 8
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = SHOWN_CHARS
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for a message, at most ``limit`` characters; a huge value is never formatted whole."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # an int past Python's digit limit, a value whose repr fails
+        text = f"<{type(value).__name__}>"
+    return clip(text, limit)
+
+
+def clip(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` cut to at most ``limit`` characters, the cut marked with "..." and the length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: max(limit - 30, 10)]}... ({len(text)} characters)"
 
 
 def key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
@@ -41,14 +71,15 @@ def format_errors(
     schema: type[BaseModel],
 ) -> str:
     """The message of a failed validation of ``data`` (read from ``source``) against ``schema``."""
-    out = [f"invalid configuration ({source}):"]
-    for e in err.errors():
+    out = [f"invalid configuration ({clip(source)}):"]
+    errors = err.errors(include_input=False, include_url=False)
+    for e in errors[:MAX_ERRORS]:
         loc = _strip_union_tags(tuple(str(p) for p in e["loc"]))
         msg = e["msg"].removeprefix("Value error, ")
         named = _KEY_PREFIX.match(msg)
         if named:  # a validator that knows the exact key names it first: "model.init.x: ..."
             loc, msg = tuple(named.group(1).split(".")), named.group(2)
-        key = ".".join(loc) if loc else "(top level)"
+        key = clip(".".join(loc)) if loc else "(top level)"
         if e["type"] == "extra_forbidden":
             msg = "unknown key" + _allowed_keys_hint(schema, loc)
         elif e["type"] == "missing":
@@ -60,10 +91,12 @@ def format_errors(
         else:
             line = _nearest_line(marks, loc)
             if line:
-                where = f" ({source}, line {line})"
-        shown = given is not _MISSING and not isinstance(given, dict) and e["type"] != "extra_forbidden"
-        given_txt = f"; given {given!r}" if shown else ""
-        out.append(f"  {key}: {msg}{given_txt}{where}")
+                where = f" ({clip(source)}, line {line})"
+        show = given is not _MISSING and not isinstance(given, dict) and e["type"] != "extra_forbidden"
+        given_txt = f"; given {shown(given)}" if show else ""
+        out.append(f"  {key}: {clip(msg, 4 * SHOWN_CHARS)}{given_txt}{where}")
+    if len(errors) > MAX_ERRORS:
+        out.append(f"  ... and {len(errors) - MAX_ERRORS} more")
     return "\n".join(out)
 
 
@@ -107,6 +140,6 @@ def _allowed_keys_hint(schema: type[BaseModel], loc: tuple[str, ...]) -> str:
         else:
             return ""
     allowed = [f.alias or name for name, f in model.model_fields.items()]
-    close = difflib.get_close_matches(loc[-1], allowed, n=1)
+    close = difflib.get_close_matches(loc[-1][:SHOWN_CHARS], allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{hint} allowed here: {', '.join(allowed)}"
