@@ -21,12 +21,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .config_base import MAX_COUNT, MAX_TOKENS, Section
-from .config_errors import ConfigError, format_errors, key_lines, read_yaml
+from .config_base import MAX_ROWS, MAX_STEPS, MAX_TOKENS, Section
+from .config_errors import ConfigError, clip, format_errors, key_lines, shown
 from .config_model import (
     LoraSettings, ModelSettings, input_is_encoder_decoder, is_encoder_decoder, model_type_of, validate_init_fields,
 )
 from .config_overrides import apply_override, apply_overrides, parse_override
+from .config_yaml import load_yaml, read_config_text
 from .hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind, dir_is_encoder_decoder
 
 # importable from here, where callers and tests have always found them
@@ -54,7 +55,7 @@ class SourceSpec(Section):
 
     path: str = Field(..., description="file, directory, glob, or " + BUILTIN_STDLIB)
     weight: float = Field(
-        1.0, gt=0, description="rows of this source per epoch = weight x its rows (fraction sampled, seeded)"
+        1.0, gt=0, le=1000, description="rows of this source per epoch = weight x its rows (fraction sampled, seeded)"
     )
 
     @field_validator("path")
@@ -124,8 +125,8 @@ class DataSettings(Section):
     cache_dir: Path | None = Field(
         None, description="token cache (default: $TRAINFORGE_CACHE or ~/.cache/trainforge)"
     )
-    num_workers: int | None = Field(None, ge=1, le=4096, description="tokenizer processes (default: all cores)")
-    max_documents: int | None = Field(None, gt=0, le=MAX_COUNT, description="read at most this many documents (quick tries)")
+    num_workers: int | None = Field(None, ge=1, le=1024, description="tokenizer processes (default: all cores)")
+    max_documents: int | None = Field(None, gt=0, le=10**12, description="read at most this many documents (quick tries)")
 
     @field_validator("train")
     @classmethod
@@ -165,23 +166,28 @@ class DataSettings(Section):
 
 
 def _check_source(spec: str) -> None:
-    if spec in (BUILTIN_STDLIB, BUILTIN_FUNCTIONS) or Path(spec).is_dir():
+    if spec in (BUILTIN_STDLIB, BUILTIN_FUNCTIONS):
         return
+    try:
+        if Path(spec).is_dir():
+            return
+    except OSError as e:  # a name too long for the file system
+        raise ValueError(f"cannot use {shown(spec)}: {e.strerror}") from None
     if not glob.glob(spec):
-        raise ValueError(f"no file matches {spec!r} (a file, directory, glob, {BUILTIN_STDLIB} or {BUILTIN_FUNCTIONS})")
+        raise ValueError(f"no file matches {shown(spec)} (a file, directory, glob, {BUILTIN_STDLIB} or {BUILTIN_FUNCTIONS})")
 
 
 class TrainSettings(Section):
-    max_steps: int | None = Field(None, gt=0, le=MAX_COUNT, description="optimizer steps (or give epochs)")
+    max_steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer steps (or give epochs)")
     epochs: float | None = Field(None, gt=0, le=10**6, description="passes over the training data (or give max_steps)")
     micro_batch_size: int | Literal["auto"] = Field(
         8,
         description="rows per forward pass; auto: the largest the plan predicts fits in 90% of the device's "
-        "memory (see trainforge plan), at most global_batch_size / processes",
+        f"memory (see trainforge plan), at most global_batch_size / processes (> 0, <= {MAX_ROWS})",
     )
-    grad_accum: int = Field(1, gt=0, le=2**20, description="micro-batches per optimizer step")
+    grad_accum: int = Field(1, gt=0, le=MAX_ROWS, description="micro-batches per optimizer step")
     global_batch_size: int | None = Field(
-        None, gt=0, le=2**30, description="rows per optimizer step over all processes; sets grad_accum to "
+        None, gt=0, le=MAX_ROWS * 16, description="rows per optimizer step over all processes; sets grad_accum to "
         "global_batch_size / (micro_batch_size x processes), which must divide it",
     )
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
@@ -205,11 +211,12 @@ class TrainSettings(Section):
         description="torch.compile the decoder; auto: after timing the first steps, only when the time "
         "it saves over the remaining steps exceeds the expected compile time",
     )
-    eval_every: int | None = Field(None, gt=0, le=MAX_COUNT, description="evaluate every N steps (always at start and end)")
-    eval_max_batches: int | None = Field(None, gt=0, le=MAX_COUNT, description="cap on eval batches (default: all)")
+    eval_every: int | None = Field(None, gt=0, le=MAX_STEPS, description="evaluate every N steps (always at start and end)")
+    eval_max_batches: int | None = Field(None, gt=0, le=MAX_STEPS, description="cap on eval batches (default: all)")
     max_skipped_steps: int = Field(
         3,
         ge=1,
+        le=MAX_STEPS,
         description="stop (exit code 3) after this many steps in a row skipped for a non-finite loss or grad norm",
     )
     distributed: Literal["auto", "ddp", "fsdp"] = Field(
@@ -220,14 +227,17 @@ class TrainSettings(Section):
     dist_timeout_s: float = Field(
         600.0,
         gt=0,
+        le=7 * 24 * 3600,
         description="under torchrun: a collective waiting longer than this for another process fails the job",
     )
 
     @field_validator("micro_batch_size")
     @classmethod
     def _positive_batch(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and not 0 < v <= 2**20:
-            raise ValueError("must be a positive number of rows (at most 1048576), or auto")
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("must be a positive number of rows, or auto")
+        if isinstance(v, int) and v > MAX_ROWS:
+            raise ValueError(f"at most {MAX_ROWS} rows per forward pass")
         return v
 
     @model_validator(mode="after")
@@ -243,7 +253,7 @@ class OptimSettings(Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW moment decay rates")
     eps: float = Field(1e-8, gt=0, description="AdamW denominator epsilon")
     schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warmup")
-    warmup_steps: int = Field(0, ge=0, le=MAX_COUNT, description="linear warmup from lr/warmup_steps to lr")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="linear warmup from lr/warmup_steps to lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for linear and cosine")
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm; null: no clipping")
 
@@ -263,9 +273,9 @@ class CheckpointSettings(Section):
     # "async" is a Python keyword: the attribute is async_, the key users write is "async"
     model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True, validate_by_alias=True)
 
-    every_steps: int | None = Field(None, gt=0, le=MAX_COUNT, description="save a checkpoint every N steps (and at the end)")
+    every_steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="save a checkpoint every N steps (and at the end)")
     every_minutes: float | None = Field(
-        30.0, gt=0, description="save a checkpoint when this many minutes passed since the last one; null: off"
+        30.0, gt=0, le=10**7, description="save a checkpoint when this many minutes passed since the last one; null: off"
     )
     keep_last: int = Field(3, ge=1, le=10**6, description="checkpoints kept; older ones deleted after a newer one is complete")
     async_: bool = Field(
@@ -276,13 +286,13 @@ class CheckpointSettings(Section):
 
 
 class LogSettings(Section):
-    every_steps: int = Field(10, gt=0, le=MAX_COUNT, description="write metrics.jsonl and the console line every N steps")
+    every_steps: int = Field(10, gt=0, le=MAX_STEPS, description="write metrics.jsonl and the console line every N steps")
     sample_prompt: str | None = Field(None, description="after training, print a sample continuing this prompt")
-    sample_tokens: int = Field(64, gt=0, le=2**16, description="length of that sample")
+    sample_tokens: int = Field(64, gt=0, le=MAX_TOKENS, description="length of that sample")
     profile_steps: list[int] = Field(
         default_factory=list,
         description="steps to profile: time split into data/forward/backward/optimizer, and a torch profiler "
-        "trace in profile/ of the run directory",
+        f"trace in profile/ of the run directory (each > 0, <= {MAX_STEPS})",
     )
     tensorboard: bool = Field(
         True,
@@ -303,6 +313,13 @@ class LogSettings(Section):
     example_indices: bool = Field(
         False, description="add to each train record the example indices of every step since the previous one"
     )
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _steps_in_range(cls, v: list[int]) -> list[int]:
+        if any(not 0 < step <= MAX_STEPS for step in v):
+            raise ValueError(f"each step must be > 0 and <= {MAX_STEPS}")
+        return v
 
     @field_validator("report_to")
     @classmethod
@@ -426,21 +443,12 @@ def load_config(
         source = "built-in default config"
     else:
         path = Path(path)
-        if path.is_dir():
-            raise ConfigError(f"{path} is a directory; give the config's YAML file (trainforge train DIR/config.yaml, ...)")
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start}); a config is YAML text") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
-        data, node = read_yaml(text, str(path))
-        data, marks = data or {}, key_lines(node)
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, train, ...)")
         source = str(path)
+        data, node = load_yaml(read_config_text(path), clip(source))
+        data = data or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{clip(source)}: the top level must be a mapping of sections (model, data, train, ...)")
+        marks = key_lines(node)
     data = copy.deepcopy(data)
     overridden = apply_overrides(data, overrides)
     try:

@@ -3,12 +3,16 @@
 ``ConfigError`` is the error; ``format_errors`` turns pydantic's ``ValidationError`` into its message,
 ``key_lines`` finds the line of every key of a YAML document. Imports nothing of trainforge but the
 error base, so the schema (``config``) and its helpers raise and format without an import circle.
+
+A message never quotes a user's value or key whole: ``shown`` (a bounded repr) and ``clip`` cap each at
+``SHOWN_CHARS`` characters without building the full text, and at most ``MAX_ERRORS`` keys are listed.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import reprlib
 from typing import Any
 
 import yaml
@@ -21,53 +25,30 @@ class ConfigError(TrainforgeError, ValueError):
     """A configuration problem the user can fix; the CLI prints it and exits with code 2."""
 
 
-class NotYaml(ConfigError):
-    """Text that does not parse as YAML (a ``--set`` value then stands for itself)."""
+SHOWN_CHARS = 200
+"""Characters of a user's value (or key, or path) a message quotes at most."""
+MAX_ERRORS = 20
+"""Keys a validation message lists at most; the rest are counted."""
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 3, 8, 8, 8, 8
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = SHOWN_CHARS
 
 
-MAX_DEPTH = 64  # a config is four levels deep; model.init and data.fields a few more
-SHOWN_CHARS = 200  # a value quoted in a message is cut here: a 120,000-digit number must not become the message
-
-
-def shown_value(value: Any) -> str:
-    """``repr(value)``, cut to ``SHOWN_CHARS`` characters (what an error message may quote of user input)."""
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for a message, at most ``limit`` characters; a huge value is never formatted whole."""
     try:
-        text = repr(value)
-    except ValueError:  # an int past Python's digit limit for str()
-        return "<a number too long to show>"
-    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text):,} characters)"
+        text = _REPR.repr(value)
+    except Exception:  # an int past Python's digit limit, a value whose repr fails
+        text = f"<{type(value).__name__}>"
+    return clip(text, limit)
 
 
-def read_yaml(text: str, where: str) -> tuple[Any, yaml.Node | None]:
-    """(data, node tree) of a YAML config; ``where`` names it in errors. Aliases (``*name``) are refused
-    before anything is built: ten anchors of ten references each expand to 10^10 values (a YAML bomb),
-    and a config never needs them. Values Python cannot hold (an int of 100,000 digits) and nesting past
-    the parser's recursion are ConfigErrors too."""
-    try:
-        depth = 0
-        for event in yaml.parse(text, Loader=yaml.SafeLoader):  # events: aliases seen, never expanded
-            if isinstance(event, yaml.AliasEvent):
-                raise ConfigError(
-                    f"{where}, line {event.start_mark.line + 1}: YAML aliases (*{event.anchor[:40]}) are not allowed "
-                    "in a trainforge config; write the value out"
-                )
-            depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
-            if depth > MAX_DEPTH:  # PyYAML's time grows with the square of the depth, its composer recurses
-                raise ConfigError(f"{where}, line {event.start_mark.line + 1}: YAML nested more than {MAX_DEPTH} levels deep")
-        return yaml.safe_load(text), yaml.compose(text, Loader=yaml.SafeLoader)
-    except ConfigError:
-        raise
-    except yaml.YAMLError as e:
-        raise NotYaml(f"{where}: not valid YAML: {cut(str(e))}") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: YAML nested too deeply to read") from None
-    except ValueError as e:  # int("1" * 100_000): past Python's limit for converting digits
-        raise ConfigError(f"{where}: a value cannot be read ({cut(str(e))})") from None
-
-
-def cut(text: str, limit: int = 500) -> str:
-    """``text`` cut to ``limit`` characters (a parser's message quotes the offending line)."""
-    return text if len(text) <= limit else text[:limit] + " ..."
+def clip(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` cut to at most ``limit`` characters, the cut marked with "..." and the length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: max(limit - 30, 10)]}... ({len(text)} characters)"
 
 
 def key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
@@ -90,14 +71,15 @@ def format_errors(
     schema: type[BaseModel],
 ) -> str:
     """The message of a failed validation of ``data`` (read from ``source``) against ``schema``."""
-    out = [f"invalid configuration ({source}):"]
-    for e in err.errors():
+    out = [f"invalid configuration ({clip(source)}):"]
+    errors = err.errors(include_input=False, include_url=False)
+    for e in errors[:MAX_ERRORS]:
         loc = _strip_union_tags(tuple(str(p) for p in e["loc"]))
         msg = e["msg"].removeprefix("Value error, ")
         named = _KEY_PREFIX.match(msg)
         if named:  # a validator that knows the exact key names it first: "model.init.x: ..."
             loc, msg = tuple(named.group(1).split(".")), named.group(2)
-        key = ".".join(loc) if loc else "(top level)"
+        key = clip(".".join(loc)) if loc else "(top level)"
         if e["type"] == "extra_forbidden":
             msg = "unknown key" + _allowed_keys_hint(schema, loc)
         elif e["type"] == "missing":
@@ -109,10 +91,12 @@ def format_errors(
         else:
             line = _nearest_line(marks, loc)
             if line:
-                where = f" ({source}, line {line})"
-        visible = given is not _MISSING and not isinstance(given, dict) and e["type"] != "extra_forbidden"
-        given_txt = f"; given {shown_value(given)}" if visible else ""
-        out.append(f"  {key}: {msg}{given_txt}{where}")
+                where = f" ({clip(source)}, line {line})"
+        show = given is not _MISSING and not isinstance(given, dict) and e["type"] != "extra_forbidden"
+        given_txt = f"; given {shown(given)}" if show else ""
+        out.append(f"  {key}: {clip(msg, 4 * SHOWN_CHARS)}{given_txt}{where}")
+    if len(errors) > MAX_ERRORS:
+        out.append(f"  ... and {len(errors) - MAX_ERRORS} more")
     return "\n".join(out)
 
 
@@ -156,6 +140,6 @@ def _allowed_keys_hint(schema: type[BaseModel], loc: tuple[str, ...]) -> str:
         else:
             return ""
     allowed = [f.alias or name for name, f in model.model_fields.items()]
-    close = difflib.get_close_matches(loc[-1], allowed, n=1)
+    close = difflib.get_close_matches(loc[-1][:SHOWN_CHARS], allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{hint} allowed here: {', '.join(allowed)}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -16,14 +17,23 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from . import hf_dir
-from .config_base import Section
+from .config_base import MAX_TOKENS, Section
+from .config_errors import clip, shown
 from .hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind
 
 
 def _check_exists(path: Path | None, key: str) -> Path | None:
-    if path is not None and not Path(path).exists():
-        raise ValueError(f"path does not exist: {path} (give an existing local directory for {key})")
+    if path is not None and not _exists(path):
+        raise ValueError(f"path does not exist: {clip(str(path))} (give an existing local directory for {key})")
     return path
+
+
+def _exists(path: str | os.PathLike) -> bool:
+    """``Path(path).exists()``; a ``ValueError`` (a validation error) where the name cannot be looked up."""
+    try:
+        return Path(path).exists()
+    except OSError as e:  # a name too long for the file system
+        raise ValueError(f"cannot use {shown(str(path))}: {e.strerror}") from None
 
 
 class LoraSettings(Section):
@@ -48,7 +58,7 @@ class ModelSettings(Section):
         "(the training text's characters plus EOS, PAD and UNK) built from the data",
     )
     tokenizer_vocab_size: int = Field(
-        8192, ge=260, description="vocabulary of the BPE tokenizer trained on the data when there is none"
+        8192, ge=260, le=MAX_TOKENS, description="vocabulary of the BPE tokenizer trained on the data when there is none"
     )
     method: Literal["full", "lora", "qlora"] = Field(
         "full",
@@ -74,8 +84,8 @@ class ModelSettings(Section):
             return v
         if not isinstance(v, (str, os.PathLike)):
             raise ValueError("expected a local tokenizer directory or 'char' (a character vocabulary built from the data)")
-        if not Path(v).exists():
-            raise ValueError(f"path does not exist: {v} (give an existing local tokenizer directory, or 'char')")
+        if not _exists(v):
+            raise ValueError(f"path does not exist: {clip(str(v))} (give an existing local tokenizer directory, or 'char')")
         return v
 
     @field_validator("init")
@@ -156,16 +166,31 @@ def validate_init_fields(init: dict[str, Any]) -> None:
     arch = init.get("architecture")
     if arch is None:
         raise ValueError("model.init needs 'architecture' (for example: llama)")
-    if not hf_dir.is_architecture(arch):
-        close = difflib.get_close_matches(str(arch), hf_dir.architectures(), n=3)
+    if not isinstance(arch, str) or not hf_dir.is_architecture(arch):
+        close = difflib.get_close_matches(clip(str(arch)), hf_dir.architectures(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"model.init.architecture: unknown architecture {arch!r}{hint}")
+        raise ValueError(f"model.init.architecture: unknown architecture {shown(arch)}{hint}")
     known = hf_dir.known_config_fields(arch)
     for key in init:
         if key != "architecture" and key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3)
+            close = difflib.get_close_matches(clip(str(key)), sorted(known), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"model.init.{key}: not a field of the {arch} config{hint}")
+            raise ValueError(f"model.init.{clip(str(key))}: not a field of the {arch} config{hint}")
+    bad = _non_finite(init)
+    if bad is not None:
+        raise ValueError(f"model.init.{bad}: must be a finite number (not inf or nan)")
+
+
+def _non_finite(value: Any, path: str = "") -> str | None:
+    """The key path (``rope_scaling.factor``) of the first inf or nan float in ``value``, else None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        bad = _non_finite(v, f"{path}.{k}" if path else str(k))
+        if bad is not None:
+            return clip(bad)
+    return None
 
 
 def input_is_encoder_decoder(model: Any) -> bool:

@@ -1,23 +1,27 @@
-"""``--set KEY=VALUE`` overrides: each value parsed as YAML (numbers leniently) and set into the nested config mapping."""
+"""``--set KEY=VALUE`` overrides: each value parsed as YAML (numbers leniently) and set into the nested config mapping.
+
+A value that is not YAML is taken as its text; one over a limit of ``config_yaml`` (aliases expanded, nesting,
+integer digits) is a ``ConfigError`` naming the key."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .config_errors import ConfigError, NotYaml, read_yaml, shown_value
+from .config_errors import ConfigError, clip, shown
+from .config_yaml import MAX_DEPTH, InvalidYaml, load_yaml
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"train.lr=1e-4"`` -> (["train", "lr"], 1e-4). Values are parsed as YAML, numbers leniently."""
     if "=" not in item:
-        raise ConfigError(f"--set {shown_value(item)}: expected KEY=VALUE, for example --set train.max_steps=100")
+        raise ConfigError(f"--set {shown(item)}: expected KEY=VALUE, for example --set train.max_steps=100")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"--set {shown_value(item)}: malformed key {shown_value(key)}")
+    if not all(parts) or len(parts) > MAX_DEPTH:
+        raise ConfigError(f"--set {shown(item)}: malformed key {shown(key)}")
     try:
-        value = read_yaml(raw, f"--set {key}")[0] if raw.strip() else None
-    except NotYaml:  # not YAML: the text itself (an alias, deep nesting or a number past Python's limits is refused)
+        value = load_yaml(raw, f"--set {clip(key.strip())}", lines=False)[0] if raw.strip() else None
+    except InvalidYaml:  # not YAML: the text itself (a limit passed is an error)
         value = raw
     if isinstance(value, str):  # YAML reads "1e-4" as a string; users mean a number
         try:
@@ -35,7 +39,7 @@ def apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {'.'.join(parts)}: {'.'.join(parts[: i + 1])} is not a section")
+            raise ConfigError(f"--set {clip('.'.join(parts))}: {clip('.'.join(parts[: i + 1]))} is not a section")
         node = child
     node[parts[-1]] = value
 

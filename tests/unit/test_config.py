@@ -169,3 +169,200 @@ def test_global_batch_size_derives_grad_accum_per_process_count():
     agreeing = load_config(None, ["train.global_batch_size=32", "train.micro_batch_size=4", "train.grad_accum=8"])
     assert resolve_grad_accum(agreeing.train, 1) == 8  # a run directory's config.yaml holds both, agreeing
     assert resolve_grad_accum(load_config(None, ["train.grad_accum=3"]).train, 4) == 3  # without it: as given
+
+
+# ---------------------------------------------------------------- hostile input: limits, finite floats, bounds
+
+import time  # noqa: E402
+
+from trainforge import config_yaml  # noqa: E402
+from trainforge.config_errors import MAX_ERRORS, SHOWN_CHARS, clip, shown  # noqa: E402
+from trainforge.config_yaml import InvalidYaml, load_yaml, read_config_text  # noqa: E402
+
+
+def alias_bomb(levels: int = 10) -> str:
+    """Ten anchors, each a list of ten references to the one before: 10^levels values expanded."""
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_is_refused_at_once_naming_line_and_key():
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"c\.yaml, line \d+: a\d: holds more than 100000 values") as info:
+        load_yaml(alias_bomb() + "log: {sample_prompt: *a9}\n", "c.yaml")
+    assert time.monotonic() - start < 2 and len(str(info.value)) < 400
+
+
+def test_aliases_and_merge_keys_of_ordinary_size_still_work():
+    text = "base: &b {max_steps: 5, grad_accum: 2}\ntrain:\n  <<: *b\n  grad_accum: 4\nlist: &l [1, 2]\nother: *l\n"
+    data, _ = load_yaml(text, "c.yaml")
+    assert data["train"] == {"max_steps": 5, "grad_accum": 4} and data["other"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("log: {sample_prompt: &r [*r]}\n", "an alias refers to itself"),
+        ("log: {sample_prompt: " + "[" * 3000 + "]" * 3000 + "}\n", "nested too deeply"),
+        ("x:\n" + "".join("  " * (i + 1) + f"k{i}:\n" for i in range(100)) + "  " * 101 + "v\n", "nested too deeply"),
+    ],
+    ids=["self-reference", "deep-flow", "deep-block"],
+)
+def test_deep_or_self_referring_documents_are_refused(text, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_yaml(text, "c.yaml")
+
+
+def test_a_huge_integer_names_key_and_line():
+    with pytest.raises(ConfigError, match=r"c\.yaml, line 2: train\.max_steps: an integer of 120000 characters"):
+        load_yaml("train:\n  max_steps: " + "1" * 120_000 + "\n", "c.yaml")
+
+
+def test_invalid_yaml_is_a_config_error_naming_the_source():
+    with pytest.raises(InvalidYaml, match=r'(?s)c\.yaml: not valid YAML.*in "c\.yaml", line 1'):
+        load_yaml("model: [a\n", "c.yaml")
+
+
+def test_a_directory_as_config_is_named_as_one(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory; give a YAML config file") as info:
+        load_config(tmp_path)
+    assert "config.yaml" in str(info.value)
+    (tmp_path / "config.yaml").write_text("{}")
+    with pytest.raises(ConfigError, match=r"a run directory's config is .*config\.yaml"):
+        load_config(tmp_path)
+
+
+def test_config_files_that_are_no_yaml_text(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        read_config_text(tmp_path / "nope.yaml")
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"model:\n  init: \xff\xfe\x00\x01\n")
+    with pytest.raises(ConfigError, match=r"model\.bin, line 2: not UTF-8 text \(byte 0xff"):
+        load_config(binary)
+    big = tmp_path / "data.jsonl"
+    with open(big, "wb") as f:
+        f.truncate(config_yaml.MAX_FILE_BYTES + 1)
+    with pytest.raises(ConfigError, match="too large for a config"):
+        load_config(big)
+    with_bom = tmp_path / "bom.yaml"
+    with_bom.write_bytes(b"\xef\xbb\xbf" + yaml.safe_dump({"train": {"max_steps": 3}}).encode())
+    assert read_config_text(with_bom).startswith("train")
+
+
+def test_a_device_as_config_is_not_a_regular_file():
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config("/dev/null")
+
+
+@pytest.mark.parametrize(
+    "item, fragment",
+    [
+        ("train.max_steps=" + "1" * 120_000, "--set train.max_steps: an integer of 120000 characters"),
+        ("log.sample_prompt=" + "[" * 3000, "--set log.sample_prompt: nested too deeply"),
+        ("log.sample_prompt=[&r [*r]]", "--set log.sample_prompt: .*refers to itself"),
+    ],
+    ids=["huge-int", "deep", "self-reference"],
+)
+def test_override_values_over_a_limit_name_the_key(item, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        parse_override(item)
+
+
+def test_an_override_that_is_not_yaml_is_its_text_and_validated_as_such():
+    assert parse_override("log.sample_prompt=[[x")[1] == "[[x"
+    assert "train.max_steps" in error_of(["train.max_steps=[1,"])
+
+
+def _float_keys() -> list[str]:
+    """Every key of the schema whose type admits a float (each section, SourceSpec and LoRA included)."""
+    from trainforge.config import CheckpointSettings, DataSettings, LogSettings, OptimSettings, TrainSettings
+    from trainforge.config_model import LoraSettings
+
+    sections = {"data": DataSettings, "train": TrainSettings, "optim": OptimSettings, "checkpoint": CheckpointSettings,
+                "log": LogSettings, "model.lora": LoraSettings}
+    return [f"{prefix}.{field.alias or name}" for prefix, model in sections.items()
+            for name, field in model.model_fields.items() if "float" in str(field.annotation)]
+
+
+def test_the_schema_has_the_float_keys_this_test_covers():
+    assert {"optim.lr", "optim.betas", "train.epochs", "data.eval", "model.lora.alpha", "checkpoint.every_minutes"} <= set(_float_keys())
+
+
+@pytest.mark.parametrize("key", _float_keys())
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e999"])
+def test_every_float_key_refuses_inf_and_nan(key, value):
+    given = f"[{value}, 0.9]" if key == "optim.betas" else value
+    msg = error_of([f"{key}={given}"])
+    assert key in msg and ("finite" in msg or "nan" in msg or "inf" in msg), msg
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data.train=[{path: builtin:python-stdlib, weight: .inf}]"], "data.train"),
+        (["model.init.rms_norm_eps=.nan"], "model.init.rms_norm_eps"),
+        (["model.init.ROPE={factor: .inf, rope_type: linear}"], "model.init.ROPE.factor"),
+    ],
+)
+def test_nested_floats_must_be_finite(overrides, key):
+    from trainforge import hf_dir
+
+    # the nested rope settings: rope_parameters in transformers 5, rope_scaling before
+    rope = "rope_parameters" if "rope_parameters" in hf_dir.known_config_fields("llama") else "rope_scaling"
+    overrides, key = [o.replace("ROPE", rope) for o in overrides], key.replace("ROPE", rope)
+    msg = error_of(overrides)
+    assert key in msg and "finite" in msg, msg
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.max_steps=" + "1" + "0" * 27, "train.max_steps"),
+        ("train.max_steps=1000000001", "train.max_steps"),
+        ("train.epochs=1e9", "train.epochs"),
+        ("train.micro_batch_size=2097152", "train.micro_batch_size"),
+        ("train.grad_accum=2097152", "train.grad_accum"),
+        ("train.eval_every=10000000000", "train.eval_every"),
+        ("train.seed=-1", "train.seed"),
+        ("train.seed=4294967296", "train.seed"),
+        ("train.dist_timeout_s=1e12", "train.dist_timeout_s"),
+        ("data.max_length=100000000", "data.max_length"),
+        ("log.every_steps=10000000000", "log.every_steps"),
+        ("log.sample_tokens=100000000", "log.sample_tokens"),
+        ("log.profile_steps=[0]", "log.profile_steps"),
+        ("checkpoint.every_steps=10000000000", "checkpoint.every_steps"),
+        ("optim.warmup_steps=10000000000", "optim.warmup_steps"),
+        ("data.train=[{path: builtin:python-stdlib, weight: 1e6}]", "data.train"),
+    ],
+)
+def test_absurd_sizes_are_refused(override, key):
+    assert key in error_of([override])
+
+
+def test_the_largest_allowed_values_pass():
+    cfg = load_config(None, ["train.max_steps=1000000000", "train.seed=4294967295", "log.profile_steps=[1, 1000000000]"])
+    assert cfg.train.max_steps == 10**9 and cfg.train.seed == 2**32 - 1
+
+
+def test_messages_quote_at_most_a_bounded_part_of_a_value():
+    huge = [[["x" * 10_000] * 1000] * 1000] * 1000  # 10^9 strings if formatted whole
+    start = time.monotonic()
+    text = shown(huge)
+    assert len(text) <= SHOWN_CHARS and time.monotonic() - start < 1
+    assert len(clip("y" * 10**6)) <= SHOWN_CHARS
+    msg = error_of(["log.sample_prompt=[" + ",".join(["z" * 5000] * 50) + "]", "data.train=" + "q" * 100_000])
+    assert "log.sample_prompt" in msg and "data.train" in msg and len(msg) < 2000
+
+
+def test_a_validation_message_lists_at_most_max_errors_keys():
+    msg = error_of([f"train.unknown_{i}=1" for i in range(MAX_ERRORS + 30)])
+    assert msg.count("unknown key") == MAX_ERRORS and "... and 30 more" in msg
+
+
+def test_an_alias_bomb_in_a_config_file_exits_quickly(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb() + yaml.safe_dump({"data": {"train": "builtin:python-stdlib"}}) + "log:\n  sample_prompt: *a9\n")
+    start = time.monotonic()
+    msg = error_of(path=path)
+    assert "bomb.yaml, line" in msg and time.monotonic() - start < 2

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from ..config_errors import ConfigError
+from ..config_yaml import load_yaml, read_config_text
 from ..errors import TrainforgeError
 from .sink import flat_config
 from .tracker import EVENTS_FILE, read_events
@@ -83,8 +83,8 @@ def load_run(path: Path) -> RunData:
     except json.JSONDecodeError:
         summary = None
     try:
-        config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else None
-    except yaml.YAMLError:
+        config = load_yaml(read_config_text(config_path), str(config_path))[0] if config_path.is_file() else None
+    except ConfigError:  # not YAML, or over a limit (an alias bomb): the report goes without the config
         config = None
     run = RunData(
         path=path,

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
+from ..config_yaml import load_yaml, read_config_text
 from ..errors import TrainforgeError
 from ..hardware import Precision
 from ..hf_dir import TOKENIZER_FILES, dir_is_encoder_decoder, has_any, refuse_custom_code
@@ -95,7 +95,8 @@ def resolve_source(path: str | Path) -> ModelSource:
         weights = path
     src = ModelSource(path=path, weights=weights, run_dir=run_dir)
     if run_dir is not None:
-        src.run_config = yaml.safe_load((run_dir / RUN_CONFIG).read_text()) or {}
+        config_path = run_dir / RUN_CONFIG  # read with the limits of a user's config: a run directory may be anyone's
+        src.run_config = load_yaml(read_config_text(config_path), str(config_path))[0] or {}
         if (run_dir / SUMMARY).is_file():
             src.summary = json.loads((run_dir / SUMMARY).read_text())
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, RunConfig, load_config, parse_override
+from ..config_errors import shown
 
 BATCH_KEY = "train.micro_batch_size"
 
@@ -26,7 +27,7 @@ def parse_sweep(items: list[str]) -> list[tuple[str, list[Any]]]:
     sweeps = []
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"--sweep {item!r}: expected KEY=V1,V2,..., for example --sweep train.micro_batch_size=2,4,8")
+            raise ConfigError(f"--sweep {shown(item)}: expected KEY=V1,V2,..., for example --sweep train.micro_batch_size=2,4,8")
         key, values = item.split("=", 1)
         sweeps.append((key.strip(), [parse_override(f"{key}={v}")[1] for v in values.split(",")]))
     return sweeps

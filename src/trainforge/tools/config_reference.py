@@ -18,6 +18,9 @@ keys and invalid values stop a run before any work (exit code 2) with the key, t
 and what is allowed. Override any key on the command line with
 `--set section.key=value` (values are read as YAML: `--set optim.lr=1e-4`,
 `--set data.eval=null`, `--set model.lora.target_modules=[q_proj,v_proj]`).
+Every float must be finite (no `.inf`, `.nan`); integers have the bounds shown. A config file is
+UTF-8 YAML of at most 4 MiB; anchors and aliases work up to 100,000 values expanded, 64 levels
+of nesting and integers of 100 digits (beyond, exit code 2 naming the file, line and key).
 """
 
 
