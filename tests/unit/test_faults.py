@@ -3,6 +3,8 @@ the memory estimate warns before a run that cannot fit."""
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import copy
 import io
 
@@ -43,8 +45,9 @@ def same_weights_and_optimizer(a: dict, b: dict) -> bool:
     return all(torch.equal(a["optimizer"]["state"][p][k], v) for p, s in b["optimizer"]["state"].items() for k, v in s.items())
 
 
-def poison_steps(monkeypatch, steps: set[int]) -> None:
-    """Make the loss of the given steps NaN, as a corrupt batch or an overflow would."""
+def poison_steps(monkeypatch, steps: Container[int]) -> None:
+    """Make the loss of the given steps NaN, as a corrupt batch or an overflow would (test_hostile_runtime
+    poisons every step from one on, as ``optim.lr: .inf`` does)."""
     now = {"step": 0}
     adaptive, loss_sum = trainer.forward_backward_adaptive, step_module.loss_sum
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 from rich.console import Console
 
+from test_faults import poison_steps
+
 import trainforge.engine.setup as engine_setup
-import trainforge.engine.step as step_module
 import trainforge.engine.trainer as trainer
 import trainforge.metrics.tracker as tracker
 from trainforge.config import RunConfig
@@ -96,15 +97,7 @@ def test_a_run_within_twice_the_memory_starts_with_the_warning(config, tmp_path,
 
 def poison_from(monkeypatch, first: int) -> None:
     """The loss is NaN from step ``first`` on, as optim.lr: .inf makes it."""
-    now = {"step": 0}
-    adaptive, loss_sum = trainer.forward_backward_adaptive, step_module.loss_sum
-
-    def watched(run, *args, **kwargs):
-        now["step"] = run.step + 1
-        return adaptive(run, *args, **kwargs)
-
-    monkeypatch.setattr(trainer, "forward_backward_adaptive", watched)
-    monkeypatch.setattr(step_module, "loss_sum", lambda *a, **k: loss_sum(*a, **k) * (float("nan") if now["step"] >= first else 1.0))
+    poison_steps(monkeypatch, range(first, 10**9))
 
 
 def test_a_nonfinite_stop_without_a_checkpoint_says_there_is_none(config, tmp_path, monkeypatch):
