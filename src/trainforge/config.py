@@ -381,8 +381,8 @@ class RunConfig(Section):
             "or chat rows" if d.format == "text" else None,
             "data.train_on_prompt": "the encoder reads the source and only the target is learned; set it to false"
             if d.train_on_prompt else None,
-            "model.attention": "packed_sdpa is for packed decoder-only rows; use auto, sdpa or eager"
-            if self.model.attention == "packed_sdpa" else None,
+            "model.attention": f"{self.model.attention} is for packed decoder-only rows; use auto, sdpa or eager"
+            if self.model.attention in ("packed_sdpa", "varlen", "flex") else None,
         }
         for key, problem in problems.items():
             if problem:

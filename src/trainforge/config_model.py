@@ -66,10 +66,11 @@ class ModelSettings(Section):
         "precision); qlora: the same on a 4-bit NF4 base (bitsandbytes)",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
-    attention: Literal["auto", "sdpa", "packed_sdpa", "eager", "flash_attention_2"] = Field(
+    attention: Literal["auto", "sdpa", "packed_sdpa", "varlen", "flex", "eager", "flash_attention_2"] = Field(
         "auto",
-        description="attention kernel; auto: flash_attention_2 (varlen over packed documents) on CUDA when "
-        "flash-attn is installed, else sdpa; on CPU packed_sdpa (packed documents batched by length, causal SDPA, no row-sized mask)",
+        description="attention kernel; auto: on CUDA varlen (torch's built-in Flash varlen kernel over packed "
+        "documents; sm80+, bf16/fp16), else flex (FlexAttention with a document mask); on CPU packed_sdpa "
+        "(packed documents batched by length, causal SDPA). None builds a row x row mask. Encoder-decoders: sdpa",
     )
 
     @field_validator("path")

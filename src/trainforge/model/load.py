@@ -82,25 +82,35 @@ def decoder_start_token_id(cfg: ModelSettings, tokenizer) -> int:
 def attention_implementation(
     requested: str, device: torch.device, half_precision: bool = True, encoder_decoder: bool = False
 ) -> str:
-    """``auto``: flash-attention 2 on CUDA when installed and the run computes in bf16/fp16
-    (packed documents go through its varlen kernel; it refuses fp32 inputs), stock SDPA
-    elsewhere on CUDA (a block-diagonal mask for packed rows), and on CPU packed documents
-    batched by length (no row-sized mask; see packed_attention.py).
+    """The ``attn_implementation`` a model trains with. ``auto``: on CPU, packed documents batched by
+    length (``packed_attention``); on CUDA, torch's built-in Flash varlen kernel on sm80+ in bf16/fp16,
+    else FlexAttention with a document mask (``doc_attention``). None of them builds a row x row mask.
+    ``varlen``/``flex`` ask for those two by name; ``flash_attention_2`` needs the flash-attn package.
     ``encoder_decoder``: rows hold one padded example each; ``auto`` is stock SDPA everywhere."""
-    if encoder_decoder:  # the config refuses packed_sdpa for these models
+    if encoder_decoder:  # the config refuses packed_sdpa, varlen and flex for these models
         return "sdpa" if requested == "auto" else requested
     if requested == "packed_sdpa" or (requested == "auto" and device.type == "cpu"):
         from .packed_attention import register
 
         return register()
-    if requested != "auto":
-        return requested
-    if device.type == "cuda" and half_precision:
-        import importlib.util
+    from . import doc_attention
 
-        if importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-    return "sdpa"
+    if requested in ("varlen", "flex"):
+        if requested == "varlen" and (device.type != "cuda" or not doc_attention.has_varlen()):
+            raise AttentionUnavailable(
+                "model.attention: varlen is torch's Flash varlen kernel: it needs CUDA (sm80+, bf16/fp16) and "
+                "torch >= 2.10; use auto (packed_sdpa on CPU, flex on older GPUs)"
+            )
+        return doc_attention.register(doc_attention.VARLEN_NAME if requested == "varlen" else doc_attention.FLEX_NAME)
+    if requested != "auto" or device.type != "cuda":
+        return requested if requested != "auto" else "sdpa"  # MPS: stock SDPA
+    capability = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
+    chosen = doc_attention.choose("auto", "cuda", capability, half_precision, doc_attention.has_varlen())
+    return doc_attention.register(chosen)
+
+
+class AttentionUnavailable(TrainforgeError, ValueError):
+    """The configured attention kernel cannot run on this device or torch build."""
 
 
 def build_model(

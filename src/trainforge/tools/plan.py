@@ -137,7 +137,7 @@ def make_plan(
             "run_s": steps * step.seconds if steps else None,
         },
         "data": data,
-        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode),
+        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile),
     }
     plan["findings"] = findings(cfg, resolved, plan, memory, step, profile, device, precision, output)
     return plan
@@ -247,20 +247,21 @@ def run_steps(cfg: RunConfig, accum: int, world_size: int, data: dict[str, Any])
 
 def decisions(
     cfg: RunConfig, precision: Precision, precision_why: str, device: torch.device | None, fit, accum: int,
-    world_size: int, mode: str,
+    world_size: int, mode: str, profile: HardwareProfile | None = None,
 ) -> list[dict[str, str]]:
     """What the run would decide by itself on this hardware, and why."""
+    from ..model import doc_attention
     from ..model.load import attention_implementation
 
     encoder_decoder = cfg.model.kind.encoder_decoder
+    half = precision.autocast_dtype is not None
     if device is not None or encoder_decoder:
-        attn = attention_implementation(cfg.model.attention, device or torch.device("cpu"), precision.autocast_dtype is not None, encoder_decoder)
-        if attn.startswith("trainforge_"):
-            attn = "packed_sdpa"
-    elif cfg.model.attention == "auto":
-        attn = "flash_attention_2 when flash-attn is installed (varlen over packed documents), else sdpa"
+        attn = attention_implementation(cfg.model.attention, device or torch.device("cpu"), half, encoder_decoder)
+    elif profile is not None and profile.kind == "gpu":  # a GPU profile: bf16 support marks sm80+ (Ampere and newer)
+        attn = doc_attention.choose(cfg.model.attention, "cuda", (8, 0) if profile.bf16 else (7, 0), half, True)
     else:
         attn = cfg.model.attention
+    attn = attn.removeprefix("trainforge_")  # trainforge_packed_sdpa -> packed_sdpa, as the config spells it
     compile_why = {
         True: "on: as configured",
         False: "off: as configured",

@@ -36,14 +36,20 @@ def masked_batch(vocab: int, device: torch.device):
 
 def attention_implementations(device: torch.device) -> list[str]:
     """The attention paths a packed row takes on this device: per-document SDPA (CPU default),
-    stock SDPA (a block-diagonal mask from position_ids), flash-attention varlen (CUDA, installed)."""
+    stock SDPA (a block-diagonal mask from position_ids); on CUDA FlexAttention with a document mask,
+    torch's Flash varlen kernel (sm80+) and flash-attention's (when installed)."""
     import importlib.util
 
+    from ...model import doc_attention
     from ...model.packed_attention import register
 
     impls = [register(), "sdpa"]
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        impls.append("flash_attention_2")
+    if device.type == "cuda":
+        impls.append(doc_attention.register(doc_attention.FLEX_NAME))
+        if doc_attention.has_varlen() and torch.cuda.get_device_capability(device) >= doc_attention.VARLEN_MIN_CAPABILITY:
+            impls.append(doc_attention.register(doc_attention.VARLEN_NAME))
+        if importlib.util.find_spec("flash_attn") is not None:
+            impls.append("flash_attention_2")
     return impls
 
 

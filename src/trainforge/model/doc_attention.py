@@ -1,0 +1,215 @@
+"""Attention over packed documents on CUDA without the flash-attn package and without a row x row mask.
+
+Two transformers attention functions, chosen by ``model.attention: auto`` on CUDA (see ``choose``):
+
+- ``trainforge_varlen``: torch's own Flash Attention variable-length kernel
+  (``torch.nn.attention.varlen.varlen_attn``, sm80+, bf16/fp16). All rows' tokens are laid end to
+  end and each document attends causally within itself, given by cumulative document offsets.
+  The work is the sum of the documents' squared lengths, as with flash-attn's varlen.
+- ``trainforge_flex``: FlexAttention with a causal document mask (``create_block_mask``), for the
+  GPUs and precisions the flash kernel refuses (below sm80, fp32). Blocks that cross a document
+  boundary or lie above the diagonal are skipped, so its cost also follows the documents' lengths.
+
+Documents are found where ``position_ids`` restart at 0 (each row starts one), as in
+``packed_attention``. Both plan the documents once per forward pass and reuse the plan in every
+layer; the planning runs outside compiled graphs (``torch.compiler.disable``), so a compiled decoder
+layer holds only the kernel call. Generation with a KV cache, a caller's mask or attention dropout
+take the paths that handle them (stock SDPA, per-document SDPA).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+VARLEN_NAME = "trainforge_varlen"
+FLEX_NAME = "trainforge_flex"
+VARLEN_MIN_CAPABILITY = (8, 0)  # Flash Attention 2's kernels: Ampere and newer
+
+
+def choose(requested: str, device_type: str, capability: tuple[int, int] | None, half_precision: bool, has_varlen: bool) -> str:
+    """The attention a decoder-only model trains with on CUDA, for ``model.attention: requested``.
+
+    ``auto``: torch's varlen Flash kernel on sm80+ in bf16/fp16 (it has no fp32), FlexAttention with a
+    document mask elsewhere on CUDA. Neither builds a row x row mask. Other requests pass through.
+    Callers handle CPU (``packed_attention``) and encoder-decoders before this."""
+    if requested != "auto" or device_type != "cuda":
+        return requested
+    if has_varlen and half_precision and capability is not None and capability >= VARLEN_MIN_CAPABILITY:
+        return VARLEN_NAME
+    return FLEX_NAME
+
+
+def has_varlen() -> bool:
+    """This torch ships ``torch.nn.attention.varlen.varlen_attn`` (2.10 and later)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class DocumentPlan:
+    """Where the documents of a batch of packed rows are, built once per forward pass."""
+
+    cu_seqlens: torch.Tensor  # (documents + 1,) int32 offsets into the rows' tokens laid end to end
+    max_len: int  # the longest document (the varlen kernel sizes its grid by it)
+    doc_ids: torch.Tensor  # (rows, T) a batch-wide document number per token (FlexAttention's mask)
+
+
+@torch.compiler.disable  # host-side planning with one sync: kept out of compiled layers
+def plan_documents(position_ids: torch.Tensor, rows: int) -> DocumentPlan:
+    """Documents of ``rows`` packed rows from their ``position_ids`` (a row always starts a document,
+    so no document crosses a row)."""
+    pos = position_ids.expand(rows, -1)
+    starts = pos == 0
+    starts[:, 0] = True
+    flat = starts.flatten()
+    offsets = flat.nonzero().flatten()
+    total = torch.tensor([flat.numel()], device=flat.device, dtype=offsets.dtype)
+    cu = torch.cat([offsets, total]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())  # the one host sync per forward
+    doc_ids = flat.cumsum(0).view(pos.shape)
+    return DocumentPlan(cu, max_len, doc_ids)
+
+
+_cache: tuple[torch.Tensor, int, DocumentPlan] | None = None
+
+
+@torch.compiler.disable
+def cached_plan(position_ids: torch.Tensor, rows: int) -> DocumentPlan:
+    """Every layer of one forward gets the same ``position_ids`` tensor: plan once, reuse per layer.
+    The cache holds the tensor itself, so its memory cannot be reused by another batch meanwhile."""
+    global _cache
+    if _cache is None or _cache[0] is not position_ids or _cache[1] != rows:
+        _cache = (position_ids, rows, plan_documents(position_ids, rows))
+    return _cache[2]
+
+
+def _fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """The stock path for what these kernels do not cover: a KV cache, a caller's mask, no position_ids
+    (stock SDPA), or attention dropout in training (per-document SDPA, which applies it)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from .packed_attention import _attend
+
+    if dropout and module.training and kwargs.get("position_ids") is not None and attention_mask is None:
+        return _attend(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _packed_call(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float, module, kwargs: dict) -> bool:
+    """Training on packed rows: the case these kernels serve."""
+    return (
+        kwargs.get("position_ids") is not None
+        and attention_mask is None
+        and query.shape[2] == key.shape[2]
+        and not (dropout and module.training)
+    )
+
+
+_VARLEN_ARGS: dict[str, Any] | None = None
+
+
+def _varlen_args() -> dict[str, Any]:
+    """Keyword arguments for a causal call of this torch's ``varlen_attn``: torch 2.10 takes
+    ``is_causal``, 2.11 and later ``window_size`` (``(-1, 0)``: causal); ``enable_gqa`` where it exists."""
+    global _VARLEN_ARGS
+    if _VARLEN_ARGS is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        args: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+        args["enable_gqa"] = "enable_gqa" in params
+        _VARLEN_ARGS = args
+    return _VARLEN_ARGS
+
+
+def varlen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None) -> torch.Tensor:
+    """Causal varlen attention: q (N, H, D), k/v (N, Hkv, D) -> (N, H, D). Tests replace it on CPU."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    args = dict(_varlen_args())
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not args.pop("enable_gqa"):  # an older torch: share each key/value head by copying it
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    elif groups > 1:
+        args["enable_gqa"] = True
+    else:
+        args.pop("enable_gqa")
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **args)
+
+
+def varlen_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query (B, H, T, D), key/value (B, Hkv, T, D) -> (B, T, H, D), as transformers expects."""
+    if not _packed_call(query, key, attention_mask, dropout, module, kwargs):
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    b, h, t, d = query.shape
+    plan = cached_plan(kwargs["position_ids"], b)
+    # under autocast with fp32 master weights RoPE hands back fp32 (cos/sin follow the fp32 residual
+    # stream); the flash kernel computes in bf16/fp16 only, so it gets the autocast dtype
+    device_type = query.device.type
+    half = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
+    # (B, H, T, D) -> every row's tokens end to end, (B*T, H, D); contiguous as the kernel requires
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d).to(half) for x in (query, key, value))
+    out = varlen_kernel(q, k, v, plan.cu_seqlens, plan.max_len, scaling)
+    return out.view(b, t, h, d), None
+
+
+_flex = None  # FlexAttention, compiled on CUDA (uncompiled it materializes the scores and is slow)
+_masks: tuple[torch.Tensor, Any] | None = None
+
+
+def _flex_fn():
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+    return _flex
+
+
+@torch.compiler.disable
+def document_block_mask(doc_ids: torch.Tensor):
+    """A causal document mask for FlexAttention, built once per forward pass (cached on ``doc_ids``)."""
+    global _masks
+    if _masks is not None and _masks[0] is doc_ids:
+        return _masks[1]
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    rows, t = doc_ids.shape
+    mask = create_block_mask(same_document_causal, rows, None, t, t, device=doc_ids.device)
+    _masks = (doc_ids, mask)
+    return mask
+
+
+def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """query (B, H, T, D), key/value (B, Hkv, T, D) -> (B, T, H, D), as transformers expects."""
+    if not _packed_call(query, key, attention_mask, dropout, module, kwargs):
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    plan = cached_plan(kwargs["position_ids"], query.shape[0])
+    mask = document_block_mask(plan.doc_ids)
+    gqa = query.shape[1] != key.shape[1]
+    out = _flex_fn()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # documents are separated by the attention function itself
+
+
+def register(name: str) -> str:
+    """Make ``attn_implementation=name`` (VARLEN_NAME or FLEX_NAME) available to transformers; returns it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, {VARLEN_NAME: varlen_forward, FLEX_NAME: flex_forward}[name])
+    AttentionMaskInterface.register(name, _no_mask)
+    return name

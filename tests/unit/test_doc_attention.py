@@ -1,0 +1,218 @@
+"""Packed documents on CUDA without a row x row mask: selection, document planning, the varlen
+wrapper (kernel replaced by a per-document SDPA reference on CPU) and FlexAttention's document mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainforge.model import doc_attention
+from trainforge.model.doc_attention import FLEX_NAME, VARLEN_NAME, choose, plan_documents
+
+LENGTHS = [[7, 12, 1, 20, 8], [30, 18]]  # documents per row; a one-token document too
+WIDTH = 48
+
+
+def positions(lengths=LENGTHS, width=WIDTH) -> torch.Tensor:
+    rows = []
+    for row in lengths:
+        pos = torch.cat([torch.arange(n) for n in row])
+        rows.append(torch.cat([pos, torch.arange(width - len(pos))]))  # the rest: one padding "document"
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    "requested, device, capability, half, varlen, expected",
+    [
+        ("auto", "cuda", (9, 0), True, True, VARLEN_NAME),  # H100, bf16
+        ("auto", "cuda", (8, 0), True, True, VARLEN_NAME),  # A100
+        ("auto", "cuda", (9, 0), False, True, FLEX_NAME),  # fp32: the flash kernel has none
+        ("auto", "cuda", (7, 5), True, True, FLEX_NAME),  # T4, 2080 Ti: below sm80
+        ("auto", "cuda", (9, 0), True, False, FLEX_NAME),  # a torch without varlen_attn
+        ("auto", "cuda", None, True, True, FLEX_NAME),
+        ("sdpa", "cuda", (9, 0), True, True, "sdpa"),  # an explicit choice passes through
+        ("auto", "cpu", None, True, True, "auto"),  # CPU is the caller's (packed_sdpa)
+    ],
+)
+def test_choose(requested, device, capability, half, varlen, expected):
+    assert choose(requested, device, capability, half, varlen) == expected
+
+
+def test_attention_implementation_on_cuda_never_builds_a_row_mask(monkeypatch):
+    """auto on a CUDA device takes varlen or flex, never stock sdpa (its packed-row mask is row x row)."""
+    from trainforge.model.load import AttentionUnavailable, attention_implementation
+
+    cuda = torch.device("cuda")
+    doc_attention.register(VARLEN_NAME)  # transformers' modules imported before CUDA is faked: they probe it on import
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, half, expected in [((9, 0), True, VARLEN_NAME), ((9, 0), False, FLEX_NAME), ((7, 0), True, FLEX_NAME)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert attention_implementation("auto", cuda, half_precision=half) == expected
+    assert attention_implementation("flex", torch.device("cpu")) == FLEX_NAME
+    assert attention_implementation("auto", cuda, encoder_decoder=True) == "sdpa"
+    with pytest.raises(AttentionUnavailable, match="model.attention: varlen"):
+        attention_implementation("varlen", torch.device("cpu"))
+
+
+def test_config_refuses_document_kernels_for_encoder_decoders():
+    from trainforge.config import RunConfig
+
+    init = {"architecture": "t5", "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 1, "num_heads": 4}
+    with pytest.raises(ValueError, match="model.attention: .*flex is for packed decoder-only rows"):
+        RunConfig.model_validate({"model": {"init": init, "tokenizer": "char", "attention": "flex"}, "data": {"train": "builtin:python-functions"}})
+
+
+def test_plan_documents_finds_each_document():
+    plan = plan_documents(positions(), rows=2)
+    lengths = [7, 12, 1, 20, 8, 0, 30, 18]  # row 0 ends in no padding (48 tokens exactly)
+    expected = [n for n in lengths if n] + []
+    seg = (plan.cu_seqlens[1:] - plan.cu_seqlens[:-1]).tolist()
+    assert seg == expected and plan.cu_seqlens.dtype == torch.int32
+    assert plan.max_len == 30 and int(plan.cu_seqlens[-1]) == 2 * WIDTH
+    ids = plan.doc_ids
+    assert ids[0, 0] != ids[1, 0]  # documents of different rows never share an id
+    assert (ids[0, :7] == ids[0, 0]).all() and ids[0, 7] != ids[0, 6]
+
+
+def test_plan_documents_splits_at_row_ends():
+    """A row that continues its previous row's document still starts a document of its own."""
+    pos = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 1]])
+    plan = plan_documents(pos, rows=2)
+    assert plan.cu_seqlens.tolist() == [0, 4, 6, 8]
+
+
+def reference_varlen(q, k, v, cu, max_len, scale):
+    """The varlen kernel's contract, one document at a time with causal SDPA."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    bounds = cu.tolist()
+    assert max_len == max(e - s for s, e in zip(bounds, bounds[1:]))
+    outs = [
+        F.scaled_dot_product_attention(*(x[s:e].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=scale).transpose(0, 1)
+        for s, e in zip(bounds, bounds[1:])
+    ]
+    return torch.cat(outs)
+
+
+def tiny_llama(impl: str, kv_heads: int = 2):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads, max_position_embeddings=64,
+    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    with torch.no_grad():
+        for p in model.parameters():  # attention far from uniform, so a leak across documents shows
+            if p.ndim > 1:
+                p.mul_(4.0)
+    return model
+
+
+def one_at_a_time(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of every document run alone (the padding tail too), rows concatenated."""
+    out = []
+    for b, row in enumerate(LENGTHS):
+        starts = [sum(row[:i]) for i in range(len(row))]
+        spans = list(zip(starts, row)) + ([(sum(row), WIDTH - sum(row))] if sum(row) < WIDTH else [])
+        out.append(torch.cat([model(input_ids=ids[b : b + 1, s : s + n], use_cache=False).logits for s, n in spans], dim=1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_varlen_wrapper_matches_documents_run_alone(monkeypatch, kv_heads):
+    """Layout, offsets and grouped-query heads of the varlen path, with the kernel replaced by its
+    contract (the real kernel needs CUDA: see test_varlen_kernel_on_cuda). Gradients too."""
+    monkeypatch.setattr(doc_attention, "varlen_kernel", reference_varlen)
+    doc_attention.register(VARLEN_NAME)
+    model = tiny_llama(VARLEN_NAME, kv_heads)
+    ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(1))
+    packed = model(input_ids=ids, position_ids=positions(), use_cache=False).logits
+    packed.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    alone = one_at_a_time(model, ids)
+    alone.square().mean().backward()
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
+    for g, ref in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(g, ref, atol=1e-4, rtol=1e-3)
+    leaky = model(input_ids=ids, use_cache=False).logits  # no documents: what a broken mask gives
+    assert (leaky - alone).abs().max() > 1e-2
+
+
+def test_varlen_gets_the_autocast_dtype(monkeypatch):
+    """Under autocast with fp32 weights RoPE returns fp32 queries; the flash kernel has no fp32, so
+    the wrapper hands it the autocast dtype."""
+    seen = []
+
+    def recording(q, k, v, cu, max_len, scale):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return reference_varlen(q, k, v, cu, max_len, scale)
+
+    monkeypatch.setattr(doc_attention, "varlen_kernel", recording)
+    doc_attention.register(VARLEN_NAME)
+    model = tiny_llama(VARLEN_NAME)
+    ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, position_ids=positions(), use_cache=False)
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_flex_document_mask_matches_documents_run_alone(kv_heads):
+    """FlexAttention's document mask, forward on CPU (torch has no FlexAttention backward on CPU)."""
+    doc_attention.register(FLEX_NAME)
+    model = tiny_llama(FLEX_NAME, kv_heads).eval()
+    ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions(), use_cache=False).logits
+        alone = one_at_a_time(model, ids)
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_generation_with_a_cache_takes_the_stock_path(monkeypatch):
+    """A KV cache (queries shorter than keys) is not a packed row: stock SDPA serves the decoding
+    steps; the prompt's own pass (one document) is the kernel's. Same tokens as stock SDPA."""
+    called = []
+
+    def counting(*args):
+        called.append(1)
+        return reference_varlen(*args)
+
+    monkeypatch.setattr(doc_attention, "varlen_kernel", counting)
+    doc_attention.register(VARLEN_NAME)
+    model = tiny_llama(VARLEN_NAME).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=3, do_sample=False)
+        model.set_attn_implementation("sdpa")
+        stock = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert len(called) == 2  # the prompt's pass through both layers, no decoding step
+    assert torch.equal(out, stock)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", [VARLEN_NAME, FLEX_NAME])
+def test_document_kernels_on_cuda(impl):
+    """The real kernels on a GPU against documents run alone, forward and gradients, in bf16."""
+    if impl == VARLEN_NAME and (torch.cuda.get_device_capability() < (8, 0) or not doc_attention.has_varlen()):
+        pytest.skip("torch's varlen kernel needs sm80+ and torch >= 2.10")
+    doc_attention.register(impl)
+    model = tiny_llama(impl).cuda()
+    ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        packed = model(input_ids=ids, position_ids=positions().cuda(), use_cache=False).logits.float()
+        packed.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model.set_attn_implementation("sdpa")
+        alone = one_at_a_time(model, ids).float()
+        alone.square().mean().backward()
+    scale = alone.abs().max()
+    assert (packed - alone).abs().max() / scale < 2e-2
+    for g, ref in zip(grads, (p.grad for p in model.parameters())):
+        assert (g - ref).abs().max() <= 5e-2 * ref.abs().max() + 1e-6
