@@ -204,6 +204,12 @@ class TrainSettings(Section):
         "tensor); false: the model's own head and a standard cross-entropy. Models whose head is not a plain "
         "linear layer (LoRA on the head, soft-capped logits) always take the standard path",
     )
+    kernels: Literal["auto", "liger", "torch"] = Field(
+        "auto",
+        description="fused Triton kernels: liger (Liger Kernel's RMSNorm, RoPE, SwiGLU and fused linear "
+        "cross-entropy; CUDA, pip install 'trainforge[gpu]'); torch: PyTorch's ops; auto: liger on CUDA when "
+        "installed, else torch",
+    )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="auto: CUDA when present, else CPU")
     seed: int = Field(0, ge=0, lt=2**32, description="seeds initialization, data order, eval split and sampling")
     compile: bool | Literal["auto"] = Field(

@@ -17,6 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..data.formats import IGNORE
+from ..model.kernels import liger_linear_cross_entropy, uses_liger_loss
 
 CHUNK = 4096  # at most this many target positions per head matmul on GPU: large enough for efficient GEMMs
 LOGITS_CHUNK_BYTES = 256 * 2**20  # ... and at most this much fp32 logits per chunk: at a 128k vocabulary, 4096
@@ -111,6 +112,8 @@ def linear_cross_entropy(
     """
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    if uses_liger_loss(head, hidden):  # train.kernels: liger on CUDA (model/kernels.py marked the head)
+        return liger_linear_cross_entropy(hidden, head.weight, head.bias if bias is None else bias, labels, compute_dtype, IGNORE)
     return _LinearCrossEntropy.apply(hidden, head.weight, head.bias if bias is None else bias, labels, compute_dtype)
 
 

@@ -36,6 +36,7 @@ from ..metrics.profile import StepTimer
 from ..metrics.sinks import build_sinks, require_trackers
 from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
+from ..model.kernels import resolve_kernels
 from ..model.load import (
     build_model,
     count_parameters,
@@ -224,15 +225,18 @@ def build_run_model(
     cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, reporter: ConsoleReporter
 ) -> torch.nn.Module:
     """The model of ``model`` (pretrained, or from its config) with its method applied, on ``device``, in train mode."""
+    kernels = resolve_kernels(cfg.train.kernels, device.type)
     model = build_model(
         cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None,
         compute_dtype=precision.autocast_dtype, activation_checkpointing=cfg.train.activation_checkpointing,
+        kernels=kernels, warn=reporter.warn,
     ).to(device)
     model.train()
     trainable, total = count_parameters(model)
+    used = getattr(model, "trainforge_kernels", [])
     reporter.info(
         f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
-        f"attention {model.config._attn_implementation}"
+        f"attention {model.config._attn_implementation}, kernels {'liger (' + ', '.join(used) + ')' if used else 'torch'}"
         + (", activation checkpointing" if cfg.train.activation_checkpointing else "")
     )
     reporter.info(f"weights: {describe_storage(weight_storage(model))}")
@@ -253,7 +257,11 @@ def run_facts(
         f"compute: {per_token / 1e6:.1f} MFLOP per token; device peak "
         + (f"{peak / 1e12:.2f} TFLOP/s ({source})" if peak else source)
     )
-    return RunFacts(why, data_format, data_stats, per_token, peak, fit_summary(fit))
+    choices = fit_summary(fit) | {
+        "attention": getattr(model.config, "_attn_implementation", None),
+        "kernels": getattr(model, "trainforge_kernels", []) or "torch",
+    }
+    return RunFacts(why, data_format, data_stats, per_token, peak, choices)
 
 
 def continue_from(run: Run, plan: ResumePlan) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from ..config import LoraSettings, ModelSettings
 from ..errors import TrainforgeError
 from ..hf_dir import init_kind, read_config, refuse_custom_code
+from .kernels import apply_liger
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -121,6 +123,8 @@ def build_model(
     half_precision: bool = True,
     compute_dtype: torch.dtype | None = None,
     activation_checkpointing: bool = False,
+    kernels: str = "torch",
+    warn: Callable[[str], None] = lambda _: None,
 ) -> torch.nn.Module:
     """The trainable model: weights loaded or seeded-initialized, LoRA/QLoRA-wrapped when asked.
 
@@ -129,6 +133,8 @@ def build_model(
     of the base trains, so fp32 master copies would buy nothing), while adapters stay fp32. A
     full fine-tune keeps fp32 master weights; autocast does the low-precision compute.
     ``activation_checkpointing``: each decoder layer recomputes its activations in backward.
+    ``kernels``: ``liger`` swaps in Liger's kernels before adapters wrap the layers (model/kernels.py);
+    the ones in use are listed in ``model.trainforge_kernels``.
     """
     auto_class = model_class(cfg)  # AutoModelForSeq2SeqLM for T5, BART, ...
     attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision, cfg.kind.encoder_decoder)
@@ -147,7 +153,10 @@ def build_model(
         )
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
-    return adapt(model, cfg, activation_checkpointing)
+    used = apply_liger(model, warn) if kernels == "liger" else []
+    model = adapt(model, cfg, activation_checkpointing)
+    model.trainforge_kernels = used
+    return model
 
 
 def storage_dtype(cfg: ModelSettings, compute_dtype: torch.dtype | None) -> torch.dtype:

@@ -272,6 +272,7 @@ def decisions(
         {"setting": "precision", "choice": precision.name, "why": precision_why},
         {"setting": "attention", "choice": attn, "why": "model.attention: " + cfg.model.attention},
         {"setting": "compile", "choice": str(cfg.train.compile), "why": compile_why},
+        {"setting": "kernels", "choice": kernels_choice(cfg, device, profile), "why": "train.kernels: " + cfg.train.kernels},
         {"setting": "activation_checkpointing", "choice": str(fit.activation_checkpointing).lower(), "why": fit.why_checkpointing},
         {"setting": "micro_batch_size", "choice": str(fit.micro_batch_size), "why": fit.why_micro_batch},
         {
@@ -283,6 +284,19 @@ def decisions(
     if world_size > 1:
         out.append({"setting": "distributed", "choice": mode, "why": "train.distributed: " + cfg.train.distributed})
     return out
+
+
+def kernels_choice(cfg: RunConfig, device: torch.device | None, profile: HardwareProfile | None) -> str:
+    """What ``train.kernels`` resolves to on the planned hardware (a GPU profile: as it would on that GPU)."""
+    from ..model.kernels import liger_installed
+
+    requested = cfg.train.kernels
+    if device is not None or profile is None or profile.kind != "gpu":
+        return requested if requested != "auto" else "torch"
+    if requested != "auto":
+        return requested
+    here = "installed here" if liger_installed() else "not installed here"
+    return f"liger where liger-kernel is installed ({here}; pip install 'trainforge[gpu]'), else torch"
 
 
 def findings(

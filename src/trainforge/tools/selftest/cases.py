@@ -74,6 +74,7 @@ CHECKS = (
     *(f"head-grads-{p}" for p in PRECISIONS),
     *(f"attention-{p}" for p in PRECISIONS),
     *(f"resume-{p}" for p in PRECISIONS),
+    *(f"kernels-{p}" for p in PRECISIONS),
     "nonfinite-guard",
     "pinned-memory",
 )

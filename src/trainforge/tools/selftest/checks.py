@@ -195,3 +195,46 @@ class Checks:
         if not (torch.equal(moved.input_ids.cpu(), batch.input_ids) and torch.equal(moved.labels.cpu(), batch.labels)):
             raise CheckFailed("a non-blocking copy from pinned memory arrived changed")
         return "batches pinned; non-blocking copies arrive intact"
+
+    def _check_kernels(self, precision: str) -> str:
+        """Liger's kernels (train.kernels: liger) against PyTorch's on the same weights and packed rows:
+        the loss and every gradient, under ``precision``. CUDA with liger-kernel installed only."""
+        from transformers.models.llama import modeling_llama
+
+        from ...config import ModelSettings
+        from ...engine.step import loss_sum
+        from ...hardware import PRECISIONS as MODES
+        from ...model.kernels import liger_installed
+        from ...model.load import build_model
+        from ...model.tokenizer import load_tokenizer
+
+        if self.device.type != "cuda":
+            raise Skip("CUDA only: Liger's Triton kernels need a GPU")
+        if not liger_installed():
+            raise Skip("liger-kernel is not installed: pip install 'trainforge[gpu]'")
+        mode, tol = MODES[precision], self.tolerance(HEAD_GRAD_TOL, precision)
+        tok = load_tokenizer(self.assets.tokenizer)
+        batch = masked_batch(len(tok), self.device)
+        patched = {n: getattr(modeling_llama, n) for n in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}
+        runs = {}
+        try:
+            for kernels in ("torch", "liger"):  # torch first: Liger replaces names in transformers' Llama module
+                with rng_kept():
+                    settings = ModelSettings(init=dict(MODEL_INIT), tokenizer=self.assets.tokenizer)
+                    model = build_model(settings, tok, 0, self.device, mode.autocast_dtype is not None, kernels=kernels).to(self.device)
+                loss = loss_sum(model, batch, mode)
+                loss.backward()
+                runs[kernels] = loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        finally:
+            for name, value in patched.items():
+                setattr(modeling_llama, name, value)
+        (loss_t, g_t), (loss_l, g_l) = runs["torch"], runs["liger"]
+        gaps = {n: float((g_l[n] - g_t[n]).norm() / g_t[n].norm().clamp_min(1e-30)) for n in g_t}
+        worst, gap = max(gaps.items(), key=lambda kv: kv[1])
+        loss_gap = abs(loss_l - loss_t) / abs(loss_t)
+        if gap > tol or loss_gap > tol:
+            raise CheckFailed(
+                f"liger vs torch under {precision}: loss {loss_l:.5f} vs {loss_t:.5f}; gradient of {worst} by {gap:.2e} "
+                f"(relative norm; tolerance {tol:.0e})"
+            )
+        return f"liger vs torch: loss {loss_gap:.1e}, gradients {gap:.1e} (tol {tol:.0e})"

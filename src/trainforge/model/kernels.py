@@ -1,0 +1,99 @@
+"""Fused Triton kernels from Liger Kernel on CUDA: RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy.
+
+``train.kernels: auto`` takes them on CUDA when liger-kernel is installed (``pip install
+'trainforge[gpu]'``); ``torch`` keeps PyTorch's ops everywhere. The model's layers are swapped through
+Liger's own per-architecture functions (never its loss or ``forward`` patches: trainforge computes the
+loss itself, over target positions only). Liger's RoPE replaces the architecture's module-level
+``apply_rotary_pos_emb``, so it holds for every model of that architecture in the process.
+The LM head is marked, and ``engine/loss.py`` then computes the loss with Liger's fused linear
+cross-entropy instead of trainforge's chunked torch loss, which stays the CPU path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+from collections.abc import Callable
+
+import torch
+
+from ..errors import TrainforgeError
+
+LIGER_LOSS = "trainforge_liger_loss"  # attribute set on an LM head whose loss goes through Liger
+LAYER_KERNELS = ("rms_norm", "rope", "swiglu")
+
+
+class KernelsUnavailable(TrainforgeError, ValueError):
+    """``train.kernels: liger`` cannot run here (not installed, or no CUDA)."""
+
+
+def liger_installed() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def triton_interpreted() -> bool:
+    """Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``): slow, for tests only."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_kernels(requested: str, device_type: str) -> str:
+    """``liger`` or ``torch`` for ``train.kernels: requested`` on a device of ``device_type``."""
+    if requested == "torch":
+        return "torch"
+    if requested == "auto":
+        return "liger" if device_type == "cuda" and liger_installed() else "torch"
+    if not liger_installed():
+        raise KernelsUnavailable("train.kernels: liger needs liger-kernel: pip install 'trainforge[gpu]' (or set train.kernels: auto)")
+    if device_type != "cuda" and not triton_interpreted():
+        raise KernelsUnavailable(
+            f"train.kernels: liger runs Triton kernels on CUDA GPUs; this run is on {device_type}: set train.kernels: auto or torch"
+        )
+    return "liger"
+
+
+def apply_liger(model: torch.nn.Module, warn: Callable[[str], None] = lambda _: None) -> list[str]:
+    """Swap this model's RMSNorm, RoPE and SwiGLU for Liger's (architectures Liger knows), and mark a
+    plain linear LM head for Liger's fused linear cross-entropy. Returns the kernels now in use."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = getattr(model.config, "model_type", None)
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    used: list[str] = []
+    if apply is None:
+        warn(f"kernels: Liger has no layer kernels for {model_type!r}; its layers stay PyTorch's")
+    else:
+        params = inspect.signature(apply).parameters
+        wanted = {k: True for k in LAYER_KERNELS} | {"cross_entropy": False, "fused_linear_cross_entropy": False}
+        apply(model=model, **{k: v for k, v in wanted.items() if k in params})
+        used = [k for k in LAYER_KERNELS if k in params]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is torch.nn.Linear:
+        setattr(head, LIGER_LOSS, True)
+        used.append("fused_linear_cross_entropy")
+    return used
+
+
+def uses_liger_loss(head: torch.nn.Module, hidden: torch.Tensor) -> bool:
+    """The loss of ``head`` goes through Liger: the head was marked and the kernel can run on ``hidden``."""
+    return getattr(head, LIGER_LOSS, False) and (hidden.is_cuda or triton_interpreted())
+
+
+def liger_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, compute_dtype: torch.dtype,
+    ignore_index: int,
+) -> torch.Tensor:
+    """Sum of cross-entropy over ``labels != ignore_index`` through Liger's fused linear cross-entropy,
+    as an fp32 scalar: matmuls in ``compute_dtype``, gradient accumulators in fp32. Only the target
+    positions are handed over, so prompt and padding positions never get logits."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    keep = (labels != ignore_index).nonzero().flatten()
+    if len(keep) == 0:  # no target in this micro-batch: a zero that still carries a gradient path
+        return (hidden.sum() * 0.0).float()
+    h, y = hidden.index_select(0, keep).to(compute_dtype), labels.index_select(0, keep)
+    w = weight.to(compute_dtype)  # cast once per call; the gradient flows back to the fp32 master weight
+    b = bias.to(compute_dtype) if bias is not None else None
+    with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here
+        loss = liger_fused_linear_cross_entropy(h, w, y, b, reduction="sum", accum_dtype=torch.float32)
+    return loss.float()

@@ -1,0 +1,180 @@
+"""train.kernels: which kernels a run gets, how Liger's are swapped in, and Liger's fused loss wired
+into trainforge's loss (run under Triton's CPU interpreter, in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from trainforge.model import kernels
+from trainforge.model.kernels import KernelsUnavailable, resolve_kernels
+
+liger = pytest.importorskip("liger_kernel")
+
+
+@pytest.mark.parametrize(
+    "requested, device, installed, interpreted, expected",
+    [
+        ("auto", "cuda", True, False, "liger"),
+        ("auto", "cuda", False, False, "torch"),  # not installed: PyTorch's ops, no error
+        ("auto", "cpu", True, False, "torch"),
+        ("auto", "cpu", True, True, "torch"),  # the interpreter is for tests that ask for liger by name
+        ("torch", "cuda", True, False, "torch"),
+        ("liger", "cuda", True, False, "liger"),
+        ("liger", "cpu", True, True, "liger"),
+    ],
+)
+def test_resolve_kernels(monkeypatch, requested, device, installed, interpreted, expected):
+    monkeypatch.setattr(kernels, "liger_installed", lambda: installed)
+    monkeypatch.setattr(kernels, "triton_interpreted", lambda: interpreted)
+    assert resolve_kernels(requested, device) == expected
+
+
+def test_liger_that_cannot_run_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(kernels, "triton_interpreted", lambda: False)
+    monkeypatch.setattr(kernels, "liger_installed", lambda: True)
+    with pytest.raises(KernelsUnavailable, match="train.kernels: liger runs Triton kernels on CUDA.*auto or torch") as e:
+        resolve_kernels("liger", "cpu")
+    assert e.value.exit_code == 2
+    monkeypatch.setattr(kernels, "liger_installed", lambda: False)
+    with pytest.raises(KernelsUnavailable, match=r"pip install 'trainforge\[gpu\]'"):
+        resolve_kernels("liger", "cuda")
+
+
+def test_config_takes_kernels():
+    from pydantic import ValidationError
+
+    from trainforge.config import TrainSettings
+
+    assert TrainSettings().kernels == "auto"
+    with pytest.raises(ValidationError, match="kernels"):
+        TrainSettings.model_validate({"kernels": "triton"})
+
+
+def tiny(architecture: str = "llama"):
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    torch.manual_seed(0)
+    if architecture == "llama":
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    else:
+        config = GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.fixture
+def restore_llama_module(monkeypatch):
+    """Liger replaces module-level names of transformers' Llama code: put them back after the test."""
+    from transformers.models.llama import modeling_llama
+
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+
+
+def test_apply_liger_swaps_llama_layers_and_marks_the_head(restore_llama_module):
+    """Which modules Liger took over, checked without running them (Triton needs CUDA or its interpreter)."""
+    model = tiny()
+    used = kernels.apply_liger(model)
+    assert used == ["rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]
+    layer = model.model.layers[0]
+    assert layer.mlp._get_name() == "LigerSwiGLUMLP"
+    assert "Liger" in type(layer.input_layernorm).__name__ or layer.input_layernorm._get_name().startswith("Liger")
+    assert getattr(model.lm_head, kernels.LIGER_LOSS)
+    from transformers.models.llama import modeling_llama
+
+    assert modeling_llama.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
+
+
+def test_unknown_architecture_keeps_torch_layers_and_says_so():
+    model = tiny("gpt2")
+    said = []
+    used = kernels.apply_liger(model, said.append)
+    assert used == ["fused_linear_cross_entropy"] and "no layer kernels for 'gpt2'" in said[0]
+
+
+def test_the_loss_stays_torch_on_cpu_without_the_interpreter(monkeypatch):
+    """A marked head on a CPU tensor (no interpreter) takes trainforge's own chunked loss."""
+    monkeypatch.setattr(kernels, "triton_interpreted", lambda: False)
+    head = torch.nn.Linear(8, 16, bias=False)
+    setattr(head, kernels.LIGER_LOSS, True)
+    assert not kernels.uses_liger_loss(head, torch.zeros(2, 8))
+
+
+INTERPRETED = textwrap.dedent(
+    """
+    import json, torch
+    from trainforge.engine.loss import linear_cross_entropy
+    from trainforge.model.kernels import LIGER_LOSS, uses_liger_loss
+
+    torch.manual_seed(0)
+    n, h, v = 24, 16, 40
+    labels = torch.randint(0, v, (n,))
+    labels[:7] = -100  # prompt positions: no target
+    out = {}
+    for bias in (False, True):
+        results = []
+        for liger in (False, True):
+            torch.manual_seed(1)
+            head = torch.nn.Linear(h, v, bias=bias)
+            if liger:
+                setattr(head, LIGER_LOSS, True)
+            hidden = torch.randn(n, h, requires_grad=True)
+            assert uses_liger_loss(head, hidden) is liger  # the interpreter lets the marked head take Liger's path
+            loss = linear_cross_entropy(hidden, head, labels)
+            loss.backward()
+            grads = [hidden.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+            results.append((loss.detach(), grads))
+        (l0, g0), (l1, g1) = results
+        out[str(bias)] = {
+            "loss": [float(l0), float(l1)],
+            "grad_gap": max(float((a - b).abs().max()) for a, b in zip(g0, g1)),
+            "grad_scale": max(float(a.abs().max()) for a in g0),
+        }
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_liger_fused_loss_matches_trainforge_loss_under_the_interpreter():
+    """Liger's fused linear cross-entropy through trainforge's wiring (target positions only, sum,
+    fp32) equals trainforge's own loss, value and gradients, with and without a bias."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for case in result.values():
+        torch_loss, liger_loss = case["loss"]
+        assert abs(torch_loss - liger_loss) <= 1e-5 * abs(torch_loss)
+        assert case["grad_gap"] <= 1e-5 * max(case["grad_scale"], 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_liger_step_matches_torch_step_on_cuda(restore_llama_module):
+    """One bf16 forward/backward of a tiny Llama: Liger's kernels vs PyTorch's, loss and gradients."""
+    from trainforge.engine.loss import fused_head, linear_cross_entropy
+
+    results = []
+    for liger_on in (False, True):
+        model = tiny().cuda()
+        if liger_on:
+            kernels.apply_liger(model)
+        ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0)).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            decoder, head = fused_head(model)
+            hidden = decoder(input_ids=ids[:, :-1]).last_hidden_state
+            loss = linear_cross_entropy(hidden.flatten(0, 1), head, ids[:, 1:].flatten())
+        loss.backward()
+        results.append((float(loss), [p.grad.float() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = results
+    assert abs(l0 - l1) <= 1e-2 * abs(l0)
+    for a, b in zip(g0, g1):
+        assert (a - b).abs().max() <= 5e-2 * a.abs().max() + 1e-6
