@@ -142,6 +142,20 @@ class CompileAuto:
         if len(self.compiled_times) == MEASURE_STEPS:
             self._save_measurement()
 
+    def measured(self) -> dict[str, float] | None:
+        """This run's compile: seconds spent compiling (time above the steady pace in its first compiled
+        steps, recompiles included), steady compiled and eager step times and their ratio; None until
+        ``MEASURE_STEPS`` compiled steps ran."""
+        if len(self.compiled_times) < MEASURE_STEPS:
+            return None
+        times = self.compiled_times[:MEASURE_STEPS]
+        steady = statistics.median(times[len(times) // 2 :])
+        out = {"compile_s": sum(max(t - steady, 0.0) for t in times), "compiled_step_s": steady}
+        eager = self._eager_step_s()
+        if eager:
+            out |= {"eager_step_s": eager, "speedup": eager / steady}
+        return out
+
     def _save_measurement(self) -> None:
         times = self.compiled_times
         steady = statistics.median(times[len(times) // 2 :])

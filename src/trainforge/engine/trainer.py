@@ -309,6 +309,7 @@ def finish(run: Run) -> RunResult:
         "mfu": tokens_per_s * facts.flops_per_token / facts.peak_flops if facts.peak_flops else None,
         "flops_per_token": facts.flops_per_token,
         "compiled": run.compiled,
+        "compile": run.compile_auto.measured(),  # this run's compile seconds and steady step times, once measured
         "data_wait_s": c.data_wait_s,
         "skipped_steps": int(run.guard.total),
         "micro_batch_size": run.loader.batch_size,
