@@ -1,0 +1,560 @@
+"""The GPU truth in one command: trainforge against what users would otherwise run, side by side.
+
+    python benchmarks/gpu_suite.py --part all --out gpu-results      # on one H100, parts of < 9 minutes
+    python benchmarks/gpu_suite.py --part 1 --out gpu-results        # one part per call (the device's limit)
+    python benchmarks/gpu_suite.py --table gpu-results               # the README table from the parts' JSON
+    python benchmarks/gpu_suite.py --tiny --part all --out /tmp/s    # the same harness on a CPU, in seconds
+
+Rows (real shapes, random init from config, nothing downloaded; ``--tiny`` shrinks every shape):
+  part 1: Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, 128,256 vocabulary, tied), full fine-tune,
+          packed prompt/completion at 2,048 tokens (completion-only loss);
+  part 2: Qwen2.5-0.5B (hidden 896, 24 layers, 14/2 heads, 151,936 vocabulary, tied), full fine-tune,
+          text blocks at 2,048 tokens, then one row of 8,192 tokens;
+  part 3: Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, 128,256 vocabulary), LoRA r16 on all
+          linear layers, bf16 base built on the device, packed prompt/completion at 2,048 tokens.
+Variants, at the same micro-batch, sequence length, optimizer (AdamW, same lr/schedule) and steps:
+  hf:          transformers ``Trainer``, bf16 autocast + SDPA (what a user gets); rows packed the
+               ``run_clm.py`` way (documents concatenated, prompts masked in the labels);
+  hf-liger:    the same with ``use_liger_kernel=True`` (a tuned user; CUDA and liger-kernel only);
+  trl-packed:  TRL ``SFTTrainer`` with ``packing=True, padding_free=True`` (prompt/completion rows);
+  hf-peft:     ``hf`` with PEFT LoRA (the LoRA row's baseline), and hf-peft-liger;
+  trainforge:  ``trainforge train`` on its defaults (precision, attention, kernels, compile: auto);
+  trainforge-compiled: the same with ``train.compile: true`` (compile seconds and steady gain).
+Every variant is its own process. Reported: real (non-padding) tokens/s in steady state (the steps
+after ``--warmup``) and over the whole loop, MFU against the device's dense bf16 peak (one FLOP count,
+trainforge's, for every variant), peak reserved GPU memory (RSS on CPU), the first step's extra
+seconds (compile, autotuning), and the mean training loss of the last quarter of steps beside the
+baseline's. Beside trainforge rows: what ``trainforge plan`` predicted (``--hardware h100``, or this
+machine with ``--tiny``) for peak memory and tokens/s, and the error (flagged above 15% / 25%).
+The data is synthetic and learnable: each document follows its own affine recurrence over token ids,
+so every trainer sees the same tokens and the loss falls. Needs ``pip install 'trainforge[bench,gpu]'``;
+a missing package skips its variants with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+T0 = time.perf_counter()
+MEMORY_TOL, SPEED_TOL = 0.15, 0.25  # plan's error beyond which its model of the device needs fixing
+
+
+@dataclass
+class Row:
+    """One model, data shape and method, run by every variant that applies."""
+
+    name: str
+    arch: dict  # model.init-style architecture fields
+    method: str  # full | lora
+    data: str  # sft (packed prompt/completion) | text (blocks)
+    seq: int
+    micro_batch: int
+    steps: int
+    variants: list[str] = field(default_factory=list)
+
+
+LLAMA_1B = dict(architecture="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=8192)
+QWEN_05B = dict(architecture="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=8192)
+LLAMA_8B = dict(architecture="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=8192)
+FULL = ["hf", "hf-liger", "trainforge", "trainforge-compiled"]
+
+
+def parts(tiny: bool) -> dict[int, list[Row]]:
+    """The suite's rows by part; ``tiny``: the same rows in shapes a CPU runs in seconds."""
+    if tiny:
+        small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+        return {
+            1: [Row("llama-1b-shape", {**LLAMA_1B, **small}, "full", "sft", 128, 2, 8, FULL + ["trl-packed"])],
+            2: [Row("qwen-0.5b-shape", {**QWEN_05B, **small}, "full", "text", 128, 2, 8, ["hf", "trainforge"]),
+                Row("qwen-0.5b-shape-8k", {**QWEN_05B, **small}, "full", "text", 256, 1, 6, ["hf", "trainforge"])],
+            3: [Row("llama-8b-shape-lora", {**LLAMA_8B, **small}, "lora", "sft", 128, 2, 8, ["hf-peft", "hf-peft-liger", "trainforge"])],
+        }
+    return {
+        1: [Row("llama-1b", LLAMA_1B, "full", "sft", 2048, 4, 60, FULL + ["trl-packed"])],
+        2: [Row("qwen-0.5b", QWEN_05B, "full", "text", 2048, 8, 60, FULL),
+            Row("qwen-0.5b-8k", QWEN_05B, "full", "text", 8192, 2, 30, ["hf", "trainforge"])],
+        3: [Row("llama-8b-lora", LLAMA_8B, "lora", "sft", 2048, 4, 40, ["hf-peft", "hf-peft-liger", "trainforge"])],
+    }
+
+
+# ---------------------------------------------------------------- shared assets
+
+
+def vocabulary(size: int) -> list[str]:
+    """Word-level vocabulary: the specials, then one word per remaining id (``t4`` ... )."""
+    return ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"t{i}" for i in range(4, size)]
+
+
+def save_tokenizer(model_dir: Path, size: int) -> None:
+    """A word-level tokenizer in which every word of the synthetic text is one token, for every trainer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = vocabulary(size)
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
+    tok.save_pretrained(model_dir)
+
+
+def documents(n: int, vocab: int, seed: int, lengths: tuple[float, float]) -> list[list[int]]:
+    """``n`` learnable documents: ids follow ``x -> (a x + b) mod span`` with per-document a, b; lengths
+    drawn log-normal (median ``lengths[0]``, sigma ``lengths[1]``), as real prompt/completion sets spread."""
+    rng = random.Random(seed)
+    span = vocab - 4
+    docs = []
+    for _ in range(n):
+        size = max(4, int(rng.lognormvariate(math.log(lengths[0]), lengths[1])))
+        a, b, x = rng.choice((1, 3, 5, 7)), rng.randrange(1, 64), rng.randrange(span)
+        ids = []
+        for _ in range(size):
+            ids.append(4 + x)
+            x = (a * x + b) % span
+        docs.append(ids)
+    return docs
+
+
+def text_of(ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+def write_data(work: Path, row: Row, seed: int = 0) -> dict:
+    """The row's data in the layouts the trainers read: prompt/completion JSONL (trainforge, TRL), text
+    JSONL (trainforge), and rows packed the run_clm way for HF Trainer (ids, labels with prompts masked)."""
+    vocab = row.arch["vocab_size"]
+    need = row.seq * row.micro_batch * row.steps * 2  # tokens: twice what the run consumes
+    median = max(16, row.seq // 8)
+    docs = documents(max(8, need // median), vocab, seed, (median, 0.6))
+    docs = [d[: row.seq - 1] for d in docs]  # every document fits a row with its EOS
+    paths = {}
+    if row.data == "sft":
+        rng = random.Random(seed + 1)
+        pairs = [(d[: max(1, int(len(d) * rng.uniform(0.2, 0.6)))], d) for d in docs]
+        paths["train"] = work / "train.jsonl"
+        with paths["train"].open("w") as f:
+            for prompt, doc in pairs:
+                # the completion starts with a space: prompt + completion is the document's text, word for word
+                f.write(json.dumps({"prompt": text_of(prompt), "completion": " " + text_of(doc[len(prompt):])}) + "\n")
+        masked = [(doc + [1], len(prompt)) for prompt, doc in pairs]
+    else:
+        paths["train"] = work / "train.jsonl"
+        with paths["train"].open("w") as f:
+            for d in docs:
+                f.write(json.dumps({"text": text_of(d)}) + "\n")
+        masked = [(d + [1], 0) for d in docs]
+    ids, labels, blocks = [], [], []
+    for doc, prompt in masked:  # concatenated and cut into rows of seq tokens, as run_clm.py's group_texts
+        ids += doc
+        labels += [-100] * prompt + doc[prompt:]
+    for s in range(0, len(ids) - row.seq + 1, row.seq):
+        blocks.append({"input_ids": ids[s : s + row.seq], "labels": labels[s : s + row.seq]})
+    paths["blocks"] = work / "blocks.json"
+    paths["blocks"].write_text(json.dumps(blocks))
+    return {k: str(v) for k, v in paths.items()}
+
+
+OPTIM = dict(lr=2e-4, weight_decay=0.0, betas=[0.9, 0.95], eps=1e-8, warmup_steps=0, min_lr_ratio=0.1, max_grad_norm=1.0)
+
+
+def trainforge_config(spec: dict, compiled: bool) -> dict:
+    row = spec["row"]
+    model = {"path": spec["model_dir"], "method": row["method"]}
+    if row["method"] == "lora":
+        model["lora"] = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
+    data = {"train": spec["data"]["train"], "max_length": row["seq"], "eval": None, "cache_dir": str(Path(spec["work"]) / "tf-cache")}
+    if row["data"] == "text":
+        data |= {"packing": "concat", "too_long": "split"}
+    return {
+        "model": model,
+        "data": data,
+        "train": {"max_steps": row["steps"], "micro_batch_size": row["micro_batch"], "seed": 0,
+                  **({"compile": True} if compiled else {})},
+        "optim": {**OPTIM, "schedule": "cosine"},
+        "checkpoint": {"every_minutes": None},
+        "log": {"every_steps": 1, "tensorboard": False},
+    }
+
+
+# ---------------------------------------------------------------- children: one variant each
+
+
+def needs(variant: str) -> str | None:
+    """Why ``variant`` cannot run here, or None."""
+    import importlib.util
+
+    import torch
+
+    if "liger" in variant and not torch.cuda.is_available():
+        return "needs CUDA (Liger's Triton kernels)"
+    if "liger" in variant and importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel not installed (pip install 'trainforge[gpu]')"
+    if variant.startswith("trl") and importlib.util.find_spec("trl") is None:
+        return "trl not installed (pip install 'trainforge[bench]')"
+    if variant.startswith(("hf", "trl")) and importlib.util.find_spec("datasets") is None:
+        return "datasets not installed (pip install 'trainforge[bench]')"
+    return None
+
+
+def prepare_model(spec: dict) -> None:
+    """Random-init weights saved once (every variant starts from them): fp32 for a full fine-tune (loaded
+    as users load a checkpoint, trained under autocast), bf16 built on the device for a LoRA base."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    row, out = spec["row"], Path(spec["model_dir"])
+    arch = dict(row["arch"])
+    config = CONFIG_MAPPING[arch.pop("architecture")](**arch, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if row["method"] == "lora" and device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    save_tokenizer(out, arch["vocab_size"])
+
+
+class StepClock:
+    """Per optimizer step: wall time, real tokens and loss, for an HF/TRL trainer (a forward pre-hook
+    counts non-padding input tokens, a callback stamps each step's end)."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id, self.tokens, self.rows = pad_id, 0, []
+        self.t_begin = None
+
+    def hook(self, module, args, kwargs):
+        import torch
+
+        if module.training and torch.is_grad_enabled():
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.tokens += int((ids != self.pad_id).sum()) if "position_ids" not in kwargs else int(ids.numel())
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Stamp(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                clock.t_begin = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                clock.rows.append({"step": state.global_step, "elapsed_s": time.perf_counter() - clock.t_begin, "tokens": clock.tokens})
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs and "loss" in logs and clock.rows:
+                    clock.rows[-1]["loss"] = logs["loss"]
+
+        return Stamp()
+
+
+def run_hf(spec: dict, variant: str) -> dict:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+
+    row, cuda = spec["row"], torch.cuda.is_available()
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    clock = StepClock(tok.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], attn_implementation="sdpa")
+    if variant.startswith("hf-peft"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.register_forward_pre_hook(clock.hook, with_kwargs=True)
+    args = TrainingArguments(
+        output_dir=str(Path(spec["out"]) / "hf"), per_device_train_batch_size=row["micro_batch"], max_steps=row["steps"],
+        learning_rate=OPTIM["lr"], weight_decay=OPTIM["weight_decay"], adam_beta1=OPTIM["betas"][0], adam_beta2=OPTIM["betas"][1],
+        adam_epsilon=OPTIM["eps"], max_grad_norm=OPTIM["max_grad_norm"], lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": OPTIM["min_lr_ratio"]}, seed=0, report_to="none", logging_steps=1,
+        save_strategy="no", disable_tqdm=True, bf16=cuda, use_cpu=not cuda, use_liger_kernel=variant.endswith("liger"),
+        dataloader_pin_memory=cuda,
+    )
+    ds = datasets.Dataset.from_list(json.loads(Path(spec["data"]["blocks"]).read_text()))
+    trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=default_data_collator, callbacks=[clock.callback()])
+    trainer.train()
+    return {"steps": clock.rows, "attention": model.config._attn_implementation, "flops_model": model}
+
+
+def run_trl(spec: dict, variant: str) -> dict:
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    row, cuda = spec["row"], torch.cuda.is_available()
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    clock = StepClock(tok.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], attn_implementation="sdpa")
+    model.register_forward_pre_hook(clock.hook, with_kwargs=True)
+    args = SFTConfig(
+        output_dir=str(Path(spec["out"]) / "trl"), per_device_train_batch_size=row["micro_batch"], max_steps=row["steps"],
+        learning_rate=OPTIM["lr"], weight_decay=OPTIM["weight_decay"], adam_beta1=OPTIM["betas"][0], adam_beta2=OPTIM["betas"][1],
+        adam_epsilon=OPTIM["eps"], max_grad_norm=OPTIM["max_grad_norm"], lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": OPTIM["min_lr_ratio"]}, seed=0, report_to="none", logging_steps=1,
+        save_strategy="no", disable_tqdm=True, bf16=cuda, use_cpu=not cuda, max_length=row["seq"], packing=True,
+        padding_free=True, gradient_checkpointing=False,
+    )
+    ds = datasets.load_dataset("json", data_files=spec["data"]["train"], split="train")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=[clock.callback()])
+    trainer.train()
+    return {"steps": clock.rows, "attention": model.config._attn_implementation, "flops_model": model}
+
+
+def run_trainforge(spec: dict, variant: str) -> dict:
+    import yaml
+    from rich.console import Console
+
+    from trainforge.config import load_config
+    from trainforge.engine.trainer import train
+    from trainforge.metrics.console import ConsoleReporter
+
+    out = Path(spec["out"])
+    config = trainforge_config(spec, compiled=variant.endswith("compiled"))
+    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    result = train(load_config(out / "config.yaml"), out / "run", ConsoleReporter(Console(quiet=True)))
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps, tokens = [], 0
+    for r in rows:
+        if "loss" in r:
+            tokens += r["tokens"]
+            steps.append({"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": tokens, "loss": r["loss"]})
+    sm = result.summary
+    return {"steps": steps, "attention": sm.get("attention"), "kernels": sm.get("kernels"), "precision": sm.get("precision"),
+            "compile": sm.get("compile"), "compiled": sm.get("compiled"), "flops_per_token": sm.get("flops_per_token")}
+
+
+def child(variant: str, spec_path: Path, result_path: Path) -> None:
+    """Run one variant and write its measurements (a separate process: a clean device and peak)."""
+    import resource
+
+    import torch
+
+    spec = json.loads(spec_path.read_text())
+    Path(spec["out"]).mkdir(parents=True, exist_ok=True)
+    if variant == "prepare":
+        prepare_model(spec)
+        result_path.write_text("{}")
+        return
+    run = run_trainforge if variant.startswith("trainforge") else run_trl if variant.startswith("trl") else run_hf
+    r = run(spec, variant)
+    model = r.pop("flops_model", None)
+    if model is not None:  # trainforge's FLOP count for every variant: MFU is then comparable
+        from trainforge.metrics.flops import flops_per_token
+
+        r["flops_per_token"] = flops_per_token(model, spec["row"]["seq"])
+    r["peak_memory_bytes"] = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result_path.write_text(json.dumps(r))
+
+
+# ---------------------------------------------------------------- the parent: rows, variants, report
+
+
+def summarize(r: dict, warmup: int, peak_flops: float | None) -> dict:
+    """Steady and whole-loop tokens/s, first-step overhead, MFU and late loss from a variant's step rows."""
+    steps = r["steps"]
+    if not steps:
+        return {"status": "failed", "reason": "no steps recorded"}
+    whole = steps[-1]["tokens"] / steps[-1]["elapsed_s"]
+    w = min(warmup, len(steps) - 2)
+    base = steps[w - 1] if w >= 1 else {"tokens": 0, "elapsed_s": 0.0}
+    steady = (steps[-1]["tokens"] - base["tokens"]) / max(steps[-1]["elapsed_s"] - base["elapsed_s"], 1e-9)
+    per_step = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:])]
+    typical = sorted(per_step)[len(per_step) // 2] if per_step else 0.0
+    losses = [s["loss"] for s in steps if s.get("loss") is not None]
+    late = losses[-max(1, len(losses) // 4) :]
+    fpt = r.get("flops_per_token")
+    return {
+        "status": "ok",
+        "tokens_per_s": steady,
+        "tokens_per_s_whole": whole,
+        "first_step_extra_s": max(steps[0]["elapsed_s"] - typical, 0.0),
+        "mfu": steady * fpt / peak_flops if fpt and peak_flops else None,
+        "late_loss": sum(late) / len(late) if late else None,
+        "peak_memory_bytes": r.get("peak_memory_bytes"),
+        "tokens": steps[-1]["tokens"],
+        **{k: r[k] for k in ("attention", "kernels", "precision", "compile", "compiled") if r.get(k) is not None},
+    }
+
+
+def plan_prediction(spec: dict, hardware: str) -> dict:
+    """What ``trainforge plan --hardware`` predicts for the trainforge variant's config."""
+    import yaml
+
+    from trainforge.config import load_config
+    from trainforge.tools.plan import make_plan
+
+    path = Path(spec["work"]) / "plan-config.yaml"
+    path.write_text(yaml.safe_dump(trainforge_config(spec, compiled=False), sort_keys=False))
+    plan = make_plan(load_config(path), hardware=hardware)
+    return {"hardware": hardware, "peak_memory_bytes": plan["memory"]["peak_process_bytes"], "tokens_per_s": plan["time"]["tokens_per_s"]}
+
+
+def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | None) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "model"
+    spec = {"row": asdict(row), "work": str(work), "model_dir": str(model_dir)}
+    spec["data"] = write_data(work, row)
+    results: dict[str, dict] = {}
+    if not (model_dir / "config.json").is_file():
+        launch("prepare", spec, work / "prepare", args.timeout)
+    for variant in row.variants:
+        why = needs(variant)
+        if why:
+            results[variant] = {"status": "skipped", "reason": why}
+            continue
+        t = time.perf_counter()
+        raw = launch(variant, spec, work / variant, args.timeout)
+        results[variant] = raw if raw.get("status") == "failed" else summarize(raw, args.warmup, peak_flops)
+        results[variant]["job_s"] = time.perf_counter() - t
+        if variant == "trainforge" and results[variant]["status"] == "ok":
+            try:
+                results[variant]["plan"] = plan_prediction(spec, "this" if args.tiny else args.hardware)
+            except Exception as e:  # noqa: BLE001 - a failed prediction is reported, not fatal
+                results[variant]["plan"] = {"error": f"{type(e).__name__}: {e}"}
+    add_ratios(results, "hf-peft" if row.method == "lora" else "hf")
+    return {"row": asdict(row), "results": results}
+
+
+def launch(variant: str, spec: dict, out: Path, timeout: float) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(out)}
+    spec_path, result_path = out / "spec.json", out / "result.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        done = subprocess.run([sys.executable, __file__, "--child", variant, str(spec_path), str(result_path)],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "reason": f"timed out after {timeout:.0f}s"}
+    (out / "log.txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not result_path.is_file():
+        return {"status": "failed", "reason": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1][:300]}
+    return json.loads(result_path.read_text())
+
+
+def add_ratios(results: dict, baseline: str) -> None:
+    """Speed, memory and late loss of every variant relative to the baseline; plan's error on trainforge."""
+    base = results.get(baseline, {})
+    for r in results.values():
+        if r.get("status") != "ok":
+            continue
+        if base.get("status") == "ok":
+            r["speed_vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
+            if r.get("peak_memory_bytes") and base.get("peak_memory_bytes"):
+                r["memory_vs_baseline"] = r["peak_memory_bytes"] / base["peak_memory_bytes"]
+            if r.get("late_loss") and base.get("late_loss"):
+                r["loss_vs_baseline"] = r["late_loss"] / base["late_loss"]
+        plan = r.get("plan", {})
+        if "tokens_per_s" in plan:
+            plan["memory_error"] = plan["peak_memory_bytes"] / r["peak_memory_bytes"] - 1 if r.get("peak_memory_bytes") else None
+            plan["speed_error"] = plan["tokens_per_s"] / r["tokens_per_s"] - 1
+            plan["flag"] = bool((plan["memory_error"] is not None and abs(plan["memory_error"]) > MEMORY_TOL) or abs(plan["speed_error"]) > SPEED_TOL)
+
+
+def environment(args: argparse.Namespace) -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    def version(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    return {
+        "device": device, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "versions": {n: version(n) for n in ("torch", "transformers", "peft", "trl", "liger-kernel", "trainforge", "triton")},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def table(reports: list[dict]) -> str:
+    """One markdown table over the parts' reports."""
+    lines = [
+        "| row | variant | tokens/s (steady) | vs baseline | MFU | peak memory | vs baseline | first-step extra | late loss vs baseline | plan: memory / tokens/s error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for report in reports:
+        for row in report["rows"]:
+            for name, r in row["results"].items():
+                if r.get("status") != "ok":
+                    lines.append(f"| {row['row']['name']} | {name} | {r.get('status')}: {r.get('reason', '')} | | | | | | | |")
+                    continue
+                plan = r.get("plan", {})
+                plan_cell = (f"{plan['memory_error']:+.0%} / {plan['speed_error']:+.0%}" + (" (!)" if plan.get("flag") else "")
+                             if "speed_error" in plan and plan.get("memory_error") is not None else plan.get("error", ""))
+                lines.append(
+                    f"| {row['row']['name']} | {name} | {r['tokens_per_s']:,.0f} | {fmt(r.get('speed_vs_baseline'), 'x')} | "
+                    f"{fmt(r.get('mfu'), '%')} | {r['peak_memory_bytes'] / 2**30:.1f} GiB | {fmt(r.get('memory_vs_baseline'), 'x')} | "
+                    f"{r['first_step_extra_s']:.1f} s | {fmt(r.get('loss_vs_baseline'), 'x', 3)} | {plan_cell} |"
+                )
+    devices = sorted({r["environment"]["device"] for r in reports})
+    return "\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; torch {reports[0]['environment']['versions']['torch']}."
+
+
+def fmt(value: float | None, unit: str, digits: int = 2) -> str:
+    if value is None:
+        return ""
+    return f"{value:.1%}" if unit == "%" else f"{value:.{digits}f}{unit}"
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", default="all", help="1, 2, 3 or all (each part stays under 9 minutes on one H100)")
+    ap.add_argument("--out", type=Path, default=Path("gpu-results"), help="folder for part-N.json and the work files")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the harness in seconds")
+    ap.add_argument("--warmup", type=int, default=10, help="steps left out of the steady-state figures")
+    ap.add_argument("--hardware", default="h100", help="the plan profile trainforge rows are compared with")
+    ap.add_argument("--timeout", type=float, default=540.0, help="seconds per variant before it is reported as failed")
+    ap.add_argument("--table", type=Path, help="print the markdown table of the part-*.json files in this folder and exit")
+    args = ap.parse_args()
+    if args.table:
+        reports = [json.loads(p.read_text()) for p in sorted(args.table.glob("part-*.json"))]
+        print(table(reports))
+        return 0
+    if args.tiny:
+        args.warmup = min(args.warmup, 2)
+    from trainforge.profiles import find_profile
+
+    peak = None if args.tiny else find_profile(args.hardware).peak_flops("bf16")
+    chosen = parts(args.tiny)
+    numbers = sorted(chosen) if args.part == "all" else [int(args.part)]
+    reports = []
+    for n in numbers:
+        report = {"part": n, "tiny": args.tiny, "environment": environment(args), "rows": []}
+        for row in chosen[n]:
+            print(f"part {n}: {row.name} ({', '.join(row.variants)})", flush=True)
+            report["rows"].append(run_row(row, args.out / "work" / row.name, args, peak))
+        report["elapsed_s"] = time.perf_counter() - T0
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"part-{n}.json").write_text(json.dumps(report, indent=1))
+        reports.append(report)
+    print(table(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

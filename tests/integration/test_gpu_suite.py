@@ -1,0 +1,41 @@
+"""benchmarks/gpu_suite.py keeps working: its --tiny run on the CPU writes a complete report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
+
+
+@pytest.mark.slow
+def test_tiny_suite_reports_every_variant(tmp_path):
+    """The LoRA part (HF + PEFT against trainforge): every variant has a status, the ones that run
+    report positive tokens/s, finite losses and memory, trainforge has plan's prediction beside it,
+    and --table renders the part's JSON."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SUITE.parents[1] / "src"), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(SUITE), "--tiny", "--part", "3", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "part-3.json").read_text())
+    assert report["tiny"] and report["environment"]["versions"]["torch"]
+    (row,) = report["rows"]
+    results = row["results"]
+    assert set(results) == {"hf-peft", "hf-peft-liger", "trainforge"}
+    assert results["hf-peft-liger"]["status"] == "skipped" and "CUDA" in results["hf-peft-liger"]["reason"]
+    for name in ("hf-peft", "trainforge"):
+        r = results[name]
+        assert r["status"] == "ok", r
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["late_loss"]) and r["peak_memory_bytes"] > 0
+    tf = results["trainforge"]
+    assert tf["speed_vs_baseline"] > 0 and 0.5 < tf["loss_vs_baseline"] < 2.0
+    assert tf["plan"]["tokens_per_s"] > 0 and tf["plan"]["peak_memory_bytes"] > 0 and "speed_error" in tf["plan"]
+    table = subprocess.run([sys.executable, str(SUITE), "--table", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert "| llama-8b-shape-lora | trainforge |" in table.stdout and "skipped: needs CUDA" in table.stdout
