@@ -26,6 +26,7 @@ from .config_errors import ConfigError, clip, format_errors, key_lines, shown
 from .config_model import (
     LoraSettings, ModelSettings, input_is_encoder_decoder, is_encoder_decoder, model_type_of, validate_init_fields,
 )
+from .config_optim import OptimSettings
 from .config_overrides import apply_override, apply_overrides, parse_override
 from .config_yaml import load_yaml, read_config_text
 from .hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind, dir_is_encoder_decoder
@@ -251,24 +252,6 @@ class TrainSettings(Section):
         if self.max_steps is not None and self.epochs is not None:
             raise ValueError("give train.max_steps or train.epochs, not both")
         return self
-
-
-class OptimSettings(Section):
-    lr: float = Field(3.0e-4, gt=0, description="peak learning rate")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW decay, not applied to norms and biases")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW moment decay rates")
-    eps: float = Field(1e-8, gt=0, description="AdamW denominator epsilon")
-    schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warmup")
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="linear warmup from lr/warmup_steps to lr")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for linear and cosine")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm; null: no clipping")
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_range(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError("each beta must be in [0, 1)")
-        return v
 
 
 class CheckpointSettings(Section):

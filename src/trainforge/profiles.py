@@ -56,6 +56,7 @@ class HardwareProfile:
     matmul_efficiency: float = GPU_MATMUL_EFFICIENCY
     bandwidth_efficiency: float = GPU_BANDWIDTH_EFFICIENCY
     measured: dict[str, float] = field(default_factory=dict)  # what a local probe measured, for the report
+    host_link_gbs: float = 32.0  # GB/s each way between host and device: PCIe 4.0 x16 (5.0 x16: 64; 3.0: 16)
 
     @property
     def memory_bytes(self) -> int:
@@ -69,17 +70,19 @@ class HardwareProfile:
 
 
 def _gpu(name: str, title: str, memory_gib: float, bf16: float | None, fp16: float, tf32: float | None, fp32: float,
-         bandwidth_gbs: float, source: str, aliases: tuple[str, ...] = ()) -> HardwareProfile:
+         bandwidth_gbs: float, source: str, aliases: tuple[str, ...] = (), link: float = 32.0) -> HardwareProfile:
+    """``link``: host link GB/s each way (the datasheets' PCIe generation: 5.0 x16 64, 4.0 x16 32, 3.0 x16 16)."""
     tflops = {"fp16": fp16, "fp32": fp32, **({"bf16": bf16} if bf16 else {}), **({"tf32": tf32} if tf32 else {})}
-    return HardwareProfile(name, title, memory_gib, tflops, bandwidth_gbs, bf16 is not None, source=source, aliases=aliases)
+    return HardwareProfile(name, title, memory_gib, tflops, bandwidth_gbs, bf16 is not None, source=source, aliases=aliases,
+                           host_link_gbs=link)
 
 
 PROFILES: dict[str, HardwareProfile] = {
     p.name: p
     for p in (
-        _gpu("h100", "NVIDIA H100 SXM5 80GB", 80, 989.4, 989.4, 494.7, 66.9, 3350, "H100 datasheet (SXM5)", ("h100-sxm", "h100-80gb")),
-        _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", 80, 756.0, 756.0, 378.0, 51.2, 2000, "H100 datasheet (PCIe)"),
-        _gpu("h200", "NVIDIA H200 SXM 141GB", 141, 989.4, 989.4, 494.7, 66.9, 4800, "H200 datasheet (SXM)", ("h200-sxm",)),
+        _gpu("h100", "NVIDIA H100 SXM5 80GB", 80, 989.4, 989.4, 494.7, 66.9, 3350, "H100 datasheet (SXM5)", ("h100-sxm", "h100-80gb"), link=64.0),
+        _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB", 80, 756.0, 756.0, 378.0, 51.2, 2000, "H100 datasheet (PCIe)", link=64.0),
+        _gpu("h200", "NVIDIA H200 SXM 141GB", 141, 989.4, 989.4, 494.7, 66.9, 4800, "H200 datasheet (SXM)", ("h200-sxm",), link=64.0),
         _gpu("a100-80gb", "NVIDIA A100 SXM 80GB", 80, 312.0, 312.0, 156.0, 19.5, 2039, "A100 datasheet (80GB SXM)", ("a100",)),
         _gpu("a100-40gb", "NVIDIA A100 SXM 40GB", 40, 312.0, 312.0, 156.0, 19.5, 1555, "A100 datasheet (40GB SXM)"),
         _gpu("l40s", "NVIDIA L40S 48GB", 48, 362.05, 362.05, 183.0, 91.6, 864, "L40S datasheet"),
@@ -88,8 +91,8 @@ PROFILES: dict[str, HardwareProfile] = {
         _gpu("rtx4090", "NVIDIA GeForce RTX 4090 24GB", 24, 165.2, 165.2, 82.6, 82.6, 1008, "Ada Lovelace whitepaper", ("4090",)),
         _gpu("rtx4070", "NVIDIA GeForce RTX 4070 12GB", 12, 58.3, 58.3, 29.1, 29.1, 504, "Ada Lovelace whitepaper", ("4070",)),
         _gpu("rtx3090", "NVIDIA GeForce RTX 3090 24GB", 24, 71.0, 71.0, 35.6, 35.6, 936, "GA102 whitepaper", ("3090",)),
-        _gpu("t4", "NVIDIA T4 16GB", 16, None, 65.0, None, 8.1, 320, "T4 datasheet"),
-        _gpu("v100", "NVIDIA V100 SXM2 32GB", 32, None, 125.0, None, 15.7, 900, "V100 datasheet (SXM2)", ("v100-32gb",)),
+        _gpu("t4", "NVIDIA T4 16GB", 16, None, 65.0, None, 8.1, 320, "T4 datasheet", link=16.0),
+        _gpu("v100", "NVIDIA V100 SXM2 32GB", 32, None, 125.0, None, 15.7, 900, "V100 datasheet (SXM2)", ("v100-32gb",), link=16.0),
     )
 }
 

@@ -131,6 +131,14 @@ def test_plan_shows_each_lever_as_the_prediction_with_that_lever_flipped(tiny_mo
 
     planned = predict_memory(cfg("lora"), tok, PRECISIONS["fp32"], device, 4, False)
     levers = lever_savings(cfg("lora"), tok, PRECISIONS["fp32"], device, planned, 1, 1, "none")
+    optimizer_levers = {k: levers.pop(k) for k in list(levers) if k.startswith("with_optim_")}
+    assert set(optimizer_levers) == {"with_optim_adamw_8bit", "with_optim_adamw_4bit", "with_optim_offload_cpu"}
+    for name in ("adamw_8bit", "adamw_4bit"):  # the state's difference, at large tensors' rate: near a traced step
+        other = cfg("lora").model_copy(deep=True)
+        other.optim.name = name
+        traced = predict_memory(other, tok, PRECISIONS["fp32"], device, 4, False).tensors
+        assert optimizer_levers[f"with_optim_{name}"] == pytest.approx(traced, rel=0.1)  # small LoRA tensors stay fp32
+    assert optimizer_levers["with_optim_offload_cpu"] == planned.tensors - planned.parts["optimizer"]
     assert levers == {
         "with_activation_checkpointing": tensors("lora", "fp32", True),
         "with_precision_bf16": tensors("lora", "bf16", False),
@@ -139,6 +147,7 @@ def test_plan_shows_each_lever_as_the_prediction_with_that_lever_flipped(tiny_mo
     assert all(v < planned.tensors for v in levers.values())  # each one saves memory here
     planned = predict_memory(cfg("qlora"), tok, PRECISIONS["bf16"], device, 4, True)
     levers = lever_savings(cfg("qlora"), tok, PRECISIONS["bf16"], device, planned, 1, 1, "none")
+    levers = {k: v for k, v in levers.items() if not k.startswith("with_optim_")}
     assert levers == {"without_activation_checkpointing": tensors("qlora", "bf16", False), "with_method_lora": tensors("lora", "bf16", True)}
     assert levers["without_activation_checkpointing"] > planned.tensors
 

@@ -44,7 +44,7 @@ def test_a_writer_that_starts_while_another_is_midway_does_not_break_it(tmp_path
             tmp.mkdir(parents=True, exist_ok=True)
             (tmp / "config.json").write_text("{}")
 
-        assets_module.atomic_write_dir(model_dir, write)
+        assets_module.publish_dir(model_dir, write, lambda d: (d / "config.json").is_file())
 
     monkeypatch.setattr(tokenizer_module, "train_bpe_tokenizer", lambda texts, vocab_size: Tokenizer())
     monkeypatch.setattr(assets_module, "_pretrain", pretrain)

@@ -115,6 +115,8 @@ def nonfinite_tensors(named: Any) -> list[tuple[str, int]]:
     one ``isfinite`` pass per tensor, the values counted only where something was found."""
     found = []
     for name, t in named:
+        if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and hasattr(t, "dequantize"):
+            t = t.dequantize()  # a low-bit optimizer state (torchao): check the values it stands for
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
             found.append((name, int((~torch.isfinite(t)).sum())))
     return found
@@ -125,8 +127,16 @@ def checkpoint_tensors(state: dict[str, Any]) -> Any:
     nothing for FSDP checkpoints, whose weights and optimizer state lie in ``sharded/``."""
     yield from (state.get("model") or {}).items()
     for pid, pstate in ((state.get("optimizer") or {}).get("state") or {}).items():
-        for key, value in pstate.items():
-            yield f"optimizer state {key} of parameter {pid}", value
+        yield from _nested(pstate, f"of parameter {pid}")
+
+
+def _nested(values: dict[str, Any], where: str) -> Any:
+    """Pairs of name and value through nested dicts (bitsandbytes keeps its 8-bit state in one)."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _nested(value, where)
+        else:
+            yield f"optimizer state {key} {where}", value
 
 
 def describe(found: list[tuple[str, int]], most: int = 3) -> str:

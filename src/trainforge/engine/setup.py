@@ -50,7 +50,7 @@ from .predict.fit import Fit, fit_run, rough_skeleton_estimate
 from .predict.memory import MemoryEstimate, estimate_memory, memory_refusal, memory_warning
 from .nonfinite import NonFiniteGuard
 from .oom import OutOfMemory
-from .optim import build_optimizer
+from .optim import build_optimizer, check_optimizer, describe_optimizer
 from .preempt import StopRequest
 from .resume import CHECKPOINTS, ResumePlan, check_fits_run, checkpoint_meta, choose_checkpoint, resume_note
 from .run import Run, RunFacts
@@ -87,6 +87,8 @@ def setup(
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
     device, precision, why = choose_device_and_precision(cfg, ctx, reporter)
+    # a missing library or an optimizer this device cannot run fails before any work (the mode is checked below)
+    check_optimizer(cfg.optim, device.type, None)
 
     with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
         tokenizer = get_tokenizer(cfg, reporter)
@@ -116,7 +118,10 @@ def setup(
     if warning:
         reporter.warn(warning)
     train_model = wrap_for_ranks(ctx, cfg, model, loader, rough, device, reporter)
+    check_optimizer(cfg.optim, device.type, ctx.mode if ctx.mode != "none" else None)
     optimizer = build_optimizer(model, cfg.optim, device)
+    if cfg.optim.name != "adamw" or cfg.optim.offload != "none":
+        reporter.info(f"optimizer: {describe_optimizer(cfg.optim)}")
     max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
     # a resumed run keeps its schedule's horizon (resume.py's docstring says why)
     schedule_steps = resume_plan.state["counters"]["schedule_steps"] if resume_plan is not None else max_steps

@@ -165,7 +165,7 @@ def train_loop(run: Run, steps: int | None = None) -> None:
             grad_norm, skipped = optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
         if profile is not None:
             report_profile(run, profile)
-        lr = run.scheduler.get_last_lr()[0]
+        lr = float(run.scheduler.get_last_lr()[0])  # a number: some optimizers (torchao) keep lr as a tensor
         run.scheduler.step()
         c.step += 1
 

@@ -29,6 +29,7 @@ from ..hardware import (
     this_profile,
 )
 from ..profiles import GIB, HardwareProfile, find_profile
+from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
 
 SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write speed (local NVMe order); a finding, not a decision, uses it
 WASTE_SHARE = 0.05  # checkpoints or evals costing more than this share of the run get a finding
@@ -104,6 +105,8 @@ def make_plan(
     measured = measure_ops(memory.trace, threads=threads) if time_ops and device is not None and device.type == "cpu" else {}
     step = predict_step_time(memory.trace, profile, accum, measured)
     step = _with_comms(step, memory, profile, world_size, mode)
+    optimizer = optimizer_facts(resolved, memory, profile)
+    step = with_offload(step, optimizer)
     data = data_facts(cfg, tokenizer)
     steps = run_steps(resolved, accum, world_size, data)
     plan: dict[str, Any] = {
@@ -136,6 +139,7 @@ def make_plan(
             "steps": steps,
             "run_s": steps * step.seconds if steps else None,
         },
+        "optimizer": optimizer,
         "data": data,
         "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile),
     }
@@ -176,6 +180,10 @@ LEVER_TITLES = {  # memory.levers keys, as the console says them
     "with_precision_fp32": "with precision fp32 (frozen base stored in fp32)",
     "with_method_qlora": "with method qlora (NF4 base)",
     "with_method_lora": "with method lora (base not quantized)",
+    "with_optim_adamw": "with optim.name adamw (fp32 state)",
+    "with_optim_adamw_8bit": "with optim.name adamw_8bit (8-bit state, bitsandbytes)",
+    "with_optim_adamw_4bit": "with optim.name adamw_4bit (4-bit state, torchao)",
+    "with_optim_offload_cpu": "with optim.offload cpu (state in host memory)",
 }
 
 
@@ -203,6 +211,7 @@ def lever_savings(
         other = predict_memory(swapped, tokenizer, precision, profile, memory.micro_batch_size, memory.activation_checkpointing,
                                accum, world_size, mode)  # fmt: skip
         out[f"with_method_{swapped.model.method}"] = other.tensors
+    out.update(optimizer_levers(cfg, memory, profile))
     return out
 
 
@@ -415,6 +424,12 @@ def render(plan: dict[str, Any], console) -> None:
         f"speed: {t['step_s']:.3f} s per step, {t['tokens_per_s']:,.0f} tokens/s{mfu} "
         f"(compute {t['compute_s']:.3f}s, memory-bound {t['memory_s']:.3f}s, per-op overhead {t['overhead_s']:.3f}s{how})"
     )
+    o = plan["optimizer"]
+    line = f"optimizer: {o['describe']}, state {o['device_bytes'] / GIB:.3f} GiB on the device"
+    if o["offload"] == "cpu":
+        line += (f", {o['host_bytes'] / GIB:.3f} GiB in host memory; per step {o['pcie_s']:.3f}s over PCIe "
+                 f"and {o['host_step_s']:.3f}s of host AdamW (included above)")
+    console.print(line + ("; paged: spills to host memory under pressure instead of running out" if o["paged"] else ""))
     if t["run_s"]:
         console.print(f"run: {t['steps']:,} steps, about {_duration(t['run_s'])}")
     d = plan["data"]

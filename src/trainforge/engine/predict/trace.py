@@ -317,7 +317,7 @@ def _trace(
     from ...data.loader import Batch, padded_width
     from ...model.load import build_model_skeleton
     from ..loss import chunk_as
-    from ..optim import build_optimizer
+    from ..optim import build_optimizer, optimizer_state_bytes
     from ..step import loss_sum, optimizer_step
 
     cpu = torch.device("cpu")
@@ -331,7 +331,9 @@ def _trace(
             quantize_base_4bit(model, precision.autocast_dtype or torch.float32)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(model, cfg.optim, cpu)
+        # torch's AdamW stands in for every optim.name (low-bit kernels do not run on fake tensors); its
+        # fp32 state is replaced below by the configured optimizer's bytes, which exist the whole step
+        optimizer = build_optimizer(model, cfg.optim.model_copy(update={"name": "adamw", "offload": "none"}), cpu)
         ids = torch.zeros((rows, length), dtype=torch.long)
         if cfg.model.kind.encoder_decoder:  # source into the encoder (a padding mask, as batches have), target out
             target = torch.zeros((rows, padded_width(cfg.data.target_limit())), dtype=torch.long)
@@ -366,7 +368,12 @@ def _trace(
     layers = [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "EncoderLayer", "Block"))]
     largest = max((sum(_bytes(p) for p in m.parameters()) for m in layers), default=0)
     grads = sum(_bytes(p) for p in params)
-    return StepTrace(tracer.peak, tracer.peak_parts, tracer.ops, batch.n_tokens, largest, grads)
+    parts, peak = dict(tracer.peak_parts), tracer.peak
+    if cfg.optim.name != "adamw" or cfg.optim.offload != "none":  # adamw: the traced state is the real one
+        on_device, _ = optimizer_state_bytes(params, cfg.optim)
+        peak += on_device - parts["optimizer"]
+        parts["optimizer"] = on_device
+    return StepTrace(peak, parts, tracer.ops, batch.n_tokens, largest, grads)
 
 
 def to_empty_keeping_ties(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

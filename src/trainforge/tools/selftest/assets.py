@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ...atomic import atomic_write_dir, atomic_write_text, remove_stale_temps, staging_dir
+from ...atomic import atomic_write_text, publish_dir, remove_stale_temps, staging_dir
 from .reporters import quiet
 
 
@@ -115,7 +115,8 @@ def build_assets(parent: Path, cache_dir: Path | None = None) -> Assets:
         texts = [r["text"] for r in files["text"][0] + files["pretrain"][0]]
         texts += [r["prompt"] + r["completion"] for r in files["completion"][0]]
         texts += [m["content"] for r in files["chat"][0] for m in r["messages"]] + ["<|im_start|>user\n<|im_end|>\n"] * 20
-        atomic_write_dir(tok_dir, train_bpe_tokenizer(texts, vocab_size=320).save_pretrained)
+        # the same for every writer: of two building it at once, the first complete one stays
+        publish_dir(tok_dir, train_bpe_tokenizer(texts, vocab_size=320).save_pretrained, lambda d: (d / "tokenizer.json").is_file())
     if not (model_dir / "config.json").is_file():
         _pretrain(root, tok_dir, data["pretrain"][0], model_dir, cache_dir)
     shapes = {"concat": data["text"], "packed": data["text"], "completion": data["completion"], "chat": data["chat"]}
@@ -141,7 +142,9 @@ def _pretrain(root: Path, tokenizer: Path, text: Path, model_dir: Path, cache_di
     try:
         with rng_kept():
             train(RunConfig.model_validate(cfg), out, quiet(), resume="never")
-        atomic_write_dir(model_dir, lambda tmp: _move_contents(out / "final", tmp))
+        # two writers at once: the first complete model stays (a rename onto it fails, which is not an error)
+        publish_dir(model_dir, lambda tmp: _move_contents(out / "final", tmp),
+                    lambda d: (d / "config.json").is_file() and (d / "model.safetensors").is_file())
     finally:
         shutil.rmtree(out, ignore_errors=True)
 

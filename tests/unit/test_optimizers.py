@@ -1,0 +1,143 @@
+"""optim.name / optim.offload: what runs where, state bytes against plan's figures, exact resume."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+from rich.console import Console
+
+from trainforge.config import OptimSettings, RunConfig
+from trainforge.engine import optim as optim_module
+from trainforge.engine import trainer
+from trainforge.engine.optim import OptimizerUnavailable, build_optimizer, check_optimizer, optimizer_state_bytes
+from trainforge.metrics.console import ConsoleReporter
+
+CPU_RUNNABLE = ["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adamw_4bit"]  # all run on a CPU here
+needs_libraries = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None or importlib.util.find_spec("torchao") is None,
+    reason="needs bitsandbytes and torchao (the test extra installs both)",
+)
+
+
+def test_offload_takes_adamw_only():
+    with pytest.raises(ValidationError, match="optim.offload: cpu runs torch's AdamW on the host; optim.name is adamw_8bit"):
+        OptimSettings(name="adamw_8bit", offload="cpu")
+    with pytest.raises(ValidationError):
+        OptimSettings(name="sgd")
+
+
+@pytest.mark.parametrize(
+    "settings, device, mode, match",
+    [
+        (dict(offload="cpu"), "cpu", None, "this run is on cpu, where it already lives in host memory"),
+        (dict(offload="cpu"), "cuda", "ddp", "optim.offload: cpu is for one GPU"),
+        (dict(name="adamw_8bit"), "cuda", "fsdp", "does not take FSDP2's sharded parameters"),
+        (dict(name="paged_adamw"), "cpu", "fsdp", "does not take FSDP2's sharded parameters"),
+    ],
+)
+def test_what_cannot_run_is_refused_naming_the_setting(settings, device, mode, match):
+    with pytest.raises(OptimizerUnavailable, match=match) as e:
+        check_optimizer(OptimSettings(**settings), device, mode)
+    assert e.value.exit_code == 2
+
+
+def test_what_can_run_passes():
+    check_optimizer(OptimSettings(name="adamw_4bit"), "cuda", "fsdp")  # torchao's states take DTensors
+    check_optimizer(OptimSettings(name="adamw_8bit"), "cpu", "ddp")
+    check_optimizer(OptimSettings(offload="cpu"), "cuda", None)
+
+
+def test_a_missing_library_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(OptimizerUnavailable, match=r"needs bitsandbytes: pip install 'trainforge\[lowmem\]'"):
+        check_optimizer(OptimSettings(name="adamw_8bit"), "cpu", None)
+
+
+def real_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the optimizer's state holds, through tensor subclasses (torchao) to their inner tensors."""
+
+    def size(t: torch.Tensor) -> int:
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            return sum(size(getattr(t, n)) for n in names if n != "qmap")  # qmap: one shared table, not per tensor
+        return t.numel() * t.element_size()
+
+    return sum(size(v) for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"
+               and not k.startswith("qmap"))
+
+
+@needs_libraries
+@pytest.mark.parametrize("name", CPU_RUNNABLE)
+def test_state_bytes_match_plan_within_15_percent(name):
+    """One step of each optimizer on a tiny Llama (tensors above and below the 4,096-value threshold):
+    the state it allocates equals what plan predicts (``optimizer_state_bytes``) within 15%."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                                         num_hidden_layers=2, num_attention_heads=4))
+    settings = OptimSettings(name=name)
+    opt = build_optimizer(model, settings, torch.device("cpu"))
+    ids = torch.randint(0, 512, (2, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    predicted, host = optimizer_state_bytes([p for p in model.parameters() if p.requires_grad], settings)
+    measured = real_state_bytes(opt)
+    assert host == 0 and abs(predicted / measured - 1) < 0.15, (predicted, measured)
+    if name != "adamw":  # the low-bit states are what they claim: well under AdamW's 8 bytes a value
+        values = sum(p.numel() for p in model.parameters())
+        assert measured < (4.5 if "8bit" in name else 2.5 if "4bit" in name else 9) * values
+
+
+@needs_libraries
+@pytest.mark.parametrize("name", ["adamw_8bit", "paged_adamw", "adamw_4bit"])
+def test_a_checkpoint_resumes_exactly_with_each_optimizer(name, finetune_config, tmp_path, monkeypatch):
+    """Stopped after step 4 and resumed: the same weights and optimizer state as the uninterrupted run
+    (all three are deterministic on a CPU)."""
+    cfg = copy.deepcopy(finetune_config)
+    cfg["train"]["max_steps"] = 6
+    cfg["optim"]["name"] = name
+    cfg["checkpoint"] = {"every_steps": 2, "keep_last": 5}
+    run = lambda out: trainer.train(RunConfig.model_validate(cfg), out, ConsoleReporter(Console(file=io.StringIO())))  # noqa: E731
+    whole = tmp_path / "whole"
+    run(whole)
+    cut = tmp_path / "cut"
+    original = trainer.forward_backward_adaptive
+
+    class Crash(BaseException):
+        """The process dying in step 5: nothing in trainforge catches it."""
+
+    def crashing(r, *args, **kwargs):
+        if r.step + 1 == 5:
+            raise Crash
+        return original(r, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward_adaptive", crashing)
+    with pytest.raises(Crash):
+        run(cut)
+    monkeypatch.setattr(trainer, "forward_backward_adaptive", original)
+    resumed = run(cut)
+    assert resumed.summary["resumed_from_step"] == 4
+    a = torch.load(whole / "checkpoints" / "step-00000006" / "state.pt", weights_only=True)
+    b = torch.load(cut / "checkpoints" / "step-00000006" / "state.pt", weights_only=True)
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    from trainforge.engine.nonfinite import checkpoint_tensors
+
+    got = dict(checkpoint_tensors(b))
+    for key, v in checkpoint_tensors(a):  # every tensor, through bitsandbytes' nested dicts and torchao's subclasses
+        w = got[key]
+        if not torch.is_tensor(v):  # step counts kept as numbers
+            assert v == w, (name, key)
+            continue
+        if type(v) is not torch.Tensor and hasattr(v, "dequantize"):
+            v, w = v.dequantize(), w.dequantize()
+        assert torch.equal(v, w), (name, key)
+    assert any("optimizer state" in key for key, _ in checkpoint_tensors(a))
