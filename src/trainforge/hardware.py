@@ -126,6 +126,8 @@ def resolve_precision(requested: str, device: torch.device, cache_dir: Path | No
         major, minor = torch.cuda.get_device_capability(device)
         if major >= 8:
             return PRECISIONS["bf16"], f"auto: compute capability {major}.{minor} has bf16 tensor cores"
+        if (major, minor) in ((6, 1), (6, 2)):  # Pascal GeForce/Jetson: fp16 math at 1/64 of the fp32 rate
+            return PRECISIONS["fp32"], f"auto: compute capability {major}.{minor} runs fp16 slower than fp32"
         return PRECISIONS["fp16"], f"auto: compute capability {major}.{minor} has no bf16; fp16 with loss scaling"
     if device.type != "cpu":
         return PRECISIONS["fp32"], f"auto: fp32 on {device.type}"

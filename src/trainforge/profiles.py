@@ -14,6 +14,13 @@ Sources (figures read from these documents):
 - NVIDIA Ada Lovelace architecture whitepaper (RTX 4090, RTX 4070)
 - NVIDIA Ampere GA102 whitepaper (RTX 3090)
 - NVIDIA T4 datasheet; NVIDIA V100 datasheet (SXM2 32 GB)
+- NVIDIA Turing architecture whitepaper (RTX 2080 Ti, TU102) and GTX 1660 (TU116) specifications
+- NVIDIA Pascal GP104 whitepaper (GTX 1080: FP16 at 1/64 of the FP32 rate, no tensor cores)
+- NVIDIA GeForce RTX 3060 / 3080 specifications and the GA102 whitepaper
+- NVIDIA GeForce RTX 4060 / 4060 Ti / 4080 SUPER specifications ("AI TOPS", FP8 sparse: dense FP16 with
+  FP32 accumulate derived as a quarter, then halved for GeForce accumulation)
+- NVIDIA RTX Blackwell GPU architecture whitepaper (RTX 5090)
+- NVIDIA RTX A5000 and RTX A6000 datasheets
 
 Fixed costs of a GPU process, not in any tensor: the CUDA context with cuBLAS/cuDNN handles
 (``GPU_CONTEXT_GIB``, commonly 0.4-0.8 GiB with CUDA 12) and the caching allocator's rounding and
@@ -91,6 +98,29 @@ PROFILES: dict[str, HardwareProfile] = {
         _gpu("rtx4090", "NVIDIA GeForce RTX 4090 24GB", 24, 165.2, 165.2, 82.6, 82.6, 1008, "Ada Lovelace whitepaper", ("4090",)),
         _gpu("rtx4070", "NVIDIA GeForce RTX 4070 12GB", 12, 58.3, 58.3, 29.1, 29.1, 504, "Ada Lovelace whitepaper", ("4070",)),
         _gpu("rtx3090", "NVIDIA GeForce RTX 3090 24GB", 24, 71.0, 71.0, 35.6, 35.6, 936, "GA102 whitepaper", ("3090",)),
+        # consumer and workstation cards of the fine-tuning guides (GeForce: FP16/BF16 tensor rate with FP32
+        # accumulate, dense; where NVIDIA publishes only "AI TOPS" (FP8/FP4, sparse), the dense FP16 rate is
+        # derived by halving per step down to FP16 and, on GeForce, once more for FP32 accumulation)
+        _gpu("rtx5090", "NVIDIA GeForce RTX 5090 32GB", 32, 209.5, 209.5, 104.8, 104.8, 1792,
+             "RTX Blackwell whitepaper (RTX 5090)", ("5090",), link=64.0),
+        _gpu("rtx4080-super", "NVIDIA GeForce RTX 4080 SUPER 16GB", 16, 104.4, 104.4, 52.2, 52.2, 736,
+             "RTX 4080 SUPER specs (836 AI TOPS, derived)", ("4080-super", "rtx4080s", "4080s")),
+        _gpu("rtx4060ti-16gb", "NVIDIA GeForce RTX 4060 Ti 16GB", 16, 44.1, 44.1, 22.1, 22.1, 288,
+             "RTX 4060 Ti specs (353 AI TOPS, derived)", ("rtx4060ti", "4060ti", "4060-ti"), link=16.0),
+        _gpu("rtx4060", "NVIDIA GeForce RTX 4060 8GB", 8, 30.2, 30.2, 15.1, 15.1, 272,
+             "RTX 4060 specs (242 AI TOPS, derived)", ("4060",), link=16.0),
+        _gpu("rtx3080", "NVIDIA GeForce RTX 3080 10GB", 10, 59.5, 59.5, 29.8, 29.8, 760, "GA102 whitepaper (RTX 3080)", ("3080",)),
+        _gpu("rtx3060", "NVIDIA GeForce RTX 3060 12GB", 12, 25.6, 25.6, 12.8, 12.7, 360,
+             "RTX 3060 specs (GA106; 101 sparse FP16 tensor TFLOPS, derived)", ("3060", "rtx3060-12gb")),
+        _gpu("rtx-a6000", "NVIDIA RTX A6000 48GB", 48, 154.8, 154.8, 77.4, 38.7, 768, "RTX A6000 datasheet", ("a6000", "rtxa6000")),
+        _gpu("rtx-a5000", "NVIDIA RTX A5000 24GB", 24, 111.1, 111.1, 55.6, 27.8, 768, "RTX A5000 datasheet", ("a5000", "rtxa5000")),
+        _gpu("rtx2080ti", "NVIDIA GeForce RTX 2080 Ti 11GB", 11, None, 53.8, None, 13.4, 616,
+             "Turing TU102 whitepaper (RTX 2080 Ti reference)", ("2080ti", "2080-ti"), link=16.0),
+        # no tensor cores: the 1660 runs FP16 at twice its FP32 rate, Pascal GeForce at 1/64 of it
+        _gpu("gtx1660", "NVIDIA GeForce GTX 1660 6GB", 6, None, 10.1, None, 5.0, 192, "Turing TU116 specs (GTX 1660)",
+             ("1660",), link=16.0),
+        _gpu("gtx1080", "NVIDIA GeForce GTX 1080 8GB", 8, None, 0.14, None, 8.9, 320, "Pascal GP104 whitepaper (GTX 1080)",
+             ("1080",), link=16.0),
         _gpu("t4", "NVIDIA T4 16GB", 16, None, 65.0, None, 8.1, 320, "T4 datasheet", link=16.0),
         _gpu("v100", "NVIDIA V100 SXM2 32GB", 32, None, 125.0, None, 15.7, 900, "V100 datasheet (SXM2)", ("v100-32gb",), link=16.0),
     )
@@ -104,8 +134,9 @@ def _norm(name: str) -> str:
 def find_profile(name: str) -> HardwareProfile:
     """The profile a short, case-insensitive name (or alias) means; ValueError naming the choices."""
     key = _norm(name)
+    flat = key.replace("-", "")  # "RTX 4060 Ti", "rtx-4060-ti" and "rtx4060ti" are one name
     for p in PROFILES.values():
-        if key == p.name or key in p.aliases or key.replace("-", "") == p.name.replace("-", ""):
+        if flat in {n.replace("-", "") for n in (p.name, *p.aliases)}:
             return p
     close = difflib.get_close_matches(key, [*PROFILES, *(a for p in PROFILES.values() for a in p.aliases)], n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -118,7 +149,10 @@ def profile_for_gpu_name(device_name: str) -> HardwareProfile | None:
     rules = (
         ("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100"), ("a100-sxm4-40gb", "a100-40gb"),
         ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"), ("l40s", "l40s"), ("l4", "l4"), ("a10", "a10g"),
-        ("4090", "rtx4090"), ("4070", "rtx4070"), ("3090", "rtx3090"), ("t4", "t4"), ("v100", "v100"),
+        ("5090", "rtx5090"), ("4090", "rtx4090"), ("4080 super", "rtx4080-super"), ("4070", "rtx4070"),
+        ("4060 ti", "rtx4060ti-16gb"), ("4060", "rtx4060"), ("3090", "rtx3090"), ("3080", "rtx3080"), ("3060", "rtx3060"),
+        ("a6000", "rtx-a6000"), ("a5000", "rtx-a5000"), ("2080 ti", "rtx2080ti"), ("1660", "gtx1660"), ("1080", "gtx1080"),
+        ("t4", "t4"), ("v100", "v100"),
     )
     for fragment, name in rules:
         if fragment in n:

@@ -15,7 +15,9 @@ from rich.console import Console
 from trainforge.config import OptimSettings, RunConfig
 from trainforge.engine import optim as optim_module
 from trainforge.engine import trainer
-from trainforge.engine.optim import OptimizerUnavailable, build_optimizer, check_optimizer, optimizer_state_bytes
+from trainforge.engine.optim import (
+    OptimizerUnavailable, build_optimizer, check_optimizer, measured_state_bytes, optimizer_state_bytes,
+)
 from trainforge.metrics.console import ConsoleReporter
 
 CPU_RUNNABLE = ["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adamw_4bit"]  # all run on a CPU here
@@ -60,19 +62,6 @@ def test_a_missing_library_names_the_extra(monkeypatch):
         check_optimizer(OptimSettings(name="adamw_8bit"), "cpu", None)
 
 
-def real_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes the optimizer's state holds, through tensor subclasses (torchao) to their inner tensors."""
-
-    def size(t: torch.Tensor) -> int:
-        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()
-            return sum(size(getattr(t, n)) for n in names if n != "qmap")  # qmap: one shared table, not per tensor
-        return t.numel() * t.element_size()
-
-    return sum(size(v) for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"
-               and not k.startswith("qmap"))
-
-
 @needs_libraries
 @pytest.mark.parametrize("name", CPU_RUNNABLE)
 def test_state_bytes_match_plan_within_15_percent(name):
@@ -89,7 +78,7 @@ def test_state_bytes_match_plan_within_15_percent(name):
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     predicted, host = optimizer_state_bytes([p for p in model.parameters() if p.requires_grad], settings)
-    measured = real_state_bytes(opt)
+    measured = measured_state_bytes(opt)
     assert host == 0 and abs(predicted / measured - 1) < 0.15, (predicted, measured)
     if name != "adamw":  # the low-bit states are what they claim: well under AdamW's 8 bytes a value
         values = sum(p.numel() for p in model.parameters())

@@ -212,8 +212,8 @@ def test_profiles_by_short_name_and_by_device_name():
     assert profile_for_gpu_name("NVIDIA H100 PCIe").name == "h100-pcie"
     assert profile_for_gpu_name("NVIDIA A100-SXM4-40GB").name == "a100-40gb"
     assert profile_for_gpu_name("NVIDIA GeForce RTX 4090").name == "rtx4090"
-    for p in PROFILES.values():
-        assert p.source and p.memory_gib > 0 and p.peak_flops("fp16") >= p.peak_flops("fp32", tf32=False)
+    for p in PROFILES.values():  # Pascal GeForce (GTX 1080) is the one card whose fp16 is slower than its fp32
+        assert p.source and p.memory_gib > 0 and (p.peak_flops("fp16") >= p.peak_flops("fp32", tf32=False)) != (p.name == "gtx1080")
 
 
 def test_memory_cap_from_the_environment(monkeypatch):

@@ -133,3 +133,22 @@ def describe_optimizer(cfg: OptimSettings) -> str:
     state = "fp32 state" if kind.state_bits == 32 else f"{kind.state_bits}-bit state"
     parts = [kind.library, state] + (["paged"] if kind.paged else []) + (["offloaded to host"] if cfg.offload == "cpu" else [])
     return f"{cfg.name} ({', '.join(parts)})"
+
+
+def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the optimizer's state holds now: through bitsandbytes' nested dicts and torchao's tensor
+    subclasses to the tensors they store (step counts and shared quantization tables left out)."""
+
+    def size(value) -> int:
+        if isinstance(value, dict):
+            return sum(size(v) for k, v in value.items() if not str(k).startswith("qmap"))
+        if not torch.is_tensor(value):
+            return 0
+        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+            names, _ = value.__tensor_flatten__()
+            return sum(size(getattr(value, n)) for n in names if n != "qmap")
+        return value.numel() * value.element_size()
+
+    inner = getattr(optimizer, "d_opt", None)  # torchao's CPUOffloadOptimizer: the state is its host optimizers'
+    optimizers = [optimizer] if inner is None else [inner, *getattr(optimizer, "optim_dict", {}).values()]
+    return sum(size(v) for opt in optimizers for s in opt.state.values() for k, v in s.items() if k != "step")

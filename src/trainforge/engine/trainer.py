@@ -30,6 +30,7 @@ from ..runlock import OutputDirError, hold_run_dir
 from .evaluate import evaluate
 from .nonfinite import final_weights_check
 from .oom import fetch_step, forward_backward_adaptive
+from .optim import measured_state_bytes
 from .preempt import Interrupted, StopRequest
 from .run import Run, RunResult
 from .setup import setup
@@ -309,7 +310,8 @@ def finish(run: Run) -> RunResult:
         "mfu": tokens_per_s * facts.flops_per_token / facts.peak_flops if facts.peak_flops else None,
         "flops_per_token": facts.flops_per_token,
         "compiled": run.compiled,
-        "compile": run.compile_auto.measured(),  # this run's compile seconds and steady step times, once measured
+        "compile": run.compile_auto.measured(),
+        "optimizer": {"name": run.cfg.optim.name, "offload": run.cfg.optim.offload, "state_bytes": measured_state_bytes(run.optimizer)},  # this run's compile seconds and steady step times, once measured
         "data_wait_s": c.data_wait_s,
         "skipped_steps": int(run.guard.total),
         "micro_batch_size": run.loader.batch_size,

@@ -30,6 +30,7 @@ from ..hardware import (
 )
 from ..profiles import GIB, HardwareProfile, find_profile
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
+from .plan_remedy import one_change_to_fit
 
 SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write speed (local NVMe order); a finding, not a decision, uses it
 WASTE_SHARE = 0.05  # checkpoints or evals costing more than this share of the run get a finding
@@ -79,6 +80,8 @@ def plan_precision(cfg: RunConfig, profile: HardwareProfile, device: torch.devic
     if requested == "auto":
         if profile.bf16:
             return PRECISIONS["bf16"], f"auto: {profile.title} has bf16 tensor cores"
+        if profile.peak_tflops["fp16"] < profile.peak_tflops["fp32"]:  # Pascal GeForce: fp16 at 1/64 rate
+            return PRECISIONS["fp32"], f"auto: {profile.title} has no bf16 and runs fp16 slower than fp32"
         return PRECISIONS["fp16"], f"auto: {profile.title} has no bf16; fp16 with loss scaling"
     return PRECISIONS[requested], "as configured"
 
@@ -100,6 +103,7 @@ def make_plan(
     memory = fit.memory or predict_memory(resolved, tokenizer, precision, profile, mbs, ckpt, accum, world_size, mode)
     levers = lever_savings(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
     load = predict_load_memory(resolved, precision, profile, memory)
+    remedy = one_change_to_fit(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
     # on a CPU each process of a data-parallel job gets its share of the cores (torchrun: 1 thread)
     threads = 1 if world_size > 1 else None
     measured = measure_ops(memory.trace, threads=threads) if time_ops and device is not None and device.type == "cpu" else {}
@@ -128,6 +132,7 @@ def make_plan(
             "parts": memory.parts,
             "fits": memory.fits(),
             "levers": levers,
+            "one_change_to_fit": remedy,
         },
         "time": {
             "step_s": step.seconds,
@@ -322,8 +327,12 @@ def findings(
     if device is not None and given.train.device.startswith("cuda") and not torch.cuda.is_available():
         add("error", "train.device asks for CUDA, and this machine has none", "set train.device: auto (or cpu), or plan for a GPU with --hardware NAME")
     if not memory.fits():
-        add("error", f"predicted peak {mem / GIB:.2f} GiB exceeds the {cap / GIB:.1f} GiB of {profile.title}",
-            "set train.micro_batch_size: auto (and keep train.activation_checkpointing: auto), lower data.max_length, or use model.method: lora / qlora")
+        remedy = plan["memory"].get("one_change_to_fit")
+        auto = given.train.micro_batch_size == "auto" and given.train.activation_checkpointing == "auto"
+        fix = remedy["text"] if remedy else (
+            "no single change fits it: lower data.max_length and use model.method: qlora, or a card with more memory"
+            if auto else "set train.micro_batch_size: auto (and keep train.activation_checkpointing: auto)")
+        add("error", f"predicted peak {mem / GIB:.2f} GiB exceeds the {cap / GIB:.1f} GiB of {profile.title}", fix)
     elif memory.share > FIT_MARGIN:
         add("warn", f"predicted peak {mem / GIB:.2f} GiB is {memory.share:.0%} of the {cap / GIB:.1f} GiB: little room for fragmentation",
             "set train.micro_batch_size: auto, or lower it and raise train.grad_accum")
@@ -397,6 +406,7 @@ def _free_disk(path: Path) -> int | None:
 
 def render(plan: dict[str, Any], console) -> None:
     """The plan for people: memory split, speed and duration, decisions, findings."""
+    from rich.markup import escape
     from rich.table import Table
 
     h, m, t = plan["hardware"], plan["memory"], plan["time"]
@@ -439,7 +449,7 @@ def render(plan: dict[str, Any], console) -> None:
     for col in ("setting", "choice", "why"):
         decisions_table.add_column(col)
     for row in plan["decisions"]:
-        decisions_table.add_row(row["setting"], row["choice"], row["why"])
+        decisions_table.add_row(*(escape(row[k]) for k in ("setting", "choice", "why")))  # "[gpu]" is not markup
     console.print(decisions_table)
     colors = {"error": "red", "warn": "yellow", "info": "cyan"}
     for f in plan["findings"]:
