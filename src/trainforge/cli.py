@@ -42,6 +42,9 @@ def train(
     set_: Annotated[
         Optional[list[str]], typer.Option("--set", help="override a key: --set train.max_steps=100 (repeatable)")
     ] = None,
+    preset: Annotated[
+        Optional[str], typer.Option("--preset", help="smoke (prove the config in about a minute) or production: laid over the config, beneath --set")
+    ] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="run directory (default: runs/NAME-TIME)")] = None,
     resume: Annotated[
         str,
@@ -65,12 +68,12 @@ def train(
     from .config import load_config
 
     with user_errors():
-        cfg = load_config(config, set_ or [])
+        cfg = load_config(config, set_ or [], preset=preset)
     output = output or Path("runs") / f"{config.stem if config else 'default'}-{time.strftime('%Y%m%d-%H%M%S')}"
     if nproc is not None and nproc > 1:
         from .launch import launch
 
-        args = [*([str(config)] if config else []), *(a for s in set_ or [] for a in ("--set", s))]
+        args = [*([str(config)] if config else []), *(["--preset", preset] if preset else []), *(a for s in set_ or [] for a in ("--set", s))]
         raise typer.Exit(launch(nproc, [*args, "--output", str(output), "--resume", resume]))
 
     from .dist import launched_by_torchrun
@@ -204,6 +207,9 @@ def selftest(
 def plan(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
+    preset: Annotated[
+        Optional[str], typer.Option("--preset", help="smoke (prove the config in about a minute) or production: laid over the config, beneath --set")
+    ] = None,
     hardware: Annotated[
         str, typer.Option("--hardware", help="a profile name (h100, a100-80gb, rtx4070, t4, ...), 'this' (the local machine), or 'list'")
     ] = "this",
@@ -236,7 +242,7 @@ def plan(
     if measure and (hardware.lower() != "this" or nproc > 1):
         _fail("--measure runs real steps on this machine in one process: use it with --hardware this and no --nproc")
     with user_errors():
-        cfg = load_config(config, set_ or [], plan_only=not measure)
+        cfg = load_config(config, set_ or [], plan_only=not measure, preset=preset)
     from .tools.plan import make_plan, render
     from .tools.plan_measure import measure as run_measure
     from .tools.plan_measure import render_measured
@@ -261,6 +267,9 @@ def plan(
 def config(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
+    preset: Annotated[
+        Optional[str], typer.Option("--preset", help="smoke (prove the config in about a minute) or production: laid over the config, beneath --set")
+    ] = None,
     reference: Annotated[bool, typer.Option("--reference", help="print every key with its default, as Markdown")] = False,
 ) -> None:
     """Print the resolved config (every default spelled out), or the reference of all keys."""
@@ -272,7 +281,7 @@ def config(
         typer.echo(config_reference(), nl=False)
         return
     with user_errors():
-        typer.echo(load_config(config, set_ or []).to_yaml(), nl=False)
+        typer.echo(load_config(config, set_ or [], preset=preset).to_yaml(), nl=False)
 
 
 MODEL_ARG_HELP = "a run directory (its final/), a Hugging Face model directory, or a LoRA adapter directory"

@@ -27,6 +27,7 @@ from .config_model import (
     LoraSettings, ModelSettings, input_is_encoder_decoder, is_encoder_decoder, model_type_of, validate_init_fields,
 )
 from .config_optim import OptimSettings
+from .config_presets import apply_presets
 from .config_overrides import apply_override, apply_overrides, parse_override
 from .config_yaml import load_yaml, read_config_text
 from .hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind, dir_is_encoder_decoder
@@ -218,7 +219,10 @@ class TrainSettings(Section):
         description="torch.compile the decoder; auto: after timing the first steps, only when the time "
         "it saves over the remaining steps exceeds the expected compile time",
     )
-    eval_every: int | None = Field(None, gt=0, le=MAX_STEPS, description="evaluate every N steps (always at start and end)")
+    eval_every: int | Literal["auto"] | None = Field(
+        None, description="evaluate every N steps (always at start and end); auto: ten times over the run "
+        f"(every max_steps / 10 steps); (> 0, <= {MAX_STEPS})",
+    )
     eval_max_batches: int | None = Field(None, gt=0, le=MAX_STEPS, description="cap on eval batches (default: all)")
     max_skipped_steps: int = Field(
         3,
@@ -237,6 +241,13 @@ class TrainSettings(Section):
         le=7 * 24 * 3600,
         description="under torchrun: a collective waiting longer than this for another process fails the job",
     )
+
+    @field_validator("eval_every")
+    @classmethod
+    def _eval_every_range(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and not 0 < v <= MAX_STEPS:
+            raise ValueError(f"must be a number of steps (> 0, <= {MAX_STEPS}), auto or null")
+        return v
 
     @field_validator("micro_batch_size")
     @classmethod
@@ -329,6 +340,13 @@ class RunConfig(Section):
     optim: OptimSettings = Field(default_factory=OptimSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    preset: Literal["smoke", "production"] | None = Field(
+        None,
+        description="a named overlay: smoke (20 steps on a small share of the data, eval and checkpoint once, "
+        "nothing compiled: proves a config in about a minute) or production (compile auto, async checkpoints "
+        "every 30 minutes, eval_every auto); the file's own keys override it, --preset on the command line "
+        "lays it over the file",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -421,11 +439,13 @@ def default_config() -> dict[str, Any]:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), plan_only: bool = False
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), plan_only: bool = False,
+    preset: str | None = None,
 ) -> RunConfig:
-    """Read a YAML config (or the built-in default), apply ``--set`` overrides, validate.
+    """Read a YAML config (or the built-in default), apply its presets, then ``--set`` overrides, validate.
 
-    ``plan_only``: for ``trainforge plan``, a ``model.path`` needs only its config.json."""
+    ``plan_only``: for ``trainforge plan``, a ``model.path`` needs only its config.json.
+    ``preset``: ``--preset NAME``, laid over the file (config_presets.py says how presets layer)."""
     marks: dict[tuple[str, ...], int] = {}
     if path is None:
         data = default_config()
@@ -438,19 +458,12 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"{clip(source)}: the top level must be a mapping of sections (model, data, train, ...)")
         marks = key_lines(node)
-    data = copy.deepcopy(data)
+    data = apply_presets(copy.deepcopy(data), preset, file_is_user=path is not None)
     overridden = apply_overrides(data, overrides)
     try:
         return RunConfig.model_validate(data, context={"plan": plan_only})
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, data, source, marks, overridden)) from None
-
-
-def _format_errors(
-    err: ValidationError, data: dict[str, Any], source: str, marks: dict[tuple[str, ...], int], overridden: set[tuple[str, ...]]
-) -> str:
-    """The message of a failed validation of a run config (``config_errors.format_errors`` against ``RunConfig``)."""
-    return format_errors(err, data, source, marks, overridden, RunConfig)
+        raise ConfigError(format_errors(e, data, source, marks, overridden, RunConfig)) from None
 
 
 def resolve_grad_accum(train: "TrainSettings", world_size: int) -> int:

@@ -123,6 +123,10 @@ def setup(
     if cfg.optim.name != "adamw" or cfg.optim.offload != "none":
         reporter.info(f"optimizer: {describe_optimizer(cfg.optim)}")
     max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
+    if cfg.train.eval_every == "auto":  # ten evaluations over the run
+        every = max(1, max_steps // 10)
+        reporter.info(f"eval_every auto -> {every} (ten evaluations over {max_steps} steps)")
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_every": every})})
     # a resumed run keeps its schedule's horizon (resume.py's docstring says why)
     schedule_steps = resume_plan.state["counters"]["schedule_steps"] if resume_plan is not None else max_steps
     o = cfg.optim

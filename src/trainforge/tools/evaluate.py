@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from ..config import ConfigError, RunConfig, _format_errors, apply_override, parse_override
+from ..config import ConfigError, RunConfig, apply_override, parse_override
+from ..config_errors import format_errors
 from ..data.loader import eval_batches
 from ..data.packing import build_rows
 from ..data.plan import collator_for, lost_tokens_warning
@@ -60,7 +61,7 @@ def eval_config(src: ModelSource, data: str, overrides: list[str], max_positions
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, raw, source, {}, overridden)) from None
+        raise ConfigError(format_errors(e, raw, source, {}, overridden, RunConfig)) from None
 
 
 def eval_precision(src: ModelSource, cfg: RunConfig, overrides: list[str], device: torch.device) -> tuple[Precision, str]:

@@ -372,10 +372,11 @@ def findings(
             better = math.ceil(save_s / (WASTE_SHARE * step.seconds) / 10) * 10
             add("warn", f"checkpoint.every_steps {cfg.checkpoint.every_steps}: saving (~{save_s:.1f}s each) takes {share:.0%} of the run",
                 f"set checkpoint.every_steps: {better} or more, or checkpoint.async: true")
-    if cfg.train.eval_every and step.seconds:
+    eval_every = cfg.train.eval_every if cfg.train.eval_every != "auto" else (max(1, steps // 10) if steps else None)
+    if eval_every and step.seconds:
         batches = eval_batches_per_pass(cfg, data)
         eval_s = batches * step.seconds / cfg.train.grad_accum / 3  # a forward pass only: about a third of a micro-batch's time
-        share = eval_s / (cfg.train.eval_every * step.seconds + eval_s)
+        share = eval_s / (eval_every * step.seconds + eval_s)
         if share > 2 * WASTE_SHARE:
             add("warn", f"train.eval_every {cfg.train.eval_every}: evaluation takes about {share:.0%} of the run",
                 "raise train.eval_every or lower train.eval_max_batches")
