@@ -62,6 +62,10 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
 def config_reference() -> str:
     out = [INTRO]
     for section, field in RunConfig.model_fields.items():
+        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):  # a top-level key (preset)
+            out.append(f"\n## `{section}`\n\n| key | type | default | meaning |\n|---|---|---|---|")
+            out.append(f"| `{section}` | {_type(field.annotation)} | {_default(field)} | {field.description or ''} |")
+            continue
         doc = (field.annotation.__doc__ or "").strip()
         out.append(f"\n## `{section}`\n")
         if doc and not doc.startswith("!!!"):
