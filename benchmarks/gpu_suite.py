@@ -265,6 +265,21 @@ class StepClock:
         return Stamp()
 
 
+def hf_arguments(spec: dict, name: str) -> dict:
+    """TrainingArguments shared by the HF and TRL variants: the suite's batch, steps and optimizer;
+    bf16 autocast on CUDA (as a user sets it), fp32 on a CPU; a loss logged every step, nothing saved."""
+    import torch
+
+    row, cuda = spec["row"], torch.cuda.is_available()
+    return dict(
+        output_dir=str(Path(spec["out"]) / name), per_device_train_batch_size=row["micro_batch"], max_steps=row["steps"],
+        learning_rate=OPTIM["lr"], weight_decay=OPTIM["weight_decay"], adam_beta1=OPTIM["betas"][0], adam_beta2=OPTIM["betas"][1],
+        adam_epsilon=OPTIM["eps"], max_grad_norm=OPTIM["max_grad_norm"], lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": OPTIM["min_lr_ratio"]}, seed=0, report_to="none", logging_steps=1,
+        save_strategy="no", disable_tqdm=True, bf16=cuda, use_cpu=not cuda,
+    )
+
+
 def run_hf(spec: dict, variant: str) -> dict:
     import datasets
     import torch
@@ -280,11 +295,7 @@ def run_hf(spec: dict, variant: str) -> dict:
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     model.register_forward_pre_hook(clock.hook, with_kwargs=True)
     args = TrainingArguments(
-        output_dir=str(Path(spec["out"]) / "hf"), per_device_train_batch_size=row["micro_batch"], max_steps=row["steps"],
-        learning_rate=OPTIM["lr"], weight_decay=OPTIM["weight_decay"], adam_beta1=OPTIM["betas"][0], adam_beta2=OPTIM["betas"][1],
-        adam_epsilon=OPTIM["eps"], max_grad_norm=OPTIM["max_grad_norm"], lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": OPTIM["min_lr_ratio"]}, seed=0, report_to="none", logging_steps=1,
-        save_strategy="no", disable_tqdm=True, bf16=cuda, use_cpu=not cuda, use_liger_kernel=variant.endswith("liger"),
+        **hf_arguments(spec, "hf"), use_liger_kernel=variant.endswith("liger"),
         dataloader_pin_memory=cuda,
     )
     ds = datasets.Dataset.from_list(json.loads(Path(spec["data"]["blocks"]).read_text()))
@@ -295,21 +306,16 @@ def run_hf(spec: dict, variant: str) -> dict:
 
 def run_trl(spec: dict, variant: str) -> dict:
     import datasets
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    row, cuda = spec["row"], torch.cuda.is_available()
+    row = spec["row"]
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     clock = StepClock(tok.pad_token_id)
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], attn_implementation="sdpa")
     model.register_forward_pre_hook(clock.hook, with_kwargs=True)
     args = SFTConfig(
-        output_dir=str(Path(spec["out"]) / "trl"), per_device_train_batch_size=row["micro_batch"], max_steps=row["steps"],
-        learning_rate=OPTIM["lr"], weight_decay=OPTIM["weight_decay"], adam_beta1=OPTIM["betas"][0], adam_beta2=OPTIM["betas"][1],
-        adam_epsilon=OPTIM["eps"], max_grad_norm=OPTIM["max_grad_norm"], lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": OPTIM["min_lr_ratio"]}, seed=0, report_to="none", logging_steps=1,
-        save_strategy="no", disable_tqdm=True, bf16=cuda, use_cpu=not cuda, max_length=row["seq"], packing=True,
+        **hf_arguments(spec, "trl"), max_length=row["seq"], packing=True,
         padding_free=True, gradient_checkpointing=False,
     )
     ds = datasets.load_dataset("json", data_files=spec["data"]["train"], split="train")

@@ -17,6 +17,15 @@ from .results import CheckFailed, Result, Skip
 from .tolerances import ATTENTION_TOL, CUDA_RESUME_TOL, HEAD_GRAD_TOL, LOSS_TOL, fmt_values, relative_gap
 
 
+def worst_gap(reference: tuple[float, dict], other: tuple[float, dict]) -> tuple[str, float, float]:
+    """(the tensor whose gradient differs most, that relative norm gap, the loss's relative gap) of
+    ``other`` against ``reference``, each a (loss, {name: gradient})."""
+    (loss_r, g_r), (loss_o, g_o) = reference, other
+    gaps = {n: float((g_o[n] - g_r[n]).norm() / g_r[n].norm().clamp_min(1e-30)) for n in g_r}
+    worst, gap = max(gaps.items(), key=lambda kv: kv[1])
+    return worst, gap, abs(loss_o - loss_r) / abs(loss_r)
+
+
 class Checks:
     """The ``_check_<name>`` methods ``SelfTest.check`` (runner.py) dispatches to, one per kind of
     check; each returns its detail line or raises ``CheckFailed``/``Skip``. The runner provides the
@@ -69,9 +78,7 @@ class Checks:
             (loss_f, g_f), (loss_s, g_s) = runs[True], runs[False]
             if g_f.keys() != g_s.keys() or not g_s:
                 raise CheckFailed(f"{label}: gradients of different tensors: fused {sorted(g_f)}, standard {sorted(g_s)}")
-            gaps = {n: float((g_f[n] - g_s[n]).norm() / g_s[n].norm().clamp_min(1e-30)) for n in g_s}
-            worst, gap = max(gaps.items(), key=lambda kv: kv[1])
-            loss_gap = abs(loss_f - loss_s) / abs(loss_s)
+            worst, gap, loss_gap = worst_gap((loss_s, g_s), (loss_f, g_f))
             if gap > tol or loss_gap > tol:
                 raise CheckFailed(
                     f"{label}: fused and standard head differ under {precision}: loss {loss_f:.5f} vs {loss_s:.5f}; "
@@ -229,9 +236,7 @@ class Checks:
             for name, value in patched.items():
                 setattr(modeling_llama, name, value)
         (loss_t, g_t), (loss_l, g_l) = runs["torch"], runs["liger"]
-        gaps = {n: float((g_l[n] - g_t[n]).norm() / g_t[n].norm().clamp_min(1e-30)) for n in g_t}
-        worst, gap = max(gaps.items(), key=lambda kv: kv[1])
-        loss_gap = abs(loss_l - loss_t) / abs(loss_t)
+        worst, gap, loss_gap = worst_gap((loss_t, g_t), (loss_l, g_l))
         if gap > tol or loss_gap > tol:
             raise CheckFailed(
                 f"liger vs torch under {precision}: loss {loss_l:.5f} vs {loss_t:.5f}; gradient of {worst} by {gap:.2e} "
