@@ -173,6 +173,18 @@ def _flex_fn():
     return _flex
 
 
+_block_mask = None
+
+
+def _compiled_block_mask():
+    global _block_mask
+    if _block_mask is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        _block_mask = torch.compile(create_block_mask, dynamic=False)
+    return _block_mask
+
+
 @torch.compiler.disable
 def document_block_mask(doc_ids: torch.Tensor):
     """A causal document mask for FlexAttention, built once per forward pass (cached on ``doc_ids``)."""
@@ -185,7 +197,9 @@ def document_block_mask(doc_ids: torch.Tensor):
         return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
     rows, t = doc_ids.shape
-    mask = create_block_mask(same_document_causal, rows, None, t, t, device=doc_ids.device)
+    # compiled on CUDA, as torch recommends: the mask is then built block by block, never as a rows x T x T tensor
+    build = _compiled_block_mask() if doc_ids.is_cuda else create_block_mask
+    mask = build(same_document_causal, rows, None, t, t, device=doc_ids.device)
     _masks = (doc_ids, mask)
     return mask
 
