@@ -86,7 +86,7 @@ def test_state_bytes_match_plan_within_15_percent(name):
 
 
 @needs_libraries
-@pytest.mark.parametrize("name", ["adamw_8bit", "paged_adamw", "adamw_4bit"])
+@pytest.mark.parametrize("name", ["adamw_8bit", "paged_adamw_8bit", "paged_adamw", "adamw_4bit"])
 def test_a_checkpoint_resumes_exactly_with_each_optimizer(name, finetune_config, tmp_path, monkeypatch):
     """Stopped after step 4 and resumed: the same weights and optimizer state as the uninterrupted run
     (all three are deterministic on a CPU)."""
