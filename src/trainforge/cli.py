@@ -419,6 +419,11 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT, label: str = "error", quiet:
 
 
 def main() -> None:
+    import logging
+
+    # torchao (optim.name: adamw_4bit, offload; imported by peft too) logs, on every import, each CUDA
+    # extension a CPU build lacks: noise in a run's console, not something the user can act on
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     app()
 
 
