@@ -424,6 +424,9 @@ def main() -> None:
     # torchao (optim.name: adamw_4bit, offload; imported by peft too) logs, on every import, each CUDA
     # extension a CPU build lacks: noise in a run's console, not something the user can act on
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    # ... and registers enums with torch's pytree in a way torch 2.13 deprecates (transformers imports
+    # torchao whenever it is installed): a warning for torchao's authors, not for the user
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     app()
 
 
