@@ -223,7 +223,11 @@ class TrainSettings(Section):
         None, description="evaluate every N steps (always at start and end); auto: ten times over the run "
         f"(every max_steps / 10 steps); (> 0, <= {MAX_STEPS})",
     )
-    eval_max_batches: int | None = Field(None, gt=0, le=MAX_STEPS, description="cap on eval batches (default: all)")
+    eval_max_batches: int | Literal["auto"] | None = Field(
+        "auto",
+        description="eval batches per evaluation; auto: as many as keep all of the run's evaluations within 5% "
+        f"of its training compute (at least one); null: all; (> 0, <= {MAX_STEPS})",
+    )
     max_skipped_steps: int = Field(
         3,
         ge=1,
@@ -247,6 +251,13 @@ class TrainSettings(Section):
     def _eval_every_range(cls, v: int | str | None) -> int | str | None:
         if isinstance(v, int) and not 0 < v <= MAX_STEPS:
             raise ValueError(f"must be a number of steps (> 0, <= {MAX_STEPS}), auto or null")
+        return v
+
+    @field_validator("eval_max_batches")
+    @classmethod
+    def _eval_batches_range(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and not 0 < v <= MAX_STEPS:
+            raise ValueError(f"must be a number of batches (> 0, <= {MAX_STEPS}), auto or null")
         return v
 
     @field_validator("micro_batch_size")
@@ -429,7 +440,7 @@ def default_config() -> dict[str, Any]:
             "packing": True,
             "max_documents": 300,
         },
-        "train": {"max_steps": 600, "micro_batch_size": 8, "eval_every": 200, "eval_max_batches": 16},
+        "train": {"max_steps": 600, "micro_batch_size": 8, "eval_every": 200},
         "optim": {"lr": 2.0e-3, "weight_decay": 0.1, "schedule": "cosine", "warmup_steps": 50},
         "log": {"every_steps": 50, "sample_prompt": "def ", "sample_tokens": 60},
     }

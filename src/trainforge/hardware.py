@@ -142,14 +142,15 @@ def resolve_precision(requested: str, device: torch.device, cache_dir: Path | No
     return PRECISIONS["bf16"], f"auto: native bf16, matmuls {speedup:.1f}x fp32 on this CPU"
 
 
-def cpu_matmul_flops(precision: str, cache_dir: Path | None = None) -> float:
+def cpu_matmul_flops(precision: str, cache_dir: Path | None = None, again: bool = False) -> float:
     """Measured FLOP/s of a large matmul on this CPU in ``precision`` with the current thread count;
-    cached per machine, thread count and torch version (the probe takes about a second)."""
+    cached per machine, thread count and torch version (the probe takes about a second). ``again``:
+    measure now and replace the cached figure."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     # fp16 has no CPU kernels (emulated, ~1000x slower than fp32), nor has bf16 without AVX512-BF16/AMX:
     # a small matrix keeps the probe short (it cost 30-70 s at 1024 on a loaded 2-core AVX2 machine)
     emulated = dtype is torch.float16 or (dtype is torch.bfloat16 and not cpu_has_native_bf16())
-    return cached_probe(precision, lambda: measure_matmul(dtype, 256 if emulated else 1024), cache_dir)
+    return cached_probe(precision, lambda: measure_matmul(dtype, 256 if emulated else 1024), cache_dir, again=again)
 
 
 BUSY_LOAD_PER_CORE = 0.5
@@ -157,18 +158,20 @@ BUSY_LOAD_PER_CORE = 0.5
 work, so it reads low (a 2-thread matmul waits on a busy core at every barrier)."""
 
 
-def _load_per_core() -> float:
+def load_per_core() -> float:
+    """The 1-minute load average per core (0 where the system does not say)."""
     try:
         return os.getloadavg()[0] / (os.cpu_count() or 1)
     except OSError:
         return 0.0
 
 
-def cached_probe(name: str, measure, cache_dir: Path | None = None, better=max) -> float:
+def cached_probe(name: str, measure, cache_dir: Path | None = None, better=max, again: bool = False) -> float:
     """``measure()`` once per machine, CPU model, thread count and torch version, kept in ``cpu_peak.json``
     with the load it was taken under. A figure taken on a busy machine is taken again once the machine
     is quieter, keeping the ``better`` of the two (``max`` for rates, ``min`` for costs): a peak measured
-    while a test suite ran must not price every later plan and MFU on this machine."""
+    while a test suite ran must not price every later plan and MFU on this machine. ``again``: measure now
+    and keep this figure, whatever was cached (a run found the cached one impossible: MFU above 100%)."""
     threads = torch.get_num_threads()
     key = f"{platform.node()}-{cpu_identity()}-{threads}t-{name}-torch{torch.__version__}"
     cache = (cache_dir or default_cache_dir()) / "cpu_peak.json"
@@ -181,11 +184,11 @@ def cached_probe(name: str, measure, cache_dir: Path | None = None, better=max) 
     entry = table.get(key)
     if isinstance(entry, (int, float)):  # written before the load was kept: taken as measured on a quiet machine
         entry = {"value": float(entry), "load_per_core": 0.0}
-    load = _load_per_core()
-    if entry is not None and (entry["load_per_core"] <= BUSY_LOAD_PER_CORE or load >= entry["load_per_core"]):
+    load = load_per_core()
+    if not again and entry is not None and (entry["load_per_core"] <= BUSY_LOAD_PER_CORE or load >= entry["load_per_core"]):
         return float(entry["value"])
     value = measure()
-    if entry is not None:
+    if entry is not None and not again:
         value = better(value, float(entry["value"]))
         load = min(load, entry["load_per_core"])
     table[key] = {"value": value, "load_per_core": round(load, 3)}

@@ -36,7 +36,7 @@ def test_lora_frozen_weights_skip_weight_gradients(tiny_model_dir):
 def test_cpu_peak_probe_is_cached(tmp_path, monkeypatch):
     import trainforge.hardware as hardware
 
-    monkeypatch.setattr(hardware, "_load_per_core", lambda: 0.0)  # a quiet machine (see the busy case below)
+    monkeypatch.setattr(hardware, "load_per_core", lambda: 0.0)  # a quiet machine (see the busy case below)
     first = cpu_matmul_flops("fp32", tmp_path)
     assert first > 0 and (tmp_path / "cpu_peak.json").is_file()
 
@@ -67,17 +67,17 @@ def test_cpu_peak_probe_is_measured_again_on_another_cpu(tmp_path, monkeypatch):
 def test_a_probe_taken_on_a_busy_machine_is_taken_again_when_quieter(tmp_path, monkeypatch):
     import trainforge.hardware as hardware
 
-    monkeypatch.setattr(hardware, "_load_per_core", lambda: 2.0)  # a test suite shares the cores
+    monkeypatch.setattr(hardware, "load_per_core", lambda: 2.0)  # a test suite shares the cores
     monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: 1.0e10)
     assert cpu_matmul_flops("fp32", tmp_path) == 1.0e10
     monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: 4.0e10)
     assert cpu_matmul_flops("fp32", tmp_path) == 1.0e10  # still as busy: the cached figure stands
-    monkeypatch.setattr(hardware, "_load_per_core", lambda: 0.1)
+    monkeypatch.setattr(hardware, "load_per_core", lambda: 0.1)
     assert cpu_matmul_flops("fp32", tmp_path) == 4.0e10  # quiet now: measured again, the better kept
     monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
     assert cpu_matmul_flops("fp32", tmp_path) == 4.0e10  # taken quietly: kept for good
     # a cost probe keeps the lower figure
-    monkeypatch.setattr(hardware, "_load_per_core", lambda: 2.0)
+    monkeypatch.setattr(hardware, "load_per_core", lambda: 2.0)
     assert hardware.cached_probe("op-overhead", lambda: 9e-6, tmp_path, better=min) == 9e-6
-    monkeypatch.setattr(hardware, "_load_per_core", lambda: 0.2)
+    monkeypatch.setattr(hardware, "load_per_core", lambda: 0.2)
     assert hardware.cached_probe("op-overhead", lambda: 4e-6, tmp_path, better=min) == 4e-6

@@ -47,3 +47,32 @@ def evaluate(
         total, n = sums[0], int(sums[1])
     loss = float(total) / n
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n}
+
+
+def planned_evals(max_steps: int, eval_every: int | None) -> int:
+    """Evaluations a run of ``max_steps`` makes: before and after training, and every ``eval_every`` steps between."""
+    return 2 + ((max_steps - 1) // eval_every if eval_every else 0)
+
+
+def auto_eval_batches(
+    available: int,
+    eval_rows_per_batch: int,
+    train_rows: int,
+    evals: int,
+    method: str = "full",
+    activation_checkpointing: bool = False,
+) -> int:
+    """Eval batches per evaluation for ``train.eval_max_batches: auto``: the most (of ``available``, at least
+    one) that keep ``evals`` evaluations within the ``eval_share`` threshold of the training compute.
+
+    ``train_rows``: rows the whole run trains on (all steps, all processes). Eval rows are held out of the
+    same data, so a row of either side holds as many tokens on average and rows stand for tokens.
+    Counted in FLOPs, not seconds, so it is the same on every machine and every rerun: an eval token costs
+    one forward; a trained token costs a forward and a backward, about three forwards for a full fine-tune
+    and two with adapters (the frozen base computes no weight gradients), one more with activation
+    checkpointing (the forward runs again)."""
+    from ..metrics.thresholds import limit
+
+    forwards = (3.0 if method == "full" else 2.0) + (1.0 if activation_checkpointing else 0.0)
+    budget = limit("eval_share") * train_rows * forwards / max(evals, 1)
+    return max(1, min(available, int(budget // max(eval_rows_per_batch, 1))))

@@ -17,6 +17,7 @@ from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepTimer
 from ..metrics.tracker import MetricsLog
 from ..metrics.window import LogWindow
+from .advisor import Advisor
 from .compile_auto import CompileAuto
 from .nonfinite import NonFiniteGuard
 from .preempt import StopRequest
@@ -82,6 +83,9 @@ class Run:
     batches: Iterator[Batch] | None = None  # the loader's iterator while the loop runs
     resumed_from: int | None = None
     started_at: float = 0.0  # time.perf_counter() when setup began: summary.json's wall time
+    startup_s: float | None = None  # setup began -> the loop first started, in this process
+    startup_phases: dict[str, float] = field(default_factory=dict)  # seconds of set-up's phases (setup.py's Laps)
+    advisor: Advisor = field(default_factory=lambda: Advisor(None))  # warns once per cause while the run goes
 
     @property
     def step(self) -> int:

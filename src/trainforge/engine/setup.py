@@ -22,6 +22,7 @@ from ..hardware import (
     available_memory_bytes,
     configure_backends,
     cpu_has_native_bf16,
+    cpu_matmul_flops,
     describe,
     device_memory,
     emulated_precision,
@@ -34,6 +35,7 @@ from ..metrics.console import ConsoleReporter
 from ..metrics.flops import flops_per_token
 from ..metrics.profile import StepTimer
 from ..metrics.sinks import build_sinks, require_trackers
+from ..metrics.thresholds import limit
 from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
 from ..model.kernels import resolve_kernels
@@ -45,7 +47,9 @@ from ..model.load import (
     weight_storage,
 )
 from ..rundir import writing
+from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
+from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run, rough_skeleton_estimate
 from .predict.memory import MemoryEstimate, estimate_memory, memory_refusal, memory_warning
 from .nonfinite import NonFiniteGuard
@@ -79,6 +83,7 @@ def setup(
     from transformers.utils import logging as hf_logging
 
     started_at = time.perf_counter()
+    laps = Laps(started_at)
     ctx = ctx or DistContext()
     if cfg.log.report_to:
         require_trackers(cfg.log.report_to)  # a tracker asked for but not installed fails before any work
@@ -89,18 +94,23 @@ def setup(
     device, precision, why = choose_device_and_precision(cfg, ctx, reporter)
     # a missing library or an optimizer this device cannot run fails before any work (the mode is checked below)
     check_optimizer(cfg.optim, device.type, None)
+    laps("device")
 
     with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
         tokenizer = get_tokenizer(cfg, reporter)
+        laps("tokenizer")
         refuse_what_cannot_fit(cfg, tokenizer, precision, device, ctx)  # before the data and the model cost anything
+        laps("fit_check")
         data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
         out = Path(output_dir)
         resume_plan = choose_checkpoint(out, cfg, resume, reporter)
         if resume_plan is None and ctx.is_main:
             with writing(out / "config.yaml"):
                 (out / "config.yaml").write_text(cfg.to_yaml())  # a resumed run's, once the checkpoint is checked
+    laps("data")
     reporter.info(f"output: {out}")
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
+    laps("fit")
     # train.global_batch_size fixes the rows per step whatever the process count: grad_accum follows
     accum = resolve_grad_accum(cfg.train, ctx.world_size)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})})
@@ -113,6 +123,7 @@ def setup(
     data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
 
     model = build_run_model(cfg, tokenizer, precision, device, reporter)
+    laps("model")
     rough = estimate_memory(model, loader.batch_size, cfg.row_tokens(), precision)
     warning = memory_warning(rough, available_memory_bytes(device), device)
     if warning:
@@ -153,9 +164,7 @@ def setup(
         scheduler=build_scheduler(optimizer, o.schedule, o.warmup_steps, schedule_steps, o.min_lr_ratio),
         scaler=torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None,
         loader=loader,
-        eval_set=eval_batches(data.eval_rows, data.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
-        if data.eval_collate
-        else [],
+        eval_set=build_eval_set(cfg, data, max_steps, ctx.world_size, reporter),
         grad_accum=cfg.train.grad_accum,
         compile_auto=CompileAuto(
             cfg.train.compile, compile_key(compile_shape(cfg, model, precision, device, ctx)),
@@ -173,10 +182,61 @@ def setup(
         timer=StepTimer(device),
         counters=Counters(schedule_steps=schedule_steps),
         started_at=started_at,
+        advisor=Advisor(device_memory(device)[0], reprobe=peak_reprobe(device, precision, cfg.data.cache_dir, ctx.world_size)),
     )
+    laps("services")
     if resume_plan is not None:
         continue_from(run, resume_plan)  # last: it restores the random states that building the run consumed
+        laps("resume")
+    run.startup_phases = laps.seconds
     return run
+
+
+class Laps:
+    """Seconds between named points of set-up, for the start-up accounting (summary.json ``time.startup``).
+    The first set-up of a process also counts the imports since ``trainforge`` was imported."""
+
+    first = True
+
+    def __init__(self, start: float):
+        from .. import IMPORTED_AT
+
+        self.seconds: dict[str, float] = {"imports": round(start - IMPORTED_AT, 3)} if Laps.first else {}
+        Laps.first, self.last = False, start
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self.last, 3)
+        self.last = now
+
+
+def peak_reprobe(device: torch.device, precision: Precision, cache_dir: Path | None, world_size: int):
+    """For the advisor: on a CPU, measure the matmul peak again (replacing the cached probe) and return
+    (the run's peak FLOP/s, where from); None on a GPU, whose peak comes from its profile."""
+    if device.type != "cpu":
+        return None
+    return lambda: (cpu_matmul_flops(precision.name, cache_dir, again=True) * world_size, "matmul probe, measured again")
+
+
+def build_eval_set(cfg: RunConfig, data: Any, max_steps: int, world_size: int, reporter: ConsoleReporter) -> list:
+    """The eval batches of every evaluation of the run; ``train.eval_max_batches: auto`` sizes them to the run
+    (evaluate.py's ``auto_eval_batches``) and says what it chose."""
+    if not data.eval_collate:
+        return []
+    t = cfg.train
+    available = -(-len(data.eval_rows) // t.micro_batch_size)
+    if t.eval_max_batches != "auto":
+        return eval_batches(data.eval_rows, data.eval_collate, t.micro_batch_size, t.eval_max_batches)
+    evals = planned_evals(max_steps, t.eval_every if isinstance(t.eval_every, int) else None)
+    train_rows = max_steps * t.micro_batch_size * t.grad_accum * world_size
+    n = auto_eval_batches(available, t.micro_batch_size, train_rows, evals, cfg.model.method, bool(t.activation_checkpointing))
+    share = f"{limit('eval_share'):.0%}"
+    reporter.info(
+        f"eval: {'all ' if n == available else ''}{n} of {available} batches per evaluation, {evals} evaluations "
+        + (f"(train.eval_max_batches auto: within {share} of the training compute; set a number, or null for all)"
+           if n < available else f"(within {share} of the training compute)")
+    )
+    return eval_batches(data.eval_rows, data.eval_collate, t.micro_batch_size, n)
 
 
 def refuse_what_cannot_fit(cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx: DistContext) -> None:

@@ -38,13 +38,17 @@ class Counters:
     eval_before: dict[str, float] = field(default_factory=dict)
     last_eval: dict[str, float] = field(default_factory=dict)
     oom_backoffs: list[dict[str, int]] = field(default_factory=list)
+    eval_s: float = 0.0  # seconds spent evaluating
+    evals: int = 0  # evaluations run
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # a deep copy: later steps do not change a snapshot being written
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's counters; one written before a counter existed leaves that counter at its default."""
         for f in dataclasses.fields(self):
-            setattr(self, f.name, state[f.name])
+            if f.name in state:
+                setattr(self, f.name, state[f.name])
         self.oom_backoffs = list(self.oom_backoffs)
 
 

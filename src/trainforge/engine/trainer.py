@@ -7,6 +7,7 @@ calls and never reach into a run's internals; ``setup`` (engine/setup.py) builds
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -27,7 +28,9 @@ from ..model.compile import compile_decoder
 from ..model.load import count_parameters, weight_storage
 from ..rundir import writing
 from ..runlock import OutputDirError, hold_run_dir
-from .evaluate import evaluate
+from ..metrics.limits import describe_limits, rank_limits
+from .advisor import RunTimes
+from .evaluate import evaluate, planned_evals
 from .nonfinite import final_weights_check
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
@@ -117,9 +120,15 @@ def rewind_data(run: Run, longest_first: bool | None = None) -> None:
 
 
 def run_eval(run: Run, label: str) -> dict[str, float]:
-    """Evaluate, log to metrics.jsonl and the console."""
+    """Evaluate, log to metrics.jsonl and the console; its seconds to the counters and events.jsonl."""
+    t = time.perf_counter()
     result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist, run.cfg.train.fused_loss)
     if result:
+        took = time.perf_counter() - t
+        run.counters.eval_s += took
+        run.counters.evals += 1
+        run.advisor.eval_ran()
+        run.metrics.event("eval", run.step, seconds=round(took, 3), batches=len(run.eval_set))
         run.metrics.write({"step": run.step, **result})
         run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} (ppl {result['eval_ppl']:.1f})")
         run.counters.last_eval = result
@@ -130,6 +139,10 @@ def train_loop(run: Run, steps: int | None = None) -> None:
     """The hot loop: fetch micro-batches, forward/backward, step; log, eval, checkpoint. ``steps``: stop
     after this many more (the last of them is logged), else at ``train.max_steps``."""
     cfg, c = run.cfg, run.counters
+    if run.startup_s is None:  # where the seconds before the first step went: doctor and the limits read it
+        run.startup_s = time.perf_counter() - run.started_at + run.startup_phases.get("imports", 0.0)
+        run.startup_phases["until_loop"] = round(run.startup_s - sum(run.startup_phases.values()), 3)
+        run.metrics.event("start", c.step, startup_s=round(run.startup_s, 3), phases=run.startup_phases, max_steps=run.max_steps)
     if c.step == 0 and run.resumed_from is None and not c.eval_before:
         c.eval_before = run_eval(run, "before training")
     end = run.max_steps if steps is None else min(run.max_steps, c.step + steps)
@@ -172,6 +185,8 @@ def train_loop(run: Run, steps: int | None = None) -> None:
 
         indices = step_indices(run, micro_batches)
         run.guard.record(skipped, run.step, indices)  # raises after train.max_skipped_steps in a row
+        if run.dist.is_main:
+            run.advisor.record_step(run.step, loss, grad_norm, indices)  # kept on the device until the log step
         c.tokens_seen += step_tokens
         run.window.add(loss, skipped, step_tokens, indices if cfg.log.example_indices else None, len(indices), wait)
         now = time.perf_counter()
@@ -185,9 +200,13 @@ def train_loop(run: Run, steps: int | None = None) -> None:
             log_step(run, lr, grad_norm, eta=(now - loop_start) / (step - first_step) * (run.max_steps - step))
         else:
             run.reporter.advance(step)
+        paused = time.perf_counter()
         if cfg.train.eval_every and step % cfg.train.eval_every == 0 and not last:
             run_eval(run, f"at step {step}")
         run.saver.maybe_save(step, last, run.state_dict, time_due if run.dist.enabled else None)
+        paused = time.perf_counter() - paused
+        tick += paused  # evaluation and checkpoint pauses are neither training time nor the next window's
+        run.window.timed_from += paused
     run.reporter.stop()
 
 
@@ -249,6 +268,47 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
     run.reporter.log_step(rec, run.max_steps, eta)
     run.counters.last_train_loss = rec["loss"]
     w.reset()
+    if run.dist.is_main:
+        advise(run, rec)
+
+
+def advise(run: Run, rec: dict) -> None:
+    """The advisor's judgement of this window: each new cause warned once, on the console and in events.jsonl."""
+    c = run.counters
+    times = RunTimes(
+        wall_s=wall_time(run), train_s=c.loop_time_s, eval_s=c.eval_s, evals_done=c.evals,
+        evals_planned=planned_evals(run.max_steps, run.cfg.train.eval_every), checkpoint_s=run.saver.stall_s,
+        steps_done=c.step, max_steps=run.max_steps,
+    )
+    for advice in run.advisor.observe(rec, times, run.compiled):
+        run.reporter.warn(advice.message)
+        run.metrics.event("advice", run.step, cause=advice.cause, message=advice.message, **advice.fields)
+        if "new_peak_flops" in advice.fields:  # the peak was measured again: MFU divides by it from now on
+            run.facts = dataclasses.replace(run.facts, peak_flops=advice.fields["new_peak_flops"])
+
+
+def wall_time(run: Run) -> float:
+    """Seconds since set-up began; the first run of a process counts the imports before it too."""
+    return time.perf_counter() - run.started_at + run.startup_phases.get("imports", 0.0)
+
+
+def time_ledger(run: Run, wall_s: float, end_s: float) -> dict[str, float]:
+    """Where this process's wall time went, in seconds (``metrics/limits.py`` ranks the parts besides training)."""
+    c = run.counters
+    compile_s = (run.compile_auto.measured() or {}).get("compile_s", 0.0)
+    step_s = c.loop_time_s / max(c.step, 1)
+    parts = {
+        "startup_s": run.startup_s or 0.0,
+        "train_s": c.loop_time_s - c.data_wait_s - compile_s,  # steps computing (eval and checkpoint pauses excluded)
+        "data_wait_s": c.data_wait_s,
+        "compile_s": compile_s,
+        "eval_s": c.eval_s,
+        "checkpoint_s": run.saver.stall_s,
+        "skipped_s": float(run.guard.total) * step_s,
+        "end_s": end_s,
+        "wall_s": wall_s,
+    }
+    return {**{k: round(v, 3) for k, v in parts.items()}, "startup": run.startup_phases}
 
 
 def stop_on_signal(run: Run) -> None:
@@ -279,7 +339,9 @@ def write_report(run: Run) -> None:
 def finish(run: Run) -> RunResult:
     """Final eval, final/ (HF format, written atomically), summary.json, sample."""
     cfg, out, c, facts = run.cfg, run.out, run.counters, run.facts
+    finish_start, eval_before_final = time.perf_counter(), c.eval_s
     run_eval(run, "after training")
+    final_eval_s = c.eval_s - eval_before_final
     if c.eval_before and c.last_eval:
         run.reporter.info(f"eval loss {c.eval_before['eval_loss']:.4f} before -> {c.last_eval['eval_loss']:.4f} after")
 
@@ -343,7 +405,10 @@ def finish(run: Run) -> RunResult:
                              autocast=run.precision.autocast(run.device), stop=lambda: run.stop.requested)
         summary["sample"] = text
         run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
-    summary["wall_time_s"] = time.perf_counter() - run.started_at
+    summary["wall_time_s"] = wall_time(run)
+    summary["time"] = time_ledger(run, summary["wall_time_s"], time.perf_counter() - finish_start - final_eval_s)
+    summary["limits"] = rank_limits(summary["time"], summary["wall_time_s"])
+    summary["advice"] = sorted(run.advisor.given)
     if run.dist.is_main:
         with writing(out / "summary.json"):
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -352,4 +417,5 @@ def finish(run: Run) -> RunResult:
         f"done: {c.step} steps, {c.tokens_seen:,} tokens in {c.loop_time_s:.1f}s "
         f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"
     )
+    run.reporter.info(describe_limits(summary["limits"], summary["wall_time_s"], c.loop_time_s - c.data_wait_s))
     return RunResult(out, summary, run.model, run.tokenizer)
