@@ -393,6 +393,21 @@ def report(
     typer.echo(f"wrote {path}")
 
 
+@app.command()
+def doctor(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory (the --output of trainforge train)", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="print the diagnosis as JSON")] = False,
+) -> None:
+    """Diagnose a run from its files, finished, stopped, running or killed: its state and step, the checkpoint a
+    rerun resumes from, the environment, config problems, the time estimate against what happened, what
+    limited it and the advice given while it ran."""
+    from .tools.doctor import diagnose, render, render_json
+
+    with user_errors():
+        found = diagnose(run_dir)
+    typer.echo(render_json(found) if as_json else render(found))
+
+
 @contextlib.contextmanager
 def user_errors(*also: type[Exception]) -> Iterator[None]:
     """Turn a ``TrainforgeError`` (or one of ``also``, as bad input) into its message on stderr and its exit code."""

@@ -62,7 +62,7 @@ def lora_run(tmp_path_factory, tiny_model_dir, toy_data_dir) -> tuple[Path, dict
     config = conftest.write_config(d / "lora.yaml", {
         "model": {"path": str(tiny_model_dir), "method": "lora", "lora": {"r": 4, "alpha": 16}},
         "data": {"train": str(toy_data_dir / "pc_train.jsonl"), "eval": str(toy_data_dir / "pc_eval.jsonl"), "max_length": 64},
-        "train": {"max_steps": 4, "micro_batch_size": 4, "precision": "fp32", "device": "cpu"},
+        "train": {"max_steps": 4, "micro_batch_size": 4, "precision": "fp32", "device": "cpu", "eval_max_batches": None},
         "optim": {"lr": 3.0e-3, "warmup_steps": 1},
         "log": {"every_steps": 2, "report": False},
     })

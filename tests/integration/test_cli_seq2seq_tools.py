@@ -37,7 +37,7 @@ def t5_lora_run(tmp_path_factory) -> tuple[Path, Path, dict]:
         "model": {"path": str(model), "method": "lora", "lora": {"r": 8, "alpha": 16}},
         "data": {"train": str(d / "train.jsonl"), "eval": str(d / "eval.jsonl"), "max_length": 48, "max_target_length": 12,
                  "num_workers": 1},
-        "train": {"max_steps": 12, "micro_batch_size": 8, "precision": "fp32", "device": "cpu", "compile": False},
+        "train": {"max_steps": 12, "micro_batch_size": 8, "precision": "fp32", "device": "cpu", "compile": False, "eval_max_batches": None},
         "optim": {"lr": 1.0e-2, "warmup_steps": 1},
         "log": {"every_steps": 4, "report_to": []},  # the report is written: one test reads it
     })

@@ -47,7 +47,8 @@ def _recompute_eval_loss(model: torch.nn.Module, tokenizer, run_config: Path) ->
 
     cfg = load_config(run_config)
     plan = plan_data(cfg, tokenizer, ConsoleReporter(Console(quiet=True)))
-    batches = eval_batches(plan.eval_rows, plan.eval_collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
+    chosen = json.loads((Path(run_config).parent / "summary.json").read_text())["eval_batches"]  # eval_max_batches: auto
+    batches = eval_batches(plan.eval_rows, plan.eval_collate, cfg.train.micro_batch_size, chosen)
     assert batches, "the eval split is empty"
     result = evaluate(model, batches, PRECISIONS["fp32"], torch.device("cpu"))
     return result["eval_loss"]

@@ -139,10 +139,16 @@ def test_writing_turns_os_errors_and_their_library_texts_into_one_paragraph(tmp_
 def test_disk_full_while_recording_a_failed_checkpoint_stops_with_exit_2(config, tmp_path, monkeypatch):
     """The issue's case: the checkpoint fails on a full disk, then so does its line in events.jsonl."""
     run = tmp_path / "run"
-    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(no_space("state.pt")))
+    tried = []  # the disk fills when the checkpoint is written: events before it (the start, evals) were recorded
+
+    def full_save(*a, **k):
+        tried.append(True)
+        raise no_space("state.pt")
+
+    monkeypatch.setattr(torch, "save", full_save)
 
     def full_open(file, mode="r", *args, **kwargs):
-        if Path(file).name == "events.jsonl":
+        if Path(file).name == "events.jsonl" and tried:
             raise no_space(file)
         return open(file, mode, *args, **kwargs)
 

@@ -269,3 +269,6 @@ def test_eval_time_counts_the_eval_rows_in_micro_batches():
     assert eval_batches_per_pass(cfg, {}) == 13  # not prepared: 50 rows assumed
     capped = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_max_batches": 7})})
     assert eval_batches_per_pass(capped, {"eval_rows": 100}) == 7
+    # auto (the default) with the run's length: 5% of 26 x 4 rows x 3 forwards over two evals, in 4-row batches
+    assert eval_batches_per_pass(cfg, {"eval_rows": 100}, steps=26) == 1
+    assert eval_batches_per_pass(cfg, {"eval_rows": 100}, steps=2000) == 25  # all of them

@@ -35,7 +35,7 @@ def bart_chat_run(tmp_path_factory, bart_dir):
         "model": {"path": str(bart_dir), "method": "full"},
         "data": {"train": str(d / "train.jsonl"), "eval": str(d / "eval.jsonl"), "max_length": 48, "max_target_length": 12,
                  "num_workers": 1},
-        "train": {"max_steps": 12, "micro_batch_size": 8, "precision": "fp32", "device": "cpu", "compile": False},
+        "train": {"max_steps": 12, "micro_batch_size": 8, "precision": "fp32", "device": "cpu", "compile": False, "eval_max_batches": None},
         "optim": {"lr": 3.0e-3, "warmup_steps": 1},
         "log": {"every_steps": 4, "report": False, "report_to": []},
     })

@@ -43,6 +43,7 @@ class RunTimes:
     checkpoint_s: float
     steps_done: int
     max_steps: int
+    window_s: float = 0.0  # the span of the log window being judged
 
 
 class Advisor:
@@ -66,6 +67,7 @@ class Advisor:
         self.last_recompile_reason = ""
         self.evals_in_window = 0
         self._grew = False  # graphs were compiled again in the window being judged
+        self.slow_windows = 0  # log windows in a row below the best
 
     def record_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, indices: list[int]) -> None:
         """Keep a step's loss and gradient norm (device tensors, not read now) and its example indices."""
@@ -84,13 +86,14 @@ class Advisor:
         self.windows += 1
         found += self._spikes(pending)
         found += self._recompiles() if compiled else []
-        if warm:
+        judged = warm and times.window_s >= limit("min_window_s")  # long enough for its rates to mean something
+        if judged:
             found += self._data_wait(rec)
             found += self._slow(rec)
         found += self._impossible_mfu(rec)
         found += self._overheads(times)
         found += self._memory(rec)
-        if rec.get("tokens_per_s") and warm:
+        if rec.get("tokens_per_s") and judged:
             self.best_tokens_per_s = max(self.best_tokens_per_s, rec["tokens_per_s"])
         self.evals_in_window = 0
         new = [a for a in found if a.cause not in self.given]
@@ -119,6 +122,10 @@ class Advisor:
     def _slow(self, rec: dict[str, Any]) -> list[Advice]:
         tps, best = rec.get("tokens_per_s") or 0.0, self.best_tokens_per_s
         if not best or tps >= (1 - limit("slow_vs_expected")) * best:
+            self.slow_windows = 0
+            return []
+        self.slow_windows += 1
+        if self.slow_windows < limit("slow_windows"):
             return []
         load = load_per_core()
         if self._grew:

@@ -61,11 +61,12 @@ def auto_eval_batches(
     evals: int,
     method: str = "full",
     activation_checkpointing: bool = False,
+    world_size: int = 1,
 ) -> int:
     """Eval batches per evaluation for ``train.eval_max_batches: auto``: the most (of ``available``, at least
     one) that keep ``evals`` evaluations within the ``eval_share`` threshold of the training compute.
 
-    ``train_rows``: rows the whole run trains on (all steps, all processes). Eval rows are held out of the
+    ``train_rows``: rows the whole run trains on (all steps, all processes); ``world_size``: processes. Eval rows are held out of the
     same data, so a row of either side holds as many tokens on average and rows stand for tokens.
     Counted in FLOPs, not seconds, so it is the same on every machine and every rerun: an eval token costs
     one forward; a trained token costs a forward and a backward, about three forwards for a full fine-tune
@@ -75,4 +76,7 @@ def auto_eval_batches(
 
     forwards = (3.0 if method == "full" else 2.0) + (1.0 if activation_checkpointing else 0.0)
     budget = limit("eval_share") * train_rows * forwards / max(evals, 1)
-    return max(1, min(available, int(budget // max(eval_rows_per_batch, 1))))
+    # whole rounds of one batch per process: the same rows whatever the process count and micro-batch
+    # that make up the global batch (rows are evaluated in stored order)
+    rounds = max(1, int(budget // max(eval_rows_per_batch * world_size, 1)))
+    return min(available, rounds * world_size)

@@ -229,7 +229,7 @@ def build_eval_set(cfg: RunConfig, data: Any, max_steps: int, world_size: int, r
         return eval_batches(data.eval_rows, data.eval_collate, t.micro_batch_size, t.eval_max_batches)
     evals = planned_evals(max_steps, t.eval_every if isinstance(t.eval_every, int) else None)
     train_rows = max_steps * t.micro_batch_size * t.grad_accum * world_size
-    n = auto_eval_batches(available, t.micro_batch_size, train_rows, evals, cfg.model.method, bool(t.activation_checkpointing))
+    n = auto_eval_batches(available, t.micro_batch_size, train_rows, evals, cfg.model.method, t.activation_checkpointing is True, world_size)
     share = f"{limit('eval_share'):.0%}"
     reporter.info(
         f"eval: {'all ' if n == available else ''}{n} of {available} batches per evaluation, {evals} evaluations "

@@ -21,7 +21,7 @@ from ..config import RunConfig
 from ..data.loader import Batch
 from ..data.prompt import sample_prompt
 from ..dist import init_distributed, shutdown
-from ..hardware import peak_memory_bytes, pick_device
+from ..hardware import describe, peak_memory_bytes, pick_device
 from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepProfile
 from ..model.compile import compile_decoder
@@ -142,7 +142,8 @@ def train_loop(run: Run, steps: int | None = None) -> None:
     if run.startup_s is None:  # where the seconds before the first step went: doctor and the limits read it
         run.startup_s = time.perf_counter() - run.started_at + run.startup_phases.get("imports", 0.0)
         run.startup_phases["until_loop"] = round(run.startup_s - sum(run.startup_phases.values()), 3)
-        run.metrics.event("start", c.step, startup_s=round(run.startup_s, 3), phases=run.startup_phases, max_steps=run.max_steps)
+        run.metrics.event("start", c.step, startup_s=round(run.startup_s, 3), phases=run.startup_phases, max_steps=run.max_steps,
+                          env=run_environment(run))
     if c.step == 0 and run.resumed_from is None and not c.eval_before:
         c.eval_before = run_eval(run, "before training")
     end = run.max_steps if steps is None else min(run.max_steps, c.step + steps)
@@ -269,22 +270,38 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
     run.counters.last_train_loss = rec["loss"]
     w.reset()
     if run.dist.is_main:
-        advise(run, rec)
+        if run.advisor.windows == 0:  # the first estimate of this process, for doctor to hold against what happened
+            run.metrics.event("estimate", run.step, eta_s=round(eta, 2),
+                              train_s=round(run.counters.loop_time_s / max(run.step, 1) * run.max_steps, 2))
+        advise(run, rec, span)
 
 
-def advise(run: Run, rec: dict) -> None:
+def advise(run: Run, rec: dict, window_s: float) -> None:
     """The advisor's judgement of this window: each new cause warned once, on the console and in events.jsonl."""
     c = run.counters
     times = RunTimes(
         wall_s=wall_time(run), train_s=c.loop_time_s, eval_s=c.eval_s, evals_done=c.evals,
         evals_planned=planned_evals(run.max_steps, run.cfg.train.eval_every), checkpoint_s=run.saver.stall_s,
-        steps_done=c.step, max_steps=run.max_steps,
+        steps_done=c.step, max_steps=run.max_steps, window_s=window_s,
     )
     for advice in run.advisor.observe(rec, times, run.compiled):
         run.reporter.warn(advice.message)
         run.metrics.event("advice", run.step, cause=advice.cause, message=advice.message, **advice.fields)
         if "new_peak_flops" in advice.fields:  # the peak was measured again: MFU divides by it from now on
             run.facts = dataclasses.replace(run.facts, peak_flops=advice.fields["new_peak_flops"])
+
+
+def run_environment(run: Run) -> dict[str, object]:
+    """What the run ran on and with, for events.jsonl (``doctor`` shows it)."""
+    import platform
+
+    import transformers
+
+    return {
+        "trainforge": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "device": describe(run.device), "precision": run.precision.name,
+        "world_size": run.dist.world_size, "host": platform.node(),
+    }
 
 
 def wall_time(run: Run) -> float:
@@ -388,6 +405,7 @@ def finish(run: Run) -> RunResult:
         "eval_loss_before": c.eval_before.get("eval_loss"),
         "eval_loss": c.last_eval.get("eval_loss"),
         "eval_ppl": c.last_eval.get("eval_ppl"),
+        "eval_batches": len(run.eval_set),  # per evaluation (train.eval_max_batches: auto chose it from the run's length)
         "device": str(run.device),
         "precision": run.precision.name,
         "precision_reason": facts.precision_reason,

@@ -40,3 +40,41 @@ def describe_limits(limits: list[dict[str, Any]], wall_s: float, train_s: float)
         return f"{head}: nothing above {limit('limit_min_pct'):g}% of the wall time besides training"
     items = "; ".join(f"{x['cause']} {x['share']:.0%} ({x['seconds']:.1f}s): {x['advice']}" for x in limits)
     return f"{head}: {items}"
+
+
+def ledger_from_files(
+    summary: dict[str, Any] | None, train: list[dict[str, Any]], events: list[dict[str, Any]], last_seen: float | None
+) -> dict[str, float]:
+    """Where a run's wall time went, from its files: summary.json's ``time`` when the run finished, else rebuilt
+    from events.jsonl (start-up, evals, checkpoint pauses) and metrics.jsonl (data wait, loop time) for a run
+    that stopped or was killed. ``last_seen``: unix time the run last wrote anything (ends its wall time)."""
+    if summary and isinstance(summary.get("time"), dict):
+        return {k: v for k, v in summary["time"].items() if isinstance(v, (int, float))}
+
+    def total(kind: str, key: str) -> float:
+        return sum(float(e.get(key) or 0.0) for e in events if e.get("event") == kind)
+
+    data_wait, before = 0.0, 0.0
+    for r in train:
+        elapsed = float(r.get("elapsed_s") or 0.0)
+        if elapsed > before:  # a resumed run's loop time goes on from its checkpoint's
+            data_wait += float(r.get("data_wait_pct") or 0.0) / 100 * (elapsed - before)
+        before = elapsed
+    loop = float(train[-1].get("elapsed_s") or 0.0) if train else 0.0
+    starts = [e for e in events if e.get("event") == "start" and isinstance(e.get("time"), (int, float))]
+    wall = 0.0
+    for i, start in enumerate(starts):  # each process that ran the run: from its start-up to its last word
+        began = start["time"] - float(start.get("startup_s") or 0.0)
+        upto = starts[i + 1]["time"] if i + 1 < len(starts) else float("inf")
+        ends = [e["time"] for e in events if isinstance(e.get("time"), (int, float)) and start["time"] <= e["time"] < upto]
+        if i == len(starts) - 1 and last_seen is not None:
+            ends.append(last_seen)
+        wall += max(ends, default=start["time"]) - began
+    return {
+        "startup_s": total("start", "startup_s"),
+        "train_s": loop - data_wait,
+        "data_wait_s": data_wait,
+        "eval_s": total("eval", "seconds"),
+        "checkpoint_s": total("checkpoint", "pause_s"),
+        "wall_s": wall,
+    }

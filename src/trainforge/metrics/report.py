@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from ..atomic import atomic_write_text
+from .limits import ledger_from_files, rank_limits
 from .report_charts import CAPTIONS, PANELS, figure_png
 from .report_data import EVENT_LABELS, ReportError, RunData, config_differences, load_run
 from .sink import flat_config
@@ -89,11 +90,23 @@ def _summary_rows(run: RunData) -> dict[str, str]:
         "out-of-memory back-offs": _fmt(ooms),
         "resumed at steps": ", ".join(map(str, resumes)) or "-",
         "checkpoint pauses": (f"{len(checkpoints)} saves, " if checkpoints else "") + (f"{stall:.2f}s" if stall is not None else "-"),
+        "limited by": _limits_line(run),
         "precision": _fmt(s.get("precision")),
         "device": _fmt(s.get("device")),
         "parameters (trainable)": f"{_fmt(s.get('parameters'))} ({_fmt(s.get('trainable_parameters'))})"
         if s.get("parameters") is not None else "-",
     }
+
+
+def _limits_line(run: RunData) -> str:
+    """What limited the run besides training, largest first (summary.json's ``limits``, else from its files)."""
+    if run.summary is not None and isinstance(run.summary.get("limits"), list):
+        limits = run.summary["limits"]
+    else:
+        times = [p.stat().st_mtime for p in run.path.glob("*.jsonl")]
+        ledger = ledger_from_files(run.summary, run.train, run.events, max(times) if times else None)
+        limits = rank_limits(ledger, ledger.get("wall_s", 0.0))
+    return "; ".join(f"{x['cause']} {x['share']:.0%} ({x['seconds']:.1f}s)" for x in limits) or "nothing but training"
 
 
 def _data_summary(stats: Any) -> str:
@@ -147,7 +160,7 @@ def _events_table(runs: list[RunData]) -> str:
             for step, note in places:
                 rows.append((run.name, step, EVENT_LABELS[kind], note))
     if not rows:
-        return "<p>No resumes, checkpoints, out-of-memory back-offs, skipped steps or stops.</p>"
+        return "<p>No resumes, checkpoints, out-of-memory back-offs, skipped steps, stops or advice.</p>"
     rows.sort(key=lambda r: (r[0], r[1]))
     several = len(runs) > 1
     body = "".join(

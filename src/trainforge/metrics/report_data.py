@@ -27,6 +27,7 @@ EVENT_LABELS = {
     "oom_backoff": "out-of-memory back-off",
     "skipped": "skipped steps",
     "stop": "stopped by a signal",
+    "advice": "advice",
 }
 
 
@@ -114,6 +115,8 @@ def _marks(run: RunData) -> dict[str, list[tuple[int, str]]]:
             note = f"from {e.get('checkpoint', 'a checkpoint')}"
         elif kind == "stop":
             note = f"{e.get('signal', 'signal')}, checkpoint {'saved' if e.get('saved') else 'not saved'}"
+        elif kind == "advice":
+            note = str(e.get("message", e.get("cause", "")))
         else:
             note = str(e.get("error", ""))
         marks[kind][step] = note

@@ -22,6 +22,15 @@ THRESHOLDS: dict[str, Threshold] = {
         "the guides' budget for input: above it the device idles waiting for batches, and the fix (workers, "
         "a pre-tokenized store, a faster disk) is cheap next to the time lost",
     ),
+    "min_window_s": Threshold(
+        0.5, "seconds",
+        "speed and data wait are judged on log windows at least this long: a shorter one holds too few steps for "
+        "its rate to mean anything (one page fault or garbage collection moves it)",
+    ),
+    "slow_windows": Threshold(
+        2, "windows in a row",
+        "a slowdown is named once it lasts this many log windows: one slow window is a hiccup",
+    ),
     "slow_vs_expected": Threshold(
         0.30, "fraction below",
         "a window this much slower than this run's best steady window, or this machine's past steady speed for "

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig, resolve_grad_accum
+from ..engine.evaluate import auto_eval_batches, planned_evals
 from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_load_memory, predict_memory
 from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
@@ -374,7 +375,7 @@ def findings(
                 f"set checkpoint.every_steps: {better} or more, or checkpoint.async: true")
     eval_every = cfg.train.eval_every if cfg.train.eval_every != "auto" else (max(1, steps // 10) if steps else None)
     if eval_every and step.seconds:
-        batches = eval_batches_per_pass(cfg, data)
+        batches = eval_batches_per_pass(cfg, data, steps, plan["world_size"])
         eval_s = batches * step.seconds / cfg.train.grad_accum / 3  # a forward pass only: about a third of a micro-batch's time
         share = eval_s / (eval_every * step.seconds + eval_s)
         if share > 2 * WASTE_SHARE:
@@ -388,11 +389,20 @@ def findings(
     return out
 
 
-def eval_batches_per_pass(cfg: RunConfig, data: dict[str, Any]) -> int:
-    """Micro-batches of one evaluation: ``train.eval_max_batches``, else the eval rows (50 when the data is
-    not prepared yet) over the micro-batch."""
+def eval_batches_per_pass(cfg: RunConfig, data: dict[str, Any], steps: int | None = None, world_size: int = 1) -> int:
+    """Micro-batches of one evaluation: ``train.eval_max_batches``; for ``auto`` as the run chooses them from
+    its ``steps`` (engine/evaluate.py); else (null, or auto with the length unknown) the eval rows (50 when the
+    data is not prepared yet) over the micro-batch."""
     rows = data.get("eval_sequences") or data.get("eval_rows") or 50
-    return cfg.train.eval_max_batches or math.ceil(rows / cfg.train.micro_batch_size)
+    t = cfg.train
+    available = math.ceil(rows / t.micro_batch_size)
+    if isinstance(t.eval_max_batches, int):
+        return t.eval_max_batches
+    if t.eval_max_batches == "auto" and steps:
+        evals = planned_evals(steps, t.eval_every if isinstance(t.eval_every, int) else max(1, steps // 10) if t.eval_every else None)
+        rows_trained = steps * t.micro_batch_size * resolve_grad_accum(t, world_size) * world_size
+        return auto_eval_batches(available, t.micro_batch_size, rows_trained, evals, cfg.model.method, t.activation_checkpointing is True, world_size)
+    return available
 
 
 def _free_disk(path: Path) -> int | None:

@@ -55,6 +55,8 @@ class TrainingCases:
             raise CheckFailed(f"non-finite grad norm at steps {result.overflows}: {fmt_values(result.grad_norms)}")
         if s["skipped_steps"]:
             raise CheckFailed(f"{s['skipped_steps']} steps skipped as non-finite")
+        if s.get("advice"):  # the live advisor must be silent on every healthy path: a warning here is a false alarm
+            raise CheckFailed(f"the advisor warned on a healthy run: {', '.join(s['advice'])} (see {out / 'events.jsonl'})")
         self._check_scaler(case, result, out)
         # learning, robust to batch-to-batch noise: the training loss falls from the first half of
         # the run to the second, and the eval loss (the same batches before and after) falls clearly

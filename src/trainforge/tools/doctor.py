@@ -1,0 +1,130 @@
+"""``trainforge doctor RUN_DIR``: what happened to a run and what limited it, from its files alone.
+
+It works on a finished run, one stopped by a signal, one still going, and one killed with SIGKILL or
+crashed (no summary.json): the state and the step it reached, the checkpoint a rerun resumes from and
+the steps that costs, the environment it ran in, whether its config still validates, the first time
+estimate against what happened, where the wall time went (``metrics/limits.py``, as at the end of a
+run) and the advice the live advisor gave while it ran.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import scan_checkpoints
+from ..config import ConfigError, load_config
+from ..metrics.limits import describe_limits, ledger_from_files, rank_limits
+from ..metrics.report_data import RunData, load_run
+from ..runlock import LEASE_FILE, LeaseInfo, read_lease, stale_reason
+
+
+def diagnose(run_dir: Path) -> dict[str, Any]:
+    """The diagnosis of the run in ``run_dir`` as plain data (``render`` writes it for people)."""
+    run = load_run(run_dir)  # ReportError (exit 2) when it is not a run directory
+    starts = [e for e in run.events if e.get("event") == "start"]
+    last_step = run.train[-1]["step"] if run.train else 0
+    max_steps = (run.summary or {}).get("steps") if run.summary else (starts[-1].get("max_steps") if starts else None)
+    complete, broken = scan_checkpoints(run.path / "checkpoints")
+    newest = complete[-1] if complete else None
+    out: dict[str, Any] = {
+        "run_dir": str(run.path),
+        "state": _state(run, last_step),
+        "last_step": last_step,
+        "max_steps": max_steps,
+        "last_checkpoint": {"path": str(newest.path), "step": newest.step} if newest else None,
+        "incomplete_checkpoints": [f"{p.name}: {why}" for p, why in broken],
+        "environment": starts[-1].get("env") if starts else None,
+        "config": _config_check(run.path),
+        "estimate": _estimate(run, max_steps),
+        "advice": [{"step": e.get("step"), "cause": e.get("cause"), "message": e.get("message")}
+                   for e in run.events if e.get("event") == "advice"],
+    }
+    ledger = ledger_from_files(run.summary, run.train, run.events, _last_seen(run.path))
+    out["time"] = ledger
+    out["limits"] = rank_limits(ledger, ledger.get("wall_s", 0.0))
+    return out
+
+
+def _state(run: RunData, last_step: int) -> str:
+    if run.summary is not None:
+        return "finished"
+    stops = [e for e in run.events if e.get("event") == "stop"]
+    if stops and stops[-1].get("step") == last_step:
+        return f"stopped by {stops[-1].get('signal') or 'a signal'}"
+    lease = read_lease(run.path / LEASE_FILE)
+    if isinstance(lease, LeaseInfo) and stale_reason(lease) is None:
+        return f"running (process {lease.pid} on {lease.host} holds the run directory)"
+    return "ended without a summary: killed (SIGKILL, out of memory, a lost node) or crashed"
+
+
+def _config_check(run_dir: Path) -> str:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return "no config.yaml"
+    try:
+        load_config(path, [])
+    except ConfigError as e:
+        return f"does not validate with this trainforge: {e}"
+    return "valid"
+
+
+def _estimate(run: RunData, max_steps: int | None) -> dict[str, Any] | None:
+    """The run's first estimate of its training time against what it took (or is on course to take)."""
+    estimates = [e for e in run.events if e.get("event") == "estimate"]
+    if not estimates or not run.train or not max_steps:
+        return None
+    first, last = estimates[0], run.train[-1]
+    per_step = float(last.get("elapsed_s") or 0.0) / max(last["step"], 1)
+    actual = per_step * max_steps
+    return {
+        "at_step": first.get("step"),
+        "estimated_train_s": first.get("train_s"),
+        "actual_train_s" if run.summary is not None else "projected_train_s": round(actual, 2),
+        "error": round(actual / first["train_s"] - 1, 3) if first.get("train_s") else None,
+    }
+
+
+def _last_seen(run_dir: Path) -> float | None:
+    times = [p.stat().st_mtime for p in (run_dir / "metrics.jsonl", run_dir / "events.jsonl", run_dir / "summary.json") if p.is_file()]
+    return max(times) if times else None
+
+
+def render(d: dict[str, Any]) -> str:
+    """The diagnosis as a few lines of text."""
+    lines = [f"run: {d['run_dir']}"]
+    steps = f"step {d['last_step']}" + (f" of {d['max_steps']}" if d["max_steps"] else "")
+    lines.append(f"state: {d['state']}, at {steps}")
+    ck = d["last_checkpoint"]
+    if ck:
+        lost = d["last_step"] - ck["step"]
+        line = f"last checkpoint: {Path(ck['path']).name} (step {ck['step']})"
+        if not d["state"].startswith(("finished", "running")):
+            line += f"; rerunning the same command resumes there ({lost} logged steps after it are trained again)"
+        lines.append(line)
+    else:
+        lines.append("last checkpoint: none" + ("" if d["state"] == "finished" else "; a rerun starts from step 0"))
+    lines += [f"  not complete: {x}" for x in d["incomplete_checkpoints"]]
+    env = d["environment"]
+    if env:
+        lines.append("environment: " + ", ".join(f"{k} {v}" for k, v in env.items()))
+    lines.append(f"config.yaml: {d['config']}")
+    est = d["estimate"]
+    if est and est.get("estimated_train_s"):
+        actual = est.get("actual_train_s", est.get("projected_train_s"))
+        word = "took" if "actual_train_s" in est else "is on course for"
+        lines.append(f"estimate: at step {est['at_step']} training was expected to take {est['estimated_train_s']:.1f}s; "
+                     f"it {word} {actual:.1f}s ({est['error']:+.0%})")
+    t = d["time"]
+    lines.append(describe_limits(d["limits"], t.get("wall_s", 0.0), t.get("train_s", 0.0)))
+    if d["advice"]:
+        lines.append("advice given while it ran:")
+        lines += [f"  step {a['step']}: {a['message']}" for a in d["advice"]]
+    else:
+        lines.append("advice given while it ran: none")
+    return "\n".join(lines)
+
+
+def render_json(d: dict[str, Any]) -> str:
+    return json.dumps(d, indent=2)
