@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .config_base import MAX_ROWS, MAX_STEPS, MAX_TOKENS, Section
 from .config_errors import ConfigError, clip, format_errors, key_lines, shown
@@ -246,18 +246,12 @@ class TrainSettings(Section):
         description="under torchrun: a collective waiting longer than this for another process fails the job",
     )
 
-    @field_validator("eval_every")
+    @field_validator("eval_every", "eval_max_batches")
     @classmethod
-    def _eval_every_range(cls, v: int | str | None) -> int | str | None:
+    def _eval_range(cls, v: int | str | None, info: ValidationInfo) -> int | str | None:
         if isinstance(v, int) and not 0 < v <= MAX_STEPS:
-            raise ValueError(f"must be a number of steps (> 0, <= {MAX_STEPS}), auto or null")
-        return v
-
-    @field_validator("eval_max_batches")
-    @classmethod
-    def _eval_batches_range(cls, v: int | str | None) -> int | str | None:
-        if isinstance(v, int) and not 0 < v <= MAX_STEPS:
-            raise ValueError(f"must be a number of batches (> 0, <= {MAX_STEPS}), auto or null")
+            unit = "steps" if info.field_name == "eval_every" else "batches"
+            raise ValueError(f"must be a number of {unit} (> 0, <= {MAX_STEPS}), auto or null")
         return v
 
     @field_validator("micro_batch_size")
