@@ -21,6 +21,9 @@ def test_smoke_preset_on_the_built_in_default(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 20 and (run / "final" / "config.json").is_file()
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-00000020"]
+    # the live advisor is silent on the built-in default: no false alarm on a healthy run
+    assert summary["advice"] == [] and "warning:" not in proc.stdout + proc.stderr, show(proc)
+    assert "what limited this run" in proc.stdout
 
 
 def test_an_unknown_preset_exits_2_with_the_names(tmp_path):

@@ -115,3 +115,34 @@ def test_concurrent_publishers_of_one_entry_leave_one_complete_entry(tmp_path):
     winners = [tag for tag, published in outcomes.items() if published]
     assert len(winners) == 1 and (root / "stats.json").read_text() == winners[0]
     assert sorted(p.name for p in root.parent.iterdir()) == ["key"]  # no temporaries left
+
+
+def test_a_tokenizer_trained_on_the_data_is_trained_once_and_loaded_after(tmp_path, toy_data_dir):
+    import io
+
+    from rich.console import Console
+
+    from trainforge.config import RunConfig
+    from trainforge.data.cache import tokenizer_fingerprint
+    from trainforge.data.plan import get_tokenizer
+    from trainforge.metrics.console import ConsoleReporter
+
+    def tokenizer(vocab: int, source: str = "text_train.jsonl"):
+        cfg = RunConfig.model_validate({
+            "model": {"init": {"architecture": "llama"}, "tokenizer_vocab_size": vocab},
+            "data": {"train": str(toy_data_dir / source), "cache_dir": str(tmp_path / "cache")},
+        })
+        said = io.StringIO()
+        tok = get_tokenizer(cfg, ConsoleReporter(Console(file=said, width=300)))
+        return tok, said.getvalue()
+
+    first, said = tokenizer(300)
+    assert "trained on the data" in said and len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+    again, said = tokenizer(300)
+    assert "loaded from" in said
+    # the same tokenizer: the token cache's key and a resume's vocabulary check see no difference
+    assert tokenizer_fingerprint(again) == tokenizer_fingerprint(first)
+    assert again("one two three").input_ids == first("one two three").input_ids
+    assert (again.eos_token_id, again.pad_token_id) == (first.eos_token_id, first.pad_token_id)
+    assert "trained on the data" in tokenizer(320)[1]  # another vocabulary size
+    assert "trained on the data" in tokenizer(300, "pc_train.jsonl")[1]  # other data

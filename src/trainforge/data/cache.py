@@ -55,14 +55,34 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool
             key["holdout"] = "blocks"
     h.update(json.dumps(key, sort_keys=True).encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
-    specs = [s.path for s in cfg.sources()] + ([cfg.eval] if isinstance(cfg.eval, str) else [])
+    _hash_sources(h, [s.path for s in cfg.sources()] + ([cfg.eval] if isinstance(cfg.eval, str) else []))
+    return h.hexdigest()
+
+
+BPE_VERSION = 1  # bump when train_bpe_tokenizer builds differently
+
+
+def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
+    """Hash of what a tokenizer trained on the data depends on: the training sources' contents, the data
+    settings and format that pick its texts, the vocabulary size and the tokenizers library."""
+    import tokenizers
+
+    h = hashlib.blake2b(digest_size=16)
+    settings = cfg.model_dump(mode="json", exclude={"cache_dir", "num_workers"})
+    key = {"v": BPE_VERSION, "tokenizers": tokenizers.__version__, "format": fmt, "vocab": vocab_size, "settings": settings}
+    h.update(json.dumps(key, sort_keys=True).encode())
+    _hash_sources(h, [s.path for s in cfg.sources()])
+    return h.hexdigest()
+
+
+def _hash_sources(h, specs: list[str]) -> None:
+    """Feed the names and bytes of every file the source specs read into ``h``."""
     for spec in specs:
         for path in source_files(spec):
             h.update(str(path.name).encode())
             with open(path, "rb") as f:
                 while block := f.read(1 << 20):
                     h.update(block)
-    return h.hexdigest()
 
 
 def entry_dir(cfg: DataSettings, key: str) -> Path:

@@ -13,9 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelSettings, RunConfig
+from ..atomic import atomic_write_text
+from ..config import ModelSettings, RunConfig, default_cache_dir
 from ..metrics.console import ConsoleReporter
-from ..model.tokenizer import build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
+from ..model.tokenizer import bpe_tokenizer_from_json, build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
+from .cache import built_tokenizer_key
 from .formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
 from .loader import RowCollator, TrainLoader
 from .packing import build_rows, weighted_indices
@@ -43,9 +45,21 @@ def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
     if source is not None:
         return load_tokenizer(source)
     t = time.perf_counter()
-    texts = training_texts(cfg.data, resolve_format(cfg.data))
-    tok = train_bpe_tokenizer(texts, cfg.model.tokenizer_vocab_size)
-    reporter.info(f"tokenizer: byte-level BPE trained on the data, {len(tok)} tokens ({time.perf_counter() - t:.1f}s)")
+    fmt = resolve_format(cfg.data)
+    # trained once per data and vocabulary size: later runs (and resumes) load the same tokenizer from the cache
+    cached = (cfg.data.cache_dir or default_cache_dir()) / "tokenizers" / f"{built_tokenizer_key(cfg.data, fmt, cfg.model.tokenizer_vocab_size)}.json"
+    if cached.is_file():
+        tok = bpe_tokenizer_from_json(cached.read_text(encoding="utf-8"))
+        how = f"loaded from {cached.parent}"
+    else:
+        tok = train_bpe_tokenizer(training_texts(cfg.data, fmt), cfg.model.tokenizer_vocab_size)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cached, tok.backend_tokenizer.to_str())
+        except OSError:
+            pass  # a read-only cache only costs training it again next time
+        how = "trained on the data"
+    reporter.info(f"tokenizer: byte-level BPE {how}, {len(tok)} tokens ({time.perf_counter() - t:.1f}s)")
     return tok
 
 

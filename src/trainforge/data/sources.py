@@ -9,6 +9,7 @@ byte-order mark skipped; a file that is not text at all is an error whatever ``o
 from __future__ import annotations
 
 import csv
+import functools
 import glob
 import json
 import os
@@ -359,8 +360,20 @@ def iter_python_functions() -> Iterator[Row]:
 
 
 def _stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files, sorted (a fresh list: callers shuffle it)."""
+    return list(_stdlib_file_list())
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_file_list() -> tuple[Path, ...]:
+    # listed once per process (a run asks for it to train its tokenizer, tokenize and fingerprint), walking
+    # around the skipped directories instead of into them: site-packages alone can hold tens of thousands of files
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if not _STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1]))
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in _STDLIB_SKIP]
+        found += [Path(folder) / n for n in names if n.endswith(".py")]
+    return tuple(sorted(found))
 
 
 def iter_stdlib_sources() -> Iterator[Row]:

@@ -44,6 +44,14 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
 
 
+def bpe_tokenizer_from_json(text: str):
+    """A tokenizer ``train_bpe_tokenizer`` built, from its ``backend_tokenizer.to_str()`` (the cached copy)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(text), eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+
+
 def build_char_tokenizer(texts: Iterable[str]):
     """A character-level tokenizer (nanoGPT's shakespeare_char): one token per character.
 
