@@ -90,7 +90,6 @@ def test_repeated_recompiles_are_named_with_what_changed(cfg, tmp_path, monkeypa
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)  # every new shape compiles again
     monkeypatch.setattr(trainer, "compile_decoder", functools.partial(compile_decoder, backend="eager"))
     # documents of many lengths, unpacked: the shape changes from step to step
     words = "one two three four five six seven eight nine ten".split()
@@ -100,7 +99,8 @@ def test_repeated_recompiles_are_named_with_what_changed(cfg, tmp_path, monkeypa
     cfg["train"].update(compile=True, max_steps=12, micro_batch_size=2)
     cfg["log"]["every_steps"] = 1
     try:
-        _, advice, _ = run(cfg, tmp_path / "run")
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # every new shape compiles again
+            _, advice, _ = run(cfg, tmp_path / "run")
     finally:
         torch._dynamo.reset()
     found = [a for a in advice if a["cause"] == "recompiles"]

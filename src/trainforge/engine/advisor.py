@@ -50,11 +50,14 @@ class Advisor:
     """Judges each log window; ``observe`` returns the advice not given before (once per cause).
 
     ``capacity``: the bytes the run may use on its device (None: unknown); ``reprobe``: measures the
-    device peak again and returns (FLOP/s, where from), for an MFU that cannot be true."""
+    device peak again and returns (FLOP/s, where from), for an MFU that cannot be true; ``judge_mfu``:
+    False where the peak is no hardware peak (a CPU emulating the precision: its probe times a slow
+    fallback kernel, which the run's own matmuls need not take), so MFU above 100% means nothing."""
 
-    def __init__(self, capacity: int | None, reprobe: Callable[[], tuple[float, str]] | None = None):
+    def __init__(self, capacity: int | None, reprobe: Callable[[], tuple[float, str]] | None = None, judge_mfu: bool = True):
         self.capacity = capacity
         self.reprobe = reprobe
+        self.judge_mfu = judge_mfu
         self.given: set[str] = set()
         self.windows = 0
         self.best_tokens_per_s = 0.0
@@ -143,7 +146,7 @@ class Advisor:
 
     def _impossible_mfu(self, rec: dict[str, Any]) -> list[Advice]:
         mfu = rec.get("mfu")
-        if mfu is None or mfu <= limit("impossible_mfu"):
+        if mfu is None or mfu <= limit("impossible_mfu") or not self.judge_mfu:
             return []
         text = f"step {rec['step']}: MFU {mfu:.0%} cannot be true: the device peak it divides by is too low"
         fields: dict[str, Any] = {"mfu": round(mfu, 3)}

@@ -182,7 +182,10 @@ def setup(
         timer=StepTimer(device),
         counters=Counters(schedule_steps=schedule_steps),
         started_at=started_at,
-        advisor=Advisor(device_memory(device)[0], reprobe=peak_reprobe(device, precision, cfg.data.cache_dir, ctx.world_size)),
+        advisor=Advisor(
+            device_memory(device)[0], peak_reprobe(device, precision, cfg.data.cache_dir, ctx.world_size),
+            judge_mfu=not (device.type == "cpu" and emulated_precision(precision.name, cpu_has_native_bf16())),
+        ),
     )
     laps("services")
     if resume_plan is not None:
