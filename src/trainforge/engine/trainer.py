@@ -139,11 +139,8 @@ def train_loop(run: Run, steps: int | None = None) -> None:
     """The hot loop: fetch micro-batches, forward/backward, step; log, eval, checkpoint. ``steps``: stop
     after this many more (the last of them is logged), else at ``train.max_steps``."""
     cfg, c = run.cfg, run.counters
-    if run.startup_s is None:  # where the seconds before the first step went: doctor and the limits read it
-        run.startup_s = time.perf_counter() - run.started_at + run.startup_phases.get("imports", 0.0)
-        run.startup_phases["until_loop"] = round(run.startup_s - sum(run.startup_phases.values()), 3)
-        run.metrics.event("start", c.step, startup_s=round(run.startup_s, 3), phases=run.startup_phases, max_steps=run.max_steps,
-                          env=run_environment(run))
+    if run.startup_s is None:
+        note_start(run)
     if c.step == 0 and run.resumed_from is None and not c.eval_before:
         c.eval_before = run_eval(run, "before training")
     end = run.max_steps if steps is None else min(run.max_steps, c.step + steps)
@@ -209,6 +206,15 @@ def train_loop(run: Run, steps: int | None = None) -> None:
         tick += paused  # evaluation and checkpoint pauses are neither training time nor the next window's
         run.window.timed_from += paused
     run.reporter.stop()
+
+
+def note_start(run: Run) -> None:
+    """Where this process's seconds before the first step went, and what it runs on: the ``start`` event
+    (``doctor`` and the limits read it)."""
+    run.startup_s = time.perf_counter() - run.started_at + run.startup_phases.get("imports", 0.0)
+    run.startup_phases["until_loop"] = round(run.startup_s - sum(run.startup_phases.values()), 3)
+    run.metrics.event("start", run.step, startup_s=round(run.startup_s, 3), phases=run.startup_phases,
+                      max_steps=run.max_steps, env=run_environment(run))
 
 
 def report_profile(run: Run, profile: StepProfile) -> None:

@@ -13,7 +13,7 @@ from .thresholds import limit
 # what each part of the wall time is, and what to do when it is large
 CAUSES: dict[str, tuple[str, str]] = {
     "data_wait_s": ("data wait", "the loop waited for batches: keep data.cache_dir on a local disk, use packing, run on a quieter host"),
-    "eval_s": ("evaluation", "set train.eval_max_batches: auto (sized to the run) or evaluate less often (train.eval_every)"),
+    "eval_s": ("evaluation", "evaluate fewer batches (train.eval_max_batches; auto sizes them to the run) or less often (train.eval_every)"),
     "checkpoint_s": ("checkpoint pauses", "set checkpoint.async: true or save less often (checkpoint.every_minutes / every_steps)"),
     "startup_s": ("start-up", "imports, probes, tokenizer, data and model before step 1: a second run reuses the token cache and the probes"),
     "compile_s": ("compiling", "short runs do not pay for it: train.compile: auto decides from measured history, false turns it off"),
