@@ -59,6 +59,10 @@ def test_a_healthy_run_gets_no_advice_and_says_what_limited_it(cfg, tmp_path):
     kinds = [e["event"] for e in events]
     assert kinds[0] == "start" and kinds.count("eval") == 2 and "estimate" in kinds
     assert {"tokenizer", "data", "model"} <= set(events[0]["phases"]) and events[0]["env"]["torch"] == torch.__version__
+    from trainforge.metrics.report import write_report
+
+    page = write_report([tmp_path / "run"], tmp_path / "report.html").read_text()
+    assert "limited by" in page and summary["limits"][0]["cause"] in page
 
 
 def test_data_wait_is_named(cfg, tmp_path, monkeypatch):
@@ -84,6 +88,15 @@ def test_eval_that_eats_the_run_is_named(cfg, tmp_path, monkeypatch):
     assert causes(advice) == ["eval_time"]
     assert advice[0]["projected_eval_share"] > 0.1
     assert "evaluation" in [x["cause"] for x in summary["limits"]]
+
+
+def test_checkpoints_that_eat_the_run_are_named(cfg, tmp_path, monkeypatch):
+    monkeypatch.setitem(THRESHOLDS, "overhead_min_s", Threshold(0.0, "s", "tiny test model"))
+    cfg["checkpoint"] = {"every_steps": 1, "keep_last": 1}  # a save after every step of a tiny model
+    cfg["train"]["max_steps"] = 20
+    summary, advice, console = run(cfg, tmp_path / "run")
+    assert causes(advice) == ["checkpoint_time"] and "checkpoint.async: true" in console
+    assert summary["time"]["checkpoint_s"] > 0
 
 
 def test_repeated_recompiles_are_named_with_what_changed(cfg, tmp_path, monkeypatch):
