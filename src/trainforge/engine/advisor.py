@@ -110,7 +110,7 @@ class Advisor:
         if pct <= limit("data_wait_pct"):
             return []
         load = load_per_core()
-        if load > 1.0:
+        if load > limit("busy_host_load"):
             why = f"the host is busy (load {load:.1f} per core): other processes take the cores the loader needs"
             fix = "run on a quieter machine or fewer concurrent jobs"
         else:
@@ -133,7 +133,7 @@ class Advisor:
         load = load_per_core()
         if self._grew:
             why = f"a recompile in this window ({self.last_recompile_reason or 'reason not recorded'})"
-        elif load > 1.0:
+        elif load > limit("busy_host_load"):
             why = f"a busy host (load {load:.1f} per core)"
         else:
             why = "thermal throttling or other work on the device; host syncs or a changed batch shape also slow a step"

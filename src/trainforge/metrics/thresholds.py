@@ -36,6 +36,11 @@ THRESHOLDS: dict[str, Threshold] = {
         "a window this much slower than this run's best steady window, or this machine's past steady speed for "
         "the same config, is not noise (run-to-run spread on a quiet machine is a few percent)",
     ),
+    "busy_host_load": Threshold(
+        1.0, "load average per core",
+        "above one runnable process per core, other work competes with the run for the CPU: the likely cause "
+        "of data wait or a slowdown the run did not cause itself",
+    ),
     "impossible_mfu": Threshold(
         1.0, "MFU",
         "no run does more FLOPs than the device's peak: above it the peak figure is wrong (a CPU probe taken "
