@@ -101,6 +101,72 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
 
 
+class _LinearTokenLogProbs(torch.autograd.Function):
+    """Log-probabilities of the target tokens through the head, chunked, without the full logits.
+
+    Unlike the summed cross-entropy above, the caller combines these values non-linearly (a
+    preference loss compares sums of them per sequence), so the gradient cannot be formed in the
+    forward: the backward recomputes each chunk's logits (one more head matmul) and applies the
+    upstream gradient of each token. Only the log-sum-exp per target is kept between the two.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, compute_dtype):
+        with torch.autocast(hidden.device.type, enabled=False):
+            keep = (labels != IGNORE).nonzero().flatten()
+            h_all, y_all = hidden.index_select(0, keep).to(compute_dtype), labels.index_select(0, keep)
+            w = weight.to(compute_dtype)
+            b = bias.to(compute_dtype) if bias is not None else None
+            out = torch.empty(len(y_all), device=hidden.device, dtype=torch.float32)
+            lse = torch.empty_like(out)
+            chunk = chunk_for(hidden.device.type, weight.shape[0])
+            for s in range(0, len(y_all), chunk):
+                logits = torch.nn.functional.linear(h_all[s : s + chunk], w, b).float()
+                lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
+                out[s : s + chunk] = logits.gather(1, y_all[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
+        ctx.save_for_backward(h_all, weight, bias, y_all, lse, keep)
+        ctx.compute_dtype, ctx.hidden_shape, ctx.hidden_dtype = compute_dtype, hidden.shape, hidden.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h_all, weight, bias, y_all, lse, keep = ctx.saved_tensors
+        dt = ctx.compute_dtype
+        with torch.autocast(h_all.device.type, enabled=False):
+            w = weight.to(dt)
+            b = bias.to(dt) if bias is not None else None
+            grad_kept = torch.empty_like(h_all)
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+            grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
+            chunk = chunk_for(h_all.device.type, weight.shape[0])
+            for s in range(0, len(y_all), chunk):
+                h, y, up = h_all[s : s + chunk], y_all[s : s + chunk], grad_out[s : s + chunk].float()
+                # d log p_y / d logits = onehot(y) - softmax, times each token's upstream gradient
+                g = torch.exp_(torch.nn.functional.linear(h, w, b).float() - lse[s : s + chunk, None]).neg_()
+                g[torch.arange(len(y), device=g.device), y] += 1.0
+                g = (g * up[:, None]).to(dt)
+                torch.matmul(g, w, out=grad_kept[s : s + chunk])
+                if grad_w is not None:
+                    grad_w += (g.t() @ h).float()
+                if grad_b is not None:
+                    grad_b += g.sum(0, dtype=torch.float32)
+            grad_h = torch.zeros(ctx.hidden_shape, device=h_all.device, dtype=ctx.hidden_dtype)
+            grad_h.index_copy_(0, keep, grad_kept.to(ctx.hidden_dtype))
+        return grad_h, grad_w, grad_b, None, None
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log p(label) of every position whose label is not IGNORE, in position order, as fp32 (K,).
+
+    ``hidden``: (N, H) final hidden states; ``labels``: (N,). Differentiable with any upstream
+    gradient (a preference loss sums them per sequence and compares the sums); no full logits."""
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    return _LinearTokenLogProbs.apply(hidden, head.weight, head.bias if bias is None else bias, labels, compute_dtype)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""Preference objectives on per-sequence log-probabilities: DPO, IPO, ORPO, SimPO and KTO.
+
+Every function takes the summed log-probabilities of each completion under the policy (and, where
+the objective has one, under the reference), with the completion's target-token counts, and returns
+the loss of each pair (or, for KTO, each example) unreduced: the step divides the sum by the pairs
+of the whole global batch, so accumulation and data parallelism give the loss of one large batch.
+The formulas follow the papers; where TRL normalizes differently by default, the docstring says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PairLogps:
+    """Summed log-probabilities of each pair's chosen and rejected completion, and their target counts."""
+
+    chosen: torch.Tensor  # (P,) policy
+    rejected: torch.Tensor  # (P,)
+    chosen_tokens: torch.Tensor  # (P,) target tokens of each chosen completion
+    rejected_tokens: torch.Tensor
+    ref_chosen: torch.Tensor | None = None  # (P,) reference, no gradient
+    ref_rejected: torch.Tensor | None = None
+
+    def ratios(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) log-ratios policy / reference: the implicit rewards over beta."""
+        if self.ref_chosen is None or self.ref_rejected is None:
+            raise ValueError("this objective needs the reference model's log-probabilities")
+        return self.chosen - self.ref_chosen, self.rejected - self.ref_rejected
+
+
+def dpo_loss(p: PairLogps, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023): -log sigmoid(beta * (chosen log-ratio - rejected log-ratio)); with
+    ``label_smoothing`` eps, the conservative DPO mix (1 - eps) * that + eps * the flipped preference."""
+    chosen, rejected = p.ratios()
+    margin = beta * (chosen - rejected)
+    return -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
+
+
+def ipo_loss(p: PairLogps, beta: float) -> torch.Tensor:
+    """IPO (Azar et al. 2023): (chosen log-ratio - rejected log-ratio - 1 / (2 beta))^2, the log-ratios
+    averaged per target token (as TRL's ``loss_type="ipo"`` does)."""
+    chosen, rejected = p.ratios()
+    margin = chosen / p.chosen_tokens - rejected / p.rejected_tokens
+    return (margin - 1 / (2 * beta)) ** 2
+
+
+def simpo_loss(p: PairLogps, beta: float, gamma: float) -> torch.Tensor:
+    """SimPO (Meng et al. 2024), no reference: -log sigmoid(beta * (mean log p(chosen) - mean log p(rejected)) - gamma)."""
+    margin = p.chosen / p.chosen_tokens - p.rejected / p.rejected_tokens
+    return -F.logsigmoid(beta * margin - gamma)
+
+
+def orpo_loss(p: PairLogps, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORPO (Hong et al. 2024), no reference: (odds-ratio term per pair, NLL of the chosen tokens summed).
+
+    The odds of a completion are p / (1 - p) with p its mean per-token probability; the pair's term is
+    -lam * log sigmoid(log odds(chosen) - log odds(rejected)). The SFT part is the chosen completion's
+    negative log-likelihood: returned as a sum over its tokens, to be divided by the target tokens of the
+    global batch (token-normalized, like SFT), while the odds-ratio term is divided by its pairs."""
+    mean_c, mean_r = p.chosen / p.chosen_tokens, p.rejected / p.rejected_tokens
+    # log(1 - exp(x)) for x < 0, stable near 0 (a completion the model already predicts with certainty)
+    log_odds = (mean_c - mean_r) - (torch.log1p(-torch.exp(mean_c).clamp(max=1 - 1e-7)) - torch.log1p(-torch.exp(mean_r).clamp(max=1 - 1e-7)))
+    return -lam * F.logsigmoid(log_odds), -p.chosen
+
+
+def kto_loss(
+    logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor, beta: float,
+    desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """KTO (Ethayarajh et al. 2024) per example: ``logps``/``ref_logps`` (N,) summed over each completion,
+    ``desirable`` (N,) bool, ``kl`` the batch's reference point (a detached, clamped-at-0 estimate of
+    KL(policy || reference) from mismatched prompt/completion pairs). Desirable: w_d * (1 - sigmoid(beta *
+    (ratio - kl))); undesirable: w_u * (1 - sigmoid(beta * (kl - ratio)))."""
+    ratio = logps - ref_logps
+    good = desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl)))
+    bad = undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio)))
+    return torch.where(desirable, good, bad)
+
+
+def pair_metrics(p: PairLogps, beta: float) -> dict[str, torch.Tensor]:
+    """What the field logs per pair (summed by the caller, then divided by the pairs): rewards of chosen
+    and rejected (beta x log-ratio, where there is a reference, else beta x mean log-prob), their margin,
+    accuracy (chosen rewarded above rejected), and the policy's log-probabilities."""
+    if p.ref_chosen is not None and p.ref_rejected is not None:
+        chosen, rejected = (beta * r for r in p.ratios())
+    else:
+        chosen, rejected = beta * p.chosen / p.chosen_tokens, beta * p.rejected / p.rejected_tokens
+    return {
+        "rewards_chosen": chosen.detach(),
+        "rewards_rejected": rejected.detach(),
+        "reward_margin": (chosen - rejected).detach(),
+        "reward_accuracy": (chosen > rejected).float(),
+        "logps_chosen": p.chosen.detach(),
+        "logps_rejected": p.rejected.detach(),
+    }
+
+
+def document_index(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, L) -> (B, L): the number of the packed document each position belongs to, counted over the whole
+    batch in row-major order (a document starts where its position id is 0)."""
+    starts = (position_ids == 0).flatten().long()
+    return (starts.cumsum(0) - 1).view_as(position_ids)
+
+
+def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor, n_documents: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the target tokens' log-probabilities (``token_logps``: (K,), one per label that is not IGNORE, in
+    row-major order, as ``linear_token_logprobs`` returns them) per document: (sums, target counts), (D,) each."""
+    from ..data.formats import IGNORE
+
+    kept = labels.flatten() != IGNORE
+    doc = documents.flatten()[kept]
+    sums = torch.zeros(n_documents, device=token_logps.device, dtype=token_logps.dtype).index_add(0, doc, token_logps)
+    counts = torch.zeros(n_documents, device=token_logps.device, dtype=torch.long).index_add(0, doc, torch.ones_like(doc))
+    return sums, counts
