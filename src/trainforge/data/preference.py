@@ -1,0 +1,138 @@
+"""Preference rows -> the rendered completions a preference objective compares, with their learned spans.
+
+Paired rows (DPO, IPO, ORPO, SimPO) in the layouts people have:
+- TRL's ``{"prompt", "chosen", "rejected"}``, as strings or as message lists (the prompt's messages, then
+  each side's reply);
+- the implicit-prompt layout ``{"chosen": full, "rejected": full}`` (Anthropic HH as strings: the prompt
+  is the shared prefix, cut at a word boundary; UltraFeedback-binarized as message lists: the prompt is
+  the shared leading messages, and a ``prompt`` string beside them is the same question, not read).
+Unpaired rows (KTO): TRL's ``{"prompt", "completion", "label"}`` and LLaMA-Factory's ``{"messages", "label"}``
+(the last assistant turn is the completion).
+
+Each side is rendered as SFT renders a row (the real chat template; offset-exact spans): only the reply
+is learned, never the prompt nor earlier assistant turns. Bad rows (identical sides, an empty side, a
+missing or non-boolean label) raise ``DataError`` naming the file and line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .chat import conversation
+from .formats import Rendered, Renderer
+from .sources import DataError, Row
+
+CHOSEN, REJECTED, PROMPT, COMPLETION, LABEL, MESSAGES = "chosen", "rejected", "prompt", "completion", "label", "messages"
+
+
+def preference_kind(row: Row) -> str | None:
+    """``pairs`` (chosen and rejected), ``unpaired`` (a completion or messages with a label), else None."""
+    if CHOSEN in row.data and REJECTED in row.data:
+        return "pairs"
+    if LABEL in row.data and (COMPLETION in row.data or MESSAGES in row.data):
+        return "unpaired"
+    return None
+
+
+class PreferenceRenderer:
+    """Renders preference rows with one SFT ``Renderer``'s chat template (and its role handling)."""
+
+    def __init__(self, renderer: Renderer):
+        self.chat, self.tool_role = renderer.chat, renderer.tool_role
+
+    def pair(self, row: Row) -> tuple[Rendered, Rendered]:
+        """(chosen, rejected) of a paired row, each its prompt plus its reply, the reply learned."""
+        chosen, rejected = row.data.get(CHOSEN), row.data.get(REJECTED)
+        if isinstance(chosen, list) and isinstance(rejected, list):
+            return self._message_pair(row, chosen, rejected)
+        if isinstance(chosen, str) and isinstance(rejected, str):
+            prompt = row.data.get(PROMPT)
+            if prompt is None:
+                prompt, chosen, rejected = split_shared_prefix(chosen, rejected)
+            elif not isinstance(prompt, str):
+                raise DataError(f"{row.where}: 'prompt' must be a string when chosen and rejected are strings")
+            _check_sides(row.where, chosen, rejected)
+            return _text(prompt, chosen, row.where), _text(prompt, rejected, row.where)
+        raise DataError(
+            f"{row.where}: 'chosen' and 'rejected' must both be strings or both be message lists, got "
+            f"{type(chosen).__name__} and {type(rejected).__name__}"
+        )
+
+    def unpaired(self, row: Row) -> tuple[Rendered, bool]:
+        """(the completion after its prompt, whether it is desirable) of a KTO row."""
+        label = row.data.get(LABEL)
+        if not isinstance(label, bool):
+            raise DataError(f"{row.where}: 'label' must be true (desirable) or false (undesirable), got {label!r}")
+        if MESSAGES in row.data:
+            messages = self._messages(row, MESSAGES)
+            last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
+            if last is None:
+                raise DataError(f"{row.where}: 'messages' has no assistant turn to judge")
+            return self._render(messages[:last], messages[last : last + 1], row.where), label
+        prompt, completion = row.data.get(PROMPT), row.data.get(COMPLETION)
+        if isinstance(prompt, list) and isinstance(completion, list):
+            messages = self._messages(row, PROMPT), self._messages(row, COMPLETION)
+            return self._render(*messages, row.where), label
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            raise DataError(f"{row.where}: 'prompt' and 'completion' must both be strings or both be message lists")
+        if not completion.strip():
+            raise DataError(f"{row.where}: the completion is empty")
+        return _text(prompt, completion, row.where), label
+
+    def _message_pair(self, row: Row, chosen: list, rejected: list) -> tuple[Rendered, Rendered]:
+        chosen_msgs, rejected_msgs = self._messages(row, CHOSEN), self._messages(row, REJECTED)
+        prompt = row.data.get(PROMPT)
+        if isinstance(prompt, list):  # TRL conversational: the prompt's messages, then each side's reply
+            prompt_msgs = self._messages(row, PROMPT)
+        else:  # implicit: the shared leading messages are the prompt (a prompt string beside them repeats it)
+            n = 0
+            while n < min(len(chosen_msgs), len(rejected_msgs)) and chosen_msgs[n] == rejected_msgs[n]:
+                n += 1
+            prompt_msgs, chosen_msgs, rejected_msgs = chosen_msgs[:n], chosen_msgs[n:], rejected_msgs[n:]
+        for side, msgs in ((CHOSEN, chosen_msgs), (REJECTED, rejected_msgs)):
+            if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+                raise DataError(f"{row.where}: the {side} side has no assistant reply after the prompt")
+        if chosen_msgs == rejected_msgs:
+            raise DataError(f"{row.where}: chosen and rejected are identical: there is no preference to learn")
+        return self._render(prompt_msgs, chosen_msgs, row.where), self._render(prompt_msgs, rejected_msgs, row.where)
+
+    def _messages(self, row: Row, key: str) -> list[dict[str, Any]]:
+        return conversation(Row({MESSAGES: row.data[key]}, f"{row.where} ({key})"), MESSAGES, self.tool_role)
+
+    def _render(self, prompt: list[dict[str, Any]], reply: list[dict[str, Any]], where: str) -> Rendered:
+        """The conversation rendered once; learned: the assistant turns of ``reply`` only."""
+        messages = prompt + reply
+        text = self.chat.render(messages, where)
+        spans = self.chat.locate(messages, text, where)
+        earlier = sum(m["role"] == "assistant" for m in prompt)  # context, not the reply being judged
+        return Rendered(text, spans[earlier:], False, where)
+
+
+def split_shared_prefix(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """(prompt, chosen reply, rejected reply) of two full texts that share their prompt: the longest common
+    prefix, cut back to before the whitespace that starts the first differing word (a reply keeps its
+    leading space, as byte-level BPE tokenizes it: " Sure" is one token)."""
+    n = 0
+    for a, b in zip(chosen, rejected):
+        if a != b:
+            break
+        n += 1
+    if n < min(len(chosen), len(rejected)) or len(chosen) != len(rejected):
+        while n > 0 and not chosen[n - 1].isspace():
+            n -= 1
+        while n > 0 and chosen[n - 1].isspace():
+            n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _check_sides(where: str, chosen: str, rejected: str) -> None:
+    for side, text in ((CHOSEN, chosen), (REJECTED, rejected)):
+        if not text.strip():
+            raise DataError(f"{where}: the {side} reply is empty")
+    if chosen == rejected:
+        raise DataError(f"{where}: chosen and rejected are identical: there is no preference to learn")
+
+
+def _text(prompt: str, reply: str, where: str) -> Rendered:
+    text = prompt + reply
+    return Rendered(text, [(len(prompt), len(text))], True, where)

@@ -1,0 +1,109 @@
+"""Preference rows in the layouts people have, rendered with real chat templates: only each reply is learned."""
+
+from __future__ import annotations
+
+import pytest
+from test_chat_templates import EXPECT, decode, tokenizer_for
+
+from trainforge.config import FieldNames
+from trainforge.data.formats import Renderer, tokenize_rendered
+from trainforge.data.preference import PreferenceRenderer, preference_kind, split_shared_prefix
+from trainforge.data.sources import DataError, Row
+
+WHERE = "prefs.jsonl:7"
+
+
+def learned_text(tok, rendered) -> str:
+    chunk = tokenize_rendered([rendered], tok, 4096, "truncate")
+    ids, learn = chunk.ids, chunk.learn.astype(bool)
+    return decode(tok, ids[learn])
+
+
+def renderer(family: str = "qwen2.5") -> tuple[object, PreferenceRenderer]:
+    tok = tokenizer_for(family)
+    return tok, PreferenceRenderer(Renderer("chat", FieldNames(), tok))
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def test_trl_string_pairs_learn_only_the_replies():
+    tok, r = renderer()
+    chosen, rejected = r.pair(Row({"prompt": "Capital of France?", "chosen": " Paris.", "rejected": " Rome."}, WHERE))
+    assert chosen.text == "Capital of France? Paris." and rejected.text == "Capital of France? Rome."
+    assert learned_text(tok, chosen).startswith(" Paris.") and "Capital" not in learned_text(tok, chosen)
+    assert learned_text(tok, rejected).startswith(" Rome.")
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3", "gemma2", "phi3"])
+def test_trl_conversational_pairs_learn_the_reply_and_its_end_of_turn_marker(family):
+    tok, r = renderer(family)
+    row = Row({
+        "prompt": [user("What is the capital of France?"), assistant("Paris."), user("And of Italy?")],
+        "chosen": [assistant("Rome.")],
+        "rejected": [assistant("Milan.")],
+    }, WHERE)
+    chosen, rejected = r.pair(row)
+    eot = EXPECT[family]["eot"]
+    assert learned_text(tok, chosen) == "Rome." + eot  # the earlier assistant turn is context, not learned
+    assert learned_text(tok, rejected) == "Milan." + eot
+
+
+def test_ultrafeedback_binarized_pairs_take_the_shared_messages_as_the_prompt():
+    tok, r = renderer()
+    question = "Write a haiku about rain."
+    row = Row({
+        "prompt": question,  # UltraFeedback-binarized repeats the question beside full conversations
+        "chosen": [user(question), assistant("Soft rain on the roof")],
+        "rejected": [user(question), assistant("Rain is wet.")],
+        "score_chosen": 8.5, "score_rejected": 3.0,
+    }, WHERE)
+    chosen, rejected = r.pair(row)
+    assert question in chosen.text and chosen.text.count(question) == 1
+    assert learned_text(tok, chosen) == "Soft rain on the roof<|im_end|>\n"
+    assert learned_text(tok, rejected) == "Rain is wet.<|im_end|>\n"
+
+
+def test_anthropic_hh_implicit_prompt_is_the_shared_prefix_cut_at_a_word():
+    chosen = "\n\nHuman: Can you help me bake bread?\n\nAssistant: Sure, start with flour."
+    rejected = "\n\nHuman: Can you help me bake bread?\n\nAssistant: Sorry, no."
+    prompt, c, r = split_shared_prefix(chosen, rejected)
+    assert prompt == "\n\nHuman: Can you help me bake bread?\n\nAssistant:"
+    assert (c, r) == (" Sure, start with flour.", " Sorry, no.")
+    tok, rend = renderer()
+    got_c, got_r = rend.pair(Row({"chosen": chosen, "rejected": rejected}, WHERE))
+    assert got_c.text == chosen and got_c.spans == [(len(prompt), len(chosen))]
+    assert got_r.spans == [(len(prompt), len(rejected))]
+
+
+def test_kto_rows_in_trl_and_llama_factory_layouts():
+    tok, r = renderer()
+    assert preference_kind(Row({"prompt": "2+2?", "completion": " 4", "label": True}, WHERE)) == "unpaired"
+    rendered, good = r.unpaired(Row({"prompt": "2+2?", "completion": " 4", "label": True}, WHERE))
+    assert good is True and rendered.text == "2+2? 4"
+    messages = [user("2+2?"), assistant("5"), user("Sure?"), assistant("Yes, 5.")]
+    rendered, good = r.unpaired(Row({"messages": messages, "label": False}, WHERE))
+    assert good is False and learned_text(tok, rendered) == "Yes, 5.<|im_end|>\n"  # the last assistant turn only
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "q", "chosen": " a", "rejected": " a"}, "identical"),
+        ({"prompt": "q", "chosen": " a", "rejected": "  "}, "rejected reply is empty"),
+        ({"chosen": [user("q"), assistant("a")], "rejected": [user("q"), assistant("a")]}, "no assistant reply"),
+        ({"chosen": "a", "rejected": [assistant("b")]}, "both be strings or both be message lists"),
+        ({"prompt": "q", "completion": " a", "label": "yes"}, "'label' must be true"),
+        ({"messages": [user("q")], "label": True}, "no assistant turn"),
+    ],
+)
+def test_bad_preference_rows_name_the_file_and_line(row, message):
+    _, r = renderer()
+    with pytest.raises(DataError) as e:
+        r.unpaired(Row(row, WHERE)) if "label" in row else r.pair(Row(row, WHERE))
+    assert str(e.value).startswith(WHERE) and message in str(e.value)
