@@ -162,3 +162,34 @@ def test_pair_metrics_reward_the_preferred_side():
     m = pref.pair_metrics(p, beta=0.5)
     assert m["rewards_chosen"].tolist() == [0.5, -1.5] and m["rewards_rejected"].tolist() == [-0.5, 0.0]
     assert m["reward_accuracy"].tolist() == [1.0, 0.0] and m["reward_margin"].tolist() == [1.0, -1.5]
+
+
+def test_pairs_pack_whole_chosen_first_and_their_documents_pair_up(tmp_path):
+    import numpy as np
+    from conftest import make_store
+
+    from trainforge.data.loader import RowCollator
+    from trainforge.data.packing import pair_rows
+
+    sequences = []
+    for prompt, chosen, rejected in PAIRS * 3:  # 9 pairs of 3-9 inputs a side
+        for reply in (chosen, rejected):
+            sequences.append((prompt + reply, [False] * len(prompt) + [True] * len(reply)))
+    store = make_store(tmp_path / "store", sequences, vocab_size=64)
+    rows = pair_rows(store, np.arange(9), max_length=24)
+    pairs_in_rows = sorted(int(seg[0]) for row in rows for seg in row[0::2])
+    assert pairs_in_rows == sorted(int(store.offsets[2 * k]) for k in range(9))  # every pair once, whole
+    for row in rows:
+        assert all(int(c[1]) == int(r[0]) for c, r in zip(row[0::2], row[1::2]))  # rejected right after its chosen
+        assert sum(int(e - s - 1) for s, e in row) <= 24
+    batch = RowCollator(store, pad_id=0, mode=True, max_length=24)(rows[:2], [0, 1])
+    docs = pref.document_index(batch.position_ids)
+    n_docs = int(docs.max()) + 1
+    fake_logps = torch.ones(int((batch.labels != IGNORE).sum()))
+    sums, counts = pref.sequence_logps(fake_logps, batch.labels, docs, n_docs)
+    real = counts > 0  # the padding tail of a row is a document of its own, with no targets
+    pairs = counts[real].view(-1, 2)
+    # each pair's two documents in order, their targets the learned tokens of chosen then rejected
+    want = [[sum(store.learn[int(c[0]) + 1 : int(c[1])]), sum(store.learn[int(r[0]) + 1 : int(r[1])])]
+            for row in rows[:2] for c, r in zip(row[0::2], row[1::2])]
+    assert pairs.tolist() == [[int(a), int(b)] for a, b in want]

@@ -61,6 +61,21 @@ def packed_rows(store: TokenStore, index: np.ndarray, max_length: int) -> list[n
     return [np.stack([starts[r], ends[r]], axis=1) for r in best_fit_decreasing(inputs, max_length)]
 
 
+def pair_rows(store: TokenStore, pairs: np.ndarray, max_length: int) -> list[np.ndarray]:
+    """Preference pairs packed into rows of ``max_length`` inputs: pair k is stored as sequences 2k (chosen) and
+    2k + 1 (rejected), and both go into the same row, chosen first, as two documents (one forward computes
+    both sides). Pairs are packed whole, best-fit decreasing by their two sides' inputs."""
+    chosen, rejected = 2 * pairs, 2 * pairs + 1
+    starts_c, ends_c = store.offsets[chosen], store.offsets[chosen + 1]
+    starts_r, ends_r = store.offsets[rejected], store.offsets[rejected + 1]
+    inputs = (ends_c - starts_c - 1) + (ends_r - starts_r - 1)
+    rows = []
+    for r in best_fit_decreasing(inputs, max_length):
+        segments = np.stack([starts_c[r], ends_c[r], starts_r[r], ends_r[r]], axis=1).reshape(-1, 2)
+        rows.append(segments)  # chosen, rejected, chosen, rejected, ...
+    return rows
+
+
 def single_rows(store: TokenStore, index: np.ndarray) -> list[np.ndarray]:
     """One sequence per row (no packing)."""
     return [np.array([[store.offsets[i], store.offsets[i + 1]]]) for i in index]
