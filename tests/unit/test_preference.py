@@ -193,3 +193,32 @@ def test_pairs_pack_whole_chosen_first_and_their_documents_pair_up(tmp_path):
     want = [[sum(store.learn[int(c[0]) + 1 : int(c[1])]), sum(store.learn[int(r[0]) + 1 : int(r[1])])]
             for row in rows[:2] for c, r in zip(row[0::2], row[1::2])]
     assert pairs.tolist() == [[int(a), int(b)] for a, b in want]
+
+
+def test_a_collated_batch_gives_each_pairs_log_probabilities_and_lora_off_is_the_reference(tmp_path):
+    import numpy as np
+    from conftest import make_store
+    from peft import LoraConfig, get_peft_model
+
+    from trainforge.data.loader import RowCollator
+    from trainforge.data.packing import pair_rows
+    from trainforge.hardware import PRECISIONS
+
+    sequences = [(p + reply, [False] * len(p) + [True] * len(reply)) for p, c, r in PAIRS for reply in (c, r)]
+    store = make_store(tmp_path / "store", sequences, vocab_size=64)
+    rows = pair_rows(store, np.arange(len(PAIRS)), max_length=32)
+    batch = RowCollator(store, pad_id=0, mode=True, max_length=32)(rows, list(range(len(rows))))
+    base = tiny_llama()
+    want = reference_logps(base)
+    fp32 = PRECISIONS["fp32"]
+    got = pref.batch_pair_logps(base, batch, fp32)
+    order = sorted(range(len(PAIRS)), key=lambda k: [int(s) for row in rows for s in row[0::2, 0]].index(int(store.offsets[2 * k])))
+    torch.testing.assert_close(got.chosen, want.chosen[order], **TOL)
+    torch.testing.assert_close(got.rejected, want.rejected[order], **TOL)
+
+    lora = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    moved = pref.batch_pair_logps(lora, batch, fp32)
+    assert not torch.allclose(moved.chosen, got.chosen)  # the adapters change the policy ...
+    ref_c, ref_r = pref.reference_pair_logps(lora, batch, fp32)
+    torch.testing.assert_close(ref_c, got.chosen, **TOL)  # ... and switched off, it is the base again
+    torch.testing.assert_close(ref_r, got.rejected, **TOL)

@@ -117,3 +117,34 @@ def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor, documents: t
     sums = torch.zeros(n_documents, device=token_logps.device, dtype=token_logps.dtype).index_add(0, doc, token_logps)
     counts = torch.zeros(n_documents, device=token_logps.device, dtype=torch.long).index_add(0, doc, torch.ones_like(doc))
     return sums, counts
+
+
+def batch_pair_logps(model: torch.nn.Module, batch, precision) -> PairLogps:
+    """The policy's summed log-probabilities of every pair in a collated batch of ``pair_rows`` rows (each
+    pair's chosen and rejected documents in order), through the chunked fused head: one forward, no logits."""
+    from .loss import fused_head, linear_token_logprobs
+
+    head = fused_head(model)
+    if head is None:
+        raise ValueError("preference objectives need a model whose head is a plain linear layer (no LoRA on lm_head)")
+    decoder, lm_head = head
+    with precision.autocast(batch.input_ids.device):
+        hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        token_logps = linear_token_logprobs(hidden.flatten(0, 1), lm_head, batch.labels.flatten())
+    docs = document_index(batch.position_ids)
+    sums, counts = sequence_logps(token_logps, batch.labels, docs, int(docs.max()) + 1)
+    real = counts > 0  # a row's padding tail is a document of its own, with no targets
+    sums, counts = sums[real].view(-1, 2), counts[real].view(-1, 2)
+    return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
+
+
+@torch.no_grad()
+def reference_pair_logps(model: torch.nn.Module, batch, precision, reference: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed log-probabilities under the reference: ``reference`` when given (a frozen
+    copy of the starting weights), else ``model`` with its LoRA adapters switched off (no second copy)."""
+    if reference is not None:
+        p = batch_pair_logps(reference, batch, precision)
+    else:
+        with model.disable_adapter():
+            p = batch_pair_logps(model, batch, precision)
+    return p.chosen.detach(), p.rejected.detach()
