@@ -43,7 +43,8 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
     }
     ledger = ledger_from_files(run.summary, run.train, run.events, _last_seen(run.path))
     out["time"] = ledger
-    out["limits"] = rank_limits(ledger, ledger.get("wall_s", 0.0))
+    finished = (run.summary or {}).get("limits")
+    out["limits"] = finished if isinstance(finished, list) else rank_limits(ledger, ledger.get("wall_s", 0.0))
     return out
 
 
