@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_chat_templates import EXPECT, decode, tokenizer_for
 
@@ -107,3 +108,17 @@ def test_bad_preference_rows_name_the_file_and_line(row, message):
     with pytest.raises(DataError) as e:
         r.unpaired(Row(row, WHERE)) if "label" in row else r.pair(Row(row, WHERE))
     assert str(e.value).startswith(WHERE) and message in str(e.value)
+
+
+def test_pairs_tokenize_as_two_sequences_and_a_pair_that_cannot_fit_is_dropped_whole():
+    from trainforge.data.preference import tokenize_pairs
+
+    tok, r = renderer()
+    short = r.pair(Row({"prompt": "Capital of France?", "chosen": " Paris.", "rejected": " Rome."}, WHERE))
+    long_prompt = r.pair(Row({"prompt": "word " * 200, "chosen": " yes", "rejected": " no"}, WHERE))
+    chunk = tokenize_pairs([short, long_prompt, short], tok, max_length=64)
+    assert len(chunk.lengths) == 4 and chunk.dropped_masked == 1  # the long prompt leaves no reply in 33 tokens
+    assert all(n <= 64 // 2 + 1 for n in chunk.lengths)
+    starts = np.concatenate([[0], np.cumsum(chunk.lengths)])
+    sides = [decode(tok, chunk.ids[a:b][chunk.learn[a:b].astype(bool)]) for a, b in zip(starts[:-1], starts[1:])]
+    assert [s.split("<")[0] for s in sides] == [" Paris.", " Rome.", " Paris.", " Rome."]

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .chat import conversation
-from .formats import Rendered, Renderer
+from .formats import Rendered, Renderer, TokenizedChunk, tokenize_rendered
 from .sources import DataError, Row
 
 CHOSEN, REJECTED, PROMPT, COMPLETION, LABEL, MESSAGES = "chosen", "rejected", "prompt", "completion", "label", "messages"
@@ -136,3 +138,27 @@ def _check_sides(where: str, chosen: str, rejected: str) -> None:
 def _text(prompt: str, reply: str, where: str) -> Rendered:
     text = prompt + reply
     return Rendered(text, [(len(prompt), len(text))], True, where)
+
+
+def tokenize_pairs(pairs: list[tuple[Rendered, Rendered]], tokenizer, max_length: int) -> TokenizedChunk:
+    """Tokenize each pair as two stored sequences, chosen then rejected (``packing.pair_rows`` reads them so).
+
+    Both sides of a pair go into one row of ``max_length`` inputs, so each side keeps at most
+    ``max_length // 2 + 1`` tokens (its start: the prompt and the reply's beginning). A pair where either
+    side has nothing left to learn is dropped whole (counted in ``dropped_masked``): a pair is never split."""
+    out = TokenizedChunk(np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64))
+    ids, learn, lengths = [], [], []
+    for chosen, rejected in pairs:
+        chunk = tokenize_rendered([chosen, rejected], tokenizer, max_length // 2, "truncate")
+        out.truncated += chunk.truncated
+        out.lost_tokens += chunk.lost_tokens
+        if len(chunk.lengths) != 2:  # a side lost every learned token to truncation
+            out.dropped_masked += 1
+            continue
+        ids.append(chunk.ids)
+        learn.append(chunk.learn)
+        lengths.append(chunk.lengths)
+    if ids:
+        out.ids, out.learn, out.lengths = np.concatenate(ids), np.concatenate(learn), np.concatenate(lengths)
+        out.continues = np.zeros(len(out.lengths), dtype=bool)
+    return out
