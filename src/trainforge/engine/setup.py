@@ -234,11 +234,11 @@ def build_eval_set(cfg: RunConfig, data: Any, max_steps: int, world_size: int, r
     train_rows = max_steps * t.micro_batch_size * t.grad_accum * world_size
     n = auto_eval_batches(available, t.micro_batch_size, train_rows, evals, cfg.model.method, t.activation_checkpointing is True, world_size)
     share = f"{limit('eval_share'):.0%}"
-    reporter.info(
-        f"eval: {'all ' if n == available else ''}{n} of {available} batches per evaluation, {evals} evaluations "
-        + (f"(train.eval_max_batches auto: within {share} of the training compute; set a number, or null for all)"
-           if n < available else f"(within {share} of the training compute)")
-    )
+    if n < available:
+        reporter.info(f"eval: {n} of {available} batches per evaluation, {evals} evaluations (train.eval_max_batches "
+                      f"auto: within {share} of the training compute; set a number, or null for all)")
+    else:
+        reporter.info(f"eval: all {n} batches per evaluation, {evals} evaluations (within {share} of the training compute)")
     return eval_batches(data.eval_rows, data.eval_collate, t.micro_batch_size, n)
 
 
