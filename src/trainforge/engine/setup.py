@@ -238,7 +238,7 @@ def build_eval_set(cfg: RunConfig, data: Any, max_steps: int, world_size: int, r
         reporter.info(f"eval: {n} of {available} batches per evaluation, {evals} evaluations (train.eval_max_batches "
                       f"auto: within {share} of the training compute; set a number, or null for all)")
     else:
-        reporter.info(f"eval: all {n} batches per evaluation, {evals} evaluations (within {share} of the training compute)")
+        reporter.info(f"eval: all {n} batch{'es' if n > 1 else ''} per evaluation, {evals} evaluations (within {share} of the training compute)")
     return eval_batches(data.eval_rows, data.eval_collate, t.micro_batch_size, n)
 
 
