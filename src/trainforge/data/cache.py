@@ -17,10 +17,11 @@ from pathlib import Path
 from ..atomic import publish_dir, remove_stale_temps
 from ..config import DataSettings, default_cache_dir
 from .holdout import holdout_kind
-from .sources import source_files
+from .sources import BUILTIN_ROWS_VERSION, BUILTIN_SOURCES, source_files
 
 STORE_VERSION = 1  # bump when the store layout or tokenization rules change
 SEQ2SEQ_VERSION = 1  # source -> target stores of encoder-decoder models (data/seq2seq.py): a key of their own
+PREFERENCE_VERSION = 1  # pairs tokenized as two sequences (data/preference.py): bump when that changes
 # too_long: split stores mark split continuations (continues.npy) from version 2 on; a key of its
 # own, so the stores (and checkpoints' store keys) of every other setting stay valid
 SPLIT_VERSION = 2
@@ -47,6 +48,8 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool
     settings["train"] = [s.path for s in cfg.sources()]  # weights are applied when loading, not stored
     settings["too_long"] = cfg.too_long_for(fmt)  # the default and the same policy set by hand share a cache
     key = {"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}
+    if fmt == "preference":
+        key["preference_v"] = PREFERENCE_VERSION
     if seq2seq:
         key["seq2seq"] = {"v": SEQ2SEQ_VERSION, "max_target_length": cfg.target_limit()}
     if settings["too_long"] == "split":
@@ -76,8 +79,11 @@ def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
 
 
 def _hash_sources(h, specs: list[str]) -> None:
-    """Feed the names and bytes of every file the source specs read into ``h``."""
+    """Feed the names and bytes of every file the source specs read into ``h`` (and, for a built-in source,
+    the version of the code that makes its rows)."""
     for spec in specs:
+        if spec in BUILTIN_SOURCES:
+            h.update(f"{spec}-v{BUILTIN_ROWS_VERSION}".encode())
         for path in source_files(spec):
             h.update(str(path.name).encode())
             with open(path, "rb") as f:

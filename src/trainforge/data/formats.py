@@ -60,6 +60,7 @@ def format_fields(fmt: str, names: FieldNames) -> tuple[str, ...]:
         "chat": (names.messages,),
         "alpaca": (names.instruction, names.output),
         "source_target": (*SOURCE_TARGET, names.input, names.output),  # either pair (see source_target_keys)
+        "preference": ("prompt", "chosen", "rejected"),  # data/preference.py reads each layout
     }[fmt]
 
 
@@ -72,7 +73,9 @@ def source_target_keys(row: Row, names: FieldNames) -> tuple[str, str] | None:
 
 
 def detect_format(row: Row, names: FieldNames) -> str:
-    """The format whose fields the row has (chat, alpaca, prompt/completion, then text)."""
+    """The format whose fields the row has (preference pairs, chat, alpaca, prompt/completion, then text)."""
+    if "chosen" in row.data and "rejected" in row.data:
+        return "preference"  # TRL's {prompt, chosen, rejected} or the implicit-prompt {chosen, rejected} (data/preference.py)
     if SHAREGPT_FIELD in row.data and isinstance(row.data[SHAREGPT_FIELD], list):
         return "chat"  # ShareGPT: {"conversations": [{"from", "value"}, ...]}
     for fmt in ("chat", "alpaca", "prompt_completion", "text"):
@@ -84,7 +87,7 @@ def detect_format(row: Row, names: FieldNames) -> str:
         f"{row.where}: cannot tell the data format from fields {sorted(row.data)}; expected "
         f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' or '{SHAREGPT_FIELD}' (chat), "
         f"'{names.instruction}'+'{names.output}' (alpaca) or 'source'+'target' / '{names.input}'+'{names.output}' "
-        "(source_target); or set data.format / data.fields"
+        "(source_target), 'chosen'+'rejected' (preference); or set data.format / data.fields"
     )
 
 

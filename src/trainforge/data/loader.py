@@ -36,12 +36,13 @@ class Batch:
     # encoder-decoder models (data/seq2seq.py): input_ids is the source, labels the target
     attention_mask: torch.Tensor | None = None  # the source's real tokens (padding is not attended to)
     decoder_input_ids: torch.Tensor | None = None  # the target shifted right behind the decoder's start token
+    n_documents: int = 0  # packed documents (preference rows: a pair's chosen and rejected are two)
 
     def _map(self, fn) -> "Batch":
         t = lambda x: fn(x) if x is not None else None  # noqa: E731
         return Batch(
             fn(self.input_ids), fn(self.labels), t(self.position_ids), self.n_tokens, self.n_targets, self.indices,
-            t(self.attention_mask), t(self.decoder_input_ids),
+            t(self.attention_mask), t(self.decoder_input_ids), self.n_documents,
         )
 
     def to(self, device: torch.device) -> "Batch":
@@ -94,6 +95,7 @@ class RowCollator:
             n_tokens=int(sum(len(b[0]) for b in built)),
             n_targets=int((labels != IGNORE).sum()),
             indices=list(indices),
+            n_documents=sum(len(r) for r in rows) if self.packed else len(rows),
         )
         return batch.pinned() if self.pin else batch  # page-locked: the host-to-GPU copy is asynchronous
 
@@ -172,7 +174,7 @@ class TrainLoader:
         """A batch of one row without targets: the same computation as a real one, no effect on the loss."""
         b = self.collate([self.rows[row]], [])
         b.labels.fill_(IGNORE)
-        b.n_tokens, b.n_targets = 0, 0
+        b.n_tokens, b.n_targets, b.n_documents = 0, 0, 0
         return b
 
     def padding_efficiency(self) -> float:

@@ -20,9 +20,11 @@ from ..model.tokenizer import bpe_tokenizer_from_json, build_char_tokenizer, loa
 from .cache import built_tokenizer_key
 from .formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
 from .loader import RowCollator, TrainLoader
-from .packing import build_rows, weighted_indices
+from .packing import build_rows, pair_rows, weighted_indices
 from .prepare import PreparedData, prepare_data, resolve_format, training_texts
 from .seq2seq import Seq2SeqCollator
+from .sources import DataError
+from .store import TokenStore
 
 
 def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
@@ -86,12 +88,30 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     collator = collator_for(cfg, tokenizer)
     weights = [s.weight for s in d.sources()]
     index = weighted_indices(prepared.train, weights, cfg.train.seed)
-    train_rows = build_rows(prepared.train, index, d.packing, d.max_length)
+    rows = rows_for(cfg, prepared)
+    train_rows = rows(prepared.train, index)
     eval_rows, eval_collate = [], None
     if prepared.eval is not None and len(prepared.eval):
-        eval_rows = build_rows(prepared.eval, np.arange(len(prepared.eval)), d.packing, d.max_length)
+        eval_rows = rows(prepared.eval, np.arange(len(prepared.eval)))
         eval_collate = collator(prepared.eval)
     return DataPlan(prepared, train_rows, eval_rows, collator(prepared.train, pin), eval_collate)
+
+
+def rows_for(cfg: RunConfig, prepared: PreparedData) -> Callable[[TokenStore, np.ndarray], list]:
+    """A function (store, sequence indices) -> the rows the run trains on: packed, concatenated or one per row as
+    ``data.packing`` says; preference data as whole pairs (each sequence pair k = 2k, 2k + 1 in one row).
+    A preference objective on other data, or preference data without one, is a ``DataError``."""
+    d, objective = cfg.data, cfg.train.objective
+    if (prepared.format == "preference") != (objective != "sft"):
+        raise DataError(
+            f"data.train={d.train!r} holds preference pairs (chosen/rejected): set train.objective to dpo, ipo, orpo or simpo"
+            if objective == "sft" else
+            f"train.objective={objective} needs preference rows ({{prompt, chosen, rejected}} or {{chosen, rejected}}), "
+            f"but data.train={d.train!r} is {prepared.format} data"
+        )
+    if objective != "sft":  # a stored pair is sequences 2k and 2k + 1; a source's weight repeats or samples pairs
+        return lambda store, index: pair_rows(store, index[index % 2 == 0] // 2, d.max_length)
+    return lambda store, index: build_rows(store, index, d.packing, d.max_length)
 
 
 def collator_for(cfg: RunConfig, tokenizer, model: ModelSettings | None = None) -> Callable[..., RowCollator | Seq2SeqCollator]:
@@ -165,7 +185,8 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
     ]
     return (
         f"data: {s['format']}, {s['train_rows']:,} train rows -> {s['train_sequences']:,} sequences "
-        f"({s['train_tokens']:,} tokens) -> {len(plan.train_rows):,} {mode} rows, "
+        f"({s['train_tokens']:,} tokens)" + (" in pairs" if s["format"] == "preference" else "")
+        + f" -> {len(plan.train_rows):,} {mode} rows, "
         f"{efficiency:.1%} of row capacity is real tokens; "
         + (f"eval {s['eval_sequences']:,} blocks held out" if s.get("eval_holdout") == "blocks" else f"eval {s['eval_rows']:,} rows")
         + ("; " + ", ".join(notes) if notes else "")

@@ -149,7 +149,8 @@ def tokenize_pairs(pairs: list[tuple[Rendered, Rendered]], tokenizer, max_length
     out = TokenizedChunk(np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64))
     ids, learn, lengths = [], [], []
     for chosen, rejected in pairs:
-        chunk = tokenize_rendered([chosen, rejected], tokenizer, max_length // 2, "truncate")
+        # text sides get the tokenizer's special tokens; chat-templated ones carry their own (as SFT renders them)
+        chunk = tokenize_rendered([chosen, rejected], tokenizer, max_length // 2, "truncate", special_tokens=chosen.add_eos)
         out.truncated += chunk.truncated
         out.lost_tokens += chunk.lost_tokens
         if len(chunk.lengths) != 2:  # a side lost every learned token to truncation

@@ -25,6 +25,8 @@ from ..config import DataSettings
 from .cache import STATS_FILE, entry_dir, fingerprint, is_complete, publish_entry
 from .chat import conversation
 from .formats import Renderer, TokenizedChunk, detect_format, format_fields, tokenize_rendered
+from .preference import PreferenceRenderer
+from .preference import tokenize_pairs as tokenize_preference_pairs
 from .holdout import RowHoldout, holdout_kind, split_off_blocks
 from .sources import BadRows, DataError, Row, iter_source
 from .seq2seq import tokenize_pairs
@@ -73,6 +75,8 @@ def training_texts(cfg: DataSettings, fmt: str) -> Iterator[str]:
             value = row.data.get(key)
             if isinstance(value, str):
                 yield value
+            elif isinstance(value, list):  # preference sides as message lists
+                yield from (m["content"] for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 # ---------------------------------------------------------------- workers
@@ -84,13 +88,16 @@ def _tokenize_chunk(rows: list[Row]) -> tuple[TokenizedChunk, list[str]]:
     """Render and tokenize one chunk (in a worker process, or inline). Returns bad-row messages too."""
     w = _WORKER
     seq2seq = w["max_target_length"] is not None
-    render = w["renderer"].pair if seq2seq else w["renderer"]
+    preference = w["renderer"].fmt == "preference"
+    render = w["renderer"].pair if seq2seq else PreferenceRenderer(w["renderer"]).pair if preference else w["renderer"]
     rendered, bad = [], []
     for row in rows:
         try:
             rendered.append(render(row))
         except DataError as e:
             bad.append(str(e))
+    if preference:  # each pair as two sequences, chosen then rejected (packing.pair_rows keeps them together)
+        return tokenize_preference_pairs(rendered, w["tokenizer"], w["max_length"]), bad
     if seq2seq:
         return tokenize_pairs(rendered, w["tokenizer"], w["max_length"], w["max_target_length"], w["too_long"]), bad
     chunk = tokenize_rendered(rendered, w["tokenizer"], w["max_length"], w["too_long"], w["special_tokens"])

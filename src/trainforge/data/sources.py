@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import BUILTIN_FUNCTIONS, BUILTIN_STDLIB
+from ..config import BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB
 from ..errors import TrainforgeError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
@@ -359,6 +359,25 @@ def iter_python_functions() -> Iterator[Row]:
                     yield Row({"prompt": head, "completion": body}, f"{path}:{node.lineno}")
 
 
+PAIR_MAX_CHARS = 600  # about 200 tokens of a small BPE vocabulary: the whole function fits its half of a row
+
+
+def iter_python_function_pairs() -> Iterator[Row]:
+    """Preference pairs with a known preference, from the same functions: the prompt is the signature and
+    docstring, ``chosen`` the real body, ``rejected`` the same lines in reverse order (code that reads
+    backwards; a body whose reversal is itself is left out). Only short functions (``PAIR_MAX_CHARS``): both
+    sides of a pair share one row, so each side of a 512-token row keeps about 256 tokens."""
+    for row in iter_python_functions():
+        body = row.data["completion"]
+        if len(row.data["prompt"]) + len(body) > PAIR_MAX_CHARS:
+            continue
+        lines = body.splitlines(keepends=True)
+        lines[-1] = lines[-1] if lines[-1].endswith("\n") else lines[-1] + "\n"
+        rejected = "".join(reversed(lines))
+        if rejected != body:
+            yield Row({"prompt": row.data["prompt"], "chosen": body, "rejected": rejected}, row.where)
+
+
 def _stdlib_files() -> list[Path]:
     """The standard library's ``.py`` files, sorted (a fresh list: callers shuffle it)."""
     return list(_stdlib_file_list())
@@ -400,4 +419,7 @@ def source_files(spec: str) -> list[Path]:
     return files
 
 
-BUILTIN_SOURCES = {BUILTIN_STDLIB: iter_stdlib_sources, BUILTIN_FUNCTIONS: iter_python_functions}
+BUILTIN_ROWS_VERSION = 1  # bump when a built-in source yields other rows (it keys the token and tokenizer caches)
+BUILTIN_SOURCES = {
+    BUILTIN_STDLIB: iter_stdlib_sources, BUILTIN_FUNCTIONS: iter_python_functions, BUILTIN_FUNCTION_PAIRS: iter_python_function_pairs,
+}

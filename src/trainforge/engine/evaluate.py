@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ..data.loader import Batch
 from ..dist import DistContext
 from ..hardware import Precision
+from .objective import mean_metrics
 from .step import loss_sum
 
 
@@ -21,8 +23,10 @@ def evaluate(
     device: torch.device,
     ctx: DistContext | None = None,
     fused: bool = True,
+    objective: Any = None,
 ) -> dict:
-    """Token-weighted mean loss over all eval batches (one host sync, at the end).
+    """Token-weighted mean loss over all eval batches (one host sync, at the end); with a pair ``objective``
+    (engine/objective.py) the mean loss per pair, and its metrics as ``eval_<name>`` (no perplexity).
 
     Data-parallel: rank r evaluates batches r, r + world, ... and the sums are all-reduced.
     Every rank runs the same number of forward passes (a rank short of one repeats a batch
@@ -34,18 +38,26 @@ def evaluate(
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
-    n = 0
+    n, sums, scratch = 0, {}, {}  # scratch: the metrics of repeated batches, not counted
+    pairs = objective is not None and objective.unit == "pair"
     rounds = -(-len(batches) // ctx.world_size)
     for i in range(ctx.rank, rounds * ctx.world_size, ctx.world_size):
-        summed = loss_sum(model, batches[i % len(batches)].to(device), precision, fused).double()
-        if i < len(batches):
+        batch, counted = batches[i % len(batches)].to(device), i < len(batches)
+        if pairs:
+            summed = objective.loss_sum(model, batch, precision, fused, sums if counted else scratch).double()
+        else:
+            summed = loss_sum(model, batch, precision, fused).double()
+        if counted:
             total += summed
-            n += batches[i].n_targets
+            n += objective.units(batches[i]) if pairs else batches[i].n_targets
     model.train(was_training)
     if ctx.enabled:
         sums = ctx.all_reduce(torch.stack([total, torch.tensor(float(n), device=device, dtype=torch.float64)]))
         total, n = sums[0], int(sums[1])
     loss = float(total) / n
+    if pairs:
+        sums = sums or {k: torch.zeros_like(v) for k, v in scratch.items()}  # the same keys on every rank's all-reduce
+        return {"eval_loss": loss, **mean_metrics(sums, "eval_", ctx.all_reduce if ctx.enabled else None), "eval_pairs": n}
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n}
 
 

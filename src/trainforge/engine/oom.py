@@ -32,23 +32,25 @@ def fetch_step(run: Run) -> list[Batch]:
 
 def forward_backward_adaptive(
     run: Run, micro_batches: list[Batch], position: dict, n_targets: int | None = None
-) -> tuple[torch.Tensor, list[Batch]]:
+) -> tuple[torch.Tensor, list[Batch], dict[str, torch.Tensor]]:
     """``forward_backward``; on out-of-memory, back off and redo the step's examples from ``position``.
 
     ``position`` is the loader's state before this step's batches were drawn; it counts
     examples, so the smaller micro-batches re-read the same examples in the same order and
     the step's gradient is the same sum over the same target tokens.
     Data-parallel runs do not back off (the other ranks would be left waiting in a collective):
-    they stop with ``OutOfMemory``. ``n_targets``: the step's target tokens over all ranks.
-    Returns (mean loss, the micro-batches finally used).
+    they stop with ``OutOfMemory``.
+    ``n_targets``: the divisor of the run's objective (target tokens, or pairs) over all ranks.
+    Returns (mean loss, the micro-batches finally used, the objective's metric sums).
     """
     while True:
+        metrics: dict[str, torch.Tensor] = {}  # a failed attempt's metric sums are dropped with it
         try:
             loss = forward_backward(
                 run.train_model, micro_batches, run.precision, run.device, run.scaler, n_targets, run.sync, run.timer,
-                run.cfg.train.fused_loss,
+                run.cfg.train.fused_loss, run.objective, metrics,
             )
-            return loss, micro_batches
+            return loss, micro_batches, metrics
         except torch.OutOfMemoryError:
             if run.dist.enabled:
                 raise OutOfMemory(

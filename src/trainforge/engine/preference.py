@@ -55,17 +55,17 @@ def simpo_loss(p: PairLogps, beta: float, gamma: float) -> torch.Tensor:
     return -F.logsigmoid(beta * margin - gamma)
 
 
-def orpo_loss(p: PairLogps, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """ORPO (Hong et al. 2024), no reference: (odds-ratio term per pair, NLL of the chosen tokens summed).
+def orpo_loss(p: PairLogps, lam: float) -> torch.Tensor:
+    """ORPO (Hong et al. 2024), no reference, per pair: the chosen completion's NLL averaged over its tokens,
+    plus -lam * log sigmoid(log odds(chosen) - log odds(rejected)).
 
-    The odds of a completion are p / (1 - p) with p its mean per-token probability; the pair's term is
-    -lam * log sigmoid(log odds(chosen) - log odds(rejected)). The SFT part is the chosen completion's
-    negative log-likelihood: returned as a sum over its tokens, to be divided by the target tokens of the
-    global batch (token-normalized, like SFT), while the odds-ratio term is divided by its pairs."""
+    The odds of a completion are p / (1 - p) with p its mean per-token probability. The NLL is each pair's own
+    token mean (the paper's L_SFT), so the whole loss is per pair: TRL averages the NLL over all chosen tokens of
+    the batch instead, which weights long completions more."""
     mean_c, mean_r = p.chosen / p.chosen_tokens, p.rejected / p.rejected_tokens
     # log(1 - exp(x)) for x < 0, stable near 0 (a completion the model already predicts with certainty)
     log_odds = (mean_c - mean_r) - (torch.log1p(-torch.exp(mean_c).clamp(max=1 - 1e-7)) - torch.log1p(-torch.exp(mean_r).clamp(max=1 - 1e-7)))
-    return -lam * F.logsigmoid(log_odds), -p.chosen
+    return -mean_c - lam * F.logsigmoid(log_odds)
 
 
 def kto_loss(
@@ -119,18 +119,24 @@ def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor, documents: t
     return sums, counts
 
 
-def batch_pair_logps(model: torch.nn.Module, batch, precision) -> PairLogps:
+def batch_pair_logps(model: torch.nn.Module, batch, precision, fused: bool = True) -> PairLogps:
     """The policy's summed log-probabilities of every pair in a collated batch of ``pair_rows`` rows (each
-    pair's chosen and rejected documents in order), through the chunked fused head: one forward, no logits."""
+    pair's chosen and rejected documents in order): one forward, through the chunked fused head (no logits)
+    where the model allows and ``fused``, else the model's own logits (a DDP wrapper, LoRA on the head)."""
+    from ..data.formats import IGNORE
     from .loss import fused_head, linear_token_logprobs
 
-    head = fused_head(model)
-    if head is None:
-        raise ValueError("preference objectives need a model whose head is a plain linear layer (no LoRA on lm_head)")
-    decoder, lm_head = head
+    head = fused_head(model) if fused else None
     with precision.autocast(batch.input_ids.device):
-        hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
-        token_logps = linear_token_logprobs(hidden.flatten(0, 1), lm_head, batch.labels.flatten())
+        if head is not None:
+            decoder, lm_head = head
+            hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
+            token_logps = linear_token_logprobs(hidden.flatten(0, 1), lm_head, batch.labels.flatten())
+        else:
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+            labels = batch.labels.flatten()
+            kept = labels != IGNORE
+            token_logps = -F.cross_entropy(logits.flatten(0, 1)[kept].float(), labels[kept], reduction="none")
     docs = document_index(batch.position_ids)
     sums, counts = sequence_logps(token_logps, batch.labels, docs, int(docs.max()) + 1)
     real = counts > 0  # a row's padding tail is a document of its own, with no targets
@@ -139,12 +145,14 @@ def batch_pair_logps(model: torch.nn.Module, batch, precision) -> PairLogps:
 
 
 @torch.no_grad()
-def reference_pair_logps(model: torch.nn.Module, batch, precision, reference: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_pair_logps(
+    model: torch.nn.Module, batch, precision, reference: torch.nn.Module | None = None, fused: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) summed log-probabilities under the reference: ``reference`` when given (a frozen
     copy of the starting weights), else ``model`` with its LoRA adapters switched off (no second copy)."""
     if reference is not None:
-        p = batch_pair_logps(reference, batch, precision)
+        p = batch_pair_logps(reference, batch, precision, fused)
     else:
         with model.disable_adapter():
-            p = batch_pair_logps(model, batch, precision)
+            p = batch_pair_logps(model, batch, precision, fused)
     return p.chosen.detach(), p.rejected.detach()

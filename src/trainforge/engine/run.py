@@ -19,6 +19,7 @@ from ..metrics.tracker import MetricsLog
 from ..metrics.window import LogWindow
 from .advisor import Advisor
 from .compile_auto import CompileAuto
+from .objective import TokenObjective
 from .nonfinite import NonFiniteGuard
 from .preempt import StopRequest
 from .saver import Checkpointer
@@ -86,6 +87,7 @@ class Run:
     startup_s: float | None = None  # setup began -> the loop first started, in this process
     startup_phases: dict[str, float] = field(default_factory=dict)  # seconds of set-up's phases (setup.py's Laps)
     advisor: Advisor = field(default_factory=lambda: Advisor(None))  # warns once per cause while the run goes
+    objective: Any = field(default_factory=TokenObjective)  # train.objective: what a step sums and divides by
 
     @property
     def step(self) -> int:

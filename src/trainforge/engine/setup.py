@@ -53,6 +53,7 @@ from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run, rough_skeleton_estimate
 from .predict.memory import MemoryEstimate, estimate_memory, memory_refusal, memory_warning
 from .nonfinite import NonFiniteGuard
+from .objective import build_objective, describe_objective
 from .oom import OutOfMemory
 from .optim import build_optimizer, check_optimizer, describe_optimizer
 from .preempt import StopRequest
@@ -123,6 +124,9 @@ def setup(
     data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
 
     model = build_run_model(cfg, tokenizer, precision, device, reporter)
+    objective = build_objective(cfg, model)  # before any checkpoint loads: a frozen reference is the starting weights
+    if objective.unit == "pair":
+        reporter.info(describe_objective(objective))
     laps("model")
     rough = estimate_memory(model, loader.batch_size, cfg.row_tokens(), precision)
     warning = memory_warning(rough, available_memory_bytes(device), device)
@@ -178,10 +182,11 @@ def setup(
         stop=stop or StopRequest(),
         dist=ctx,
         sync=ctx.no_sync(train_model),
-        facts=run_facts(cfg, model, precision, device, ctx, why, data.prepared.format, data_stats, fit, reporter),
+        facts=run_facts(cfg, model, precision, device, ctx, why, data.prepared.format, data_stats, fit, reporter, objective),
         timer=StepTimer(device),
         counters=Counters(schedule_steps=schedule_steps),
         started_at=started_at,
+        objective=objective,
         advisor=Advisor(
             device_memory(device)[0], peak_reprobe(device, precision, cfg.data.cache_dir, ctx.world_size),
             judge_mfu=not (device.type == "cpu" and emulated_precision(precision.name, cpu_has_native_bf16())),
@@ -317,12 +322,14 @@ def build_run_model(
 
 def run_facts(
     cfg: RunConfig, model: torch.nn.Module, precision: Precision, device: torch.device, ctx: DistContext, why: str,
-    data_format: str, data_stats: dict[str, Any], fit: Fit, reporter: ConsoleReporter,
+    data_format: str, data_stats: dict[str, Any], fit: Fit, reporter: ConsoleReporter, objective: Any = None,
 ) -> RunFacts:
     """FLOPs per token and the device peak (for MFU), with what setup chose and why; the compute line is said."""
     # encoder-decoder: a source token costs the encoder's matmuls, a target token the decoder's and the head's
     share = data_stats["train_target_tokens"] / max(data_stats["train_tokens"], 1) if data_stats.get("encoder_decoder") else None
     per_token = flops_per_token(model, cfg.data.max_length, share)
+    if objective is not None and objective.unit == "pair" and objective.reference != "none":
+        per_token *= 4 / 3  # the reference's forward: a third of a trained token's forward + backward
     device_peak, source = peak_flops(device, precision.name, cfg.data.cache_dir)
     peak = device_peak * ctx.world_size  # tokens/s is the global figure: so is the peak
     reporter.info(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +63,13 @@ def forward_backward(
     sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
     timer: StepTimer = NULL_TIMER,
     fused: bool = True,
+    objective: Any = None,
+    metrics: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Accumulate gradients of (sum of all target-token losses) / (number of target tokens).
+
+    ``objective`` (engine/objective.py): what is summed and counted instead, e.g. per-pair preference losses
+    over pairs (``n_targets`` is then the step's count of its units); its metrics' sums go to ``metrics``.
 
     The divisor counts every target token of every micro-batch of the step, so 4 x 1 and
     1 x 4 micro-batching give the same gradient (a mean of per-micro-batch means would not).
@@ -72,14 +78,14 @@ def forward_backward(
     ``fused``: the chunked LM-head + cross-entropy where the model allows (see ``loss_sum``).
     Returns this process's share of the step's mean loss as a device tensor: reading it is left to log steps.
     """
-    if n_targets is None:
-        n_targets = sum(mb.n_targets for mb in micro_batches)  # counted on the host: no device sync
+    if n_targets is None:  # counted on the host: no device sync
+        n_targets = sum(objective.units(mb) if objective is not None else mb.n_targets for mb in micro_batches)
     total = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
         mb = mb.to(device)
         with sync(i == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():
             with timer.phase("forward"):
-                summed = loss_sum(model, mb, precision, fused)
+                summed = objective.loss_sum(model, mb, precision, fused, metrics) if objective is not None else loss_sum(model, mb, precision, fused)
             scaled = summed / n_targets
             with timer.phase("backward"):
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()

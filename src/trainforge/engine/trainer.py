@@ -32,6 +32,7 @@ from ..metrics.limits import describe_limits, rank_limits
 from .advisor import RunTimes
 from .evaluate import evaluate, planned_evals
 from .nonfinite import final_weights_check
+from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .preempt import Interrupted, StopRequest
@@ -105,7 +106,8 @@ def probe_step(run: Run) -> None:
     if run.batches is None:
         run.batches = iter(run.loader)
     loss = forward_backward(
-        run.train_model, fetch_step(run), run.precision, run.device, run.scaler, None, run.sync, fused=run.cfg.train.fused_loss
+        run.train_model, fetch_step(run), run.precision, run.device, run.scaler, None, run.sync,
+        fused=run.cfg.train.fused_loss, objective=run.objective,
     )
     optimizer_step(run.params, run.optimizer, run.cfg.optim.max_grad_norm, run.scaler, loss)
 
@@ -122,7 +124,7 @@ def rewind_data(run: Run, longest_first: bool | None = None) -> None:
 def run_eval(run: Run, label: str) -> dict[str, float]:
     """Evaluate, log to metrics.jsonl and the console; its seconds to the counters and events.jsonl."""
     t = time.perf_counter()
-    result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist, run.cfg.train.fused_loss)
+    result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist, run.cfg.train.fused_loss, run.objective)
     if result:
         took = time.perf_counter() - t
         run.counters.eval_s += took
@@ -130,7 +132,9 @@ def run_eval(run: Run, label: str) -> dict[str, float]:
         run.advisor.eval_ran()
         run.metrics.event("eval", run.step, seconds=round(took, 3), batches=len(run.eval_set))
         run.metrics.write({"step": run.step, **result})
-        run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} (ppl {result['eval_ppl']:.1f})")
+        extra = f"(ppl {result['eval_ppl']:.1f})" if "eval_ppl" in result else (
+            f"(reward accuracy {result['eval_reward_accuracy']:.1%}, margin {result['eval_reward_margin']:.3f})")
+        run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} {extra}")
         run.counters.last_eval = result
     return result
 
@@ -159,9 +163,10 @@ def train_loop(run: Run, steps: int | None = None) -> None:
             micro_batches = fetch_step(run)
         wait = time.perf_counter() - t
         c.data_wait_s += wait
-        # all ranks' token counts (the loss divisor) and agreement on stopping / a time-based save
+        # all ranks' counts of the loss divisor (target tokens, or pairs) and input tokens, and agreement on
+        # stopping / a time-based save
         n_targets, step_tokens, stop, time_due = run.dist.step_totals(
-            sum(mb.n_targets for mb in micro_batches),
+            sum(run.objective.units(mb) for mb in micro_batches),
             sum(mb.n_tokens for mb in micro_batches),
             run.stop.requested,
             run.saver.time_due(),
@@ -171,7 +176,7 @@ def train_loop(run: Run, steps: int | None = None) -> None:
             run.loader.load_state_dict(position)  # these batches are not trained: the checkpoint resumes at them
             stop_on_signal(run)
 
-        loss, micro_batches = forward_backward_adaptive(run, micro_batches, position, n_targets)
+        loss, micro_batches, sums = forward_backward_adaptive(run, micro_batches, position, n_targets)
         loss = run.dist.all_reduce(loss)  # the global mean: every rank logs and guards the same value
         with run.timer.phase("optimizer"):
             grad_norm, skipped = optimizer_step(run.params, run.optimizer, cfg.optim.max_grad_norm, run.scaler, loss)
@@ -187,6 +192,7 @@ def train_loop(run: Run, steps: int | None = None) -> None:
             run.advisor.record_step(run.step, loss, grad_norm, indices)  # kept on the device until the log step
         c.tokens_seen += step_tokens
         run.window.add(loss, skipped, step_tokens, indices if cfg.log.example_indices else None, len(indices), wait)
+        run.window.add_sums(sums)  # a preference objective's rewards, margins, accuracy (read at the log step)
         now = time.perf_counter()
         c.loop_time_s, tick = c.loop_time_s + now - tick, now
         step, last = c.step, c.step == run.max_steps
@@ -269,6 +275,7 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
     }
     if run.device.type == "cuda":
         rec["reserved_memory_bytes"] = int(torch.cuda.max_memory_reserved(run.device))
+    rec.update(mean_metrics(w.sums, reduce=run.dist.all_reduce))  # every rank: the sums are all-reduced
     if run.cfg.log.example_indices:
         rec["example_indices"] = w.indices
     run.metrics.write(rec)
@@ -411,7 +418,10 @@ def finish(run: Run) -> RunResult:
         "eval_loss_before": c.eval_before.get("eval_loss"),
         "eval_loss": c.last_eval.get("eval_loss"),
         "eval_ppl": c.last_eval.get("eval_ppl"),
-        "eval_batches": len(run.eval_set),  # per evaluation (train.eval_max_batches: auto chose it from the run's length)
+        "eval_batches": len(run.eval_set),
+        "objective": run.objective.name,
+        **({"reference": run.objective.reference} if run.objective.unit == "pair" else {}),
+        **{k: v for k, v in c.last_eval.items() if k.startswith("eval_reward") or k.startswith("eval_logps")},  # per evaluation (train.eval_max_batches: auto chose it from the run's length)
         "device": str(run.device),
         "precision": run.precision.name,
         "precision_reason": facts.precision_reason,

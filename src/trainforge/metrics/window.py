@@ -23,6 +23,7 @@ class LogWindow:
     data_wait_s: float = 0.0  # time the loop waited for batches in the window
     carried_s: float = 0.0  # seconds the window had run before the checkpoint it was resumed from
     timed_from: float = field(default_factory=time.perf_counter)  # when its time on this process began
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)  # an objective's metric sums (engine/objective.py)
 
     @property
     def started(self) -> float:
@@ -52,6 +53,11 @@ class LogWindow:
         if indices is not None:
             self.indices.append(indices)
 
+    def add_sums(self, sums: dict[str, torch.Tensor]) -> None:
+        """Add a step's metric sums (device tensors, not read here)."""
+        for key, value in sums.items():
+            self.sums[key] = self.sums[key] + value.detach() if key in self.sums else value.detach().clone()
+
     def mean_loss(self) -> float:
         """Mean loss of the window's finite steps (NaN when none was finite); reads the device."""
         n = float(self.finite_steps)
@@ -61,7 +67,7 @@ class LogWindow:
         self.loss_sum.zero_()
         self.finite_steps.zero_()
         self.steps, self.tokens, self.indices = 0, 0, []
-        self.rows, self.data_wait_s = 0, 0.0
+        self.rows, self.data_wait_s, self.sums = 0, 0.0, {}
         self.carried_s, self.timed_from = 0.0, time.perf_counter()
 
     def state_dict(self) -> dict[str, Any]:
@@ -74,6 +80,7 @@ class LogWindow:
             "rows": self.rows,
             "data_wait_s": self.data_wait_s,
             "elapsed_s": time.perf_counter() - self.started,  # the span so far, carried into a resumed run
+            "sums": {k: v.detach().cpu().clone() for k, v in self.sums.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -84,3 +91,4 @@ class LogWindow:
         self.steps, self.tokens, self.indices = state["steps"], state["tokens"], [list(i) for i in state["indices"]]
         self.rows, self.data_wait_s = state.get("rows", 0), state.get("data_wait_s", 0.0)
         self.carried_s, self.timed_from = state.get("elapsed_s", 0.0), time.perf_counter()
+        self.sums = {k: v.to(self.loss_sum.device) for k, v in state.get("sums", {}).items()}

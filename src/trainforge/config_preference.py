@@ -1,0 +1,53 @@
+"""The ``preference`` section of a run config: the hyperparameters of ``train.objective`` dpo, ipo, orpo and simpo,
+and which model gives the reference log-probabilities; ``check_objective`` holds the objective against the rest."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from .config_base import Section
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo")
+"""``train.objective`` values: next-token cross-entropy, then the preference objectives (engine/preference.py)."""
+REFERENCE_FREE = ("orpo", "simpo")
+"""Objectives that compare the policy with itself: no reference model runs."""
+
+
+class PreferenceSettings(Section):
+    beta: float = Field(
+        0.1, gt=0, le=1000,
+        description="dpo: the KL weight beta (rewards are beta x log-ratio); ipo: the regularization tau; simpo: the "
+        "reward scale (the paper uses 2-10); orpo: the weight lambda of the odds-ratio term next to the chosen NLL",
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="dpo: the probability that a pair's preference is flipped (conservative DPO)",
+    )
+    simpo_gamma: float = Field(0.5, ge=0, le=1000, description="simpo: the target reward margin gamma")
+    reference: Literal["auto", "model", "none"] = Field(
+        "auto",
+        description="the reference of dpo and ipo: auto: with LoRA/QLoRA the same model with its adapters switched off "
+        "(no second copy of the weights), with a full fine-tune a frozen copy of the starting weights; model: always "
+        "a frozen copy; none: reference-free (log-ratios against 0). orpo and simpo use no reference",
+    )
+
+
+def check_objective(cfg: "RunConfig") -> None:
+    """Raise ValueError naming the key when ``train.objective`` does not fit the model or the data settings."""
+    objective = cfg.train.objective
+    if objective == "sft":
+        if cfg.data.format == "preference":
+            raise ValueError("data.format: preference rows (chosen/rejected) train a preference objective; set "
+                             "train.objective to one of " + ", ".join(OBJECTIVES[1:]))
+        return
+    if cfg.model.kind.encoder_decoder:
+        raise ValueError(f"train.objective: {objective} is for decoder-only models here; this model is an encoder-decoder")
+    if cfg.data.format not in ("auto", "preference"):
+        raise ValueError(f"data.format: train.objective {objective} reads preference rows; set data.format: preference or auto")
+    if cfg.data.packing is not True:
+        raise ValueError(f"data.packing: train.objective {objective} puts a pair's chosen and rejected sides into one row "
+                         "as two documents (one forward for both); set data.packing: true")

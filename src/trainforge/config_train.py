@@ -1,0 +1,138 @@
+"""The ``train`` section of a run config: steps, batch, precision, evaluation, what runs on the device;
+and how grad_accum and max_steps resolve from it."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from .config_base import MAX_ROWS, MAX_STEPS, Section
+from .config_errors import ConfigError
+from .config_preference import OBJECTIVES
+
+
+class TrainSettings(Section):
+    objective: Literal[OBJECTIVES] = Field(
+        "sft",
+        description="sft: next-token cross-entropy on the learned tokens; dpo, ipo, orpo, simpo: preference tuning on "
+        "chosen/rejected pairs (hyperparameters under preference; docs/preference.md)",
+    )
+    max_steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer steps (or give epochs)")
+    epochs: float | None = Field(None, gt=0, le=10**6, description="passes over the training data (or give max_steps)")
+    micro_batch_size: int | Literal["auto"] = Field(
+        8,
+        description="rows per forward pass; auto: the largest the plan predicts fits in 90% of the device's "
+        f"memory (see trainforge plan), at most global_batch_size / processes (> 0, <= {MAX_ROWS})",
+    )
+    grad_accum: int = Field(1, gt=0, le=MAX_ROWS, description="micro-batches per optimizer step")
+    global_batch_size: int | None = Field(
+        None, gt=0, le=MAX_ROWS * 16, description="rows per optimizer step over all processes; sets grad_accum to "
+        "global_batch_size / (micro_batch_size x processes), which must divide it",
+    )
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="auto: bf16 where native, fp16 + loss scaling on older GPUs, else fp32"
+    )
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        "auto",
+        description="recompute each decoder layer's activations in backward: less memory, ~1/3 more compute; "
+        "auto: on only when the plan predicts the run does not fit without it",
+    )
+    fused_loss: bool = Field(
+        True,
+        description="LM head and cross-entropy fused and chunked over target positions only (no full logits "
+        "tensor); false: the model's own head and a standard cross-entropy. Models whose head is not a plain "
+        "linear layer (LoRA on the head, soft-capped logits) always take the standard path",
+    )
+    kernels: Literal["auto", "liger", "torch"] = Field(
+        "auto",
+        description="fused Triton kernels: liger (Liger Kernel's RMSNorm, RoPE, SwiGLU and fused linear "
+        "cross-entropy; CUDA, pip install 'trainforge[gpu]'); torch: PyTorch's ops; auto: liger on CUDA when "
+        "installed, else torch",
+    )
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="auto: CUDA when present, else CPU")
+    seed: int = Field(0, ge=0, lt=2**32, description="seeds initialization, data order, eval split and sampling")
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile the decoder; auto: after timing the first steps, only when the time "
+        "it saves over the remaining steps exceeds the expected compile time",
+    )
+    eval_every: int | Literal["auto"] | None = Field(
+        None, description="evaluate every N steps (always at start and end); auto: ten times over the run "
+        f"(every max_steps / 10 steps); (> 0, <= {MAX_STEPS})",
+    )
+    eval_max_batches: int | Literal["auto"] | None = Field(
+        "auto",
+        description="eval batches per evaluation; auto: as many as keep all of the run's evaluations within 5% "
+        f"of its training compute (at least one); null: all; (> 0, <= {MAX_STEPS})",
+    )
+    max_skipped_steps: int = Field(
+        3,
+        ge=1,
+        le=MAX_STEPS,
+        description="stop (exit code 3) after this many steps in a row skipped for a non-finite loss or grad norm",
+    )
+    distributed: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="under torchrun: ddp (full replica per process) or fsdp (FSDP2, weights/grads/optimizer sharded); "
+        "auto: ddp when weights+grads+optimizer state fit on one device, else fsdp",
+    )
+    dist_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="under torchrun: a collective waiting longer than this for another process fails the job",
+    )
+
+    @field_validator("eval_every", "eval_max_batches")
+    @classmethod
+    def _eval_range(cls, v: int | str | None, info: ValidationInfo) -> int | str | None:
+        if isinstance(v, int) and not 0 < v <= MAX_STEPS:
+            unit = "steps" if info.field_name == "eval_every" else "batches"
+            raise ValueError(f"must be a number of {unit} (> 0, <= {MAX_STEPS}), auto or null")
+        return v
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive_batch(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v <= 0:
+            raise ValueError("must be a positive number of rows, or auto")
+        if isinstance(v, int) and v > MAX_ROWS:
+            raise ValueError(f"at most {MAX_ROWS} rows per forward pass")
+        return v
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "TrainSettings":
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("give train.max_steps or train.epochs, not both")
+        return self
+
+
+def resolve_grad_accum(train: "TrainSettings", world_size: int) -> int:
+    """Micro-batches per optimizer step: ``train.grad_accum``, or derived from ``train.global_batch_size``."""
+    if train.global_batch_size is None:
+        return train.grad_accum
+    if train.micro_batch_size == "auto":
+        raise ConfigError("train.micro_batch_size: auto must be resolved (engine/fit.py) before grad_accum")
+    per_pass = train.micro_batch_size * world_size
+    if train.global_batch_size % per_pass:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} is not a multiple of micro_batch_size x processes = "
+            f"{train.micro_batch_size} x {world_size} = {per_pass}; use a multiple of {per_pass} or change train.micro_batch_size"
+        )
+    accum = train.global_batch_size // per_pass
+    if "grad_accum" in train.model_fields_set and train.grad_accum != accum:
+        raise ConfigError(
+            f"train.grad_accum={train.grad_accum} contradicts train.global_batch_size={train.global_batch_size} "
+            f"(which needs grad_accum {accum} at micro_batch_size {train.micro_batch_size} x {world_size} processes); give one of them"
+        )
+    return accum
+
+
+def resolve_max_steps(train: TrainSettings, batches_per_epoch: int) -> int:
+    """Optimizer steps for the run: max_steps, or epochs over the data (default: one epoch)."""
+    if train.max_steps is not None:
+        return train.max_steps
+    epochs = train.epochs if train.epochs is not None else 1.0
+    return max(1, math.ceil(epochs * batches_per_epoch / train.grad_accum))
