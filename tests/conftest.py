@@ -51,6 +51,20 @@ def toy_prompt_completions(n: int, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
+def toy_preference_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """A known preference in the toy vocabulary: after a few words of the cycle, ``chosen`` goes on with the
+    next words, ``rejected`` gives the same words backwards (TRL's {prompt, chosen, rejected} layout)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        start = rng.randrange(len(WORDS))
+        k, m = rng.randrange(2, 8), rng.randrange(2, 6)
+        nxt = [WORDS[(start + k + i) % len(WORDS)] for i in range(m)]
+        prompt = "continue: " + " ".join(WORDS[(start + i) % len(WORDS)] for i in range(k))
+        rows.append({"prompt": prompt, "chosen": " " + " ".join(nxt), "rejected": " " + " ".join(reversed(nxt))})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -150,6 +164,8 @@ def toy_data_dir(tmp_path_factory) -> Path:
     write_jsonl(d / "text_eval.jsonl", [{"text": t} for t in toy_documents(40, seed=2)])
     write_jsonl(d / "pc_train.jsonl", toy_prompt_completions(400, seed=3))
     write_jsonl(d / "pc_eval.jsonl", toy_prompt_completions(40, seed=4))
+    write_jsonl(d / "pref_train.jsonl", toy_preference_pairs(400, seed=5))
+    write_jsonl(d / "pref_eval.jsonl", toy_preference_pairs(60, seed=6))
     return d
 
 

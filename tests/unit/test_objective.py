@@ -1,0 +1,98 @@
+"""A training step under a preference objective: the step's loss is the mean over pairs of the paper's formula
+(written out on unpacked, unfused logits), and its gradient is the same whether the pairs come in one
+micro-batch or one per micro-batch (accumulation divides by the pairs of the whole step)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_store
+from test_preference import PAIRS, TOL, paper_losses, reference_logps, tiny_llama
+
+from trainforge.config_preference import PreferenceSettings
+from trainforge.data.loader import RowCollator
+from trainforge.data.packing import pair_rows
+from trainforge.engine.objective import PAIRS as PAIR_COUNT
+from trainforge.engine.objective import PairObjective, mean_metrics, resolve_reference
+from trainforge.engine.step import forward_backward
+from trainforge.hardware import PRECISIONS
+
+FP32 = PRECISIONS["fp32"]
+
+
+def pair_batches(tmp_path, per_row: bool):
+    """The three test pairs as collated batches: all in one micro-batch, or a micro-batch per row of one pair."""
+    sequences = [(p + reply, [False] * len(p) + [True] * len(reply)) for p, c, r in PAIRS for reply in (c, r)]
+    store = make_store(tmp_path / f"store-{per_row}", sequences, vocab_size=64)
+    collate = RowCollator(store, pad_id=0, mode=True, max_length=16 if per_row else 48)
+    rows = pair_rows(store, np.arange(len(PAIRS)), max_length=16 if per_row else 48)
+    if per_row:
+        assert len(rows) == len(PAIRS)  # one pair per row: three micro-batches
+        return [collate([r], [i]) for i, r in enumerate(rows)]
+    assert len(rows) == 1
+    return [collate(rows, [0])]
+
+
+def moved_policy() -> tuple[torch.nn.Module, torch.nn.Module]:
+    policy = tiny_llama()
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():  # a policy that moved away from its reference
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return policy, reference
+
+
+@pytest.mark.parametrize("name", ["dpo", "ipo", "simpo", "orpo"])
+def test_a_step_is_the_mean_pair_loss_and_the_same_in_one_or_three_micro_batches(tmp_path, name):
+    policy, reference = moved_policy()
+    objective = PairObjective(name, PreferenceSettings(beta=0.1, simpo_gamma=0.5), "model" if name in ("dpo", "ipo") else "none", reference)
+
+    grads, losses = [], []
+    for per_row in (False, True):
+        metrics: dict = {}
+        loss = forward_backward(policy, pair_batches(tmp_path, per_row), FP32, torch.device("cpu"), objective=objective, metrics=metrics)
+        grads.append({k: v.grad.clone() for k, v in policy.named_parameters()})
+        policy.zero_grad()
+        losses.append(loss)
+        assert int(metrics[PAIR_COUNT]) == len(PAIRS)
+
+    want = paper_losses(reference_logps(policy), reference_logps(reference), name)
+    want.backward()
+    for loss in losses:
+        torch.testing.assert_close(loss, want.detach(), **TOL)
+    for g in grads:
+        for k, v in policy.named_parameters():
+            torch.testing.assert_close(g[k], v.grad, **TOL, msg=k)
+
+
+def test_the_unfused_path_gives_the_same_loss_and_metrics(tmp_path):
+    policy, reference = moved_policy()
+    objective = PairObjective("dpo", PreferenceSettings(), "model", reference)
+    batch = pair_batches(tmp_path, False)[0]
+    fused, unfused = {}, {}
+    a = objective.loss_sum(policy, batch, FP32, True, fused)
+    b = objective.loss_sum(policy, batch, FP32, False, unfused)
+    torch.testing.assert_close(a, b, **TOL)
+    for k, v in mean_metrics(fused).items():
+        assert mean_metrics(unfused)[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_reference_free_dpo_compares_log_probabilities_against_zero(tmp_path):
+    policy, _ = moved_policy()
+    batch = pair_batches(tmp_path, False)[0]
+    got = PairObjective("dpo", PreferenceSettings(beta=0.1), "none").loss_sum(policy, batch, FP32)
+    p = reference_logps(policy)
+    want = -torch.nn.functional.logsigmoid(0.1 * (p.chosen - p.rejected)).sum()
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_the_reference_follows_the_method_and_the_objective():
+    assert resolve_reference("dpo", "auto", "lora") == "adapters"
+    assert resolve_reference("dpo", "auto", "qlora") == "adapters"
+    assert resolve_reference("dpo", "auto", "full") == "model"
+    assert resolve_reference("ipo", "model", "lora") == "model"
+    assert resolve_reference("dpo", "none", "full") == "none"
+    assert resolve_reference("orpo", "auto", "full") == resolve_reference("simpo", "model", "lora") == "none"
