@@ -96,3 +96,41 @@ def test_the_reference_follows_the_method_and_the_objective():
     assert resolve_reference("ipo", "model", "lora") == "model"
     assert resolve_reference("dpo", "none", "full") == "none"
     assert resolve_reference("orpo", "auto", "full") == resolve_reference("simpo", "model", "lora") == "none"
+
+
+@pytest.mark.parametrize("objective,method", [("dpo", "full"), ("dpo", "lora"), ("simpo", "full")])
+def test_a_crashed_preference_run_resumes_exactly(objective, method, tiny_model_dir, toy_data_dir, tmp_path, monkeypatch):
+    """Crashed in step 5, resumed from the step-4 checkpoint: the same weights and the same metric records
+    (rewards included: a half-filled log window carries over) as the uninterrupted run. A full fine-tune's
+    reference stays the starting weights, not the checkpoint's."""
+    import trainforge.engine.trainer as trainer
+    from conftest import finetune_settings
+    from test_resume import Crash, crash_in_step, train, train_records
+
+    cfg = finetune_settings(tiny_model_dir, toy_data_dir)
+    cfg["model"]["method"] = method
+    cfg["data"].update(train=str(toy_data_dir / "pref_train.jsonl"), eval=str(toy_data_dir / "pref_eval.jsonl"))
+    cfg["train"].update(objective=objective, max_steps=6, eval_every=3, eval_max_batches=2)
+    cfg["optim"]["lr"] = 1e-2
+    cfg["checkpoint"] = {"every_steps": 2, "keep_last": 5}
+    cfg["log"].update(every_steps=3)  # records at 3 and 6: the resume at 4 carries step 4's sums into the record of 6
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(cfg, whole)
+    original = trainer.forward_backward_adaptive
+    crash_in_step(monkeypatch, 5)
+    with pytest.raises(Crash):
+        train(cfg, cut)
+    monkeypatch.setattr(trainer, "forward_backward_adaptive", original)
+    resumed, _ = train(cfg, cut)
+    assert resumed.summary["resumed_from_step"] == 4
+    a, b = train_records(whole), train_records(cut)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-7), (x["step"], k)
+    assert "reward_accuracy" in a[-2] and "eval_reward_accuracy" in a[-1]
+    wa = torch.load(whole / "checkpoints" / "step-00000006" / "state.pt", weights_only=True)["model"]
+    wb = torch.load(cut / "checkpoints" / "step-00000006" / "state.pt", weights_only=True)["model"]
+    for k, v in wa.items():
+        assert torch.equal(v, wb[k]), k
