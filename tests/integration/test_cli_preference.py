@@ -27,6 +27,7 @@ def preference_config(model_dir: Path, data_dir: Path, objective: str, method: s
     cfg["log"]["every_steps"] = 5
     if objective == "orpo":
         cfg["preference"] = {"beta": 0.5}
+    cfg["log"]["report"] = method == "lora"  # one run draws report.html: its reward panels are checked
     return cfg
 
 
@@ -68,7 +69,10 @@ def test_preference_run_learns_the_known_preference_and_final_loads(tmp_path, ti
         assert evals[0]["eval_reward_accuracy"] == 0.0 and evals[0]["eval_loss"] == pytest.approx(0.693147, abs=1e-5)
     assert summary["eval_reward_accuracy"] >= 0.8, evals  # 60 held-out pairs: chance is 0.5
     assert summary["eval_reward_margin"] > evals[0]["eval_reward_margin"]
-    assert "objective: " + objective in proc.stdout
+    assert "objective: " + objective in proc.stdout and "reward acc" in proc.stdout
+    if method == "lora":
+        page = (run / "report.html").read_text()
+        assert 'alt="Reward accuracy"' in page and 'alt="Rewards"' in page
 
     final = run / "final"
     from trainforge.model.tokenizer import load_tokenizer

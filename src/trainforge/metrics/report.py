@@ -18,7 +18,7 @@ import yaml
 
 from ..atomic import atomic_write_text
 from .limits import ledger_from_files, rank_limits
-from .report_charts import CAPTIONS, PANELS, figure_png
+from .report_charts import CAPTIONS, figure_png, panels_for
 from .report_data import EVENT_LABELS, ReportError, RunData, config_differences, load_run
 from .sink import flat_config
 
@@ -202,7 +202,7 @@ def render_html(runs: list[RunData]) -> str:
     esc = html.escape  # figures are drawn by matplotlib's Figure API to PNG bytes: no pyplot, no display
     several = len(runs) > 1
     figures = []
-    for title, ylabel, xaxis, panel, log_ratio in PANELS:
+    for title, ylabel, xaxis, panel, log_ratio in panels_for(runs):
         series = [s for i, r in enumerate(runs) for s in panel(r, i, several)]
         png = figure_png(title, ylabel, xaxis, series, runs, log_ratio)
         figures.append(

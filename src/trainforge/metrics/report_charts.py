@@ -84,7 +84,39 @@ def _metric(key: str, label: str, scale: float = 1.0, extra: tuple[str, str] | N
     return series
 
 
+def _rewards(run: RunData, i: int, several: bool) -> list[Series]:
+    """A preference run's implicit rewards of chosen and rejected (train), and the eval margin."""
+    color = RUN_COLORS[i % len(RUN_COLORS)]
+    prefix = f"{run.name}: " if several else ""
+    out = []
+    for key, label, style in (("rewards_chosen", "chosen", "-"), ("rewards_rejected", "rejected", ":")):
+        xs, ys = _train_series(run, key)
+        out.append(Series(prefix + label, xs, ys, {"color": color, "lw": 1.5, "ls": style}))
+    evals = [r for r in run.evals if "eval_reward_margin" in r]
+    if evals:
+        out.append(Series(prefix + "eval margin", [r["step"] for r in evals], [_num(r["eval_reward_margin"]) for r in evals],
+                          {"color": color, "lw": 1.2, "ls": "--", "marker": "o", "ms": 4}))
+    return out
+
+
+def _accuracy(run: RunData, i: int, several: bool) -> list[Series]:
+    """A preference run's reward accuracy in %, train and eval."""
+    color = RUN_COLORS[i % len(RUN_COLORS)]
+    prefix = f"{run.name}: " if several else ""
+    xs, ys = _train_series(run, "reward_accuracy", 100.0)
+    out = [Series(prefix + "train", xs, ys, {"color": color, "lw": 1.5})]
+    evals = [r for r in run.evals if "eval_reward_accuracy" in r]
+    if evals:
+        out.append(Series(prefix + "eval", [r["step"] for r in evals], [100.0 * _num(r["eval_reward_accuracy"]) for r in evals],
+                          {"color": color, "lw": 1.2, "ls": "--", "marker": "o", "ms": 4}))
+    return out
+
+
 CAPTIONS = {
+    "Reward accuracy": "preference runs: the share of pairs whose chosen reply gets the higher implicit reward (train: "
+    "the pairs since the previous record; eval: the eval pairs)",
+    "Rewards": "preference runs: mean implicit reward (beta x log-ratio against the reference) of chosen and rejected, "
+    "and the eval margin between them",
     "Loss against steps": "train: mean loss of the steps since the previous record; eval: loss on the eval set",
     "Loss against tokens": "the same against real (non-padding) tokens trained, for runs of different batch sizes",
     "Learning rate": "at each logged step, after warmup and schedule",
@@ -107,6 +139,20 @@ PANELS: list[tuple[str, str, str, PanelFn, float | None]] = [
     ("Peak memory", "GiB", "step", _metric("peak_memory_bytes", "peak allocated", 2.0**-30, ("reserved_memory_bytes", "reserved")), None),
     ("Data wait", "% of step time", "step", _metric("data_wait_pct", "waiting for data"), None),
 ]
+
+
+# shown only when a run of the report trained a preference objective (train.objective: dpo, ipo, orpo, simpo)
+PREFERENCE_PANELS: list[tuple[str, str, str, PanelFn, float | None]] = [
+    ("Reward accuracy", "% of pairs", "step", _accuracy, None),
+    ("Rewards", "reward", "step", _rewards, None),
+]
+
+
+def panels_for(runs: list[RunData]) -> list[tuple[str, str, str, PanelFn, float | None]]:
+    """The report's panels: the preference ones after the loss when a run has reward metrics."""
+    if any("reward_accuracy" in r for run in runs for r in run.train):
+        return PANELS[:2] + PREFERENCE_PANELS + PANELS[2:]
+    return PANELS
 
 
 def figure_png(title: str, ylabel: str, xaxis: str, series: list[Series], runs: list[RunData], log_ratio: float | None) -> str:
