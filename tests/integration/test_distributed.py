@@ -193,3 +193,27 @@ def test_global_batch_size_sets_the_accumulation_for_the_process_count(two_proc,
     assert_close_records(records(run), records(reference))
     bad = run_cli(["train", config, "--output", tmp_path / "bad", "--set", "train.global_batch_size=5"], tmp_path)
     assert bad.returncode == 2 and "not a multiple of micro_batch_size x processes = 2 x 1 = 2" in " ".join(bad.stderr.split()), show(bad)
+
+
+def test_dpo_on_two_processes_trains_like_one_with_the_same_global_batch(tmp_path, tiny_tokenizer_dir, toy_data_dir):
+    """A preference objective divides by the pairs of all processes, and its rewards are all-reduced:
+    2 processes x micro-batch 2 x accumulation 2 give the records and weights of 1 x 4 x 2."""
+    from rich.console import Console
+
+    from trainforge.engine.trainer import train
+    from trainforge.metrics.console import ConsoleReporter
+
+    def config(micro_batch_size: int) -> dict:
+        cfg = dist_config(tiny_tokenizer_dir, toy_data_dir, micro_batch_size)
+        cfg["data"].update(train=str(toy_data_dir / "pref_train.jsonl"), eval=str(toy_data_dir / "pref_eval.jsonl"))
+        cfg["train"].update(objective="dpo", eval_every=3, eval_max_batches=None)  # all eval pairs, whatever the batch
+        cfg["log"]["example_indices"] = False
+        return cfg
+
+    train(RunConfig.model_validate(config(4)), tmp_path / "one", ConsoleReporter(Console(quiet=True)))
+    proc = run_cli(["train", write_config(tmp_path / "ddp.yaml", config(2)), "--output", tmp_path / "two", "--nproc", 2], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    got, expected = records(tmp_path / "two"), records(tmp_path / "one")
+    assert "reward_accuracy" in expected[1] and "eval_reward_accuracy" in expected[-1]
+    assert_close_records(got, expected)
+    assert_close_weights(final_weights(tmp_path / "two"), final_weights(tmp_path / "one"))

@@ -134,3 +134,23 @@ def test_a_crashed_preference_run_resumes_exactly(objective, method, tiny_model_
     wb = torch.load(cut / "checkpoints" / "step-00000006" / "state.pt", weights_only=True)["model"]
     for k, v in wa.items():
         assert torch.equal(v, wb[k]), k
+
+
+def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_path):
+    from types import SimpleNamespace
+
+    from trainforge.config import ConfigError, load_config
+    from trainforge.data.plan import rows_for
+    from trainforge.data.sources import DataError
+
+    with pytest.raises(ConfigError, match="data.packing: train.objective dpo"):
+        load_config(None, ["train.objective=dpo", "data.packing=false"])
+    with pytest.raises(ConfigError, match="data.format: preference rows"):
+        load_config(None, ["data.format=preference"])
+    with pytest.raises(ConfigError, match="train.objective"):
+        load_config(None, ["train.objective=kto"])
+    pairs, text = SimpleNamespace(format="preference"), SimpleNamespace(format="text")
+    with pytest.raises(DataError, match="set train.objective to dpo"):
+        rows_for(load_config(None), pairs)
+    with pytest.raises(DataError, match="train.objective=orpo needs preference rows"):
+        rows_for(load_config(None, ["train.objective=orpo"]), text)

@@ -38,13 +38,13 @@ def evaluate(
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
-    n, sums, scratch = 0, {}, {}  # scratch: the metrics of repeated batches, not counted
+    n, metrics, scratch = 0, {}, {}  # scratch: the metrics of repeated batches, not counted
     pairs = objective is not None and objective.unit == "pair"
     rounds = -(-len(batches) // ctx.world_size)
     for i in range(ctx.rank, rounds * ctx.world_size, ctx.world_size):
         batch, counted = batches[i % len(batches)].to(device), i < len(batches)
         if pairs:
-            summed = objective.loss_sum(model, batch, precision, fused, sums if counted else scratch).double()
+            summed = objective.loss_sum(model, batch, precision, fused, metrics if counted else scratch).double()
         else:
             summed = loss_sum(model, batch, precision, fused).double()
         if counted:
@@ -56,8 +56,8 @@ def evaluate(
         total, n = sums[0], int(sums[1])
     loss = float(total) / n
     if pairs:
-        sums = sums or {k: torch.zeros_like(v) for k, v in scratch.items()}  # the same keys on every rank's all-reduce
-        return {"eval_loss": loss, **mean_metrics(sums, "eval_", ctx.all_reduce if ctx.enabled else None), "eval_pairs": n}
+        metrics = metrics or {k: torch.zeros_like(v) for k, v in scratch.items()}  # the same keys in every rank's all-reduce
+        return {"eval_loss": loss, **mean_metrics(metrics, "eval_", ctx.all_reduce), "eval_pairs": n}
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n}
 
 

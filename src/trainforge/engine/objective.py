@@ -18,6 +18,7 @@ from ..config_preference import REFERENCE_FREE
 from ..data.loader import Batch
 from ..hardware import Precision
 from . import preference as pref
+from .loss import fused_head
 from .step import loss_sum
 
 PAIRS = "pairs"  # the key of a metrics dict that counts the pairs its sums are over
@@ -53,10 +54,15 @@ class PairObjective:
     def loss_sum(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
                  metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The sum of the batch's per-pair losses (fp32); its pairs' metrics added to ``metrics``."""
+        # policy and reference through the same head: the fused one, unless the policy's forward cannot take it
+        # (a DDP wrapper, LoRA on the head); at the first step the two are then equal to the bit, every reward 0
+        fused = fused and fused_head(model) is not None
         p = pref.batch_pair_logps(model, batch, precision, fused)
         if self.reference != "none":
             base = self.reference_model if self.reference == "model" else None
-            p.ref_chosen, p.ref_rejected = pref.reference_pair_logps(model, batch, precision, base, fused)
+            # DDP: the wrapped model (the reference forward needs no gradient exchange, and has the adapters)
+            unwrapped = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+            p.ref_chosen, p.ref_rejected = pref.reference_pair_logps(unwrapped, batch, precision, base, fused)
         elif self.name not in REFERENCE_FREE:  # reference-free DPO / IPO: the log-ratios are the log-probabilities
             p.ref_chosen, p.ref_rejected = torch.zeros_like(p.chosen), torch.zeros_like(p.rejected)
         losses = self.pair_losses(p)
