@@ -199,3 +199,20 @@ def test_a_resume_that_loses_the_data_position_fails(selftest, tmp_path, monkeyp
     result = runner.check("resume-bf16")
     assert result.status == "FAILED"
     assert "the resumed run differs from the uninterrupted one" in result.error, result.error
+
+
+def test_a_preference_step_whose_pairs_are_swapped_fails(selftest, tmp_path, monkeypatch):
+    from trainforge.engine import preference as pref
+
+    runner = runner_with(selftest, tmp_path)
+    pairs = pref.batch_pair_logps
+
+    def swapped(*args, **kwargs):  # chosen and rejected read from the wrong documents
+        p = pairs(*args, **kwargs)
+        p.chosen, p.rejected = p.rejected, p.chosen
+        return p
+
+    monkeypatch.setattr(pref, "batch_pair_logps", swapped)
+    result = runner.check("preference-fp32")
+    assert result.status == "FAILED"
+    assert "the training step and the direct implementation differ under fp32" in result.error, result.error

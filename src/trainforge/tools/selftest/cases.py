@@ -75,6 +75,7 @@ CHECKS = (
     *(f"attention-{p}" for p in PRECISIONS),
     *(f"resume-{p}" for p in PRECISIONS),
     *(f"kernels-{p}" for p in PRECISIONS),
+    *(f"preference-{p}" for p in PRECISIONS),
     "nonfinite-guard",
     "pinned-memory",
 )

@@ -11,10 +11,10 @@ import torch
 from .assets import MODEL_INIT, Assets, rng_kept
 from .cases import CHECKPOINT_EVERY, Case, case_config
 from .lifecycle import train_stopped_after_checkpoint
-from .probes import attention_implementations, masked_batch, packed_attention_gap
+from .probes import PAIR_DOCS, attention_implementations, masked_batch, packed_attention_gap, pair_batch, pair_documents
 from .reporters import quiet
 from .results import CheckFailed, Result, Skip
-from .tolerances import ATTENTION_TOL, CUDA_RESUME_TOL, HEAD_GRAD_TOL, LOSS_TOL, fmt_values, relative_gap
+from .tolerances import ATTENTION_TOL, CUDA_RESUME_TOL, HEAD_GRAD_TOL, LOSS_TOL, PREFERENCE_TOL, fmt_values, relative_gap
 
 
 def worst_gap(reference: tuple[float, dict], other: tuple[float, dict]) -> tuple[str, float, float]:
@@ -86,6 +86,75 @@ class Checks:
                 )
             notes.append(f"{label} {max(gap, loss_gap):.1e}")
         return f"fused vs standard: {', '.join(notes)} (tol {tol:.0e})"
+
+    def _check_preference(self, precision: str) -> str:
+        """One path per preference family, the training step's against a direct unfused implementation: DPO
+        with its reference as LoRA adapters off, and SimPO without one; packed pairs through the fused head
+        vs each document run alone through the model's own logits, both in this precision: the loss and
+        every gradient."""
+        from ...config import LoraSettings, ModelSettings
+        from ...config_preference import PreferenceSettings
+        from ...engine import preference as pref
+        from ...engine.objective import PairObjective
+        from ...hardware import PRECISIONS as MODES
+        from ...model.load import apply_lora, build_model
+        from ...model.tokenizer import load_tokenizer
+
+        mode, tol = MODES[precision], self.tolerance(PREFERENCE_TOL, precision)
+        tok = load_tokenizer(self.assets.tokenizer)
+        with rng_kept():
+            base = build_model(ModelSettings(path=self.assets.pretrained), tok, 0, self.device, mode.autocast_dtype is not None)
+            model = apply_lora(base, LoraSettings(r=4, alpha=8)).to(self.device)
+            torch.manual_seed(1)
+            for n, p in model.named_parameters():
+                if "lora_B" in n:  # adapters that moved: the policy differs from its reference
+                    torch.nn.init.normal_(p, std=0.05)
+        batch, documents = pair_batch(len(tok), self.device), pair_documents(len(tok))
+        prompts = [prompt for docs in PAIR_DOCS for _, prompt in docs]
+        settings = PreferenceSettings(beta=0.5, simpo_gamma=0.3)
+
+        def direct(policy: bool) -> pref.PairLogps:
+            """Each document alone, the model's own logits (in this precision), fp32 log-softmax of its reply
+            tokens, summed."""
+            sums, counts = [], []
+            for toks, prompt in zip((d for row in documents for d in row), prompts):
+                ids = toks[None].to(self.device)
+                with mode.autocast(self.device):
+                    if policy:
+                        logits = model(input_ids=ids).logits[0, :-1].float()
+                    else:
+                        with torch.no_grad(), model.disable_adapter():
+                            logits = model(input_ids=ids).logits[0, :-1].float()
+                logp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).squeeze(1)[prompt - 1 :]
+                sums.append(logp.sum())
+                counts.append(torch.tensor(len(logp), device=self.device))
+            s, c = torch.stack(sums), torch.stack(counts)
+            return pref.PairLogps(s[0::2], s[1::2], c[0::2], c[1::2])
+
+        notes = []
+        for name, reference in (("dpo", "adapters"), ("simpo", "none")):
+            objective = PairObjective(name, settings, reference)
+            runs = {}
+            for path in ("fused", "direct"):
+                model.zero_grad(set_to_none=True)
+                if path == "fused":
+                    loss = objective.loss_sum(model, batch, mode)
+                else:
+                    p = direct(True)
+                    if reference != "none":
+                        ref = direct(False)
+                        p.ref_chosen, p.ref_rejected = ref.chosen, ref.rejected
+                    loss = objective.pair_losses(p).sum()
+                loss.backward()
+                runs[path] = loss.item(), {n: q.grad.detach().float() for n, q in model.named_parameters() if q.grad is not None}
+            worst, gap, loss_gap = worst_gap(runs["direct"], runs["fused"])
+            if gap > tol or loss_gap > tol:
+                raise CheckFailed(
+                    f"{name}: the training step and the direct implementation differ under {precision}: loss "
+                    f"{runs['fused'][0]:.5f} vs {runs['direct'][0]:.5f}; gradient of {worst} by {gap:.2e} (tolerance {tol:.0e})"
+                )
+            notes.append(f"{name} {max(gap, loss_gap):.1e}")
+        return f"packed + fused vs each pair alone, unfused: {', '.join(notes)} (tol {tol:.0e})"
 
     def _check_resume(self, precision: str) -> str:
         """Stop a run after a checkpoint as SIGTERM does, resume it, and compare the final weights

@@ -34,6 +34,47 @@ def masked_batch(vocab: int, device: torch.device):
     return Batch(ids, labels, pos, int(ids.numel()), int((labels != IGNORE).sum()), [0, 1]).to(device)
 
 
+PAIR_DOCS = [[(12, 5), (14, 5), (9, 3), (7, 3)], [(20, 4), (16, 4)]]
+"""Two packed rows of preference pairs, as (length, prompt tokens) per document: chosen, rejected, chosen, ..."""
+
+
+def pair_documents(vocab: int) -> list[list[torch.Tensor]]:
+    """The token ids of each row's documents in ``PAIR_DOCS`` (a pair shares its prompt)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for docs in PAIR_DOCS:
+        row = []
+        for k, (n, prompt) in enumerate(docs):
+            toks = torch.randint(2, vocab, (n,), generator=gen)
+            if k % 2:
+                toks[:prompt] = row[-1][:prompt]  # the rejected side repeats its chosen side's prompt
+            row.append(toks)
+        rows.append(row)
+    return rows
+
+
+def pair_batch(vocab: int, device: torch.device):
+    """``PAIR_DOCS`` collated as training collates ``pair_rows``: per-document positions, prompts masked, padding."""
+    from ...data.formats import IGNORE
+    from ...data.loader import Batch
+
+    width = 64
+    ids, pos = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
+    labels = torch.full((2, width), IGNORE, dtype=torch.long)
+    for r, (docs, toks_of) in enumerate(zip(PAIR_DOCS, pair_documents(vocab))):
+        at = 0
+        for (n, prompt), toks in zip(docs, toks_of):
+            ids[r, at : at + n - 1], pos[r, at : at + n - 1] = toks[:-1], torch.arange(n - 1)
+            target = toks[1:].clone()
+            target[: prompt - 1] = IGNORE
+            labels[r, at : at + n - 1] = target
+            at += n - 1
+        pos[r, at:] = torch.arange(width - at)  # the padding tail: a document of its own, no targets
+    n_docs = sum(len(d) for d in PAIR_DOCS)
+    return Batch(ids, labels, pos, int(sum(n - 1 for d in PAIR_DOCS for n, _ in d)), int((labels != IGNORE).sum()), [0, 1],
+                 n_documents=n_docs).to(device)
+
+
 def attention_implementations(device: torch.device) -> list[str]:
     """The attention paths a packed row takes on this device: per-document SDPA (CPU default),
     stock SDPA (a block-diagonal mask from position_ids); on CUDA FlexAttention with a document mask,
