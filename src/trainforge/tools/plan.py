@@ -31,6 +31,7 @@ from ..hardware import (
 )
 from ..profiles import GIB, HardwareProfile, find_profile
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
+from .plan_preference import describe_reference, reference_memory, with_reference
 from .plan_remedy import one_change_to_fit
 
 SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write speed (local NVMe order); a finding, not a decision, uses it
@@ -102,6 +103,7 @@ def make_plan(
     accum = resolve_grad_accum(resolved.train, world_size)
     resolved = resolved.model_copy(update={"train": resolved.train.model_copy(update={"grad_accum": accum})})
     memory = fit.memory or predict_memory(resolved, tokenizer, precision, profile, mbs, ckpt, accum, world_size, mode)
+    memory = reference_memory(resolved, memory, profile)  # a frozen reference copy, held the whole run
     levers = lever_savings(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
     load = predict_load_memory(resolved, precision, profile, memory)
     remedy = one_change_to_fit(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
@@ -112,6 +114,7 @@ def make_plan(
     step = _with_comms(step, memory, profile, world_size, mode)
     optimizer = optimizer_facts(resolved, memory, profile)
     step = with_offload(step, optimizer)
+    step, preference = with_reference(resolved, step, memory)  # a preference run's reference forward
     data = data_facts(cfg, tokenizer)
     steps = run_steps(resolved, accum, world_size, data)
     plan: dict[str, Any] = {
@@ -146,6 +149,7 @@ def make_plan(
             "run_s": steps * step.seconds if steps else None,
         },
         "optimizer": optimizer,
+        "preference": preference,
         "data": data,
         "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile),
     }
@@ -451,6 +455,8 @@ def render(plan: dict[str, Any], console) -> None:
         line += (f", {o['host_bytes'] / GIB:.3f} GiB in host memory; per step {o['pcie_s']:.3f}s over PCIe "
                  f"and {o['host_step_s']:.3f}s of host AdamW (included above)")
     console.print(line + ("; paged: spills to host memory under pressure instead of running out" if o["paged"] else ""))
+    if plan.get("preference"):
+        console.print(describe_reference(plan["preference"]))
     if t["run_s"]:
         console.print(f"run: {t['steps']:,} steps, about {_duration(t['run_s'])}")
     d = plan["data"]

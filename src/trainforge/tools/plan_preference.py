@@ -1,0 +1,54 @@
+"""What a preference objective adds to a plan: the reference's forward in every step, and a frozen copy
+of the weights when the reference is the starting model (``preference.reference``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..config import RunConfig
+from ..engine.objective import resolve_reference
+from ..engine.predict.fit import MemoryPrediction
+from ..engine.predict.timing import StepTime
+from ..profiles import HardwareProfile
+
+
+def reference_memory(cfg: RunConfig, memory: MemoryPrediction, profile: HardwareProfile) -> MemoryPrediction:
+    """``memory`` with a frozen copy of the weights held the whole run, when the reference is the starting model."""
+    if cfg.train.objective == "sft" or resolve_reference(cfg.train.objective, cfg.preference.reference, cfg.model.method) != "model":
+        return memory
+    copy = memory.parts.get("weights", 0)
+    return dataclasses.replace(
+        memory, parts={**memory.parts, "reference": copy}, tensors=memory.tensors + copy,
+        process=memory.process + int(copy * (1 + profile.allocator_overhead)),
+    )
+
+
+def with_reference(cfg: RunConfig, step: StepTime, memory: MemoryPrediction) -> tuple[StepTime, dict[str, Any] | None]:
+    """(step, facts) of ``cfg``'s objective. The traced step is the policy's forward and backward on the same
+    rows; a reference adds one forward of them without gradients: a third of a full fine-tune's step (the
+    backward costs two forwards), half of an adapter step's (the frozen base computes no weight gradients).
+    None: not a preference run."""
+    objective = cfg.train.objective
+    if objective == "sft":
+        return step, None
+    reference = resolve_reference(objective, cfg.preference.reference, cfg.model.method)
+    facts: dict[str, Any] = {"objective": objective, "reference": reference, "reference_s": 0.0,
+                             "reference_bytes": memory.parts.get("reference", 0)}
+    if reference == "none":
+        return step, facts
+    share = 1 / 3 if cfg.model.method == "full" else 1 / 2
+    facts["reference_s"] = extra = (step.seconds - step.overhead_s) * share
+    step = StepTime(step.seconds + extra, step.compute_s * (1 + share), step.memory_s * (1 + share), step.overhead_s,
+                    step.flops * (1 + share), step.tokens)
+    return step, facts
+
+
+def describe_reference(facts: dict[str, Any]) -> str:
+    """The plan's line about a preference run's reference."""
+    what = {"adapters": "the model with its adapters off", "model": "a frozen copy of the starting weights",
+            "none": "none (the objective compares the policy with itself)" if facts["objective"] in ("orpo", "simpo")
+            else "none (reference-free)"}[facts["reference"]]
+    cost = f"; its forward adds {facts['reference_s']:.3f}s per step (included above)" if facts["reference_s"] else ""
+    held = f", {facts['reference_bytes'] / 2**30:.3f} GiB held (in the memory above)" if facts["reference_bytes"] else ""
+    return f"objective: {facts['objective']}, reference: {what}{held}{cost}"
