@@ -3,14 +3,11 @@ and which model gives the reference log-probabilities; ``check_objective`` holds
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from .config_base import Section
-
-if TYPE_CHECKING:
-    from .config import RunConfig
 
 OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo")
 """``train.objective`` values: next-token cross-entropy, then the preference objectives (engine/preference.py)."""
@@ -36,8 +33,9 @@ class PreferenceSettings(Section):
     )
 
 
-def check_objective(cfg: "RunConfig") -> None:
-    """Raise ValueError naming the key when ``train.objective`` does not fit the model or the data settings."""
+def check_objective(cfg: Any) -> None:
+    """Raise ValueError naming the key when ``train.objective`` of ``cfg`` (a RunConfig being validated) does not
+    fit the model or the data settings."""
     objective = cfg.train.objective
     if objective == "sft":
         if cfg.data.format == "preference":
