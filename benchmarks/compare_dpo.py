@@ -47,21 +47,24 @@ import sys
 import time
 from pathlib import Path
 
-T_START = time.perf_counter()  # a child's whole-job clock starts before torch / transformers are imported
-
-from compare_hf import (  # noqa: E402 (the same machinery; its module level imports the standard library only)
+# the same machinery; compare_hf's module level imports the standard library only, and its T_START (a child's
+# whole-job clock, read by run_in_child) starts here, before torch / transformers are imported
+from compare_hf import (  # noqa: E402
     Counter,
     add_common_arguments,
     combine,
     finish_hf,
     hf_common_args,
+    known_runs,
     launch_child,
     legend,
     load_model,
     peak_memory,
+    run_in_child,
     run_rounds,
     save_initial_model,
     start_session,
+    train_timed,
     write_jsonl,
 )
 
@@ -132,48 +135,18 @@ def trainforge_config(s: dict, cache_dir: Path) -> dict:
 
 
 def child(name: str, spec_path: Path, result_path: Path) -> None:
-    import resource
-
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    s = json.loads(spec_path.read_text())
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(s["threads"])
-    out = Path(s["paths"]["work"]) / "runs" / name
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    r = run_trainforge(s, out) if name.startswith("trainforge") else run_trl(s, out, tuned=name.endswith("fp32"))
-    r["wall_s"] = time.perf_counter() - T_START
-    r["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    r["threads"] = torch.get_num_threads()
-    result_path.write_text(json.dumps(r, indent=2))
+    run_in_child(spec_path, result_path, name,
+                 lambda s, out: run_trainforge(s, out) if name.startswith("trainforge") else run_trl(s, out, tuned=name.endswith("fp32")))
 
 
 def run_trainforge(s: dict, out: Path) -> dict:
     import yaml
-    from rich.console import Console
 
-    import trainforge.engine.trainer as trainer_module
     from trainforge.config import load_config
-    from trainforge.engine.trainer import train
-    from trainforge.metrics.console import ConsoleReporter
 
     (out / "config.yaml").write_text(yaml.safe_dump(trainforge_config(s, out / "cache"), sort_keys=False))
-    cfg = load_config(out / "config.yaml")
-    clock, loop = {}, trainer_module.train_loop
-
-    def timed_loop(run):  # the loop's CPU seconds, as the TRL run's callback measures them
-        c = time.process_time()
-        try:
-            return loop(run)
-        finally:
-            clock["cpu_s"] = time.process_time() - c
-
-    trainer_module.train_loop = timed_loop
-    sm = train(cfg, out / "run", ConsoleReporter(Console(quiet=True))).summary
-    return {"steps": sm["steps"], "tokens": sm["tokens"], "train_s": sm["train_time_s"], "train_cpu_s": clock.get("cpu_s"),
+    sm, cpu_s = train_timed(load_config(out / "config.yaml"), out / "run")
+    return {"steps": sm["steps"], "tokens": sm["tokens"], "train_s": sm["train_time_s"], "train_cpu_s": cpu_s,
             "tokens_per_s": sm["tokens_per_s"], "precision": sm["precision"], "final_dir": sm["final_dir"],
             "final_train_loss": sm["final_train_loss"], "data_stats": sm.get("data")}
 
@@ -287,9 +260,7 @@ def main() -> int:
     if args.child:
         child(args.child, args.spec, args.result)
         return 0
-    runs = list(dict.fromkeys(r.strip() for r in args.runs.split(",") if r.strip()))
-    if set(runs) - set(RUNS + EXTRA):
-        ap.error(f"unknown runs: {', '.join(sorted(set(runs) - set(RUNS + EXTRA)))}")
+    runs = known_runs(ap, args.runs, RUNS + EXTRA)
     work = start_session(args, "tf-compare-dpo-")
     started = time.perf_counter()
     try:

@@ -244,26 +244,23 @@ def trainforge_config(s: dict, pair: str, cache_dir: Path, packing: bool = True)
 # ---------------------------------------------------------------- children: one run each
 
 
-def child(name: str, spec_path: Path, result_path: Path) -> None:
-    s = json.loads(spec_path.read_text())
+def run_in_child(spec_path: Path, result_path: Path, name: str, run) -> None:
+    """A child process's one run: the spec's thread count, a fresh ``runs/NAME`` directory, ``run(spec, out)``'s
+    result with the whole job's wall time and peak memory added, written to ``result_path``. Every
+    side-by-side benchmark's children run through it."""
+    import resource
+
     import torch
     from transformers.utils import logging as hf_logging
 
+    s = json.loads(spec_path.read_text())
     hf_logging.disable_progress_bar()  # weight-loading bars: noise in the logs, no effect on timings
-
     torch.set_num_threads(s["threads"])
     out = Path(s["paths"]["work"]) / "runs" / name
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    if name.startswith("trainforge"):
-        r = run_trainforge(s, name, out)
-    elif name.startswith("hf-trainer"):
-        r = run_hf_trainer(s, out, bf16=name.endswith("bf16"))
-    else:
-        r = run_trl(s, out, packing="packed" in name, tuned=name.endswith("fp32"))
-    import resource
-
+    r = run(s, out)
     r["wall_s"] = time.perf_counter() - T_START
     r["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     r["peak_rss_children_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
@@ -274,23 +271,37 @@ def child(name: str, spec_path: Path, result_path: Path) -> None:
     result_path.write_text(json.dumps(r, indent=2))
 
 
-def run_trainforge(s: dict, name: str, out: Path) -> dict:
+def child(name: str, spec_path: Path, result_path: Path) -> None:
+    def run(s: dict, out: Path) -> dict:
+        if name.startswith("trainforge"):
+            return run_trainforge(s, name, out)
+        if name.startswith("hf-trainer"):
+            return run_hf_trainer(s, out, bf16=name.endswith("bf16"))
+        return run_trl(s, out, packing="packed" in name, tuned=name.endswith("fp32"))
+
+    run_in_child(spec_path, result_path, name, run)
+
+
+def known_runs(ap: argparse.ArgumentParser, given: str, known: tuple[str, ...]) -> list[str]:
+    """The comma-separated ``--runs`` in order, without repeats; an unknown name is an argument error."""
+    runs = list(dict.fromkeys(r.strip() for r in given.split(",") if r.strip()))
+    unknown = set(runs) - set(known)
+    if unknown:
+        ap.error(f"unknown runs: {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+    return runs
+
+
+def train_timed(cfg, out: Path) -> tuple[dict, float | None]:
+    """``trainforge train`` of ``cfg`` into ``out``, quietly: (its summary, the process CPU seconds of its training
+    loop, as the HF runs' callback measures theirs; nothing is added inside the loop)."""
     from rich.console import Console
 
-    from trainforge.config import load_config
-    from trainforge.engine.trainer import train
+    import trainforge.engine.trainer as trainer_module
     from trainforge.metrics.console import ConsoleReporter
 
-    import trainforge.engine.trainer as trainer_module
-    import yaml
-
-    pair = "a" if name == "trainforge-blocks" else "b"
-    cfg_dict = trainforge_config(s, pair, out / "cache", packing=not name.endswith("unpacked"))
-    (out / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
-    cfg = load_config(out / "config.yaml")
     clock, loop = {}, trainer_module.train_loop
 
-    def timed_loop(run):  # the CPU seconds of the loop, as the HF runs' callback measures them (nothing in the loop)
+    def timed_loop(run):
         c = time.process_time()
         try:
             return loop(run)
@@ -298,14 +309,28 @@ def run_trainforge(s: dict, name: str, out: Path) -> dict:
             clock["cpu_s"] = time.process_time() - c
 
     trainer_module.train_loop = timed_loop
-    result = train(cfg, out / "run", ConsoleReporter(Console(quiet=True)))
-    sm = result.summary
+    try:
+        return trainer_module.train(cfg, out, ConsoleReporter(Console(quiet=True))).summary, clock.get("cpu_s")
+    finally:
+        trainer_module.train_loop = loop
+
+
+def run_trainforge(s: dict, name: str, out: Path) -> dict:
+    import yaml
+
+    from trainforge.config import load_config
+
+    pair = "a" if name == "trainforge-blocks" else "b"
+    cfg_dict = trainforge_config(s, pair, out / "cache", packing=not name.endswith("unpacked"))
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    cfg = load_config(out / "config.yaml")
+    sm, cpu_s = train_timed(cfg, out / "run")
     return {
         "steps": sm["steps"],
         "examples": None,
         "tokens": sm["tokens"],
         "train_s": sm["train_time_s"],
-        "train_cpu_s": clock.get("cpu_s"),
+        "train_cpu_s": cpu_s,
         "tokens_per_s": sm["tokens_per_s"],
         "precision": sm["precision"],
         "final_dir": sm["final_dir"],
@@ -708,10 +733,7 @@ def main() -> int:
         child(args.child, args.spec, args.result)
         return 0
 
-    runs = list(dict.fromkeys(r.strip() for r in args.runs.split(",") if r.strip()))
-    unknown = set(runs) - set(RUNS + EXTRA_B)
-    if unknown:
-        ap.error(f"unknown runs: {', '.join(sorted(unknown))}; choose from {', '.join(RUNS + EXTRA_B)}")
+    runs = known_runs(ap, args.runs, RUNS + EXTRA_B)
     work = start_session(args, "tf-compare-")
     started = time.perf_counter()
     try:

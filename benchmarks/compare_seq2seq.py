@@ -66,18 +66,21 @@ import sys
 import time
 from pathlib import Path
 
-T_START = time.perf_counter()  # a child's whole-job clock starts before torch / transformers are imported
-
-from compare_hf import (  # noqa: E402 (the same machinery; its module level imports the standard library only)
+# the same machinery; compare_hf's module level imports the standard library only, and its T_START (a child's
+# whole-job clock, read by run_in_child) starts here, before torch / transformers are imported
+from compare_hf import (  # noqa: E402
     Counter,
     add_common_arguments,
     combine,
     function_pairs,
     hf_common_args,
+    known_runs,
     launch_child,
     legend,
+    run_in_child,
     run_rounds,
     start_session,
+    train_timed,
     write_jsonl,
 )
 
@@ -195,34 +198,16 @@ def trainforge_config(s: dict, arch: str, cache_dir: Path) -> dict:
 
 
 def child(name: str, spec_path: Path, result_path: Path) -> None:
-    s = json.loads(spec_path.read_text())
-    import resource
-
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(s["threads"])
-    out = Path(s["paths"]["work"]) / "runs" / name
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
     arch = name.split("-")[1]
-    r = run_trainforge(s, arch, out) if name.startswith("trainforge") else run_hf(s, arch, out, grouped=name.endswith("grouped"))
-    r["wall_s"] = time.perf_counter() - T_START
-    r["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    r["threads"] = torch.get_num_threads()
-    result_path.write_text(json.dumps(r, indent=2))
+    run_in_child(spec_path, result_path, name, lambda s, out: run_trainforge(s, arch, out) if name.startswith("trainforge")
+                 else run_hf(s, arch, out, grouped=name.endswith("grouped")))
 
 
 def run_trainforge(s: dict, arch: str, out: Path) -> dict:
     import yaml
-    from rich.console import Console
 
     import trainforge.engine.trainer as trainer_module
     from trainforge.config import load_config
-    from trainforge.engine.trainer import train
-    from trainforge.metrics.console import ConsoleReporter
 
     (out / "config.yaml").write_text(yaml.safe_dump(trainforge_config(s, arch, out / "cache"), sort_keys=False))
     cfg = load_config(out / "config.yaml")
@@ -235,24 +220,14 @@ def run_trainforge(s: dict, arch: str, out: Path) -> dict:
         return step(run, micro_batches, *args, **kwargs)
 
     trainer_module.forward_backward_adaptive = counting_step
-    clock, loop = {}, trainer_module.train_loop
-
-    def timed_loop(run):  # the process CPU seconds of the loop, as the HF runs' callback measures them
-        c = time.process_time()
-        try:
-            return loop(run)
-        finally:
-            clock["cpu_s"] = time.process_time() - c
-
-    trainer_module.train_loop = timed_loop
-    sm = train(cfg, out / "run", ConsoleReporter(Console(quiet=True))).summary
+    sm, cpu_s = train_timed(cfg, out / "run")
     return {
         "steps": sm["steps"],
         "target_tokens": counted["targets"],
         "all_tokens": counted["targets"] + counted["source"],
         "trainforge_tokens": sm["tokens"],  # its own count (source + decoder inputs): equals all_tokens
         "train_s": sm["train_time_s"],
-        "train_cpu_s": clock["cpu_s"],
+        "train_cpu_s": cpu_s,
         "final_train_loss": sm["final_train_loss"],
         "final_dir": sm["final_dir"],
         "precision": sm["precision"],
@@ -449,9 +424,7 @@ def main() -> int:
         ap.error(f"--arch {args.arch!r}: choose from {', '.join(ARCHS)}")
     known = [n for a in archs for n in run_names(a)]
     if args.runs:
-        runs = list(dict.fromkeys(r.strip() for r in args.runs.split(",") if r.strip()))
-        if set(runs) - set(known):
-            ap.error(f"unknown runs: {', '.join(sorted(set(runs) - set(known)))}; choose from {', '.join(known)}")
+        runs = known_runs(ap, args.runs, tuple(known))
     else:
         runs = [n for a in archs for n in run_names(a) if not n.endswith("grouped")]
     work = start_session(args, "tf-compare-seq2seq-")  # offline, --threads, the work directory
