@@ -65,6 +65,16 @@ def toy_preference_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
+def toy_kto_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """The same known preference unpaired (KTO, TRL's {prompt, completion, label} layout): every other row's
+    completion goes on with the cycle (label true), the others' give those words backwards (label false)."""
+    rows = []
+    for k, pair in enumerate(toy_preference_pairs(n, seed)):
+        good = k % 2 == 0
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen" if good else "rejected"], "label": good})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -166,6 +176,8 @@ def toy_data_dir(tmp_path_factory) -> Path:
     write_jsonl(d / "pc_eval.jsonl", toy_prompt_completions(40, seed=4))
     write_jsonl(d / "pref_train.jsonl", toy_preference_pairs(400, seed=5))
     write_jsonl(d / "pref_eval.jsonl", toy_preference_pairs(60, seed=6))
+    write_jsonl(d / "kto_train.jsonl", toy_kto_rows(400, seed=7))
+    write_jsonl(d / "kto_eval.jsonl", toy_kto_rows(60, seed=8))
     return d
 
 

@@ -35,7 +35,7 @@ from .hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind, dir_is_encoder_dec
 
 # importable from here, where callers and tests have always found them
 __all__ = [
-    "BUILTIN_FUNCTION_PAIRS", "BUILTIN_FUNCTIONS", "BUILTIN_STDLIB", "BUILTINS", "TOKENIZER_FILES", "WEIGHT_FILES", "CheckpointSettings", "ConfigError",
+    "BUILTIN_FUNCTION_LABELS", "BUILTIN_FUNCTION_PAIRS", "BUILTIN_FUNCTIONS", "BUILTIN_STDLIB", "BUILTINS", "TOKENIZER_FILES", "WEIGHT_FILES", "CheckpointSettings", "ConfigError",
     "DataSettings", "FieldNames", "LogSettings", "LoraSettings", "ModelKind", "ModelSettings", "OptimSettings",
     "RunConfig", "Section", "SourceSpec", "TrainSettings", "apply_override", "default_cache_dir", "default_config",
     "dir_is_encoder_decoder", "is_encoder_decoder", "load_config", "model_type_of", "parse_override",
@@ -48,7 +48,9 @@ BUILTIN_FUNCTIONS = "builtin:python-functions"
 """Prompt/completion source: stdlib functions, signature + docstring -> body."""
 BUILTIN_FUNCTION_PAIRS = "builtin:python-function-pairs"
 """Preference source: stdlib functions, signature + docstring -> the real body (chosen) or its lines reversed (rejected)."""
-BUILTINS = (BUILTIN_STDLIB, BUILTIN_FUNCTIONS, BUILTIN_FUNCTION_PAIRS)
+BUILTIN_FUNCTION_LABELS = "builtin:python-function-labels"
+"""Unpaired (KTO) source: the same functions, every other one with its real body (label true), the rest reversed (false)."""
+BUILTINS = (BUILTIN_STDLIB, BUILTIN_FUNCTIONS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTION_LABELS)
 
 
 def default_cache_dir() -> Path:
@@ -85,17 +87,18 @@ class FieldNames(Section):
 
 class DataSettings(Section):
     train: str | list[str | SourceSpec] = Field(
-        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, {BUILTIN_FUNCTION_PAIRS}, or a list of these / of {{path, weight}}"
+        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, {BUILTIN_FUNCTION_PAIRS}, {BUILTIN_FUNCTION_LABELS}, or a list of these / of {{path, weight}}"
     )
     eval: str | float | None = Field(
         0.05,
         description="a file/glob, or a fraction held out of the training data (seeded, by content): of the rows, "
         "or of the blocks when too_long is split; null: none",
     )
-    format: Literal["auto", "text", "prompt_completion", "chat", "alpaca", "source_target", "preference"] = Field(
+    format: Literal["auto", "text", "prompt_completion", "chat", "alpaca", "source_target", "preference", "unpaired"] = Field(
         "auto",
         description="auto: from the fields of the first row; source_target: {source, target} or {input, output} "
-        "rows (a prompt and its completion); preference: chosen/rejected pairs (train.objective dpo, ipo, orpo, simpo)",
+        "rows (a prompt and its completion); preference: chosen/rejected pairs (train.objective dpo, ipo, orpo, simpo); unpaired: completions with a "
+        "true/false label (train.objective kto)",
     )
     fields: FieldNames = Field(default_factory=FieldNames)
     chat_template: str | None = Field(

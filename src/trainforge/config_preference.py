@@ -1,4 +1,4 @@
-"""The ``preference`` section of a run config: the hyperparameters of ``train.objective`` dpo, ipo, orpo and simpo,
+"""The ``preference`` section of a run config: the hyperparameters of ``train.objective`` dpo, ipo, orpo, simpo and kto,
 and which model gives the reference log-probabilities; ``check_objective`` holds the objective against the rest."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pydantic import Field
 
 from .config_base import Section
 
-OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo")
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto")
 """``train.objective`` values: next-token cross-entropy, then the preference objectives (engine/preference.py)."""
 REFERENCE_FREE = ("orpo", "simpo")
 """Objectives that compare the policy with itself: no reference model runs."""
@@ -25,9 +25,14 @@ class PreferenceSettings(Section):
         0.0, ge=0, lt=0.5, description="dpo: the probability that a pair's preference is flipped (conservative DPO)",
     )
     simpo_gamma: float = Field(0.5, ge=0, le=1000, description="simpo: the target reward margin gamma")
+    desirable_weight: float = Field(1.0, gt=0, le=1000, description="kto: the weight of a desirable example's loss")
+    undesirable_weight: float = Field(
+        1.0, gt=0, le=1000, description="kto: the weight of an undesirable example's loss (the paper balances the two "
+        "so that weight x count is about equal on both sides)",
+    )
     reference: Literal["auto", "model", "none"] = Field(
         "auto",
-        description="the reference of dpo and ipo: auto: with LoRA/QLoRA the same model with its adapters switched off "
+        description="the reference of dpo, ipo and kto: auto: with LoRA/QLoRA the same model with its adapters switched off "
         "(no second copy of the weights), with a full fine-tune a frozen copy of the starting weights; model: always "
         "a frozen copy; none: reference-free (log-ratios against 0). orpo and simpo use no reference",
     )
@@ -38,14 +43,17 @@ def check_objective(cfg: Any) -> None:
     fit the model or the data settings."""
     objective = cfg.train.objective
     if objective == "sft":
-        if cfg.data.format == "preference":
-            raise ValueError("data.format: preference rows (chosen/rejected) train a preference objective; set "
-                             "train.objective to one of " + ", ".join(OBJECTIVES[1:]))
+        if cfg.data.format in ("preference", "unpaired"):
+            raise ValueError(f"data.format: {cfg.data.format} rows train a preference objective; set train.objective to "
+                             + ("kto" if cfg.data.format == "unpaired" else "one of dpo, ipo, orpo, simpo"))
         return
     if cfg.model.kind.encoder_decoder:
         raise ValueError(f"train.objective: {objective} is for decoder-only models here; this model is an encoder-decoder")
-    if cfg.data.format not in ("auto", "preference"):
-        raise ValueError(f"data.format: train.objective {objective} reads preference rows; set data.format: preference or auto")
+    rows = "unpaired" if objective == "kto" else "preference"
+    if cfg.data.format not in ("auto", rows):
+        raise ValueError(f"data.format: train.objective {objective} reads {rows} rows; set data.format: {rows} or auto")
+    if objective == "kto" and cfg.preference.reference == "none":
+        raise ValueError("preference.reference: kto compares each completion with the reference; use auto or model")
     if cfg.data.packing is not True:
         raise ValueError(f"data.packing: train.objective {objective} puts a pair's chosen and rejected sides into one row "
                          "as two documents (one forward for both); set data.packing: true")

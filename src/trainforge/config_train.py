@@ -17,7 +17,8 @@ class TrainSettings(Section):
     objective: Literal[OBJECTIVES] = Field(
         "sft",
         description="sft: next-token cross-entropy on the learned tokens; dpo, ipo, orpo, simpo: preference tuning on "
-        "chosen/rejected pairs (hyperparameters under preference; docs/preference.md)",
+        "chosen/rejected pairs; kto: on completions labelled desirable or not (hyperparameters under preference; "
+        "docs/preference.md)",
     )
     max_steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="optimizer steps (or give epochs)")
     epochs: float | None = Field(None, gt=0, le=10**6, description="passes over the training data (or give max_steps)")

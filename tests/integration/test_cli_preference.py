@@ -15,12 +15,14 @@ from integration_helpers import root_conftest, run_cli, show
 
 conftest = root_conftest()
 PAIR_KEYS = {"rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected"}
+KTO_KEYS = {"rewards_desirable", "rewards_undesirable", "reward_accuracy", "kl", "logps"}
 
 
 def preference_config(model_dir: Path, data_dir: Path, objective: str, method: str) -> dict:
     cfg = conftest.finetune_settings(model_dir, data_dir)
     cfg["model"]["method"] = method
-    cfg["data"].update(train=str(data_dir / "pref_train.jsonl"), eval=str(data_dir / "pref_eval.jsonl"), max_length=64)
+    files = ("kto_train.jsonl", "kto_eval.jsonl") if objective == "kto" else ("pref_train.jsonl", "pref_eval.jsonl")
+    cfg["data"].update(train=str(data_dir / files[0]), eval=str(data_dir / files[1]), max_length=64)
     cfg["train"].update(objective=objective, max_steps=30, micro_batch_size=8, grad_accum=1, eval_every=15,
                         eval_max_batches=None)
     cfg["optim"].update(lr=1e-2 if method == "lora" else 3e-3, warmup_steps=0)
@@ -51,7 +53,7 @@ def recomputed_eval(run: Path, model: torch.nn.Module, tokenizer, reference: tor
     return evaluate(model, batches, PRECISIONS["fp32"], torch.device("cpu"), objective=objective)
 
 
-@pytest.mark.parametrize("objective,method", [("dpo", "lora"), ("dpo", "full"), ("orpo", "full")])
+@pytest.mark.parametrize("objective,method", [("dpo", "lora"), ("dpo", "full"), ("orpo", "full"), ("kto", "lora"), ("kto", "full")])
 def test_preference_run_learns_the_known_preference_and_final_loads(tmp_path, tiny_model_dir, toy_data_dir, objective, method):
     config = conftest.write_config(tmp_path / "run.yaml", preference_config(tiny_model_dir, toy_data_dir, objective, method))
     proc = run_cli(["train", config, "--output", tmp_path / "run"], tmp_path)
@@ -62,13 +64,17 @@ def test_preference_run_learns_the_known_preference_and_final_loads(tmp_path, ti
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     assert summary["objective"] == objective
-    assert summary["reference"] == ({"lora": "adapters", "full": "model"}[method] if objective == "dpo" else "none")
-    assert PAIR_KEYS <= set(train[-1]), train[-1]
-    assert {f"eval_{k}" for k in PAIR_KEYS} <= set(evals[-1])
+    assert summary["reference"] == ({"lora": "adapters", "full": "model"}[method] if objective in ("dpo", "kto") else "none")
+    keys = KTO_KEYS if objective == "kto" else PAIR_KEYS
+    assert keys <= set(train[-1]), train[-1]
+    assert {f"eval_{k}" for k in keys} <= set(evals[-1])
     if objective == "dpo":  # policy == reference before the first step: every reward is 0
         assert evals[0]["eval_reward_accuracy"] == 0.0 and evals[0]["eval_loss"] == pytest.approx(0.693147, abs=1e-5)
     assert summary["eval_reward_accuracy"] >= 0.8, evals  # 60 held-out pairs: chance is 0.5
-    assert summary["eval_reward_margin"] > evals[0]["eval_reward_margin"]
+    if objective == "kto":  # desirable completions rewarded above undesirable ones, on held-out rows
+        assert summary["eval_rewards_desirable"] > 0 > summary["eval_rewards_undesirable"], summary
+    else:
+        assert summary["eval_reward_margin"] > evals[0]["eval_reward_margin"]
     assert "objective: " + objective in proc.stdout and "reward acc" in proc.stdout
     if method == "lora":
         page = (run / "report.html").read_text()
@@ -87,7 +93,7 @@ def test_preference_run_learns_the_known_preference_and_final_loads(tmp_path, ti
 
         model = AutoModelForCausalLM.from_pretrained(final)
     reference = None
-    if objective == "dpo" and method == "full":  # the reference is the starting weights
+    if objective in ("dpo", "kto") and method == "full":  # the reference is the starting weights
         from transformers import AutoModelForCausalLM
 
         reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

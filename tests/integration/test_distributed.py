@@ -195,9 +195,10 @@ def test_global_batch_size_sets_the_accumulation_for_the_process_count(two_proc,
     assert bad.returncode == 2 and "not a multiple of micro_batch_size x processes = 2 x 1 = 2" in " ".join(bad.stderr.split()), show(bad)
 
 
-def test_dpo_on_two_processes_trains_like_one_with_the_same_global_batch(tmp_path, tiny_tokenizer_dir, toy_data_dir):
-    """A preference objective divides by the pairs of all processes, and its rewards are all-reduced:
-    2 processes x micro-batch 2 x accumulation 2 give the records and weights of 1 x 4 x 2."""
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_preference_on_two_processes_trains_like_one_with_the_same_global_batch(tmp_path, tiny_tokenizer_dir, toy_data_dir, objective):
+    """A preference objective divides by the pairs of all processes, and its rewards (and KTO's reference point)
+    are all-reduced: 2 processes x micro-batch 2 x accumulation 2 give the records and weights of 1 x 4 x 2."""
     from rich.console import Console
 
     from trainforge.engine.trainer import train
@@ -205,8 +206,9 @@ def test_dpo_on_two_processes_trains_like_one_with_the_same_global_batch(tmp_pat
 
     def config(micro_batch_size: int) -> dict:
         cfg = dist_config(tiny_tokenizer_dir, toy_data_dir, micro_batch_size)
-        cfg["data"].update(train=str(toy_data_dir / "pref_train.jsonl"), eval=str(toy_data_dir / "pref_eval.jsonl"))
-        cfg["train"].update(objective="dpo", eval_every=3, eval_max_batches=None)  # all eval pairs, whatever the batch
+        files = ("kto_train.jsonl", "kto_eval.jsonl") if objective == "kto" else ("pref_train.jsonl", "pref_eval.jsonl")
+        cfg["data"].update(train=str(toy_data_dir / files[0]), eval=str(toy_data_dir / files[1]))
+        cfg["train"].update(objective=objective, eval_every=3, eval_max_batches=None)  # all eval pairs, whatever the batch
         cfg["log"]["example_indices"] = False
         return cfg
 

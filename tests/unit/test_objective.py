@@ -98,7 +98,7 @@ def test_the_reference_follows_the_method_and_the_objective():
     assert resolve_reference("orpo", "auto", "full") == resolve_reference("simpo", "model", "lora") == "none"
 
 
-@pytest.mark.parametrize("objective,method", [("dpo", "full"), ("dpo", "lora"), ("simpo", "full")])
+@pytest.mark.parametrize("objective,method", [("dpo", "full"), ("dpo", "lora"), ("simpo", "full"), ("kto", "full")])
 def test_a_crashed_preference_run_resumes_exactly(objective, method, tiny_model_dir, toy_data_dir, tmp_path, monkeypatch):
     """Crashed in step 5, resumed from the step-4 checkpoint: the same weights and the same metric records
     (rewards included: a half-filled log window carries over) as the uninterrupted run. A full fine-tune's
@@ -109,7 +109,8 @@ def test_a_crashed_preference_run_resumes_exactly(objective, method, tiny_model_
 
     cfg = finetune_settings(tiny_model_dir, toy_data_dir)
     cfg["model"]["method"] = method
-    cfg["data"].update(train=str(toy_data_dir / "pref_train.jsonl"), eval=str(toy_data_dir / "pref_eval.jsonl"))
+    files = ("kto_train.jsonl", "kto_eval.jsonl") if objective == "kto" else ("pref_train.jsonl", "pref_eval.jsonl")
+    cfg["data"].update(train=str(toy_data_dir / files[0]), eval=str(toy_data_dir / files[1]))
     cfg["train"].update(objective=objective, max_steps=6, eval_every=3, eval_max_batches=2)
     cfg["optim"]["lr"] = 1e-2
     cfg["checkpoint"] = {"every_steps": 2, "keep_last": 5}
@@ -148,9 +149,76 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
     with pytest.raises(ConfigError, match="data.format: preference rows"):
         load_config(None, ["data.format=preference"])
     with pytest.raises(ConfigError, match="train.objective"):
-        load_config(None, ["train.objective=kto"])
+        load_config(None, ["train.objective=cpo"])
+    with pytest.raises(ConfigError, match="preference.reference: kto compares"):
+        load_config(None, ["train.objective=kto", "preference.reference=none"])
+    with pytest.raises(ConfigError, match="data.format: train.objective kto reads unpaired rows"):
+        load_config(None, ["train.objective=kto", "data.format=preference"])
     pairs, text = SimpleNamespace(format="preference"), SimpleNamespace(format="text")
     with pytest.raises(DataError, match="set train.objective to dpo"):
         rows_for(load_config(None), pairs)
     with pytest.raises(DataError, match="train.objective=orpo needs preference rows"):
         rows_for(load_config(None, ["train.objective=orpo"]), text)
+    with pytest.raises(DataError, match="set train.objective to kto"):
+        rows_for(load_config(None), SimpleNamespace(format="unpaired"))
+    with pytest.raises(DataError, match="train.objective=kto needs unpaired rows"):
+        rows_for(load_config(None, ["train.objective=kto"]), pairs)
+
+
+KTO = [  # (prompt, completion, desirable); each example's KL sample is its prompt with the next one's completion
+    ([5, 6, 7], [8, 9, 10, 11], True),
+    ([20, 21], [22, 23], False),
+    ([30, 31, 32, 33], [34], True),
+]
+
+
+def kto_batches(tmp_path, per_row: bool):
+    sequences, labels = [], []
+    for i, (prompt, completion, good) in enumerate(KTO):
+        other = KTO[(i + 1) % len(KTO)][1]
+        for reply in (completion, other):
+            sequences.append((prompt + reply, [False] * len(prompt) + [True] * len(reply)))
+            labels.append(good)
+    store = make_store(tmp_path / f"kto-{per_row}", sequences, vocab_size=64)
+    store.desirable = np.asarray(labels)
+    width = 11 if per_row else 48  # 11: the longest example with its KL sample, too short for two
+    rows = pair_rows(store, np.arange(len(KTO)), max_length=width)
+    collate = RowCollator(store, pad_id=0, mode=True, max_length=width)
+    if per_row:
+        assert len(rows) == len(KTO)
+        return [collate([r], [i]) for i, r in enumerate(rows)]
+    return [collate(rows, [0])]
+
+
+def test_a_kto_step_follows_the_paper_with_the_steps_kl_in_one_or_three_micro_batches(tmp_path):
+    """The reference point is KL(policy || reference) estimated on the mismatched samples of the whole step
+    (clamped at 0, no gradient): three micro-batches give the loss and gradient of one."""
+    from test_preference import padded_logps
+
+    policy, reference = moved_policy()
+    settings = PreferenceSettings(beta=0.5, desirable_weight=1.0, undesirable_weight=1.5)
+    objective = PairObjective("kto", settings, "model", reference)
+    grads, losses = [], []
+    for per_row in (False, True):
+        batches = kto_batches(tmp_path, per_row)
+        metrics: dict = {}
+        losses.append(forward_backward(policy, batches, FP32, torch.device("cpu"), objective=objective, metrics=metrics))
+        grads.append({k: v.grad.clone() for k, v in policy.named_parameters()})
+        policy.zero_grad()
+        assert int(metrics[PAIR_COUNT]) == len(KTO)
+
+    def logps(model, kl: bool) -> torch.Tensor:
+        return torch.stack([padded_logps(model, p, KTO[(i + 1) % len(KTO)][1] if kl else c) for i, (p, c, _) in enumerate(KTO)])
+
+    with torch.no_grad():
+        ref, ref_kl = logps(reference, False), logps(reference, True)
+        kl = (logps(policy, True) - ref_kl).mean().clamp(min=0)
+    ratio = logps(policy, False) - ref
+    good = torch.tensor([g for *_, g in KTO])
+    want = torch.where(good, 1.0 * (1 - torch.sigmoid(0.5 * (ratio - kl))), 1.5 * (1 - torch.sigmoid(0.5 * (kl - ratio)))).mean()
+    want.backward()
+    for loss in losses:
+        torch.testing.assert_close(loss, want.detach(), **TOL)
+    for g in grads:
+        for k, v in policy.named_parameters():
+            torch.testing.assert_close(g[k], v.grad, **TOL, msg=k)

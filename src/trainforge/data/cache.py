@@ -48,7 +48,7 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool
     settings["train"] = [s.path for s in cfg.sources()]  # weights are applied when loading, not stored
     settings["too_long"] = cfg.too_long_for(fmt)  # the default and the same policy set by hand share a cache
     key = {"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}
-    if fmt == "preference":
+    if fmt in ("preference", "unpaired"):
         key["preference_v"] = PREFERENCE_VERSION
     if seq2seq:
         key["seq2seq"] = {"v": SEQ2SEQ_VERSION, "max_target_length": cfg.target_limit()}

@@ -61,6 +61,7 @@ def format_fields(fmt: str, names: FieldNames) -> tuple[str, ...]:
         "alpaca": (names.instruction, names.output),
         "source_target": (*SOURCE_TARGET, names.input, names.output),  # either pair (see source_target_keys)
         "preference": ("prompt", "chosen", "rejected"),  # data/preference.py reads each layout
+        "unpaired": ("prompt", "completion", "messages"),
     }[fmt]
 
 
@@ -76,6 +77,8 @@ def detect_format(row: Row, names: FieldNames) -> str:
     """The format whose fields the row has (preference pairs, chat, alpaca, prompt/completion, then text)."""
     if "chosen" in row.data and "rejected" in row.data:
         return "preference"  # TRL's {prompt, chosen, rejected} or the implicit-prompt {chosen, rejected} (data/preference.py)
+    if isinstance(row.data.get("label"), bool) and ("completion" in row.data or "messages" in row.data):
+        return "unpaired"  # KTO: TRL's {prompt, completion, label} or LLaMA-Factory's {messages, label}
     if SHAREGPT_FIELD in row.data and isinstance(row.data[SHAREGPT_FIELD], list):
         return "chat"  # ShareGPT: {"conversations": [{"from", "value"}, ...]}
     for fmt in ("chat", "alpaca", "prompt_completion", "text"):
@@ -87,7 +90,7 @@ def detect_format(row: Row, names: FieldNames) -> str:
         f"{row.where}: cannot tell the data format from fields {sorted(row.data)}; expected "
         f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' or '{SHAREGPT_FIELD}' (chat), "
         f"'{names.instruction}'+'{names.output}' (alpaca) or 'source'+'target' / '{names.input}'+'{names.output}' "
-        "(source_target), 'chosen'+'rejected' (preference); or set data.format / data.fields"
+        "(source_target), 'chosen'+'rejected' (preference), 'completion'/'messages'+'label' (unpaired); or set data.format / data.fields"
     )
 
 
@@ -177,6 +180,7 @@ class TokenizedChunk:
     lengths: np.ndarray  # int64, tokens per sequence
     # bool per sequence: a split continuation, whose first token is the previous sequence's last
     continues: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    desirable: np.ndarray | None = None  # bool per sequence of an unpaired (KTO) store: its example's label
     truncated: int = 0
     dropped_too_long: int = 0
     split: int = 0

@@ -37,12 +37,13 @@ class Batch:
     attention_mask: torch.Tensor | None = None  # the source's real tokens (padding is not attended to)
     decoder_input_ids: torch.Tensor | None = None  # the target shifted right behind the decoder's start token
     n_documents: int = 0  # packed documents (preference rows: a pair's chosen and rejected are two)
+    desirable: torch.Tensor | None = None  # KTO: each example's label, in the order of its pairs (example, KL sample)
 
     def _map(self, fn) -> "Batch":
         t = lambda x: fn(x) if x is not None else None  # noqa: E731
         return Batch(
             fn(self.input_ids), fn(self.labels), t(self.position_ids), self.n_tokens, self.n_targets, self.indices,
-            t(self.attention_mask), t(self.decoder_input_ids), self.n_documents,
+            t(self.attention_mask), t(self.decoder_input_ids), self.n_documents, t(self.desirable),
         )
 
     def to(self, device: torch.device) -> "Batch":
@@ -75,6 +76,13 @@ class RowCollator:
             positions.append(np.arange(e - s - 1))
         return np.concatenate(inputs), np.concatenate(labels), np.concatenate(positions)
 
+    def _labels(self, rows: Sequence[np.ndarray]) -> torch.Tensor | None:
+        """The example labels of an unpaired (KTO) store's pair rows, one per pair in row-major order."""
+        if self.store.desirable is None:
+            return None
+        starts = np.concatenate([r[0::2, 0] for r in rows]) if rows else np.zeros(0, np.int64)
+        return torch.from_numpy(self.store.desirable[np.searchsorted(self.store.offsets, starts, "right") - 1].copy())
+
     def __call__(self, rows: Sequence[np.ndarray], indices: list[int]) -> Batch:
         built = [self._row(r) for r in rows]
         longest = max(len(b[0]) for b in built)
@@ -96,6 +104,7 @@ class RowCollator:
             n_targets=int((labels != IGNORE).sum()),
             indices=list(indices),
             n_documents=sum(len(r) for r in rows) if self.packed else len(rows),
+            desirable=self._labels(rows),
         )
         return batch.pinned() if self.pin else batch  # page-locked: the host-to-GPU copy is asynchronous
 
@@ -175,6 +184,8 @@ class TrainLoader:
         b = self.collate([self.rows[row]], [])
         b.labels.fill_(IGNORE)
         b.n_tokens, b.n_targets, b.n_documents = 0, 0, 0
+        if b.desirable is not None:
+            b.desirable = b.desirable[:0]  # no pairs: the documents' targets are gone
         return b
 
     def padding_efficiency(self) -> float:

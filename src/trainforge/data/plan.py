@@ -102,12 +102,16 @@ def rows_for(cfg: RunConfig, prepared: PreparedData) -> Callable[[TokenStore, np
     ``data.packing`` says; preference data as whole pairs (each sequence pair k = 2k, 2k + 1 in one row).
     A preference objective on other data, or preference data without one, is a ``DataError``."""
     d, objective = cfg.data, cfg.train.objective
-    if (prepared.format == "preference") != (objective != "sft"):
+    wanted = {"sft": None, "kto": "unpaired"}.get(objective, "preference")
+    held = prepared.format if prepared.format in ("preference", "unpaired") else None
+    if wanted != held:
+        layouts = {"preference": "{prompt, chosen, rejected} or {chosen, rejected}",
+                   "unpaired": "{prompt, completion, label} or {messages, label}"}
         raise DataError(
-            f"data.train={d.train!r} holds preference pairs (chosen/rejected): set train.objective to dpo, ipo, orpo or simpo"
-            if objective == "sft" else
-            f"train.objective={objective} needs preference rows ({{prompt, chosen, rejected}} or {{chosen, rejected}}), "
-            f"but data.train={d.train!r} is {prepared.format} data"
+            f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to "
+            + ("kto" if held == "unpaired" else "dpo, ipo, orpo or simpo") if wanted is None else
+            f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} is "
+            f"{prepared.format} data"
         )
     if objective != "sft":  # a stored pair is sequences 2k and 2k + 1; a source's weight repeats or samples pairs
         return lambda store, index: pair_rows(store, index[index % 2 == 0] // 2, d.max_length)
@@ -185,7 +189,7 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
     ]
     return (
         f"data: {s['format']}, {s['train_rows']:,} train rows -> {s['train_sequences']:,} sequences "
-        f"({s['train_tokens']:,} tokens)" + (" in pairs" if s["format"] == "preference" else "")
+        f"({s['train_tokens']:,} tokens)" + {"preference": " in pairs", "unpaired": " with their KL samples"}.get(s["format"], "")
         + f" -> {len(plan.train_rows):,} {mode} rows, "
         f"{efficiency:.1%} of row capacity is real tokens; "
         + (f"eval {s['eval_sequences']:,} blocks held out" if s.get("eval_holdout") == "blocks" else f"eval {s['eval_rows']:,} rows")

@@ -140,15 +140,18 @@ def _text(prompt: str, reply: str, where: str) -> Rendered:
     return Rendered(text, [(len(prompt), len(text))], True, where)
 
 
-def tokenize_pairs(pairs: list[tuple[Rendered, Rendered]], tokenizer, max_length: int) -> TokenizedChunk:
+def tokenize_pairs(
+    pairs: list[tuple[Rendered, Rendered]], tokenizer, max_length: int, labels: list[bool] | None = None
+) -> TokenizedChunk:
     """Tokenize each pair as two stored sequences, chosen then rejected (``packing.pair_rows`` reads them so).
 
     Both sides of a pair go into one row of ``max_length`` inputs, so each side keeps at most
     ``max_length // 2 + 1`` tokens (its start: the prompt and the reply's beginning). A pair where either
-    side has nothing left to learn is dropped whole (counted in ``dropped_masked``): a pair is never split."""
+    side has nothing left to learn is dropped whole (counted in ``dropped_masked``): a pair is never split.
+    ``labels``: one per pair, kept beside both of its sequences (``TokenizedChunk.desirable``)."""
     out = TokenizedChunk(np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64))
-    ids, learn, lengths = [], [], []
-    for chosen, rejected in pairs:
+    ids, learn, lengths, kept = [], [], [], []
+    for k, (chosen, rejected) in enumerate(pairs):
         # text sides get the tokenizer's special tokens; chat-templated ones carry their own (as SFT renders them)
         chunk = tokenize_rendered([chosen, rejected], tokenizer, max_length // 2, "truncate", special_tokens=chosen.add_eos)
         out.truncated += chunk.truncated
@@ -159,7 +162,27 @@ def tokenize_pairs(pairs: list[tuple[Rendered, Rendered]], tokenizer, max_length
         ids.append(chunk.ids)
         learn.append(chunk.learn)
         lengths.append(chunk.lengths)
+        kept.append(k)
     if ids:
         out.ids, out.learn, out.lengths = np.concatenate(ids), np.concatenate(learn), np.concatenate(lengths)
         out.continues = np.zeros(len(out.lengths), dtype=bool)
+    if labels is not None:
+        out.desirable = np.repeat(np.asarray([labels[k] for k in kept], dtype=bool), 2)
     return out
+
+
+def kl_sample(example: Rendered, other: Rendered) -> Rendered:
+    """``example``'s prompt followed by ``other``'s completion (and what its template puts after it): a
+    mismatched pair, whose log-ratio estimates KL(policy || reference) for KTO's reference point."""
+    start = example.spans[0][0]
+    o_start, o_end = other.spans[0]
+    text = example.text[:start] + other.text[o_start:]
+    return Rendered(text, [(start, start + o_end - o_start)], other.add_eos, example.where)
+
+
+def tokenize_unpaired(items: list[tuple[Rendered, bool]], tokenizer, max_length: int) -> TokenizedChunk:
+    """KTO examples as pairs of sequences: the example, then its KL sample (its prompt with the next example's
+    completion, cyclically within the chunk), with each example's label (``tokenize_pairs``)."""
+    rendered = [r for r, _ in items]
+    pairs = [(r, kl_sample(r, rendered[(i + 1) % len(rendered)])) for i, r in enumerate(rendered)]
+    return tokenize_pairs(pairs, tokenizer, max_length, [label for _, label in items])

@@ -27,6 +27,7 @@ from .chat import conversation
 from .formats import Renderer, TokenizedChunk, detect_format, format_fields, tokenize_rendered
 from .preference import PreferenceRenderer
 from .preference import tokenize_pairs as tokenize_preference_pairs
+from .preference import tokenize_unpaired
 from .holdout import RowHoldout, holdout_kind, split_off_blocks
 from .sources import BadRows, DataError, Row, iter_source
 from .seq2seq import tokenize_pairs
@@ -88,16 +89,20 @@ def _tokenize_chunk(rows: list[Row]) -> tuple[TokenizedChunk, list[str]]:
     """Render and tokenize one chunk (in a worker process, or inline). Returns bad-row messages too."""
     w = _WORKER
     seq2seq = w["max_target_length"] is not None
-    preference = w["renderer"].fmt == "preference"
-    render = w["renderer"].pair if seq2seq else PreferenceRenderer(w["renderer"]).pair if preference else w["renderer"]
+    fmt = w["renderer"].fmt
+    render = w["renderer"].pair if seq2seq else {
+        "preference": lambda r: PreferenceRenderer(w["renderer"]).pair(r), "unpaired": lambda r: PreferenceRenderer(w["renderer"]).unpaired(r),
+    }.get(fmt, w["renderer"])
     rendered, bad = [], []
     for row in rows:
         try:
             rendered.append(render(row))
         except DataError as e:
             bad.append(str(e))
-    if preference:  # each pair as two sequences, chosen then rejected (packing.pair_rows keeps them together)
+    if fmt == "preference":  # each pair as two sequences, chosen then rejected (packing.pair_rows keeps them together)
         return tokenize_preference_pairs(rendered, w["tokenizer"], w["max_length"]), bad
+    if fmt == "unpaired":  # each example with its KL sample (its prompt, another row's completion), as a pair
+        return tokenize_unpaired(rendered, w["tokenizer"], w["max_length"]), bad
     if seq2seq:
         return tokenize_pairs(rendered, w["tokenizer"], w["max_length"], w["max_target_length"], w["too_long"]), bad
     chunk = tokenize_rendered(rendered, w["tokenizer"], w["max_length"], w["too_long"], w["special_tokens"])
@@ -197,7 +202,7 @@ def _write_store(path: Path, rows_by_source: Iterator[Iterator[Row]], tok: Chunk
         for chunk, bad_messages in tok.map(_chunks(counted(rows))):
             for message in bad_messages:
                 bad.report(message)
-            writer.append(chunk.ids, chunk.learn, chunk.lengths, chunk.continues)
+            writer.append(chunk.ids, chunk.learn, chunk.lengths, chunk.continues, chunk.desirable)
             counts.add(chunk)
     writer.close({"rows": counts.rows})
     return counts

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB
+from ..config import BUILTIN_FUNCTION_LABELS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB
 from ..errors import TrainforgeError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
@@ -378,6 +378,14 @@ def iter_python_function_pairs() -> Iterator[Row]:
             yield Row({"prompt": row.data["prompt"], "chosen": body, "rejected": rejected}, row.where)
 
 
+def iter_python_function_labels() -> Iterator[Row]:
+    """Unpaired (KTO) rows with a known preference, from the pair set: every other function's real body as a
+    desirable completion (``label: true``), the others' reversed bodies as undesirable ones (TRL's layout)."""
+    for k, row in enumerate(iter_python_function_pairs()):
+        good = k % 2 == 0
+        yield Row({"prompt": row.data["prompt"], "completion": row.data["chosen" if good else "rejected"], "label": good}, row.where)
+
+
 def _stdlib_files() -> list[Path]:
     """The standard library's ``.py`` files, sorted (a fresh list: callers shuffle it)."""
     return list(_stdlib_file_list())
@@ -422,4 +430,5 @@ def source_files(spec: str) -> list[Path]:
 BUILTIN_ROWS_VERSION = 1  # bump when a built-in source yields other rows (it keys the token and tokenizer caches)
 BUILTIN_SOURCES = {
     BUILTIN_STDLIB: iter_stdlib_sources, BUILTIN_FUNCTIONS: iter_python_functions, BUILTIN_FUNCTION_PAIRS: iter_python_function_pairs,
+    BUILTIN_FUNCTION_LABELS: iter_python_function_labels,
 }

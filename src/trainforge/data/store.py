@@ -6,6 +6,7 @@ Layout of a store directory:
   offsets.npy  int64, sequence i is [offsets[i], offsets[i+1])
   sources.npy  int64, sequences of source k are [sources[k], sources[k+1])
   continues.npy  bool, sequence i is a split continuation of i - 1 (its first token repeats i - 1's last)
+  desirable.npy  bool, an unpaired (KTO) store only: the label of sequence i's example
   meta.json    dtype, counts, statistics
 """
 
@@ -34,18 +35,24 @@ class StoreWriter:
         self._learn = open(path / "learn.bin", "wb")
         self._lengths: list[np.ndarray] = []
         self._continues: list[np.ndarray] = []
+        self._desirable: list[np.ndarray] = []
         self.source_starts: list[int] = []
         self.n_sequences = 0
 
     def start_source(self) -> None:
         self.source_starts.append(self.n_sequences)
 
-    def append(self, ids: np.ndarray, learn: np.ndarray, lengths: np.ndarray, continues: np.ndarray | None = None) -> None:
+    def append(
+        self, ids: np.ndarray, learn: np.ndarray, lengths: np.ndarray, continues: np.ndarray | None = None,
+        desirable: np.ndarray | None = None,
+    ) -> None:
         self._ids.write(ids.astype(self.dtype, copy=False).tobytes())
         self._learn.write(learn.astype(np.uint8, copy=False).tobytes())
         # copies: a view would keep the caller's whole array alive for the life of the writer
         self._lengths.append(np.array(lengths, dtype=np.int64))
         self._continues.append(np.zeros(len(lengths), bool) if continues is None else np.array(continues, dtype=bool))
+        if desirable is not None:
+            self._desirable.append(np.array(desirable, dtype=bool))
         self.n_sequences += len(lengths)
 
     def close(self, meta: dict[str, Any]) -> None:
@@ -58,6 +65,8 @@ class StoreWriter:
         np.save(self.path / "sources.npy", np.asarray([*self.source_starts, self.n_sequences], dtype=np.int64))
         continues = np.concatenate(self._continues) if self._continues else np.zeros(0, bool)
         np.save(self.path / "continues.npy", continues)
+        if self._desirable:
+            np.save(self.path / "desirable.npy", np.concatenate(self._desirable))
         (self.path / "meta.json").write_text(json.dumps({"dtype": self.dtype.name, "sequences": int(len(lengths)), **meta}, indent=2))
 
 
@@ -71,6 +80,8 @@ class TokenStore:
         self.source_starts = np.load(path / "sources.npy")
         cont = path / "continues.npy"
         self.continues = np.load(cont) if cont.is_file() else np.zeros(len(self.offsets) - 1, bool)
+        labels = path / "desirable.npy"
+        self.desirable = np.load(labels) if labels.is_file() else None  # KTO: each sequence's example label
         n = int(self.offsets[-1])
         # np.memmap cannot map an empty file; an empty store is legal (e.g. no eval rows)
         self.ids = np.memmap(path / "ids.bin", dtype=self.meta["dtype"], mode="r") if n else np.zeros(0, self.meta["dtype"])

@@ -2,7 +2,7 @@
 
 ``TokenObjective`` (sft): the summed next-token cross-entropy, divided by the step's target tokens.
 ``PairObjective`` (dpo, ipo, orpo, simpo): the summed per-pair loss of engine/preference.py, divided by the
-step's pairs. Either way the divisor counts the whole global batch (all micro-batches, all processes), so
+step's pairs; kto: per example, each packed as a pair with its KL sample, divided by the step's examples. Either way the divisor counts the whole global batch (all micro-batches, all processes), so
 accumulation and data parallelism give the gradient of one large batch. A pair objective also adds its
 metrics (rewards, margin, accuracy, log-probabilities) to a ``metrics`` dict of device sums, read at log steps.
 """
@@ -22,6 +22,7 @@ from .loss import fused_head
 from .step import loss_sum
 
 PAIRS = "pairs"  # the key of a metrics dict that counts the pairs its sums are over
+COUNT = "n:"  # a metrics key "n:NAME" counts what the sum NAME is over, where that is not every pair
 
 
 class TokenObjective:
@@ -47,6 +48,33 @@ class PairObjective:
 
     def __init__(self, name: str, settings: Any, reference: str, reference_model: torch.nn.Module | None = None):
         self.name, self.s, self.reference, self.reference_model = name, settings, reference, reference_model
+        self.prepared: list[tuple[torch.Tensor, torch.Tensor]] = []  # kto: the step's reference log-probabilities
+        self.kl: torch.Tensor | None = None  # kto: the step's reference point
+
+    def begin_step(self, model: torch.nn.Module, micro_batches, precision: Precision, device: torch.device, fused: bool = True) -> None:
+        """KTO: the step's reference point before any of its losses, from every micro-batch of every process (so
+        accumulation and data parallelism give one large batch's): KL(policy || reference) estimated on the KL
+        samples, mean log-ratio clamped at 0, no gradient. The reference log-probabilities it needs are kept
+        for the micro-batches' losses. Other objectives need nothing before a step."""
+        if self.name != "kto":
+            return
+        model = _unwrapped(model)
+        fused = fused and fused_head(model) is not None
+        self.prepared, total = [], torch.zeros(2, device=device)
+        with torch.no_grad():
+            for mb in micro_batches:
+                mb = mb.to(device)
+                policy = pref.batch_pair_logps(model, mb, precision, fused)
+                ref = self._reference(model, mb, precision, fused)
+                self.prepared.append(ref)
+                total += torch.stack([(policy.rejected - ref[1]).sum(), torch.tensor(float(len(ref[1])), device=device)])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(total)
+        self.kl = (total[0] / total[1].clamp(min=1)).clamp(min=0)
+
+    def _reference(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        base = self.reference_model if self.reference == "model" else None
+        return pref.reference_pair_logps(_unwrapped(model), batch, precision, base, fused)
 
     def units(self, batch: Batch) -> int:
         return batch.n_documents // 2  # chosen and rejected are a document each
@@ -58,11 +86,10 @@ class PairObjective:
         # (a DDP wrapper, LoRA on the head); at the first step the two are then equal to the bit, every reward 0
         fused = fused and fused_head(model) is not None
         p = pref.batch_pair_logps(model, batch, precision, fused)
+        if self.name == "kto":
+            return self._kto_sum(model, batch, precision, fused, p, metrics)
         if self.reference != "none":
-            base = self.reference_model if self.reference == "model" else None
-            # DDP: the wrapped model (the reference forward needs no gradient exchange, and has the adapters)
-            unwrapped = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-            p.ref_chosen, p.ref_rejected = pref.reference_pair_logps(unwrapped, batch, precision, base, fused)
+            p.ref_chosen, p.ref_rejected = self._reference(model, batch, precision, fused)
         elif self.name not in REFERENCE_FREE:  # reference-free DPO / IPO: the log-ratios are the log-probabilities
             p.ref_chosen, p.ref_rejected = torch.zeros_like(p.chosen), torch.zeros_like(p.rejected)
         losses = self.pair_losses(p)
@@ -71,6 +98,31 @@ class PairObjective:
                 for key, value in pref.pair_metrics(p, self.s.beta).items():
                     metrics[key] = metrics.get(key, 0) + value.float().sum()
                 metrics[PAIRS] = metrics.get(PAIRS, 0) + torch.tensor(float(len(losses)), device=losses.device)
+        return losses.sum()
+
+    def _kto_sum(self, model, batch: Batch, precision: Precision, fused: bool, p: pref.PairLogps, metrics) -> torch.Tensor:
+        """KTO's summed per-example loss: ``p.chosen`` the examples, ``p.rejected`` their KL samples. The reference
+        point is the step's (``begin_step``); without one (evaluation) this batch's own estimate."""
+        if self.prepared:
+            (ref, ref_kl), kl = self.prepared.pop(0), self.kl
+        else:
+            ref, ref_kl = self._reference(model, batch, precision, fused)
+            kl = (p.rejected.detach() - ref_kl).mean().clamp(min=0) if len(ref_kl) else torch.zeros((), device=ref.device)
+        good = batch.desirable.to(ref.device)
+        s = self.s
+        losses = pref.kto_loss(p.chosen, ref, good, kl, s.beta, s.desirable_weight, s.undesirable_weight)
+        if metrics is not None:
+            with torch.no_grad():
+                rewards = s.beta * (p.chosen.detach() - ref)
+                sums = {
+                    "rewards_desirable": (rewards * good).sum(), COUNT + "rewards_desirable": good.sum().float(),
+                    "rewards_undesirable": (rewards * ~good).sum(), COUNT + "rewards_undesirable": (~good).sum().float(),
+                    # the sign of reward - beta x KL against the label: what KTO learns to get right
+                    "reward_accuracy": ((rewards > s.beta * kl) == good).float().sum(),
+                    "kl": kl * len(losses), "logps": p.chosen.detach().sum(), PAIRS: torch.tensor(float(len(losses)), device=ref.device),
+                }
+                for key, value in sums.items():
+                    metrics[key] = metrics.get(key, 0) + value
         return losses.sum()
 
     def pair_losses(self, p: pref.PairLogps) -> torch.Tensor:
@@ -82,6 +134,11 @@ class PairObjective:
         if self.name == "simpo":
             return pref.simpo_loss(p, s.beta, s.simpo_gamma)
         return pref.orpo_loss(p, s.beta)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under a DDP wrapper: no-gradient passes need no gradient exchange, and the adapters live there."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def resolve_reference(objective: str, reference: str, method: str) -> str:
@@ -111,6 +168,7 @@ def describe_objective(objective: PairObjective) -> str:
     """The console line saying what a preference run optimizes and what its reference is."""
     s = objective.s
     knobs = {"dpo": f"beta {s.beta}" + (f", label smoothing {s.label_smoothing}" if s.label_smoothing else ""),
+             "kto": f"beta {s.beta}, weights {s.desirable_weight} desirable / {s.undesirable_weight} undesirable",
              "ipo": f"tau {s.beta}", "simpo": f"beta {s.beta}, gamma {s.simpo_gamma}", "orpo": f"lambda {s.beta}"}
     reference = {"adapters": "the same model with its LoRA adapters off", "model": "a frozen copy of the starting weights",
                  "none": "none" + (" (reference-free)" if objective.name not in REFERENCE_FREE else "")}
@@ -122,8 +180,8 @@ def mean_metrics(sums: dict[str, torch.Tensor], prefix: str = "", reduce=None) -
     stacked sums over processes (``DistContext.all_reduce``): every rank calls it with the same keys."""
     if PAIRS not in sums:
         return {}
-    keys = [k for k in sums if k != PAIRS]
-    stacked = torch.stack([sums[k].float() for k in keys] + [sums[PAIRS].float()])
-    values = (reduce(stacked) if reduce is not None else stacked).tolist()
-    n = max(values[-1], 1.0)
-    return {prefix + k: v / n for k, v in zip(keys, values[:-1])}
+    keys = list(sums)
+    stacked = torch.stack([torch.as_tensor(sums[k]).float().reshape(()) for k in keys])
+    total = dict(zip(keys, (reduce(stacked) if reduce is not None else stacked).tolist()))
+    return {prefix + k: v / max(total.get(COUNT + k, total[PAIRS]), 1.0) for k, v in total.items()
+            if k != PAIRS and not k.startswith(COUNT)}

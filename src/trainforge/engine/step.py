@@ -81,6 +81,8 @@ def forward_backward(
     if n_targets is None:  # counted on the host: no device sync
         n_targets = sum(objective.units(mb) if objective is not None else mb.n_targets for mb in micro_batches)
     total = torch.zeros((), device=device)
+    if objective is not None and hasattr(objective, "begin_step"):  # e.g. KTO's reference point over the whole step
+        objective.begin_step(model, micro_batches, precision, device, fused)
     for i, mb in enumerate(micro_batches):
         mb = mb.to(device)
         with sync(i == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():

@@ -133,7 +133,8 @@ def run_eval(run: Run, label: str) -> dict[str, float]:
         run.metrics.event("eval", run.step, seconds=round(took, 3), batches=len(run.eval_set))
         run.metrics.write({"step": run.step, **result})
         extra = f"(ppl {result['eval_ppl']:.1f})" if "eval_ppl" in result else (
-            f"(reward accuracy {result['eval_reward_accuracy']:.1%}, margin {result['eval_reward_margin']:.3f})")
+            f"(reward accuracy {result['eval_reward_accuracy']:.1%}, "
+            + (f"margin {result['eval_reward_margin']:.3f})" if "eval_reward_margin" in result else f"kl {result['eval_kl']:.3f})"))
         run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} {extra}")
         run.counters.last_eval = result
     return result
@@ -421,7 +422,7 @@ def finish(run: Run) -> RunResult:
         "eval_batches": len(run.eval_set),
         "objective": run.objective.name,
         **({"reference": run.objective.reference} if run.objective.unit == "pair" else {}),
-        **{k: v for k, v in c.last_eval.items() if k.startswith("eval_reward") or k.startswith("eval_logps")},  # per evaluation (train.eval_max_batches: auto chose it from the run's length)
+        **{k: v for k, v in c.last_eval.items() if k.startswith(("eval_reward", "eval_logps", "eval_kl"))},  # per evaluation (train.eval_max_batches: auto chose it from the run's length)
         "device": str(run.device),
         "precision": run.precision.name,
         "precision_reason": facts.precision_reason,

@@ -46,8 +46,9 @@ class ConsoleReporter:
         eta = f" | ETA {_fmt_time(eta_s)}" if eta_s is not None else ""
         mfu = f" | MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
         wait = f" | data {rec['data_wait_pct']:.1f}%" if "data_wait_pct" in rec else ""
-        if "reward_accuracy" in rec:  # a preference objective: how often chosen wins, and by how much
-            loss += f" | reward acc {rec['reward_accuracy']:.1%} margin {rec['reward_margin']:.3f}"
+        if "reward_accuracy" in rec:  # a preference objective: how often chosen wins, and by how much (KTO: its KL estimate)
+            loss += f" | reward acc {rec['reward_accuracy']:.1%}" + (
+                f" margin {rec['reward_margin']:.3f}" if "reward_margin" in rec else f" kl {rec.get('kl', float('nan')):.3f}")
         self._print(
             f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {loss} | lr {rec['lr']:.2e} "
             f"| grad_norm {rec['grad_norm']:.3f} | {tps} tok/s{mfu}{wait}{eta}"
