@@ -89,7 +89,7 @@ class Checks:
 
     def _check_preference(self, precision: str) -> str:
         """One path per preference family, the training step's against a direct unfused implementation: DPO
-        with its reference as LoRA adapters off, and SimPO without one; packed pairs through the fused head
+        with its reference as LoRA adapters off, SimPO without one, KTO on unpaired examples; packed pairs through the fused head
         vs each document run alone through the model's own logits, both in this precision: the loss and
         every gradient."""
         from ...config import LoraSettings, ModelSettings
@@ -132,7 +132,7 @@ class Checks:
             return pref.PairLogps(s[0::2], s[1::2], c[0::2], c[1::2])
 
         notes = []
-        for name, reference in (("dpo", "adapters"), ("simpo", "none")):
+        for name, reference in (("dpo", "adapters"), ("simpo", "none"), ("kto", "adapters")):
             objective = PairObjective(name, settings, reference)
             runs = {}
             for path in ("fused", "direct"):
@@ -144,7 +144,11 @@ class Checks:
                     if reference != "none":
                         ref = direct(False)
                         p.ref_chosen, p.ref_rejected = ref.chosen, ref.rejected
-                    loss = objective.pair_losses(p).sum()
+                    if name == "kto":  # the rejected documents as the KL samples: this batch's reference point
+                        kl = (p.rejected.detach() - p.ref_rejected).mean().clamp(min=0)
+                        loss = pref.kto_loss(p.chosen, p.ref_chosen, batch.desirable, kl, settings.beta).sum()
+                    else:
+                        loss = objective.pair_losses(p).sum()
                 loss.backward()
                 runs[path] = loss.item(), {n: q.grad.detach().float() for n, q in model.named_parameters() if q.grad is not None}
             worst, gap, loss_gap = worst_gap(runs["direct"], runs["fused"])

@@ -71,8 +71,9 @@ def pair_batch(vocab: int, device: torch.device):
             at += n - 1
         pos[r, at:] = torch.arange(width - at)  # the padding tail: a document of its own, no targets
     n_docs = sum(len(d) for d in PAIR_DOCS)
+    desirable = torch.tensor([k % 2 == 0 for k in range(n_docs // 2)])  # KTO reads the pairs as (example, KL sample)
     return Batch(ids, labels, pos, int(sum(n - 1 for d in PAIR_DOCS for n, _ in d)), int((labels != IGNORE).sum()), [0, 1],
-                 n_documents=n_docs).to(device)
+                 n_documents=n_docs, desirable=desirable).to(device)
 
 
 def attention_implementations(device: torch.device) -> list[str]:
