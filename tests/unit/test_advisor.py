@@ -125,8 +125,8 @@ def test_finite_loss_and_grad_norm_spikes_name_the_step_and_its_examples(cfg, tm
     adaptive, step_fn = trainer.forward_backward_adaptive, trainer.optimizer_step
 
     def spiky_loss(run, *args, **kwargs):
-        loss, batches = adaptive(run, *args, **kwargs)
-        return (loss * 20 if run.step + 1 == 20 else loss), batches  # the logged loss of step 20
+        loss, batches, sums = adaptive(run, *args, **kwargs)
+        return (loss * 20 if run.step + 1 == 20 else loss), batches, sums  # the logged loss of step 20
 
     def spiky_grad(*args, **kwargs):
         grad_norm, skipped = step_fn(*args, **kwargs)

@@ -161,7 +161,7 @@ def test_oom_backoff_halves_micro_batch_with_the_same_examples_and_gradient(conf
     run.loader.load_state_dict(position)
     run.batches = iter(run.loader)
     simulate_oom_above(monkeypatch, rows=2)
-    loss, used = forward_backward_adaptive(run, fetch_step(run), position)
+    loss, used, _ = forward_backward_adaptive(run, fetch_step(run), position)
 
     assert (run.loader.batch_size, run.grad_accum) == (2, 4)  # 4 x 2 became 2 x 4: global batch 8
     assert [i for b in used for i in b.indices] == [i for b in batches for i in b.indices]

@@ -87,7 +87,10 @@ def forward_backward(
         mb = mb.to(device)
         with sync(i == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():
             with timer.phase("forward"):
-                summed = objective.loss_sum(model, mb, precision, fused, metrics) if objective is not None else loss_sum(model, mb, precision, fused)
+                if objective is None or objective.unit == "token":  # sft: the token loss of this module, as always
+                    summed = loss_sum(model, mb, precision, fused)
+                else:
+                    summed = objective.loss_sum(model, mb, precision, fused, metrics)
             scaled = summed / n_targets
             with timer.phase("backward"):
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()
