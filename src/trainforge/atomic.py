@@ -267,11 +267,16 @@ def _rename_once(tmp: Path, target: Path, complete: Callable[[Path], bool]) -> b
 def atomic_write_text(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` through a per-process temporary file and an atomic replace:
     concurrent writers never mix their bytes, readers never see half a file."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    """``atomic_write_text`` for bytes."""
     path = Path(path)
     tmp = path.parent / f".{path.name}{TMP_MARK}{process_tag()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

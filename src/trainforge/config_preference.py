@@ -30,11 +30,13 @@ class PreferenceSettings(Section):
         1.0, gt=0, le=1000, description="kto: the weight of an undesirable example's loss (the paper balances the two "
         "so that weight x count is about equal on both sides)",
     )
-    reference: Literal["auto", "model", "none"] = Field(
+    reference: Literal["auto", "model", "precompute", "none"] = Field(
         "auto",
         description="the reference of dpo, ipo and kto: auto: with LoRA/QLoRA the same model with its adapters switched off "
         "(no second copy of the weights), with a full fine-tune a frozen copy of the starting weights; model: always "
-        "a frozen copy; none: reference-free (log-ratios against 0). orpo and simpo use no reference",
+        "a frozen copy; precompute: the starting weights' log-probabilities of every pair computed once before "
+        "training and cached beside the token store (no reference forward in the steps, no second copy); none: "
+        "reference-free (log-ratios against 0). orpo and simpo use no reference",
     )
 
 

@@ -98,14 +98,8 @@ def test_the_reference_follows_the_method_and_the_objective():
     assert resolve_reference("orpo", "auto", "full") == resolve_reference("simpo", "model", "lora") == "none"
 
 
-@pytest.mark.parametrize("objective,method", [("dpo", "full"), ("dpo", "lora"), ("simpo", "full"), ("kto", "full")])
-def test_a_crashed_preference_run_resumes_exactly(objective, method, tiny_model_dir, toy_data_dir, tmp_path, monkeypatch):
-    """Crashed in step 5, resumed from the step-4 checkpoint: the same weights and the same metric records
-    (rewards included: a half-filled log window carries over) as the uninterrupted run. A full fine-tune's
-    reference stays the starting weights, not the checkpoint's."""
-    import trainforge.engine.trainer as trainer
+def preference_settings(tiny_model_dir, toy_data_dir, objective: str, method: str) -> dict:
     from conftest import finetune_settings
-    from test_resume import Crash, crash_in_step, train, train_records
 
     cfg = finetune_settings(tiny_model_dir, toy_data_dir)
     cfg["model"]["method"] = method
@@ -115,6 +109,21 @@ def test_a_crashed_preference_run_resumes_exactly(objective, method, tiny_model_
     cfg["optim"]["lr"] = 1e-2
     cfg["checkpoint"] = {"every_steps": 2, "keep_last": 5}
     cfg["log"].update(every_steps=3)  # records at 3 and 6: the resume at 4 carries step 4's sums into the record of 6
+    return cfg
+
+
+@pytest.mark.parametrize("objective,method,reference", [
+    ("dpo", "full", "auto"), ("dpo", "lora", "auto"), ("simpo", "full", "auto"), ("kto", "full", "auto"), ("dpo", "full", "precompute"),
+])
+def test_a_crashed_preference_run_resumes_exactly(objective, method, reference, tiny_model_dir, toy_data_dir, tmp_path, monkeypatch):
+    """Crashed in step 5, resumed from the step-4 checkpoint: the same weights and the same metric records
+    (rewards included: a half-filled log window carries over) as the uninterrupted run. A full fine-tune's
+    reference stays the starting weights, not the checkpoint's."""
+    import trainforge.engine.trainer as trainer
+    from test_resume import Crash, crash_in_step, train, train_records
+
+    cfg = preference_settings(tiny_model_dir, toy_data_dir, objective, method)
+    cfg["preference"] = {"reference": reference}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     train(cfg, whole)
     original = trainer.forward_backward_adaptive
@@ -222,3 +231,25 @@ def test_a_kto_step_follows_the_paper_with_the_steps_kl_in_one_or_three_micro_ba
     for g in grads:
         for k, v in policy.named_parameters():
             torch.testing.assert_close(g[k], v.grad, **TOL, msg=k)
+
+
+def test_a_precomputed_reference_trains_as_the_frozen_copy_and_is_computed_once(tiny_model_dir, toy_data_dir, tmp_path):
+    """reference: precompute gives the losses, rewards and weights of a frozen copy of the starting weights, with
+    no second copy and no reference forward in the steps; the table is cached beside the token store and a
+    second run loads it."""
+    from test_resume import train, train_records
+
+    cfg = preference_settings(tiny_model_dir, toy_data_dir, "dpo", "full")
+    cfg["data"]["cache_dir"] = str(tmp_path / "cache")
+    copy_run, _ = train({**cfg, "preference": {"reference": "model"}}, tmp_path / "copy")
+    first, console = train({**cfg, "preference": {"reference": "precompute"}}, tmp_path / "pre")
+    assert "computed with the starting weights" in console and first.summary["reference"] == "precompute"
+    tables = list((tmp_path / "cache").rglob("reference/*/train.npy"))
+    assert len(tables) == 1 and len(list((tmp_path / "cache").rglob("reference/*/eval.npy"))) == 1
+    for a, b in zip(train_records(tmp_path / "copy"), train_records(tmp_path / "pre")):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["step"], k)
+    _, again = train({**cfg, "preference": {"reference": "precompute"}}, tmp_path / "again")
+    assert "loaded from the cache" in again and "computed with" not in again
+    assert copy_run.summary["eval_reward_accuracy"] == pytest.approx(first.summary["eval_reward_accuracy"])

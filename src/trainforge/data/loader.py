@@ -38,12 +38,13 @@ class Batch:
     decoder_input_ids: torch.Tensor | None = None  # the target shifted right behind the decoder's start token
     n_documents: int = 0  # packed documents (preference rows: a pair's chosen and rejected are two)
     desirable: torch.Tensor | None = None  # KTO: each example's label, in the order of its pairs (example, KL sample)
+    reference: torch.Tensor | None = None  # (P, 2) precomputed reference log-probabilities of each pair's two sides
 
     def _map(self, fn) -> "Batch":
         t = lambda x: fn(x) if x is not None else None  # noqa: E731
         return Batch(
             fn(self.input_ids), fn(self.labels), t(self.position_ids), self.n_tokens, self.n_targets, self.indices,
-            t(self.attention_mask), t(self.decoder_input_ids), self.n_documents, t(self.desirable),
+            t(self.attention_mask), t(self.decoder_input_ids), self.n_documents, t(self.desirable), t(self.reference),
         )
 
     def to(self, device: torch.device) -> "Batch":
@@ -61,6 +62,8 @@ class RowCollator:
     def __init__(self, store: TokenStore, pad_id: int, mode: bool | str, max_length: int, pin: bool = False):
         self.store, self.pad_id, self.max_length, self.pin = store, pad_id, max_length, pin
         self.concat, self.packed = mode == "concat", mode is True
+        # preference.reference: precompute: the reference's log-probability of every stored sequence (float32)
+        self.reference: np.ndarray | None = None
 
     def _row(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         ids, learn = self.store.ids, self.store.learn
@@ -76,12 +79,23 @@ class RowCollator:
             positions.append(np.arange(e - s - 1))
         return np.concatenate(inputs), np.concatenate(labels), np.concatenate(positions)
 
+    def _pair_sequences(self, rows: Sequence[np.ndarray]) -> np.ndarray:
+        """The stored index of each pair's first sequence in pair rows, in row-major order."""
+        starts = np.concatenate([r[0::2, 0] for r in rows]) if rows else np.zeros(0, np.int64)
+        return np.searchsorted(self.store.offsets, starts, "right") - 1
+
     def _labels(self, rows: Sequence[np.ndarray]) -> torch.Tensor | None:
         """The example labels of an unpaired (KTO) store's pair rows, one per pair in row-major order."""
         if self.store.desirable is None:
             return None
-        starts = np.concatenate([r[0::2, 0] for r in rows]) if rows else np.zeros(0, np.int64)
-        return torch.from_numpy(self.store.desirable[np.searchsorted(self.store.offsets, starts, "right") - 1].copy())
+        return torch.from_numpy(self.store.desirable[self._pair_sequences(rows)].copy())
+
+    def _reference(self, rows: Sequence[np.ndarray]) -> torch.Tensor | None:
+        """(P, 2) precomputed reference log-probabilities of the pairs of pair rows, when there is a table."""
+        if self.reference is None:
+            return None
+        first = self._pair_sequences(rows)
+        return torch.from_numpy(np.stack([self.reference[first], self.reference[first + 1]], axis=1))
 
     def __call__(self, rows: Sequence[np.ndarray], indices: list[int]) -> Batch:
         built = [self._row(r) for r in rows]
@@ -105,6 +119,7 @@ class RowCollator:
             indices=list(indices),
             n_documents=sum(len(r) for r in rows) if self.packed else len(rows),
             desirable=self._labels(rows),
+            reference=self._reference(rows),
         )
         return batch.pinned() if self.pin else batch  # page-locked: the host-to-GPU copy is asynchronous
 
@@ -186,6 +201,8 @@ class TrainLoader:
         b.n_tokens, b.n_targets, b.n_documents = 0, 0, 0
         if b.desirable is not None:
             b.desirable = b.desirable[:0]  # no pairs: the documents' targets are gone
+        if b.reference is not None:
+            b.reference = b.reference[:0]
         return b
 
     def padding_efficiency(self) -> float:

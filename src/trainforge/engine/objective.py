@@ -42,7 +42,8 @@ class PairObjective:
     """A preference objective over batches of packed pairs (``data/packing.pair_rows``).
 
     ``reference``: ``adapters`` (the policy with its LoRA adapters off), ``model`` (``reference_model``, a frozen
-    copy of the starting weights), or ``none`` (log-ratios against 0; orpo and simpo never read one)."""
+    copy of the starting weights), ``precompute`` (each batch carries them: engine/reference.py), or ``none``
+    (log-ratios against 0; orpo and simpo never read one)."""
 
     unit = "pair"
 
@@ -73,6 +74,11 @@ class PairObjective:
         self.kl = (total[0] / total[1].clamp(min=1)).clamp(min=0)
 
     def _reference(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.reference == "precompute":
+            if batch.reference is None:
+                raise ValueError("preference.reference precompute: this batch carries no reference log-probabilities")
+            ref = batch.reference.to(batch.input_ids.device)
+            return ref[:, 0], ref[:, 1]
         base = self.reference_model if self.reference == "model" else None
         return pref.reference_pair_logps(_unwrapped(model), batch, precision, base, fused)
 
@@ -142,12 +148,12 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def resolve_reference(objective: str, reference: str, method: str) -> str:
-    """What gives the reference log-probabilities: ``adapters``, ``model`` or ``none`` (preference.reference)."""
+    """What gives the reference log-probabilities: ``adapters``, ``model``, ``precompute`` or ``none`` (preference.reference)."""
     if objective in REFERENCE_FREE or reference == "none":
         return "none"
     if reference == "auto":
         return "adapters" if method in ("lora", "qlora") else "model"
-    return "model"
+    return reference
 
 
 def build_objective(cfg, model: torch.nn.Module) -> TokenObjective | PairObjective:
@@ -171,6 +177,7 @@ def describe_objective(objective: PairObjective) -> str:
              "kto": f"beta {s.beta}, weights {s.desirable_weight} desirable / {s.undesirable_weight} undesirable",
              "ipo": f"tau {s.beta}", "simpo": f"beta {s.beta}, gamma {s.simpo_gamma}", "orpo": f"lambda {s.beta}"}
     reference = {"adapters": "the same model with its LoRA adapters off", "model": "a frozen copy of the starting weights",
+                 "precompute": "the starting weights' log-probabilities, precomputed once",
                  "none": "none" + (" (reference-free)" if objective.name not in REFERENCE_FREE else "")}
     return f"objective: {objective.name} ({knobs[objective.name]}), reference: {reference[objective.reference]}"
 

@@ -54,6 +54,7 @@ from .predict.fit import Fit, fit_run, rough_skeleton_estimate
 from .predict.memory import MemoryEstimate, estimate_memory, memory_refusal, memory_warning
 from .nonfinite import NonFiniteGuard
 from .objective import build_objective, describe_objective
+from .reference import attach_reference
 from .oom import OutOfMemory
 from .optim import build_optimizer, check_optimizer, describe_optimizer
 from .preempt import StopRequest
@@ -127,6 +128,8 @@ def setup(
     objective = build_objective(cfg, model)  # before any checkpoint loads: a frozen reference is the starting weights
     if objective.unit == "pair":
         reporter.info(describe_objective(objective))
+    if objective.reference == "precompute":  # the starting weights' log-probabilities, once, from the cache after that
+        attach_reference(cfg, data, model, precision, device, ctx, reporter.info)
     laps("model")
     rough = estimate_memory(model, loader.batch_size, cfg.row_tokens(), precision)
     warning = memory_warning(rough, available_memory_bytes(device), device)
@@ -328,7 +331,7 @@ def run_facts(
     # encoder-decoder: a source token costs the encoder's matmuls, a target token the decoder's and the head's
     share = data_stats["train_target_tokens"] / max(data_stats["train_tokens"], 1) if data_stats.get("encoder_decoder") else None
     per_token = flops_per_token(model, cfg.data.max_length, share)
-    if objective is not None and objective.unit == "pair" and objective.reference != "none":
+    if objective is not None and objective.unit == "pair" and objective.reference in ("model", "adapters"):
         per_token *= 4 / 3  # the reference's forward: a third of a trained token's forward + backward
     device_peak, source = peak_flops(device, precision.name, cfg.data.cache_dir)
     peak = device_peak * ctx.world_size  # tokens/s is the global figure: so is the peak

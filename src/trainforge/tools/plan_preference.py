@@ -35,7 +35,7 @@ def with_reference(cfg: RunConfig, step: StepTime, memory: MemoryPrediction) -> 
     reference = resolve_reference(objective, cfg.preference.reference, cfg.model.method)
     facts: dict[str, Any] = {"objective": objective, "reference": reference, "reference_s": 0.0,
                              "reference_bytes": memory.parts.get("reference", 0)}
-    if reference == "none":
+    if reference in ("none", "precompute"):  # precompute: one forward over the data before the first step
         return step, facts
     share = 1 / 3 if cfg.model.method == "full" else 1 / 2
     facts["reference_s"] = extra = (step.seconds - step.overhead_s) * share
@@ -47,6 +47,7 @@ def with_reference(cfg: RunConfig, step: StepTime, memory: MemoryPrediction) -> 
 def describe_reference(facts: dict[str, Any]) -> str:
     """The plan's line about a preference run's reference."""
     what = {"adapters": "the model with its adapters off", "model": "a frozen copy of the starting weights",
+            "precompute": "precomputed once before the first step (a forward over the data; cached beside the tokens)",
             "none": "none (the objective compares the policy with itself)" if facts["objective"] in ("orpo", "simpo")
             else "none (reference-free)"}[facts["reference"]]
     cost = f"; its forward adds {facts['reference_s']:.3f}s per step (included above)" if facts["reference_s"] else ""
