@@ -100,3 +100,10 @@ def test_preference_run_learns_the_known_preference_and_final_loads(tmp_path, ti
     got = recomputed_eval(run, model, tokenizer, reference)
     assert got["eval_reward_accuracy"] == pytest.approx(summary["eval_reward_accuracy"], abs=1e-6)
     assert got["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-4)
+    if objective == "dpo":  # trainforge eval on the run's eval file: the run's last evaluation, same reference
+        proc = run_cli(["eval", run, "--data", toy_data_dir / "pref_eval.jsonl", "--json"], tmp_path)
+        assert proc.returncode == 0, show(proc)
+        figures = json.loads(proc.stdout[proc.stdout.index("{"):])
+        assert figures["objective"] == "dpo" and figures["reference"] == summary["reference"]
+        assert figures["reward_accuracy"] == pytest.approx(summary["eval_reward_accuracy"], abs=1e-6)
+        assert figures["loss"] == pytest.approx(summary["eval_loss"], rel=1e-4)

@@ -25,13 +25,14 @@ from pydantic import ValidationError
 from ..config import ConfigError, RunConfig, apply_override, parse_override
 from ..config_errors import format_errors
 from ..data.loader import eval_batches
-from ..data.packing import build_rows
+from ..data.packing import build_rows, pair_rows
 from ..data.plan import collator_for, lost_tokens_warning
 from ..data.prepare import prepare_data
 from ..engine.evaluate import evaluate
 from ..hardware import PRECISIONS, Precision, configure_backends, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
 from ..model.resolve import ModelSource, load_model, load_source_tokenizer, resolve_source, run_precision
+from .evaluate_preference import eval_objective, preference_figures
 
 DEFAULT_MAX_LENGTH = 1024
 
@@ -98,12 +99,19 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
     store = prepared.train  # the file is read as the one training source: every row, in order
-    rows = build_rows(store, np.arange(len(store)), d.packing, d.max_length)
+    pairs = prepared.format in ("preference", "unpaired")
+    rows = pair_rows(store, np.arange(len(store) // 2), d.max_length) if pairs else build_rows(store, np.arange(len(store)), d.packing, d.max_length)
     # an adapter's decoder starts where its base's does (the adapter directory has no config.json)
     collate = collator_for(cfg, tokenizer, cfg.model.model_copy(update={"path": src.base or src.weights}))(store)
     batches = eval_batches(rows, collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
 
     model = load_model(src, device, precision, vocab_size=len(tokenizer))
+    where = {"sequences": len(store), "rows": len(rows), "format": prepared.format, "data": data, "model": str(src.path),
+             "precision": precision.name, "device": str(device)}
+    if pairs:  # the objective's loss and rewards, against its reference (tools/evaluate_preference.py)
+        cfg, objective = eval_objective(cfg, src, prepared.format, model, device, precision)
+        result = evaluate(model, batches, precision, device, fused=cfg.train.fused_loss, objective=objective)
+        return {**preference_figures(result), "objective": objective.name, "reference": objective.reference, **where}
     result = evaluate(model, batches, precision, device, fused=cfg.train.fused_loss)
     return {
         "loss": result["eval_loss"],
@@ -121,6 +129,12 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
 
 def render(result: dict[str, Any]) -> str:
     """The figures as lines for the console."""
+    if "objective" in result:
+        rewards = {k: v for k, v in result.items() if k.startswith(("reward", "logps", "kl"))}
+        return (f"{result['objective']} loss  {result['loss']:.6f} over {result['pairs']:,} "
+                + ("examples" if result["objective"] == "kto" else "pairs") + f" (reference: {result['reference']})\n"
+                + "\n".join(f"{k:<18} {v:.4f}" for k, v in rewards.items())
+                + f"\nprecision   {result['precision']} on {result['device']}")
     return (
         f"loss        {result['loss']:.6f}\n"
         f"perplexity  {result['perplexity']:.4f}\n"

@@ -1,0 +1,49 @@
+"""``trainforge eval`` on preference data: the objective's loss and reward metrics of a model on pairs (or KTO
+rows), through the same rows, reference and code as a run's evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ConfigError, RunConfig
+from ..engine.objective import PairObjective, build_objective, resolve_reference
+from ..hardware import Precision
+from ..model.resolve import ModelSource, load_model, resolve_source
+
+
+def eval_objective(cfg: RunConfig, src: ModelSource, fmt: str, model: torch.nn.Module, device: torch.device,
+                   precision: Precision) -> tuple[RunConfig, PairObjective]:
+    """(the config with its objective set, the objective scoring ``model``). The objective is the run's, else
+    dpo for pairs and kto for unpaired rows. The reference of an adapter is its base with the adapters off;
+    of full weights, the starting weights: the run's ``model.path`` (or ``--set model.path=...``), loaded
+    apart; ``--set preference.reference=none`` scores reference-free."""
+    objective = cfg.train.objective
+    if objective == "sft":
+        objective = "kto" if fmt == "unpaired" else "dpo"
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"objective": objective})})
+    method = "lora" if src.adapter is not None else "full"
+    reference = resolve_reference(objective, cfg.preference.reference, method)
+    if reference in ("adapters", "none"):
+        if reference == "adapters" and src.adapter is None:
+            raise ConfigError(f"{src.path}: preference.reference adapters needs a LoRA adapter; these are full weights")
+        return cfg, build_objective(cfg.model_copy(update={"model": cfg.model.model_copy(update={"method": method})}), model)
+    start = cfg.model.path if cfg.model.path != src.weights else None  # --set model.path=DIR names it
+    run_start = ((src.run_config or {}).get("model") or {}).get("path")
+    start = start or (Path(run_start) if run_start else None)  # else the directory the run started from
+    if start is None or not start.is_dir():
+        raise ConfigError(
+            f"{src.path}: the reference of full weights is their starting model"
+            + (f" ({start}, which is not a directory now)" if start else ", which this run did not load from a directory")
+            + "; give it with --set model.path=DIR, or score reference-free with --set preference.reference=none"
+        )
+    base = load_model(resolve_source(start), device, precision).eval().requires_grad_(False)
+    return cfg, PairObjective(objective, cfg.preference, "model", base)
+
+
+def preference_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a preference evaluation, named as ``trainforge eval`` reports them."""
+    return {"loss": result["eval_loss"], "pairs": result["eval_pairs"],
+            **{k.removeprefix("eval_"): v for k, v in result.items() if k not in ("eval_loss", "eval_pairs")}}
