@@ -53,7 +53,7 @@ def recomputed_eval(run: Path, model: torch.nn.Module, tokenizer, reference: tor
     return evaluate(model, batches, PRECISIONS["fp32"], torch.device("cpu"), objective=objective)
 
 
-@pytest.mark.parametrize("objective,method", [("dpo", "lora"), ("dpo", "full"), ("orpo", "full"), ("kto", "lora"), ("kto", "full")])
+@pytest.mark.parametrize("objective,method", [("dpo", "lora"), ("dpo", "full"), ("orpo", "lora"), ("orpo", "full"), ("kto", "lora"), ("kto", "full")])
 def test_preference_run_learns_the_known_preference_and_final_loads(tmp_path, tiny_model_dir, toy_data_dir, objective, method):
     config = conftest.write_config(tmp_path / "run.yaml", preference_config(tiny_model_dir, toy_data_dir, objective, method))
     proc = run_cli(["train", config, "--output", tmp_path / "run"], tmp_path)

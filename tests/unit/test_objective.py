@@ -113,7 +113,8 @@ def preference_settings(tiny_model_dir, toy_data_dir, objective: str, method: st
 
 
 @pytest.mark.parametrize("objective,method,reference", [
-    ("dpo", "full", "auto"), ("dpo", "lora", "auto"), ("simpo", "full", "auto"), ("kto", "full", "auto"), ("dpo", "full", "precompute"),
+    ("dpo", "full", "auto"), ("dpo", "lora", "auto"), ("ipo", "full", "auto"), ("simpo", "full", "auto"), ("orpo", "lora", "auto"),
+    ("kto", "full", "auto"), ("dpo", "full", "precompute"),
 ])
 def test_a_crashed_preference_run_resumes_exactly(objective, method, reference, tiny_model_dir, toy_data_dir, tmp_path, monkeypatch):
     """Crashed in step 5, resumed from the step-4 checkpoint: the same weights and the same metric records

@@ -122,3 +122,45 @@ def test_pairs_tokenize_as_two_sequences_and_a_pair_that_cannot_fit_is_dropped_w
     starts = np.concatenate([[0], np.cumsum(chunk.lengths)])
     sides = [decode(tok, chunk.ids[a:b][chunk.learn[a:b].astype(bool)]) for a, b in zip(starts[:-1], starts[1:])]
     assert [s.split("<")[0] for s in sides] == [" Paris.", " Rome.", " Paris.", " Rome."]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_bad_rows_are_counted_under_skip_and_kto_labels_reach_the_store_and_batches(tmp_path, tiny_tokenizer_dir, objective):
+    """Through prepare: with data.on_bad_row skip a bad row is counted (its file and line kept) and the others
+    stored as pairs; a KTO store keeps each example's label beside it and its KL sample, and a collated batch
+    carries them in the order of its pairs."""
+    import json
+
+    from conftest import toy_kto_rows, toy_preference_pairs
+
+    from trainforge.config import RunConfig
+    from trainforge.data.plan import plan_data
+    from trainforge.metrics.console import ConsoleReporter
+    from rich.console import Console
+
+    rows = toy_kto_rows(12) if objective == "kto" else toy_preference_pairs(12)
+    bad = {"prompt": "q", "completion": " a", "label": "maybe"} if objective == "kto" else {"prompt": "q", "chosen": " a", "rejected": " a"}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:5] + [bad] + rows[5:]))
+    cfg = RunConfig.model_validate({
+        "model": {"init": {"architecture": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                           "num_attention_heads": 4}, "tokenizer": str(tiny_tokenizer_dir)},
+        "data": {"train": str(path), "eval": None, "max_length": 64, "on_bad_row": "skip", "cache_dir": str(tmp_path / "c"),
+                 "format": "unpaired" if objective == "kto" else "auto"},
+        "train": {"objective": objective},
+    })
+    from trainforge.model.tokenizer import load_tokenizer
+
+    plan = plan_data(cfg, load_tokenizer(tiny_tokenizer_dir), ConsoleReporter(Console(quiet=True)))
+    stats = plan.prepared.stats
+    assert stats["bad_rows"] == 1 and stats["bad_row_examples"][0].startswith(f"{path}:6")
+    assert stats["train_sequences"] == 2 * 12 and len(plan.prepared.train) == 24
+    store = plan.prepared.train
+    if objective == "kto":
+        assert store.desirable.tolist() == [r["label"] for r in rows for _ in (0, 1)]
+        batch = plan.collate(plan.train_rows[:2], [0, 1])
+        first = np.concatenate([r[0::2, 0] for r in plan.train_rows[:2]])
+        want = [rows[int(np.searchsorted(store.offsets, s, "right") - 1) // 2]["label"] for s in first]
+        assert batch.desirable.tolist() == want and batch.n_documents == 2 * len(want)
+    else:
+        assert store.desirable is None
