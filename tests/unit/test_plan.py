@@ -274,7 +274,8 @@ def test_eval_time_counts_the_eval_rows_in_micro_batches():
     assert eval_batches_per_pass(cfg, {"eval_rows": 100}, steps=2000) == 25  # all of them
 
 
-@pytest.mark.parametrize("method,objective,reference", [("full", "dpo", "model"), ("lora", "dpo", "adapters"), ("full", "simpo", "none")])
+@pytest.mark.parametrize("method,objective,reference", [("full", "dpo", "model"), ("lora", "dpo", "adapters"), ("full", "simpo", "none"),
+                                                        ("lora", "kto", "adapters")])
 def test_a_preference_plan_adds_the_references_forward_and_copy(tiny_model_dir, method, objective, reference):
     """A reference forward costs a third of a full fine-tune's step and half of an adapter step; a frozen
     copy of the starting weights is held beside them; a reference-free objective adds nothing."""
@@ -298,6 +299,6 @@ def test_a_preference_plan_adds_the_references_forward_and_copy(tiny_model_dir, 
         assert memory.tensors == sft.tensors + sft.parts["weights"] and memory.process > sft.process
     else:
         assert memory == sft
-    share = {"model": 1 / 3, "adapters": 1 / 2, "none": 0.0}[reference]
+    share = {"model": 1 / 3, "adapters": 1 / 2, "none": 0.0}[reference] * (2 if objective == "kto" else 1)
     assert planned.seconds == pytest.approx(1.0 + 0.9 * share) and planned.flops == pytest.approx(1e9 * (1 + share))
     assert ("forward adds" in describe_reference(facts)) == (share > 0)

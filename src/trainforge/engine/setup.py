@@ -332,7 +332,8 @@ def run_facts(
     share = data_stats["train_target_tokens"] / max(data_stats["train_tokens"], 1) if data_stats.get("encoder_decoder") else None
     per_token = flops_per_token(model, cfg.data.max_length, share)
     if objective is not None and objective.unit == "pair" and objective.reference in ("model", "adapters"):
-        per_token *= 4 / 3  # the reference's forward: a third of a trained token's forward + backward
+        # the reference's forward is a third of a trained token's forward + backward; KTO adds a policy forward too
+        per_token *= 5 / 3 if objective.name == "kto" else 4 / 3
     device_peak, source = peak_flops(device, precision.name, cfg.data.cache_dir)
     peak = device_peak * ctx.world_size  # tokens/s is the global figure: so is the peak
     reporter.info(

@@ -28,7 +28,8 @@ def with_reference(cfg: RunConfig, step: StepTime, memory: MemoryPrediction) -> 
     """(step, facts) of ``cfg``'s objective. The traced step is the policy's forward and backward on the same
     rows; a reference adds one forward of them without gradients: a third of a full fine-tune's step (the
     backward costs two forwards), half of an adapter step's (the frozen base computes no weight gradients).
-    None: not a preference run."""
+    KTO runs the policy once more without gradients first (its reference point over the whole step): twice
+    that. None: not a preference run."""
     objective = cfg.train.objective
     if objective == "sft":
         return step, None
@@ -37,7 +38,7 @@ def with_reference(cfg: RunConfig, step: StepTime, memory: MemoryPrediction) -> 
                              "reference_bytes": memory.parts.get("reference", 0)}
     if reference in ("none", "precompute"):  # precompute: one forward over the data before the first step
         return step, facts
-    share = 1 / 3 if cfg.model.method == "full" else 1 / 2
+    share = (1 / 3 if cfg.model.method == "full" else 1 / 2) * (2 if objective == "kto" else 1)
     facts["reference_s"] = extra = (step.seconds - step.overhead_s) * share
     step = StepTime(step.seconds + extra, step.compute_s * (1 + share), step.memory_s * (1 + share), step.overhead_s,
                     step.flops * (1 + share), step.tokens)
