@@ -45,6 +45,16 @@ def moved_policy() -> tuple[torch.nn.Module, torch.nn.Module]:
     return policy, reference
 
 
+def assert_steps_equal(policy: torch.nn.Module, want: torch.Tensor, losses: list, grads: list) -> None:
+    """Each step's loss and gradients equal the direct formula's ``want`` (backpropagated here) to 1e-5."""
+    want.backward()
+    for loss in losses:
+        torch.testing.assert_close(loss, want.detach(), **TOL)
+    for g in grads:
+        for k, v in policy.named_parameters():
+            torch.testing.assert_close(g[k], v.grad, **TOL, msg=k)
+
+
 @pytest.mark.parametrize("name", ["dpo", "ipo", "simpo", "orpo"])
 def test_a_step_is_the_mean_pair_loss_and_the_same_in_one_or_three_micro_batches(tmp_path, name):
     policy, reference = moved_policy()
@@ -60,12 +70,7 @@ def test_a_step_is_the_mean_pair_loss_and_the_same_in_one_or_three_micro_batches
         assert int(metrics[PAIR_COUNT]) == len(PAIRS)
 
     want = paper_losses(reference_logps(policy), reference_logps(reference), name)
-    want.backward()
-    for loss in losses:
-        torch.testing.assert_close(loss, want.detach(), **TOL)
-    for g in grads:
-        for k, v in policy.named_parameters():
-            torch.testing.assert_close(g[k], v.grad, **TOL, msg=k)
+    assert_steps_equal(policy, want, losses, grads)
 
 
 def test_the_unfused_path_gives_the_same_loss_and_metrics(tmp_path):
@@ -226,12 +231,7 @@ def test_a_kto_step_follows_the_paper_with_the_steps_kl_in_one_or_three_micro_ba
     ratio = logps(policy, False) - ref
     good = torch.tensor([g for *_, g in KTO])
     want = torch.where(good, 1.0 * (1 - torch.sigmoid(0.5 * (ratio - kl))), 1.5 * (1 - torch.sigmoid(0.5 * (kl - ratio)))).mean()
-    want.backward()
-    for loss in losses:
-        torch.testing.assert_close(loss, want.detach(), **TOL)
-    for g in grads:
-        for k, v in policy.named_parameters():
-            torch.testing.assert_close(g[k], v.grad, **TOL, msg=k)
+    assert_steps_equal(policy, want, losses, grads)
 
 
 def test_a_precomputed_reference_trains_as_the_frozen_copy_and_is_computed_once(tiny_model_dir, toy_data_dir, tmp_path):
