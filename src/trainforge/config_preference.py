@@ -59,3 +59,12 @@ def check_objective(cfg: Any) -> None:
     if cfg.data.packing is not True:
         raise ValueError(f"data.packing: train.objective {objective} puts a pair's chosen and rejected sides into one row "
                          "as two documents (one forward for both); set data.packing: true")
+
+
+def resolve_reference(objective: str, reference: str, method: str) -> str:
+    """What gives the reference log-probabilities: ``adapters``, ``model``, ``precompute`` or ``none`` (preference.reference)."""
+    if objective in REFERENCE_FREE or reference == "none":
+        return "none"
+    if reference == "auto":
+        return "adapters" if method in ("lora", "qlora") else "model"
+    return reference

@@ -16,7 +16,8 @@ from trainforge.config_preference import PreferenceSettings
 from trainforge.data.loader import RowCollator
 from trainforge.data.packing import pair_rows
 from trainforge.engine.objective import PAIRS as PAIR_COUNT
-from trainforge.engine.objective import PairObjective, mean_metrics, resolve_reference
+from trainforge.config_preference import resolve_reference
+from trainforge.engine.objective import PairObjective, mean_metrics
 from trainforge.engine.step import forward_backward
 from trainforge.hardware import PRECISIONS
 

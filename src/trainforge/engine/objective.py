@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..config_preference import REFERENCE_FREE
+from ..config_preference import REFERENCE_FREE, resolve_reference
 from ..data.loader import Batch
 from ..hardware import Precision
 from . import preference as pref
@@ -145,15 +145,6 @@ class PairObjective:
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The model under a DDP wrapper: no-gradient passes need no gradient exchange, and the adapters live there."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-def resolve_reference(objective: str, reference: str, method: str) -> str:
-    """What gives the reference log-probabilities: ``adapters``, ``model``, ``precompute`` or ``none`` (preference.reference)."""
-    if objective in REFERENCE_FREE or reference == "none":
-        return "none"
-    if reference == "auto":
-        return "adapters" if method in ("lora", "qlora") else "model"
-    return reference
 
 
 def build_objective(cfg, model: torch.nn.Module) -> TokenObjective | PairObjective:

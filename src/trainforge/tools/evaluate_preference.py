@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, RunConfig
-from ..engine.objective import PairObjective, build_objective, resolve_reference
+from ..config_preference import resolve_reference
+from ..engine.objective import PairObjective, build_objective
 from ..hardware import Precision
 from ..model.resolve import ModelSource, load_model, resolve_source
 

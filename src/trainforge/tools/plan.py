@@ -31,7 +31,7 @@ from ..hardware import (
 )
 from ..profiles import GIB, HardwareProfile, find_profile
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
-from .plan_preference import describe_reference, reference_memory, with_reference
+from .plan_preference import describe_reference, with_reference
 from .plan_remedy import one_change_to_fit
 
 SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write speed (local NVMe order); a finding, not a decision, uses it
@@ -103,7 +103,6 @@ def make_plan(
     accum = resolve_grad_accum(resolved.train, world_size)
     resolved = resolved.model_copy(update={"train": resolved.train.model_copy(update={"grad_accum": accum})})
     memory = fit.memory or predict_memory(resolved, tokenizer, precision, profile, mbs, ckpt, accum, world_size, mode)
-    memory = reference_memory(resolved, memory, profile)  # a frozen reference copy, held the whole run
     levers = lever_savings(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
     load = predict_load_memory(resolved, precision, profile, memory)
     remedy = one_change_to_fit(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)

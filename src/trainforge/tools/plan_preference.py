@@ -1,27 +1,14 @@
-"""What a preference objective adds to a plan: the reference's forward in every step, and a frozen copy
-of the weights when the reference is the starting model (``preference.reference``)."""
+"""What a preference objective adds to a plan's step: the reference's forward (``preference.reference``; a
+frozen copy of the starting weights is in the memory prediction itself, ``predict/fit.predict_memory``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ..config import RunConfig
-from ..engine.objective import resolve_reference
+from ..config_preference import resolve_reference
 from ..engine.predict.fit import MemoryPrediction
 from ..engine.predict.timing import StepTime
-from ..profiles import HardwareProfile
-
-
-def reference_memory(cfg: RunConfig, memory: MemoryPrediction, profile: HardwareProfile) -> MemoryPrediction:
-    """``memory`` with a frozen copy of the weights held the whole run, when the reference is the starting model."""
-    if cfg.train.objective == "sft" or resolve_reference(cfg.train.objective, cfg.preference.reference, cfg.model.method) != "model":
-        return memory
-    copy = memory.parts.get("weights", 0)
-    return dataclasses.replace(
-        memory, parts={**memory.parts, "reference": copy}, tensors=memory.tensors + copy,
-        process=memory.process + int(copy * (1 + profile.allocator_overhead)),
-    )
 
 
 def with_reference(cfg: RunConfig, step: StepTime, memory: MemoryPrediction) -> tuple[StepTime, dict[str, Any] | None]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import RunConfig
+from ...config_preference import resolve_reference
 from ...hardware import Precision
 from ...profiles import GIB, HardwareProfile
 from .memory import MemoryEstimate, estimate_memory
@@ -66,6 +67,9 @@ def predict_memory(
         parts["fsdp_gather"] = 2 * trace.largest_layer + trace.largest_layer
     elif world_size > 1:
         parts["ddp_buckets"] = trace.trainable_grads  # DDP reduces gradients through flat bucket copies
+    t = cfg.train
+    if t.objective != "sft" and resolve_reference(t.objective, cfg.preference.reference, cfg.model.method) == "model":
+        parts["reference"] = trace.parts["weights"]  # a frozen copy of the starting weights, whole on every process
     tensors = sum(parts.values())
     process = int(tensors * (1 + profile.allocator_overhead) + fixed_bytes(cfg, profile))
     return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size, activation_checkpointing, trace)
