@@ -1,4 +1,4 @@
-"""Side by side: trainforge DPO against TRL ``DPOTrainer``, both with LoRA, one command.
+"""Side by side: trainforge DPO (and KTO) against TRL ``DPOTrainer`` (``KTOTrainer``), all with LoRA, one command.
 
     python benchmarks/compare_dpo.py [--quick] [--pairs N] [--runs NAME,NAME] [--repeat N] [--threads 2]
                                      [--workdir DIR] [--out results.json]
@@ -17,6 +17,11 @@ Runs (each in its own subprocess, one after another, the same thread count):
 - ``trainforge-dpo``: ``train.objective: dpo``, ``model.method: lora``, its defaults otherwise (pairs
   packed whole into rows, one forward for chosen and rejected, the reference as adapters off,
   log-probabilities from the chunked fused head, precision auto).
+- ``trl-kto`` and ``trainforge-kto`` (``--runs``, informational): the same pairs unpaired, every other
+  function's real body labelled desirable and the others' reversed bodies undesirable (TRL's
+  ``{prompt, completion, label}``), ``KTOConfig`` defaults against ``train.objective: kto``. Their speed
+  column counts examples per second (each side also runs KL samples, differently), and their accuracy is
+  the share of held-out examples whose reward is on the side of beta x KL their label asks for.
 
 Equal everywhere: beta, the LoRA adapters (rank, alpha, dropout 0, every linear layer of the blocks),
 AdamW (lr, betas, eps, weight decay), cosine decay to ``min_lr_ratio`` x lr without warmup, clipping, seed,
@@ -69,7 +74,7 @@ from compare_hf import (  # noqa: E402
 )
 
 RUNS = ("trl-dpo", "trainforge-dpo")
-EXTRA = ("trl-dpo-fp32",)
+EXTRA = ("trl-dpo-fp32", "trl-kto", "trainforge-kto")
 TARGETS = {"trl-dpo": {"tokens_per_s": 3.0, "peak_memory": 0.7, "reward_accuracy_points": 2.0}}  # issue 27
 
 
@@ -106,6 +111,10 @@ def build_inputs(work: Path, s: dict) -> dict:
     pairs = list(rows.values())
     write_jsonl(work / "pairs_train.jsonl", pairs[: s["pairs"]])
     write_jsonl(work / "pairs_eval.jsonl", pairs[s["pairs"] :])
+    unpaired = [{"prompt": p["prompt"], "completion": p["chosen" if k % 2 == 0 else "rejected"], "label": k % 2 == 0}
+                for k, p in enumerate(pairs)]  # KTO: the same functions, half of them reversed
+    write_jsonl(work / "kto_train.jsonl", unpaired[: s["pairs"]])
+    write_jsonl(work / "kto_eval.jsonl", unpaired[s["pairs"] :])
     tok = train_bpe_tokenizer((p[k] for p in pairs[: s["pairs"]] for k in ("prompt", "chosen", "rejected")), s["vocab_size"])
     longest = max(len(tok(p["prompt"] + max(p["chosen"], p["rejected"], key=len)).input_ids) for p in pairs)
     if longest + 2 > s["max_length"]:  # BOS / EOS around it
@@ -113,16 +122,18 @@ def build_inputs(work: Path, s: dict) -> dict:
     model_dir = work / "init_model"
     save_initial_model(model_dir, tok, s)
     paths = {"work": str(work), "model_dir": str(model_dir), "train": str(work / "pairs_train.jsonl"),
-             "eval": str(work / "pairs_eval.jsonl")}
+             "eval": str(work / "pairs_eval.jsonl"), "kto_train": str(work / "kto_train.jsonl"),
+             "kto_eval": str(work / "kto_eval.jsonl")}
     return {**s, "paths": paths, "longest_side_tokens": longest}
 
 
-def trainforge_config(s: dict, cache_dir: Path) -> dict:
+def trainforge_config(s: dict, cache_dir: Path, objective: str = "dpo") -> dict:
     p, o = s["paths"], s["optim"]
     return {
         "model": {"path": p["model_dir"], "method": "lora", "lora": {**s["lora"], "dropout": 0.0}},
-        "data": {"train": p["train"], "eval": None, "max_length": 2 * s["max_length"], "cache_dir": str(cache_dir)},
-        "train": {"objective": "dpo", "epochs": 1, "micro_batch_size": s["batch_size"], "seed": s["seed"]},
+        "data": {"train": p["kto_train" if objective == "kto" else "train"], "eval": None, "max_length": 2 * s["max_length"],
+                 "cache_dir": str(cache_dir)},
+        "train": {"objective": objective, "epochs": 1, "micro_batch_size": s["batch_size"], "seed": s["seed"]},
         "optim": {k: o[k] for k in ("lr", "weight_decay", "betas", "eps", "warmup_steps", "min_lr_ratio", "max_grad_norm")}
         | {"schedule": "cosine"},
         "preference": {"beta": s["beta"]},
@@ -135,45 +146,49 @@ def trainforge_config(s: dict, cache_dir: Path) -> dict:
 
 
 def child(name: str, spec_path: Path, result_path: Path) -> None:
-    run_in_child(spec_path, result_path, name,
-                 lambda s, out: run_trainforge(s, out) if name.startswith("trainforge") else run_trl(s, out, tuned=name.endswith("fp32")))
+    objective = "kto" if name.endswith("kto") else "dpo"
+    run_in_child(spec_path, result_path, name, lambda s, out: run_trainforge(s, out, objective) if name.startswith("trainforge")
+                 else run_trl(s, out, tuned=name.endswith("fp32"), objective=objective))
 
 
-def run_trainforge(s: dict, out: Path) -> dict:
+def run_trainforge(s: dict, out: Path, objective: str = "dpo") -> dict:
     import yaml
 
     from trainforge.config import load_config
 
-    (out / "config.yaml").write_text(yaml.safe_dump(trainforge_config(s, out / "cache"), sort_keys=False))
+    (out / "config.yaml").write_text(yaml.safe_dump(trainforge_config(s, out / "cache", objective), sort_keys=False))
     sm, cpu_s = train_timed(load_config(out / "config.yaml"), out / "run")
     return {"steps": sm["steps"], "tokens": sm["tokens"], "train_s": sm["train_time_s"], "train_cpu_s": cpu_s,
+            "examples": sm["data"]["train_sequences"] // 2,  # one epoch: each pair (KTO: example) once
             "tokens_per_s": sm["tokens_per_s"], "precision": sm["precision"], "final_dir": sm["final_dir"],
             "final_train_loss": sm["final_train_loss"], "data_stats": sm.get("data")}
 
 
-def run_trl(s: dict, out: Path, tuned: bool) -> dict:
-    """TRL DPOTrainer with PEFT: DPOConfig defaults but for what both sides share (tuned: bf16 and gradient
-    checkpointing off)."""
+def run_trl(s: dict, out: Path, tuned: bool, objective: str = "dpo") -> dict:
+    """TRL DPOTrainer (KTOTrainer) with PEFT: its config's defaults but for what both sides share (tuned: bf16
+    and gradient checkpointing off)."""
     import datasets
     from peft import LoraConfig
     from transformers import AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     datasets.disable_progress_bars()
     p = s["paths"]
     tok = AutoTokenizer.from_pretrained(p["model_dir"])
-    ds = datasets.load_dataset("json", data_files=p["train"], split="train", cache_dir=str(out / "hf-cache"))
+    ds = datasets.load_dataset("json", data_files=p["kto_train" if objective == "kto" else "train"], split="train",
+                               cache_dir=str(out / "hf-cache"))
     counter = Counter(tok.pad_token_id)
     model = load_model(s, counter)
-    args = DPOConfig(**hf_common_args({**s, "gpu": False}, out), per_device_train_batch_size=s["batch_size"], num_train_epochs=1,
-                     max_length=s["max_length"], beta=s["beta"],
-                     **({"bf16": False, "gradient_checkpointing": False} if tuned else {}))
+    config, trainer_class = (KTOConfig, KTOTrainer) if objective == "kto" else (DPOConfig, DPOTrainer)
+    args = config(**hf_common_args({**s, "gpu": False}, out), per_device_train_batch_size=s["batch_size"], num_train_epochs=1,
+                  max_length=s["max_length"], beta=s["beta"], **({"bf16": False, "gradient_checkpointing": False} if tuned else {}))
     lora = LoraConfig(r=s["lora"]["r"], lora_alpha=s["lora"]["alpha"], lora_dropout=0.0, target_modules="all-linear",
                       task_type="CAUSAL_LM")
-    trainer = DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora,
-                         callbacks=[counter.callback()])
+    trainer = trainer_class(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora,
+                            callbacks=[counter.callback()])
     result = trainer.train()
     r = finish_hf(trainer, counter, out, result)
+    r["examples"] = len(ds)
     r.update(bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing, precision="bf16" if args.bf16 else "fp32")
     r.pop("settings", None)
     return r
@@ -182,9 +197,9 @@ def run_trl(s: dict, out: Path, tuned: bool) -> dict:
 # ---------------------------------------------------------------- the one eval, in the parent
 
 
-def score(s: dict, adapter_dir: str | None) -> dict:
+def score(s: dict, adapter_dir: str | None, objective: str = "dpo") -> dict:
     """Held-out reward accuracy and margin of an adapter directory against its base (adapters off), with
-    trainforge's DPO objective code in fp32; ``None``: the initial model (every reward 0)."""
+    trainforge's objective code in fp32 (KTO: its label-sign accuracy); ``None``: the initial model."""
     import torch
     from peft import AutoPeftModelForCausalLM
     from rich.console import Console
@@ -200,10 +215,10 @@ def score(s: dict, adapter_dir: str | None) -> dict:
     import yaml
 
     work = Path(s["paths"]["work"])
-    cfg_dict = trainforge_config(s, work / "eval-cache")
-    cfg_dict["data"]["train"] = s["paths"]["eval"]
-    (work / "eval.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
-    cfg = load_config(work / "eval.yaml")
+    cfg_dict = trainforge_config(s, work / "eval-cache", objective)
+    cfg_dict["data"]["train"] = s["paths"]["kto_eval" if objective == "kto" else "eval"]
+    (work / f"eval-{objective}.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    cfg = load_config(work / f"eval-{objective}.yaml")
     quiet = ConsoleReporter(Console(quiet=True))
     tok = get_tokenizer(cfg, quiet)
     plan = plan_data(cfg, tok, quiet)
@@ -211,40 +226,45 @@ def score(s: dict, adapter_dir: str | None) -> dict:
     if adapter_dir is None:
         return {"reward_accuracy": 0.0, "reward_margin": 0.0}
     model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype=torch.float32)
-    got = evaluate(model, batches, PRECISIONS["fp32"], torch.device("cpu"), objective=PairObjective("dpo", cfg.preference, "adapters"))
-    return {"reward_accuracy": got["eval_reward_accuracy"], "reward_margin": got["eval_reward_margin"], "eval_pairs": got["eval_pairs"],
-            "dpo_loss": got["eval_loss"]}
+    got = evaluate(model, batches, PRECISIONS["fp32"], torch.device("cpu"), objective=PairObjective(objective, cfg.preference, "adapters"))
+    margin = got.get("eval_reward_margin", got.get("eval_rewards_desirable", 0.0) - got.get("eval_rewards_undesirable", 0.0))
+    return {"reward_accuracy": got["eval_reward_accuracy"], "reward_margin": margin, "eval_pairs": got["eval_pairs"],
+            f"{objective}_loss": got["eval_loss"]}
 
 
-HEADER = f"{'run':<16} {'steps':>5} {'pair tokens':>11} {'train s':>7} {'tok/s':>7} {'wall s':>6} {'peak MiB':>8} {'load':>4} {'accuracy':>8} {'margin':>7}"
+HEADER = (f"{'run':<16} {'steps':>5} {'pair tokens':>11} {'train s':>7} {'tok/s':>7} {'examples/s':>10} {'wall s':>6} {'peak MiB':>8} "
+          f"{'load':>4} {'accuracy':>8} {'margin':>7}")
 
 
 def fmt_row(r: dict) -> str:
     if "error" in r:
         return f"{r['name']:<16} FAILED: {r['error']}"
     return (f"{r['name']:<16} {r['steps']:>5} {r['tokens']:>11,} {r['train_s']:>7.1f} {r['tokens_per_s']:>7,.0f} "
-            f"{r['wall_s']:>6.1f} {peak_memory(r) / 2**20:>8,.0f} {r['load_before']:>4.1f} "
+            f"{r.get('examples_per_s', float('nan')):>10.1f} {r['wall_s']:>6.1f} {peak_memory(r) / 2**20:>8,.0f} {r['load_before']:>4.1f} "
             f"{r.get('reward_accuracy', float('nan')):>8.1%} {r.get('reward_margin', float('nan')):>7.3f}")
 
 
 def compare(results: dict) -> list[dict]:
-    tf, out = results.get("trainforge-dpo"), []
-    if not tf or "error" in tf:
-        return out
+    """trainforge's DPO run against each TRL DPO run (and KTO against KTO): the ratios, and the issue's targets."""
+    out = []
     for name, base in results.items():
-        if name == "trainforge-dpo" or "error" in base:
+        objective = name.split("-")[1]
+        tf = results.get(f"trainforge-{objective}")
+        if name.startswith("trainforge") or "error" in base or not tf or "error" in tf:
             continue
-        c = {"baseline": name, "tokens_per_s_ratio": tf["tokens_per_s"] / base["tokens_per_s"],
+        rate = "examples_per_s" if objective == "kto" else "tokens_per_s"
+        c = {"baseline": name, "trainforge": f"trainforge-{objective}", f"{rate}_ratio": tf[rate] / base[rate],
              "wall_speedup": base["wall_s"] / tf["wall_s"], "peak_memory_ratio": peak_memory(tf) / peak_memory(base),
              "reward_accuracy_points": 100 * (tf["reward_accuracy"] - base["reward_accuracy"])}
         target = TARGETS.get(name)
         c["meets"] = None if target is None else {
-            "tokens_per_s": c["tokens_per_s_ratio"] >= target["tokens_per_s"],
+            "tokens_per_s": c[f"{rate}_ratio"] >= target["tokens_per_s"],
             "peak_memory": c["peak_memory_ratio"] <= target["peak_memory"],
             "reward_accuracy": c["reward_accuracy_points"] >= -target["reward_accuracy_points"],
         }
         verdict = "" if target is None else " | " + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in c["meets"].items())
-        print(f"  trainforge vs {name}: pair tokens/s {c['tokens_per_s_ratio']:.2f}x | whole job {c['wall_speedup']:.2f}x faster | "
+        what = "examples/s" if objective == "kto" else "pair tokens/s"
+        print(f"  trainforge vs {name}: {what} {c[f'{rate}_ratio']:.2f}x | whole job {c['wall_speedup']:.2f}x faster | "
               f"peak memory {c['peak_memory_ratio']:.2f}x | reward accuracy {c['reward_accuracy_points']:+.1f} points{verdict}")
         out.append(c)
     return out
@@ -284,7 +304,8 @@ def main() -> int:
         print("scoring every run's adapters with one function ...")
         for r in results.values():
             if "error" not in r:
-                r.update(score(s, r["final_dir"]))
+                r["examples_per_s"] = r["examples"] / r["train_s"]
+                r.update(score(s, r["final_dir"], "kto" if r["name"].endswith("kto") else "dpo"))
         print(legend(args, "pair tokens: real (non-pad) input tokens of chosen and rejected the policy trained on; tok/s: "
                            "over the training loop; accuracy / margin: held-out pairs, trainforge's DPO code, fp32"))
         print(f"\n{HEADER}")
