@@ -79,23 +79,20 @@ class RowCollator:
             positions.append(np.arange(e - s - 1))
         return np.concatenate(inputs), np.concatenate(labels), np.concatenate(positions)
 
-    def _pair_sequences(self, rows: Sequence[np.ndarray]) -> np.ndarray:
+    def pair_sequences(self, rows: Sequence[np.ndarray]) -> np.ndarray:
         """The stored index of each pair's first sequence in pair rows, in row-major order."""
         starts = np.concatenate([r[0::2, 0] for r in rows]) if rows else np.zeros(0, np.int64)
         return np.searchsorted(self.store.offsets, starts, "right") - 1
 
-    def _labels(self, rows: Sequence[np.ndarray]) -> torch.Tensor | None:
-        """The example labels of an unpaired (KTO) store's pair rows, one per pair in row-major order."""
-        if self.store.desirable is None:
-            return None
-        return torch.from_numpy(self.store.desirable[self._pair_sequences(rows)].copy())
-
-    def _reference(self, rows: Sequence[np.ndarray]) -> torch.Tensor | None:
-        """(P, 2) precomputed reference log-probabilities of the pairs of pair rows, when there is a table."""
-        if self.reference is None:
-            return None
-        first = self._pair_sequences(rows)
-        return torch.from_numpy(np.stack([self.reference[first], self.reference[first + 1]], axis=1))
+    def _pair_fields(self, rows: Sequence[np.ndarray]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(KTO labels (P,), precomputed reference log-probabilities (P, 2)) of pair rows, each where the store
+        has labels / the collator has a reference table, in the order of the rows' pairs."""
+        if self.store.desirable is None and self.reference is None:
+            return None, None
+        first = self.pair_sequences(rows)
+        labels = torch.from_numpy(self.store.desirable[first].copy()) if self.store.desirable is not None else None
+        ref = None if self.reference is None else torch.from_numpy(np.stack([self.reference[first], self.reference[first + 1]], axis=1))
+        return labels, ref
 
     def __call__(self, rows: Sequence[np.ndarray], indices: list[int]) -> Batch:
         built = [self._row(r) for r in rows]
@@ -118,9 +115,8 @@ class RowCollator:
             n_targets=int((labels != IGNORE).sum()),
             indices=list(indices),
             n_documents=sum(len(r) for r in rows) if self.packed else len(rows),
-            desirable=self._labels(rows),
-            reference=self._reference(rows),
         )
+        batch.desirable, batch.reference = self._pair_fields(rows)
         return batch.pinned() if self.pin else batch  # page-locked: the host-to-GPU copy is asynchronous
 
 

@@ -107,12 +107,11 @@ def rows_for(cfg: RunConfig, prepared: PreparedData) -> Callable[[TokenStore, np
     if wanted != held:
         layouts = {"preference": "{prompt, chosen, rejected} or {chosen, rejected}",
                    "unpaired": "{prompt, completion, label} or {messages, label}"}
-        raise DataError(
-            f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to "
-            + ("kto" if held == "unpaired" else "dpo, ipo, orpo or simpo") if wanted is None else
-            f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} is "
-            f"{prepared.format} data"
-        )
+        if wanted is None:
+            fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
+            raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to {fix}")
+        raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} "
+                        f"is {prepared.format} data")
     if objective != "sft":  # a stored pair is sequences 2k and 2k + 1; a source's weight repeats or samples pairs
         return lambda store, index: pair_rows(store, index[index % 2 == 0] // 2, d.max_length)
     return lambda store, index: build_rows(store, index, d.packing, d.max_length)

@@ -90,9 +90,13 @@ def _tokenize_chunk(rows: list[Row]) -> tuple[TokenizedChunk, list[str]]:
     w = _WORKER
     seq2seq = w["max_target_length"] is not None
     fmt = w["renderer"].fmt
-    render = w["renderer"].pair if seq2seq else {
-        "preference": lambda r: PreferenceRenderer(w["renderer"]).pair(r), "unpaired": lambda r: PreferenceRenderer(w["renderer"]).unpaired(r),
-    }.get(fmt, w["renderer"])
+    if seq2seq:
+        render = w["renderer"].pair
+    elif fmt in ("preference", "unpaired"):  # a pair of replies, or a KTO completion with its label
+        preference = PreferenceRenderer(w["renderer"])
+        render = preference.pair if fmt == "preference" else preference.unpaired
+    else:
+        render = w["renderer"]
     rendered, bad = [], []
     for row in rows:
         try:

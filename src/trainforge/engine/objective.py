@@ -1,10 +1,11 @@
 """What a step minimizes, and what it divides by: ``train.objective``.
 
-``TokenObjective`` (sft): the summed next-token cross-entropy, divided by the step's target tokens.
+``TokenObjective`` (sft, engine/step.py): the summed next-token cross-entropy, divided by the step's target tokens.
 ``PairObjective`` (dpo, ipo, orpo, simpo): the summed per-pair loss of engine/preference.py, divided by the
-step's pairs; kto: per example, each packed as a pair with its KL sample, divided by the step's examples. Either way the divisor counts the whole global batch (all micro-batches, all processes), so
-accumulation and data parallelism give the gradient of one large batch. A pair objective also adds its
-metrics (rewards, margin, accuracy, log-probabilities) to a ``metrics`` dict of device sums, read at log steps.
+step's pairs; kto: per example, each packed as a pair with its KL sample, divided by the step's examples.
+Either way the divisor counts the whole global batch (all micro-batches, all processes), so accumulation and
+data parallelism give the gradient of one large batch. A pair objective also adds its metrics (rewards, margin,
+accuracy, log-probabilities) to a ``metrics`` dict of device sums, read at log steps.
 """
 
 from __future__ import annotations
@@ -19,23 +20,10 @@ from ..data.loader import Batch
 from ..hardware import Precision
 from . import preference as pref
 from .loss import fused_head
-from .step import loss_sum
+from .step import TokenObjective
 
 PAIRS = "pairs"  # the key of a metrics dict that counts the pairs its sums are over
 COUNT = "n:"  # a metrics key "n:NAME" counts what the sum NAME is over, where that is not every pair
-
-
-class TokenObjective:
-    """Next-token cross-entropy over the learned tokens (``train.objective: sft``)."""
-
-    name, unit, reference = "sft", "token", "none"
-
-    def units(self, batch: Batch) -> int:
-        return batch.n_targets
-
-    def loss_sum(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
-                 metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        return loss_sum(model, batch, precision, fused)
 
 
 class PairObjective:
@@ -100,10 +88,8 @@ class PairObjective:
             p.ref_chosen, p.ref_rejected = torch.zeros_like(p.chosen), torch.zeros_like(p.rejected)
         losses = self.pair_losses(p)
         if metrics is not None:
-            with torch.no_grad():
-                for key, value in pref.pair_metrics(p, self.s.beta).items():
-                    metrics[key] = metrics.get(key, 0) + value.float().sum()
-                metrics[PAIRS] = metrics.get(PAIRS, 0) + torch.tensor(float(len(losses)), device=losses.device)
+            sums = {k: v.float().sum() for k, v in pref.pair_metrics(p, self.s.beta).items()}
+            _add(metrics, {**sums, PAIRS: torch.tensor(float(len(losses)), device=losses.device)})
         return losses.sum()
 
     def _kto_sum(self, model, batch: Batch, precision: Precision, fused: bool, p: pref.PairLogps, metrics) -> torch.Tensor:
@@ -127,8 +113,7 @@ class PairObjective:
                     "reward_accuracy": ((rewards > s.beta * kl) == good).float().sum(),
                     "kl": kl * len(losses), "logps": p.chosen.detach().sum(), PAIRS: torch.tensor(float(len(losses)), device=ref.device),
                 }
-                for key, value in sums.items():
-                    metrics[key] = metrics.get(key, 0) + value
+                _add(metrics, sums)
         return losses.sum()
 
     def pair_losses(self, p: pref.PairLogps) -> torch.Tensor:
@@ -140,6 +125,12 @@ class PairObjective:
         if self.name == "simpo":
             return pref.simpo_loss(p, s.beta, s.simpo_gamma)
         return pref.orpo_loss(p, s.beta)
+
+
+def _add(metrics: dict[str, torch.Tensor], sums: dict[str, torch.Tensor]) -> None:
+    """Add a batch's metric sums into ``metrics`` (device tensors, nothing read)."""
+    for key, value in sums.items():
+        metrics[key] = metrics.get(key, 0) + value
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

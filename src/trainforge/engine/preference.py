@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..data.formats import IGNORE
+from .loss import fused_head, linear_token_logprobs
+
 
 @dataclass
 class PairLogps:
@@ -110,8 +113,6 @@ def document_index(position_ids: torch.Tensor) -> torch.Tensor:
 def sequence_logps(token_logps: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor, n_documents: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the target tokens' log-probabilities (``token_logps``: (K,), one per label that is not IGNORE, in
     row-major order, as ``linear_token_logprobs`` returns them) per document: (sums, target counts), (D,) each."""
-    from ..data.formats import IGNORE
-
     kept = labels.flatten() != IGNORE
     doc = documents.flatten()[kept]
     sums = torch.zeros(n_documents, device=token_logps.device, dtype=token_logps.dtype).index_add(0, doc, token_logps)
@@ -123,9 +124,6 @@ def batch_pair_logps(model: torch.nn.Module, batch, precision, fused: bool = Tru
     """The policy's summed log-probabilities of every pair in a collated batch of ``pair_rows`` rows (each
     pair's chosen and rejected documents in order): one forward, through the chunked fused head (no logits)
     where the model allows and ``fused``, else the model's own logits (a DDP wrapper, LoRA on the head)."""
-    from ..data.formats import IGNORE
-    from .loss import fused_head, linear_token_logprobs
-
     head = fused_head(model) if fused else None
     with precision.autocast(batch.input_ids.device):
         if head is not None:
@@ -137,9 +135,11 @@ def batch_pair_logps(model: torch.nn.Module, batch, precision, fused: bool = Tru
             labels = batch.labels.flatten()
             kept = labels != IGNORE
             token_logps = -F.cross_entropy(logits.flatten(0, 1)[kept].float(), labels[kept], reduction="none")
+    # sizes from the host's counts, not read from the device: the real documents, plus at most one padding tail
+    # per row (a document of its own, with no targets), which nonzero_static leaves out at a known size
     docs = document_index(batch.position_ids)
-    sums, counts = sequence_logps(token_logps, batch.labels, docs, int(docs.max()) + 1)
-    real = counts > 0  # a row's padding tail is a document of its own, with no targets
+    sums, counts = sequence_logps(token_logps, batch.labels, docs, batch.n_documents + batch.input_ids.shape[0])
+    real = torch.nonzero_static(counts > 0, size=batch.n_documents).squeeze(1)
     sums, counts = sums[real].view(-1, 2), counts[real].view(-1, 2)
     return PairLogps(sums[:, 0], sums[:, 1], counts[:, 0], counts[:, 1])
 

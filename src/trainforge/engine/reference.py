@@ -56,7 +56,7 @@ def sequence_logps(model: torch.nn.Module, store, collate, precision: Precision,
         for i in range(0, len(rows), rows_per_batch):
             chunk = rows[i : i + rows_per_batch]
             p = batch_pair_logps(model, collate(chunk, list(range(len(chunk)))).to(device), precision, fused)
-            first = collate._pair_sequences(chunk)
+            first = collate.pair_sequences(chunk)
             table[first] = p.chosen.float().cpu().numpy()
             table[first + 1] = p.rejected.float().cpu().numpy()
     model.train(was_training)
@@ -78,8 +78,8 @@ def attach_reference(cfg: Any, data: Any, model: torch.nn.Module, precision: Pre
             if path.is_file():
                 table, how = np.load(path), "loaded from the cache"
             else:
-                table = sequence_logps(model, store, collate, precision, device, cfg.train.micro_batch_size if
-                                       isinstance(cfg.train.micro_batch_size, int) else 8, cfg.data.max_length, cfg.train.fused_loss)
+                table = sequence_logps(model, store, collate, precision, device, cfg.train.micro_batch_size,  # resolved by now
+                                       cfg.data.max_length, cfg.train.fused_loss)
                 with contextlib.suppress(OSError):  # a read-only cache only costs computing it again next time
                     path.parent.mkdir(parents=True, exist_ok=True)
                     buffer = io.BytesIO()

@@ -19,11 +19,11 @@ from ..metrics.tracker import MetricsLog
 from ..metrics.window import LogWindow
 from .advisor import Advisor
 from .compile_auto import CompileAuto
-from .objective import TokenObjective
 from .nonfinite import NonFiniteGuard
 from .preempt import StopRequest
 from .saver import Checkpointer
 from .state import Counters, Stateful, TrainedWeights, capture_rng, restore_rng
+from .step import TokenObjective
 
 
 @dataclass

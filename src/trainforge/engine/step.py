@@ -37,6 +37,26 @@ def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: 
     return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
+class TokenObjective:
+    """Next-token cross-entropy over the learned tokens (``train.objective: sft``), divided by the step's target
+    tokens; the preference objectives (engine/objective.py) answer the same three calls."""
+
+    name, unit, reference = "sft", "token", "none"
+
+    def units(self, batch: Batch) -> int:
+        return batch.n_targets
+
+    def begin_step(self, *args: Any) -> None:
+        """Nothing to prepare before a step's micro-batches."""
+
+    def loss_sum(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
+                 metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        return loss_sum(model, batch, precision, fused)  # this module's loss_sum, looked up at each call
+
+
+TOKENS = TokenObjective()
+
+
 def seq2seq_loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True) -> torch.Tensor:
     """``loss_sum`` of an encoder-decoder: the encoder reads the source (padding masked), the decoder
     its shifted target; summed over target tokens, in fp32. ``fused``: the chunked head where
@@ -63,13 +83,13 @@ def forward_backward(
     sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
     timer: StepTimer = NULL_TIMER,
     fused: bool = True,
-    objective: Any = None,
+    objective: Any = TOKENS,
     metrics: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Accumulate gradients of (sum of all target-token losses) / (number of target tokens).
 
-    ``objective`` (engine/objective.py): what is summed and counted instead, e.g. per-pair preference losses
-    over pairs (``n_targets`` is then the step's count of its units); its metrics' sums go to ``metrics``.
+    ``objective``: what is summed and counted (``TokenObjective``, or engine/objective.py's per-pair preference
+    losses over pairs: ``n_targets`` is then the step's count of its units); its metrics' sums go to ``metrics``.
 
     The divisor counts every target token of every micro-batch of the step, so 4 x 1 and
     1 x 4 micro-batching give the same gradient (a mean of per-micro-batch means would not).
@@ -79,18 +99,14 @@ def forward_backward(
     Returns this process's share of the step's mean loss as a device tensor: reading it is left to log steps.
     """
     if n_targets is None:  # counted on the host: no device sync
-        n_targets = sum(objective.units(mb) if objective is not None else mb.n_targets for mb in micro_batches)
+        n_targets = sum(objective.units(mb) for mb in micro_batches)
     total = torch.zeros((), device=device)
-    if objective is not None and hasattr(objective, "begin_step"):  # e.g. KTO's reference point over the whole step
-        objective.begin_step(model, micro_batches, precision, device, fused)
+    objective.begin_step(model, micro_batches, precision, device, fused)  # e.g. KTO's reference point over the whole step
     for i, mb in enumerate(micro_batches):
         mb = mb.to(device)
         with sync(i == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():
             with timer.phase("forward"):
-                if objective is None or objective.unit == "token":  # sft: the token loss of this module, as always
-                    summed = loss_sum(model, mb, precision, fused)
-                else:
-                    summed = objective.loss_sum(model, mb, precision, fused, metrics)
+                summed = objective.loss_sum(model, mb, precision, fused, metrics)
             scaled = summed / n_targets
             with timer.phase("backward"):
                 (scaler.scale(scaled) if scaler is not None else scaled).backward()

@@ -25,14 +25,13 @@ from pydantic import ValidationError
 from ..config import ConfigError, RunConfig, apply_override, parse_override
 from ..config_errors import format_errors
 from ..data.loader import eval_batches
-from ..data.packing import build_rows, pair_rows
-from ..data.plan import collator_for, lost_tokens_warning
+from ..data.plan import collator_for, lost_tokens_warning, rows_for
 from ..data.prepare import prepare_data
 from ..engine.evaluate import evaluate
 from ..hardware import PRECISIONS, Precision, configure_backends, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
 from ..model.resolve import ModelSource, load_model, load_source_tokenizer, resolve_source, run_precision
-from .evaluate_preference import eval_objective, preference_figures
+from .evaluate_preference import eval_objective, preference_figures, with_objective
 
 DEFAULT_MAX_LENGTH = 1024
 
@@ -100,7 +99,8 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
         reporter.warn(warning)
     store = prepared.train  # the file is read as the one training source: every row, in order
     pairs = prepared.format in ("preference", "unpaired")
-    rows = pair_rows(store, np.arange(len(store) // 2), d.max_length) if pairs else build_rows(store, np.arange(len(store)), d.packing, d.max_length)
+    cfg = with_objective(cfg, prepared.format)  # preference data: the run's objective, else dpo or kto; other data: sft
+    rows = rows_for(cfg, prepared)(store, np.arange(len(store)))
     # an adapter's decoder starts where its base's does (the adapter directory has no config.json)
     collate = collator_for(cfg, tokenizer, cfg.model.model_copy(update={"path": src.base or src.weights}))(store)
     batches = eval_batches(rows, collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
@@ -109,7 +109,7 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
     where = {"sequences": len(store), "rows": len(rows), "format": prepared.format, "data": data, "model": str(src.path),
              "precision": precision.name, "device": str(device)}
     if pairs:  # the objective's loss and rewards, against its reference (tools/evaluate_preference.py)
-        cfg, objective = eval_objective(cfg, src, prepared.format, model, device, precision)
+        objective = eval_objective(cfg, src, device, precision)
         result = evaluate(model, batches, precision, device, fused=cfg.train.fused_loss, objective=objective)
         return {**preference_figures(result), "objective": objective.name, "reference": objective.reference, **where}
     result = evaluate(model, batches, precision, device, fused=cfg.train.fused_loss)

@@ -10,27 +10,31 @@ import torch
 
 from ..config import ConfigError, RunConfig
 from ..config_preference import resolve_reference
-from ..engine.objective import PairObjective, build_objective
+from ..engine.objective import PairObjective
 from ..hardware import Precision
 from ..model.resolve import ModelSource, load_model, resolve_source
 
 
-def eval_objective(cfg: RunConfig, src: ModelSource, fmt: str, model: torch.nn.Module, device: torch.device,
-                   precision: Precision) -> tuple[RunConfig, PairObjective]:
-    """(the config with its objective set, the objective scoring ``model``). The objective is the run's, else
-    dpo for pairs and kto for unpaired rows. The reference of an adapter is its base with the adapters off;
-    of full weights, the starting weights: the run's ``model.path`` (or ``--set model.path=...``), loaded
-    apart; ``--set preference.reference=none`` scores reference-free."""
-    objective = cfg.train.objective
-    if objective == "sft":
+def with_objective(cfg: RunConfig, fmt: str) -> RunConfig:
+    """``cfg`` scoring data of format ``fmt``: preference data with the run's objective (else dpo for pairs and
+    kto for unpaired rows), any other data with next-token loss (sft), whatever the run trained."""
+    if fmt not in ("preference", "unpaired"):
+        objective = "sft"
+    elif cfg.train.objective != "sft":
+        return cfg
+    else:
         objective = "kto" if fmt == "unpaired" else "dpo"
-        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"objective": objective})})
-    method = "lora" if src.adapter is not None else "full"
-    reference = resolve_reference(objective, cfg.preference.reference, method)
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"objective": objective})})
+
+
+def eval_objective(cfg: RunConfig, src: ModelSource, device: torch.device, precision: Precision) -> PairObjective:
+    """The objective scoring ``src``'s model. The reference of an adapter is its base with the adapters off; of
+    full weights, the starting weights: the run's ``model.path`` (or ``--set model.path=...``), loaded apart;
+    ``--set preference.reference=none`` scores reference-free."""
+    objective = cfg.train.objective
+    reference = resolve_reference(objective, cfg.preference.reference, "lora" if src.adapter is not None else "full")
     if reference in ("adapters", "none"):
-        if reference == "adapters" and src.adapter is None:
-            raise ConfigError(f"{src.path}: preference.reference adapters needs a LoRA adapter; these are full weights")
-        return cfg, build_objective(cfg.model_copy(update={"model": cfg.model.model_copy(update={"method": method})}), model)
+        return PairObjective(objective, cfg.preference, reference)
     start = cfg.model.path if cfg.model.path != src.weights else None  # --set model.path=DIR names it
     run_start = ((src.run_config or {}).get("model") or {}).get("path")
     start = start or (Path(run_start) if run_start else None)  # else the directory the run started from
@@ -41,7 +45,7 @@ def eval_objective(cfg: RunConfig, src: ModelSource, fmt: str, model: torch.nn.M
             + "; give it with --set model.path=DIR, or score reference-free with --set preference.reference=none"
         )
     base = load_model(resolve_source(start), device, precision).eval().requires_grad_(False)
-    return cfg, PairObjective(objective, cfg.preference, "model", base)
+    return PairObjective(objective, cfg.preference, "model", base)
 
 
 def preference_figures(result: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,14 @@ def worst_gap(reference: tuple[float, dict], other: tuple[float, dict]) -> tuple
     return worst, gap, abs(loss_o - loss_r) / abs(loss_r)
 
 
+def loss_and_grads(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """(loss, {name: gradient}) of one backward of ``loss_of()`` from cleared gradients, for ``worst_gap``."""
+    model.zero_grad(set_to_none=True)
+    loss = loss_of()
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None}
+
+
 class Checks:
     """The ``_check_<name>`` methods ``SelfTest.check`` (runner.py) dispatches to, one per kind of
     check; each returns its detail line or raises ``CheckFailed``/``Skip``. The runner provides the
@@ -69,12 +77,7 @@ class Checks:
             if fused_head(model) is None:
                 raise CheckFailed(f"{label}: the model has no fused head path: the comparison would be standard vs standard")
             batch = masked_batch(len(tok), self.device)
-            runs = {}
-            for fused in (True, False):
-                model.zero_grad(set_to_none=True)
-                loss = loss_sum(model, batch, mode, fused=fused)
-                loss.backward()
-                runs[fused] = loss.item(), {n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None}
+            runs = {fused: loss_and_grads(model, lambda: loss_sum(model, batch, mode, fused=fused)) for fused in (True, False)}
             (loss_f, g_f), (loss_s, g_s) = runs[True], runs[False]
             if g_f.keys() != g_s.keys() or not g_s:
                 raise CheckFailed(f"{label}: gradients of different tensors: fused {sorted(g_f)}, standard {sorted(g_s)}")
@@ -134,23 +137,19 @@ class Checks:
         notes = []
         for name, reference in (("dpo", "adapters"), ("simpo", "none"), ("kto", "adapters")):
             objective = PairObjective(name, settings, reference)
-            runs = {}
-            for path in ("fused", "direct"):
-                model.zero_grad(set_to_none=True)
-                if path == "fused":
-                    loss = objective.loss_sum(model, batch, mode)
-                else:
-                    p = direct(True)
-                    if reference != "none":
-                        ref = direct(False)
-                        p.ref_chosen, p.ref_rejected = ref.chosen, ref.rejected
-                    if name == "kto":  # the rejected documents as the KL samples: this batch's reference point
-                        kl = (p.rejected.detach() - p.ref_rejected).mean().clamp(min=0)
-                        loss = pref.kto_loss(p.chosen, p.ref_chosen, batch.desirable, kl, settings.beta).sum()
-                    else:
-                        loss = objective.pair_losses(p).sum()
-                loss.backward()
-                runs[path] = loss.item(), {n: q.grad.detach().float() for n, q in model.named_parameters() if q.grad is not None}
+
+            def direct_loss() -> torch.Tensor:
+                p = direct(True)
+                if reference != "none":
+                    ref = direct(False)
+                    p.ref_chosen, p.ref_rejected = ref.chosen, ref.rejected
+                if name == "kto":  # the rejected documents as the KL samples: this batch's reference point
+                    kl = (p.rejected.detach() - p.ref_rejected).mean().clamp(min=0)
+                    return pref.kto_loss(p.chosen, p.ref_chosen, batch.desirable, kl, settings.beta).sum()
+                return objective.pair_losses(p).sum()
+
+            runs = {"fused": loss_and_grads(model, lambda: objective.loss_sum(model, batch, mode)),
+                    "direct": loss_and_grads(model, direct_loss)}
             worst, gap, loss_gap = worst_gap(runs["direct"], runs["fused"])
             if gap > tol or loss_gap > tol:
                 raise CheckFailed(
