@@ -42,10 +42,12 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 T0 = time.perf_counter()
+MIN_VARIANT_S = 30.0  # a variant is not started with less of the part's budget left than this
 MEMORY_TOL, SPEED_TOL = 0.15, 0.25  # plan's error beyond which its model of the device needs fixing
 
 
@@ -413,21 +415,28 @@ def plan_prediction(spec: dict, hardware: str) -> dict:
     return {"hardware": hardware, "peak_memory_bytes": plan["memory"]["peak_process_bytes"], "tokens_per_s": plan["time"]["tokens_per_s"]}
 
 
-def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | None) -> dict:
+def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | None, deadline: float,
+            save: Callable[[dict], None]) -> dict:
+    """Every variant of ``row``, one process each; ``save`` gets the row's report after each variant, so
+    a call stopped at the device's limit still returns what finished. A variant that would start after
+    ``deadline`` (perf_counter seconds) is skipped, and the timeout of one that starts is cut to it."""
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"
     spec = {"row": asdict(row), "work": str(work), "model_dir": str(model_dir)}
     spec["data"] = write_data(work, row)
     results: dict[str, dict] = {}
+    report = {"row": asdict(row), "results": results}
     if not (model_dir / "config.json").is_file():
-        launch("prepare", spec, work / "prepare", args.timeout)
+        launch("prepare", spec, work / "prepare", max(deadline - time.perf_counter(), 1.0))
     for variant in row.variants:
-        why = needs(variant)
+        left = min(args.timeout, deadline - time.perf_counter())
+        why = needs(variant) or (f"the part's budget (--budget {args.budget:.0f}s) was spent before it started" if left < MIN_VARIANT_S else None)
         if why:
             results[variant] = {"status": "skipped", "reason": why}
+            save(report)
             continue
         t = time.perf_counter()
-        raw = launch(variant, spec, work / variant, args.timeout)
+        raw = launch(variant, spec, work / variant, left)
         results[variant] = raw if raw.get("status") == "failed" else summarize(raw, args.warmup, peak_flops)
         results[variant]["job_s"] = time.perf_counter() - t
         if variant == "trainforge" and results[variant]["status"] == "ok":
@@ -435,8 +444,9 @@ def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | 
                 results[variant]["plan"] = plan_prediction(spec, "this" if args.tiny else args.hardware)
             except Exception as e:  # noqa: BLE001 - a failed prediction is reported, not fatal
                 results[variant]["plan"] = {"error": f"{type(e).__name__}: {e}"}
-    add_ratios(results, "hf-peft" if row.method == "lora" else "hf")
-    return {"row": asdict(row), "results": results}
+        add_ratios(results, "hf-peft" if row.method == "lora" else "hf")
+        save(report)
+    return report
 
 
 def launch(variant: str, spec: dict, out: Path, timeout: float) -> dict:
@@ -515,7 +525,9 @@ def table(reports: list[dict]) -> str:
                     f"{r['first_step_extra_s']:.1f} s | {fmt(r.get('loss_vs_baseline'), 'x', 3)} | {plan_cell} |"
                 )
     devices = sorted({r["environment"]["device"] for r in reports})
-    return "\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; torch {reports[0]['environment']['versions']['torch']}."
+    stopped = [str(r["part"]) for r in reports if not r.get("complete", True)]
+    note = f" Part {', '.join(stopped)} stopped before its last variant (the call's limit)." if stopped else ""
+    return "\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; torch {reports[0]['environment']['versions']['torch']}.{note}"
 
 
 def fmt(value: float | None, unit: str, digits: int = 2) -> str:
@@ -535,6 +547,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of the steady-state figures")
     ap.add_argument("--hardware", default="h100", help="the plan profile trainforge rows are compared with")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per variant before it is reported as failed")
+    ap.add_argument("--budget", type=float, default=530.0,
+                    help="seconds per part: variants that would start later are skipped (the device's calls stop at 600 s)")
     ap.add_argument("--table", type=Path, help="print the markdown table of the part-*.json files in this folder and exit")
     args = ap.parse_args()
     if args.table:
@@ -549,14 +563,25 @@ def main() -> int:
     chosen = parts(args.tiny)
     numbers = sorted(chosen) if args.part == "all" else [int(args.part)]
     reports = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for n in numbers:
-        report = {"part": n, "tiny": args.tiny, "environment": environment(args), "rows": []}
+        report = {"part": n, "tiny": args.tiny, "environment": environment(args), "rows": [], "complete": False}
+        deadline = time.perf_counter() + args.budget
+
+        def save(row_report: dict, report: dict = report, n: int = n) -> None:
+            # rewritten after every variant (atomically): what finished survives a call killed at its limit
+            if row_report not in report["rows"]:
+                report["rows"].append(row_report)
+            report["elapsed_s"] = time.perf_counter() - T0
+            tmp = args.out / f".part-{n}.json.tmp"
+            tmp.write_text(json.dumps(report, indent=1))
+            tmp.replace(args.out / f"part-{n}.json")
+
         for row in chosen[n]:
             print(f"part {n}: {row.name} ({', '.join(row.variants)})", flush=True)
-            report["rows"].append(run_row(row, args.out / "work" / row.name, args, peak))
-        report["elapsed_s"] = time.perf_counter() - T0
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"part-{n}.json").write_text(json.dumps(report, indent=1))
+            run_row(row, args.out / "work" / row.name, args, peak, deadline, save)
+        report["complete"] = True
+        save(report["rows"][-1])
         reports.append(report)
     print(table(reports))
     return 0

@@ -39,3 +39,17 @@ def test_tiny_suite_reports_every_variant(tmp_path):
     table = subprocess.run([sys.executable, str(SUITE), "--table", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert table.returncode == 0, table.stderr
     assert "| llama-8b-shape-lora | trainforge |" in table.stdout and "skipped: needs CUDA" in table.stdout
+
+
+def test_spent_budget_skips_variants_and_still_writes_the_part(tmp_path):
+    """With no budget left, no variant starts: each is reported skipped with the reason, the part's JSON
+    is written all the same, and the table says why."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SUITE.parents[1] / "src"), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(SUITE), "--tiny", "--part", "3", "--out", str(tmp_path), "--budget", "0"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "part-3.json").read_text())
+    results = report["rows"][0]["results"]
+    assert report["complete"] and set(results) == {"hf-peft", "hf-peft-liger", "trainforge"}
+    assert all(r["status"] == "skipped" for r in results.values())
+    assert "budget" in results["trainforge"]["reason"] and "budget" in done.stdout
