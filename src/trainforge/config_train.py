@@ -52,6 +52,13 @@ class TrainSettings(Section):
         "cross-entropy; CUDA, pip install 'trainforge[gpu]'); torch: PyTorch's ops; auto: liger on CUDA when "
         "installed, else torch",
     )
+    fp8: bool | Literal["tensorwise", "rowwise"] = Field(
+        False,
+        description="FP8 matmuls in the linear layers (torchao float8 training; weights, optimizer state, norms, "
+        "attention and loss unchanged): true or tensorwise (per-tensor scales), rowwise (per-row scales: closer to "
+        "bf16, slower); needs precision bf16 and a GPU with FP8 tensor cores (compute capability 8.9+; rowwise 9.0+), "
+        "pays with train.compile; emulated (slow) on CPUs; pip install 'trainforge[gpu]' (docs/fp8.md)",
+    )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="auto: CUDA when present, else CPU")
     seed: int = Field(0, ge=0, lt=2**32, description="seeds initialization, data order, eval split and sampling")
     compile: bool | Literal["auto"] = Field(
@@ -92,6 +99,15 @@ class TrainSettings(Section):
         if isinstance(v, int) and not 0 < v <= MAX_STEPS:
             unit = "steps" if info.field_name == "eval_every" else "batches"
             raise ValueError(f"must be a number of {unit} (> 0, <= {MAX_STEPS}), auto or null")
+        return v
+
+    @field_validator("fp8", mode="before")
+    @classmethod
+    def _fp8_choice(cls, v: object) -> object:
+        if isinstance(v, str) and v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        if not isinstance(v, bool) and v not in ("tensorwise", "rowwise"):
+            raise ValueError("must be true (tensorwise), false, tensorwise or rowwise")
         return v
 
     @field_validator("micro_batch_size")

@@ -125,6 +125,9 @@ PROFILES: dict[str, HardwareProfile] = {
         _gpu("v100", "NVIDIA V100 SXM2 32GB", 32, None, 125.0, None, 15.7, 900, "V100 datasheet (SXM2)", ("v100-32gb",), link=16.0),
     )
 }
+FP8_TENSOR_CORES = frozenset({  # compute capability 8.9+ (Ada, Hopper, Blackwell): train.fp8 can run
+    "h100", "h100-pcie", "h200", "l40s", "l4", "rtx4090", "rtx4070", "rtx5090", "rtx4080-super", "rtx4060ti-16gb", "rtx4060",
+})
 
 
 def _norm(name: str) -> str:

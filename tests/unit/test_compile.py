@@ -220,3 +220,19 @@ def test_a_compiled_run_reports_its_compile(tmp_path):
     measured = auto.measured()
     assert measured["compile_s"] == pytest.approx(39.9 + 5.0) and measured["speedup"] == pytest.approx(2.0)
     assert CompileAuto("auto", compile_key({"model": "b"}), tmp_path / "h.json", CPU).measured() is None
+
+
+def test_the_end_of_run_sample_decodes_eagerly(finetune_config, tmp_path, monkeypatch):
+    """Decoding one token at a time at growing lengths would recompile every compiled layer up to dynamo's
+    limit (seconds each, and warnings): the end-of-run sample runs with compiled code set aside."""
+    from torch._dynamo import eval_frame
+
+    import trainforge.engine.trainer as trainer
+
+    stances = []
+    monkeypatch.setattr(trainer, "sample_prompt", lambda *a, **k: stances.append(eval_frame._stance.stance) or "sampled")
+    cfg = dict(finetune_config)
+    cfg["train"] = {**cfg["train"], "max_steps": 2, "compile": False}
+    cfg["log"] = {**cfg["log"], "sample_prompt": "alpha beta"}
+    result = trainer.train(RunConfig.model_validate(cfg), tmp_path / "run", ConsoleReporter(Console(quiet=True)))
+    assert stances == ["force_eager"] and result.summary["sample"] == "sampled"

@@ -38,6 +38,7 @@ from ..metrics.sinks import build_sinks, require_trackers
 from ..metrics.thresholds import limit
 from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
+from ..model.fp8 import resolve_fp8
 from ..model.kernels import resolve_kernels
 from ..model.load import (
     build_model,
@@ -306,10 +307,13 @@ def build_run_model(
 ) -> torch.nn.Module:
     """The model of ``model`` (pretrained, or from its config) with its method applied, on ``device``, in train mode."""
     kernels = resolve_kernels(cfg.train.kernels, device.type)
+    fp8 = resolve_fp8(cfg.train.fp8, device, precision.autocast_dtype, cfg.model.method)
+    if fp8 and device.type == "cpu":
+        reporter.warn("train.fp8 on a CPU: torch emulates the FP8 matmuls, slower than bf16 (for checking a config before a GPU run)")
     model = build_model(
         cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None,
         compute_dtype=precision.autocast_dtype, activation_checkpointing=cfg.train.activation_checkpointing,
-        kernels=kernels, warn=reporter.warn,
+        kernels=kernels, fp8=fp8, warn=reporter.warn,
     ).to(device)
     model.train()
     trainable, total = count_parameters(model)
@@ -317,6 +321,7 @@ def build_run_model(
     reporter.info(
         f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
         f"attention {model.config._attn_implementation}, kernels {'liger (' + ', '.join(used) + ')' if used else 'torch'}"
+        + (f", fp8 {model.trainforge_fp8}" if getattr(model, "trainforge_fp8", None) else "")
         + (", activation checkpointing" if cfg.train.activation_checkpointing else "")
     )
     reporter.info(f"weights: {describe_storage(weight_storage(model))}")
@@ -343,6 +348,7 @@ def run_facts(
     choices = fit_summary(fit) | {
         "attention": getattr(model.config, "_attn_implementation", None),
         "kernels": getattr(model, "trainforge_kernels", []) or "torch",
+        "fp8": getattr(model, "trainforge_fp8", None),
     }
     return RunFacts(why, data_format, data_stats, per_token, peak, choices)
 
@@ -447,6 +453,7 @@ def compile_shape(cfg: RunConfig, model: torch.nn.Module, precision: Precision, 
         "batch": [cfg.train.micro_batch_size, cfg.data.max_length, str(cfg.data.packing)],
         "precision": precision.name,
         "fused_loss": cfg.train.fused_loss,
+        "fp8": cfg.train.fp8,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}t",
         "world": [ctx.world_size, ctx.mode],
     }

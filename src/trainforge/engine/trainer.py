@@ -436,8 +436,10 @@ def finish(run: Run) -> RunResult:
         **nonfinite,  # {"nonfinite_weights": True, ...} when final/ holds NaN/Inf
     }
     if cfg.log.sample_prompt and (run.dist.is_main or run.dist.mode == "fsdp"):  # FSDP: generating is collective
-        text = sample_prompt(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed,
-                             autocast=run.precision.autocast(run.device), stop=lambda: run.stop.requested)
+        # eager: decoding one token at a time at growing lengths would recompile compiled layers up to dynamo's limit
+        with torch.compiler.set_stance("force_eager"):
+            text = sample_prompt(run.model, run.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens, seed=cfg.train.seed,
+                                 autocast=run.precision.autocast(run.device), stop=lambda: run.stop.requested)
         summary["sample"] = text
         run.reporter.info(f"sample ({cfg.log.sample_tokens} tokens after {cfg.log.sample_prompt!r}):\n{text}")
     summary["wall_time_s"] = wall_time(run)

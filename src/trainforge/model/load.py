@@ -12,6 +12,7 @@ import torch
 from ..config import LoraSettings, ModelSettings
 from ..errors import TrainforgeError
 from ..hf_dir import init_kind, read_config, refuse_custom_code
+from .fp8 import apply_fp8
 from .kernels import apply_liger
 
 
@@ -124,6 +125,7 @@ def build_model(
     compute_dtype: torch.dtype | None = None,
     activation_checkpointing: bool = False,
     kernels: str = "torch",
+    fp8: str | None = None,
     warn: Callable[[str], None] = lambda _: None,
 ) -> torch.nn.Module:
     """The trainable model: weights loaded or seeded-initialized, LoRA/QLoRA-wrapped when asked.
@@ -135,6 +137,8 @@ def build_model(
     ``activation_checkpointing``: each decoder layer recomputes its activations in backward.
     ``kernels``: ``liger`` swaps in Liger's kernels before adapters wrap the layers (model/kernels.py);
     the ones in use are listed in ``model.trainforge_kernels``.
+    ``fp8``: a torchao recipe; the linear layers run their matmuls in FP8 (model/fp8.py), converted
+    before adapters wrap them, so a LoRA base runs in FP8 under bf16 adapters.
     """
     auto_class = model_class(cfg)  # AutoModelForSeq2SeqLM for T5, BART, ...
     attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision, cfg.kind.encoder_decoder)
@@ -154,8 +158,10 @@ def build_model(
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     used = apply_liger(model, warn) if kernels == "liger" else []
+    fp8_layers = apply_fp8(model, fp8) if fp8 else 0
     model = adapt(model, cfg, activation_checkpointing)
     model.trainforge_kernels = used
+    model.trainforge_fp8 = f"{fp8} ({fp8_layers} linear layers)" if fp8 else None
     return model
 
 

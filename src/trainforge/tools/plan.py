@@ -30,6 +30,7 @@ from ..hardware import (
     this_profile,
 )
 from ..profiles import GIB, HardwareProfile, find_profile
+from .plan_kernels import fp8_decision, fp8_problem, kernels_choice
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
 from .plan_preference import describe_reference, with_reference
 from .plan_remedy import one_change_to_fit
@@ -299,22 +300,11 @@ def decisions(
             f"accumulation {accum} x {world_size} process(es)",
         },
     ]
+    if fp8_decision(cfg):
+        out.append(fp8_decision(cfg))
     if world_size > 1:
         out.append({"setting": "distributed", "choice": mode, "why": "train.distributed: " + cfg.train.distributed})
     return out
-
-
-def kernels_choice(cfg: RunConfig, device: torch.device | None, profile: HardwareProfile | None) -> str:
-    """What ``train.kernels`` resolves to on the planned hardware (a GPU profile: as it would on that GPU)."""
-    from ..model.kernels import liger_installed
-
-    requested = cfg.train.kernels
-    if device is not None or profile is None or profile.kind != "gpu":
-        return requested if requested != "auto" else "torch"
-    if requested != "auto":
-        return requested
-    here = "installed here" if liger_installed() else "not installed here"
-    return f"liger where liger-kernel is installed ({here}; pip install 'trainforge[gpu]'), else torch"
 
 
 def findings(
@@ -342,6 +332,8 @@ def findings(
             "set train.micro_batch_size: auto, or lower it and raise train.grad_accum")
     if precision.name == "bf16" and not profile.bf16 and profile.kind == "gpu":
         add("error", f"train.precision bf16: {profile.title} has no bf16", "set train.precision: auto (fp16 with loss scaling)")
+    if fp8_problem(cfg, precision.name, profile):
+        add("error", *fp8_problem(cfg, precision.name, profile))
     # another machine's CPU profile: whether its bf16 is native is unknown, so only fp16 is said
     emulated = emulated_precision(precision.name, device is None or cpu_has_native_bf16()) if profile.kind == "cpu" else None
     if emulated:

@@ -76,6 +76,7 @@ CHECKS = (
     *(f"resume-{p}" for p in PRECISIONS),
     *(f"kernels-{p}" for p in PRECISIONS),
     *(f"preference-{p}" for p in PRECISIONS),
+    "fp8-bf16",
     "nonfinite-guard",
     "pinned-memory",
 )
@@ -117,9 +118,8 @@ def case_config(case: Case, assets: Assets, device: str, cache_dir: Path | None 
         # LoRA trains only its low-rank update (B starts at zero): a larger step
         "optim": {"lr": 5e-3 if case.method == "lora" else 3e-3, "warmup_steps": 0, "schedule": "constant"},
         "checkpoint": {"every_steps": CHECKPOINT_EVERY, "every_minutes": None, "keep_last": 2},
-        # no end-of-run sample when compiled: each new generation length would compile a graph
-        "log": {"every_steps": 1, "tensorboard": False, "report": False,
-                "sample_prompt": None if case.compiled else "alpha beta", "sample_tokens": 6},
+        # the end-of-run sample decodes eagerly, compiled or not (engine/trainer.py)
+        "log": {"every_steps": 1, "tensorboard": False, "report": False, "sample_prompt": "alpha beta", "sample_tokens": 6},
     }
 
 

@@ -14,7 +14,7 @@ from .lifecycle import train_stopped_after_checkpoint
 from .probes import PAIR_DOCS, attention_implementations, masked_batch, packed_attention_gap, pair_batch, pair_documents
 from .reporters import quiet
 from .results import CheckFailed, Result, Skip
-from .tolerances import ATTENTION_TOL, CUDA_RESUME_TOL, HEAD_GRAD_TOL, LOSS_TOL, PREFERENCE_TOL, fmt_values, relative_gap
+from .tolerances import ATTENTION_TOL, CUDA_RESUME_TOL, FP8_TOL, HEAD_GRAD_TOL, LOSS_TOL, PREFERENCE_TOL, fmt_values, relative_gap
 
 
 def worst_gap(reference: tuple[float, dict], other: tuple[float, dict]) -> tuple[str, float, float]:
@@ -274,6 +274,41 @@ class Checks:
         if not (torch.equal(moved.input_ids.cpu(), batch.input_ids) and torch.equal(moved.labels.cpu(), batch.labels)):
             raise CheckFailed("a non-blocking copy from pinned memory arrived changed")
         return "batches pinned; non-blocking copies arrive intact"
+
+    def _check_fp8(self, precision: str) -> str:
+        """FP8 linear layers (train.fp8, torchao) against the same model in bf16: the loss and every
+        gradient of one step on packed rows. On CUDA with FP8 tensor cores (8.9+); on a CPU torch
+        emulates the FP8 matmuls, so the wiring is checked everywhere."""
+        import importlib.util
+
+        from ...config import ModelSettings
+        from ...engine.step import loss_sum
+        from ...hardware import PRECISIONS as MODES
+        from ...model.load import build_model
+        from ...model.tokenizer import load_tokenizer
+
+        if importlib.util.find_spec("torchao") is None:
+            raise Skip("torchao is not installed: pip install 'trainforge[gpu]'")
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise Skip("this GPU has no FP8 tensor cores (compute capability 8.9+)")
+        mode, tok = MODES[precision], load_tokenizer(self.assets.tokenizer)
+        batch = masked_batch(len(tok), self.device)
+        runs, layers = {}, ""
+        for fp8 in (None, "tensorwise"):
+            with rng_kept():
+                settings = ModelSettings(init=dict(MODEL_INIT), tokenizer=self.assets.tokenizer)
+                model = build_model(settings, tok, 0, self.device, True, compute_dtype=mode.autocast_dtype, fp8=fp8).to(self.device)
+            runs[fp8] = loss_and_grads(model, lambda: loss_sum(model, batch, mode))
+            layers = model.trainforge_fp8 or layers
+        worst, gap, loss_gap = worst_gap(runs[None], runs["tensorwise"])
+        if not layers.startswith("tensorwise") or " 0 linear" in layers:
+            raise CheckFailed(f"no linear layer was converted to FP8 ({layers or 'none'})")
+        if gap > FP8_TOL or loss_gap > FP8_TOL:
+            raise CheckFailed(
+                f"fp8 vs bf16: loss {runs['tensorwise'][0]:.5f} vs {runs[None][0]:.5f}; gradient of {worst} by {gap:.2e} "
+                f"(relative norm; tolerance {FP8_TOL:.0e})"
+            )
+        return f"fp8 {layers} vs bf16: loss {loss_gap:.1e}, gradients {gap:.1e} (tol {FP8_TOL:.0e})"
 
     def _check_kernels(self, precision: str) -> str:
         """Liger's kernels (train.kernels: liger) against PyTorch's on the same weights and packed rows:

@@ -1,0 +1,88 @@
+"""FP8 matmuls in the linear layers (``train.fp8``), through torchao's float8 training.
+
+Each eligible ``nn.Linear`` becomes torchao's ``Float8Linear``: its three matmuls (output, input
+gradient, weight gradient) take FP8 operands, scaled dynamically per tensor (``tensorwise``) or per
+row (``rowwise``: closer to bf16, slower). The weights themselves, the optimizer state, norms,
+attention and the loss stay as they were: the parameters and their state_dict keys are unchanged, so
+checkpoints, resume and ``final/`` are the same files as a bf16 run's.
+
+Not converted: the LM head (trainforge's fused loss reads its weight directly; torchao keeps the last
+layer high-precision too), layers whose sides are not multiples of 16 (FP8 tensor cores need them), and
+anything that is not exactly ``nn.Linear`` (4-bit bases, adapters). LoRA adapters wrap the converted
+base layers: the frozen base runs in FP8, the small adapters in bf16.
+
+FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper, Blackwell). torchao's casts are
+separate kernels unless compiled, so the gain needs ``train.compile`` (torchao's own guidance). On a
+CPU, torch emulates the FP8 matmuls: slower than bf16, for checking a config and in tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from ..errors import TrainforgeError
+
+RECIPES = ("tensorwise", "rowwise")
+MIN_CAPABILITY = {"tensorwise": (8, 9), "rowwise": (9, 0)}  # FP8 tensor cores; row-wise scaled matmul from Hopper
+
+
+class FP8Unavailable(TrainforgeError, ValueError):
+    """``train.fp8`` cannot run here (no torchao, no bf16 compute, no FP8 tensor cores, a 4-bit base)."""
+
+
+def fp8_recipe(setting: bool | str) -> str | None:
+    """The torchao recipe ``train.fp8`` asks for: None (off), ``tensorwise`` (true) or the named one."""
+    if setting is False:
+        return None
+    return "tensorwise" if setting is True else str(setting)
+
+
+def resolve_fp8(setting: bool | str, device: torch.device, compute_dtype: torch.dtype | None, method: str) -> str | None:
+    """The recipe this run takes for ``train.fp8: setting``, or None; refuses, naming the setting,
+    what cannot run here."""
+    recipe = fp8_recipe(setting)
+    if recipe is None:
+        return None
+    if importlib.util.find_spec("torchao") is None:
+        raise FP8Unavailable("train.fp8 needs torchao: pip install 'trainforge[gpu]' (or set train.fp8: false)")
+    if compute_dtype is not torch.bfloat16:
+        got = "fp32" if compute_dtype is None else str(compute_dtype).removeprefix("torch.")
+        raise FP8Unavailable(
+            f"train.fp8 computes everything but the linear layers' matmuls in bf16, and this run's precision is {got}: "
+            "set train.precision: bf16 (or train.fp8: false)"
+        )
+    if method == "qlora":
+        raise FP8Unavailable("train.fp8 converts bf16 linear layers; a qlora base is 4-bit: use model.method: lora or train.fp8: false")
+    if device.type == "cuda":
+        have, need = torch.cuda.get_device_capability(device), MIN_CAPABILITY[recipe]
+        if have < need:
+            raise FP8Unavailable(
+                f"train.fp8: {recipe} needs FP8 tensor cores (compute capability {need[0]}.{need[1]}+: "
+                f"{'Ada, Hopper' if need < (9, 0) else 'Hopper'} or newer); {torch.cuda.get_device_name(device)} is "
+                f"{have[0]}.{have[1]}: set train.fp8: false" + (" or tensorwise" if recipe == "rowwise" and have >= (8, 9) else "")
+            )
+    elif device.type != "cpu":
+        raise FP8Unavailable(f"train.fp8 runs on CUDA GPUs (and emulated on CPUs); this run is on {device.type}: set train.fp8: false")
+    return recipe
+
+
+def apply_fp8(model: torch.nn.Module, recipe: str) -> int:
+    """Convert ``model``'s eligible linear layers (see the module's docstring) to torchao's FP8 training
+    layers with ``recipe``; returns how many were converted."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def eligible(module: torch.nn.Module, name: str) -> bool:
+        return (
+            type(module) is torch.nn.Linear  # exactly: not a 4-bit or adapter subclass
+            and module is not head
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
+
+    before = sum(1 for m in model.modules() if type(m) is torch.nn.Linear)
+    convert_to_float8_training(model, module_filter_fn=eligible, config=Float8LinearConfig.from_recipe_name(recipe))
+    return before - sum(1 for m in model.modules() if type(m) is torch.nn.Linear)

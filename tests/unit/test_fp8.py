@@ -1,0 +1,150 @@
+"""train.fp8: torchao's FP8 linear layers, which layers convert, the refusals, and a run on CPU
+(torch emulates the FP8 matmuls there) that trains, checkpoints and exports like a bf16 run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from pydantic import ValidationError
+from rich.console import Console
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from trainforge.config import RunConfig
+from trainforge.config_train import TrainSettings
+from trainforge.engine.trainer import train
+from trainforge.metrics.console import ConsoleReporter
+from trainforge.metrics.tracker import read_metrics
+from trainforge.model import fp8 as fp8_module
+from trainforge.model.fp8 import FP8Unavailable, apply_fp8, fp8_recipe, resolve_fp8
+
+pytest.importorskip("torchao")
+CPU = torch.device("cpu")
+
+
+def tiny_llama(hidden: int = 32, layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, max_position_embeddings=64)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def float8_names(model: torch.nn.Module) -> set[str]:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+
+@pytest.mark.parametrize("setting, recipe", [(False, None), (True, "tensorwise"), ("tensorwise", "tensorwise"), ("rowwise", "rowwise")])
+def test_the_setting_names_a_recipe(setting, recipe):
+    assert fp8_recipe(setting) == recipe
+    assert fp8_recipe(TrainSettings.model_validate({"fp8": setting}).fp8) == recipe
+
+
+def test_an_unknown_recipe_is_refused_with_the_choices():
+    with pytest.raises(ValidationError, match="rowwise"):
+        TrainSettings.model_validate({"fp8": "blockwise"})
+
+
+def test_every_decoder_linear_layer_converts_but_the_head():
+    model = tiny_llama()
+    keys = list(model.state_dict())
+    assert apply_fp8(model, "tensorwise") == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+    names = float8_names(model)
+    assert len(names) == 14 and "lm_head" not in names and all(".layers." in n for n in names)
+    assert list(model.state_dict()) == keys  # checkpoints and final/ keep their keys
+
+
+def test_layers_whose_sides_are_not_multiples_of_16_stay_bf16():
+    model = tiny_llama(hidden=40)  # 40 is not a multiple of 16; the MLP's 80 is not either
+    assert apply_fp8(model, "tensorwise") == 0 and not float8_names(model)
+
+
+def test_fp8_forward_and_gradients_stay_close_to_bf16():
+    """The same weights, bf16 autocast: the FP8 model's loss within 2% and its gradients pointing the same way."""
+    ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(1))
+    grads, losses = [], []
+    for recipe in (None, "tensorwise", "rowwise"):
+        model = tiny_llama()
+        if recipe:
+            apply_fp8(model, recipe)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+    for loss, grad in zip(losses[1:], grads[1:]):
+        assert loss == pytest.approx(losses[0], rel=0.02)
+        assert torch.nn.functional.cosine_similarity(grad, grads[0], dim=0) > 0.98
+
+
+def test_lora_wraps_the_fp8_base_layers():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_llama()
+    apply_fp8(model, "tensorwise")
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    assert type(q.base_layer).__name__ == "Float8Linear" and type(q.lora_A["default"]) is torch.nn.Linear
+    ids = torch.randint(0, 96, (2, 16))
+    with torch.autocast("cpu", torch.bfloat16):
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+    assert q.lora_B["default"].weight.grad is not None and q.base_layer.weight.grad is None
+
+
+def test_refusals_name_the_setting_and_the_fix(monkeypatch):
+    with pytest.raises(FP8Unavailable, match="train.precision: bf16"):
+        resolve_fp8(True, CPU, None, "full")
+    with pytest.raises(FP8Unavailable, match="train.precision: bf16"):
+        resolve_fp8(True, CPU, torch.float16, "full")
+    with pytest.raises(FP8Unavailable, match="qlora"):
+        resolve_fp8(True, CPU, torch.bfloat16, "qlora")
+    with pytest.raises(FP8Unavailable, match="runs on CUDA"):
+        resolve_fp8(True, torch.device("mps"), torch.bfloat16, "full")
+    assert resolve_fp8(False, CPU, None, "qlora") is None  # off: nothing is checked
+    assert resolve_fp8("rowwise", CPU, torch.bfloat16, "lora") == "rowwise"
+    monkeypatch.setattr(fp8_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FP8Unavailable, match=r"pip install 'trainforge\[gpu\]'"):
+        resolve_fp8(True, CPU, torch.bfloat16, "full")
+
+
+@pytest.mark.parametrize("capability, setting, refused", [
+    ((8, 0), True, "compute capability 8.9"), ((8, 9), True, None), ((8, 9), "rowwise", "or tensorwise"), ((9, 0), "rowwise", None),
+])
+def test_gpus_without_fp8_tensor_cores_are_refused(monkeypatch, capability, setting, refused):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    if refused:
+        with pytest.raises(FP8Unavailable, match=refused):
+            resolve_fp8(setting, torch.device("cuda"), torch.bfloat16, "full")
+    else:
+        assert resolve_fp8(setting, torch.device("cuda"), torch.bfloat16, "full") == fp8_recipe(setting)
+
+
+def test_an_fp8_run_trains_reports_and_exports_plain_weights(finetune_config, tmp_path):
+    cfg = dict(finetune_config)
+    cfg["train"] = {**cfg["train"], "precision": "bf16", "fp8": True, "max_steps": 6, "compile": False}
+    out = tmp_path / "run"
+    result = train(RunConfig.model_validate(cfg), out, ConsoleReporter(Console(quiet=True)))
+    assert result.summary["fp8"] == "tensorwise (14 linear layers)"
+    losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < losses[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_loss"] < summary["eval_loss_before"]
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out / "final", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert not float8_names(reloaded)  # final/ is an ordinary model: it loads anywhere
+
+
+@pytest.mark.parametrize("hardware, problem", [("h100", None), ("l4", None), ("a100", "has no FP8 tensor cores"), ("v100", "precision is fp16")])
+def test_plan_shows_fp8_and_refuses_gpus_that_cannot_run_it(finetune_config, hardware, problem):
+    from trainforge.tools.plan import make_plan
+
+    cfg = dict(finetune_config)
+    cfg["train"] = {**cfg["train"], "precision": "auto", "device": "auto", "fp8": True}
+    plan = make_plan(RunConfig.model_validate(cfg), hardware=hardware, time_ops=False)
+    (row,) = [d for d in plan["decisions"] if d["setting"] == "fp8"]
+    assert row["choice"] == "tensorwise"
+    errors = [f["message"] for f in plan["findings"] if f["level"] == "error"]
+    assert any(problem in e for e in errors) if problem else not any("fp8" in e for e in errors)
