@@ -19,7 +19,9 @@ Variants, at the same micro-batch, sequence length, optimizer (AdamW, same lr/sc
   trl-packed:  TRL ``SFTTrainer`` with ``packing=True, padding_free=True`` (prompt/completion rows);
   hf-peft:     ``hf`` with PEFT LoRA (the LoRA row's baseline), and hf-peft-liger;
   trainforge:  ``trainforge train`` on its defaults (precision, attention, kernels, compile: auto);
-  trainforge-compiled: the same with ``train.compile: true`` (compile seconds and steady gain).
+  trainforge-compiled: the same with ``train.compile: true`` (compile seconds and steady gain);
+  trainforge-fp8-compiled: ``train.fp8: true`` (torchao's FP8 linear layers) and ``train.compile: true``
+               (parts 1 and 3; ``--tiny`` runs ``trainforge-fp8`` eager, emulated on the CPU).
 Every variant is its own process. Reported: real (non-padding) tokens/s in steady state (the steps
 after ``--warmup``) and over the whole loop, MFU against the device's dense bf16 peak (one FLOP count,
 trainforge's, for every variant), peak reserved GPU memory (RSS on CPU), the first step's extra
@@ -83,13 +85,14 @@ def parts(tiny: bool) -> dict[int, list[Row]]:
             1: [Row("llama-1b-shape", {**LLAMA_1B, **small}, "full", "sft", 128, 2, 8, FULL + ["trl-packed"])],
             2: [Row("qwen-0.5b-shape", {**QWEN_05B, **small}, "full", "text", 128, 2, 8, ["hf", "trainforge"]),
                 Row("qwen-0.5b-shape-8k", {**QWEN_05B, **small}, "full", "text", 256, 1, 6, ["hf", "trainforge"])],
-            3: [Row("llama-8b-shape-lora", {**LLAMA_8B, **small}, "lora", "sft", 128, 2, 8, ["hf-peft", "hf-peft-liger", "trainforge"])],
+            3: [Row("llama-8b-shape-lora", {**LLAMA_8B, **small}, "lora", "sft", 128, 2, 8,
+                    ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"])],
         }
     return {
-        1: [Row("llama-1b", LLAMA_1B, "full", "sft", 2048, 4, 60, FULL + ["trl-packed"])],
+        1: [Row("llama-1b", LLAMA_1B, "full", "sft", 2048, 4, 60, FULL + ["trl-packed", "trainforge-fp8-compiled"])],
         2: [Row("qwen-0.5b", QWEN_05B, "full", "text", 2048, 8, 60, FULL),
             Row("qwen-0.5b-8k", QWEN_05B, "full", "text", 8192, 2, 30, ["hf", "trainforge"])],
-        3: [Row("llama-8b-lora", LLAMA_8B, "lora", "sft", 2048, 4, 40, ["hf-peft", "hf-peft-liger", "trainforge"])],
+        3: [Row("llama-8b-lora", LLAMA_8B, "lora", "sft", 2048, 4, 40, ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8-compiled"])],
     }
 
 
@@ -172,7 +175,10 @@ def write_data(work: Path, row: Row, seed: int = 0) -> dict:
 OPTIM = dict(lr=2e-4, weight_decay=0.0, betas=[0.9, 0.95], eps=1e-8, warmup_steps=0, min_lr_ratio=0.1, max_grad_norm=1.0)
 
 
-def trainforge_config(spec: dict, compiled: bool) -> dict:
+def trainforge_config(spec: dict, variant: str = "trainforge") -> dict:
+    """trainforge's config for a variant: its defaults; ``-compiled``: ``train.compile: true``; ``-fp8``:
+    ``train.fp8: true`` (torchao's FP8 linear layers; compiled on a GPU, as torchao's casts need)."""
+    compiled, fp8 = variant.endswith("compiled"), "-fp8" in variant
     row = spec["row"]
     model = {"path": spec["model_dir"], "method": row["method"]}
     if row["method"] == "lora":
@@ -184,7 +190,7 @@ def trainforge_config(spec: dict, compiled: bool) -> dict:
         "model": model,
         "data": data,
         "train": {"max_steps": row["steps"], "micro_batch_size": row["micro_batch"], "seed": 0,
-                  **({"compile": True} if compiled else {})},
+                  **({"compile": True} if compiled else {}), **({"fp8": True} if fp8 else {})},
         "optim": {**OPTIM, "schedule": "cosine"},
         "checkpoint": {"every_minutes": None},
         "log": {"every_steps": 1, "tensorboard": False},
@@ -204,6 +210,10 @@ def needs(variant: str) -> str | None:
         return "needs CUDA (Liger's Triton kernels)"
     if "liger" in variant and importlib.util.find_spec("liger_kernel") is None:
         return "liger-kernel not installed (pip install 'trainforge[gpu]')"
+    if "fp8" in variant and importlib.util.find_spec("torchao") is None:
+        return "torchao not installed (pip install 'trainforge[gpu]')"
+    if "fp8" in variant and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        return "this GPU has no FP8 tensor cores (compute capability 8.9+)"
     if variant.startswith("trl") and importlib.util.find_spec("trl") is None:
         return "trl not installed (pip install 'trainforge[bench]')"
     if variant.startswith(("hf", "trl")) and importlib.util.find_spec("datasets") is None:
@@ -335,7 +345,7 @@ def run_trainforge(spec: dict, variant: str) -> dict:
     from trainforge.metrics.console import ConsoleReporter
 
     out = Path(spec["out"])
-    config = trainforge_config(spec, compiled=variant.endswith("compiled"))
+    config = trainforge_config(spec, variant)
     (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     result = train(load_config(out / "config.yaml"), out / "run", ConsoleReporter(Console(quiet=True)))
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -346,7 +356,7 @@ def run_trainforge(spec: dict, variant: str) -> dict:
             steps.append({"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": tokens, "loss": r["loss"]})
     sm = result.summary
     return {"steps": steps, "attention": sm.get("attention"), "kernels": sm.get("kernels"), "precision": sm.get("precision"),
-            "compile": sm.get("compile"), "compiled": sm.get("compiled"), "flops_per_token": sm.get("flops_per_token")}
+            "compile": sm.get("compile"), "compiled": sm.get("compiled"), "fp8": sm.get("fp8"), "flops_per_token": sm.get("flops_per_token")}
 
 
 def child(variant: str, spec_path: Path, result_path: Path) -> None:
@@ -398,7 +408,7 @@ def summarize(r: dict, warmup: int, peak_flops: float | None) -> dict:
         "late_loss": sum(late) / len(late) if late else None,
         "peak_memory_bytes": r.get("peak_memory_bytes"),
         "tokens": steps[-1]["tokens"],
-        **{k: r[k] for k in ("attention", "kernels", "precision", "compile", "compiled") if r.get(k) is not None},
+        **{k: r[k] for k in ("attention", "kernels", "precision", "compile", "compiled", "fp8") if r.get(k) is not None},
     }
 
 
@@ -410,7 +420,7 @@ def plan_prediction(spec: dict, hardware: str) -> dict:
     from trainforge.tools.plan import make_plan
 
     path = Path(spec["work"]) / "plan-config.yaml"
-    path.write_text(yaml.safe_dump(trainforge_config(spec, compiled=False), sort_keys=False))
+    path.write_text(yaml.safe_dump(trainforge_config(spec), sort_keys=False))
     plan = make_plan(load_config(path), hardware=hardware)
     return {"hardware": hardware, "peak_memory_bytes": plan["memory"]["peak_process_bytes"], "tokens_per_s": plan["time"]["tokens_per_s"]}
 

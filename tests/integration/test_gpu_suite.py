@@ -27,9 +27,10 @@ def test_tiny_suite_reports_every_variant(tmp_path):
     assert report["tiny"] and report["environment"]["versions"]["torch"]
     (row,) = report["rows"]
     results = row["results"]
-    assert set(results) == {"hf-peft", "hf-peft-liger", "trainforge"}
+    assert set(results) == {"hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"}
     assert results["hf-peft-liger"]["status"] == "skipped" and "CUDA" in results["hf-peft-liger"]["reason"]
-    for name in ("hf-peft", "trainforge"):
+    assert results["trainforge-fp8"]["fp8"].startswith("tensorwise") and results["trainforge"].get("fp8") is None
+    for name in ("hf-peft", "trainforge", "trainforge-fp8"):
         r = results[name]
         assert r["status"] == "ok", r
         assert r["tokens_per_s"] > 0 and math.isfinite(r["late_loss"]) and r["peak_memory_bytes"] > 0
@@ -50,6 +51,6 @@ def test_spent_budget_skips_variants_and_still_writes_the_part(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "part-3.json").read_text())
     results = report["rows"][0]["results"]
-    assert report["complete"] and set(results) == {"hf-peft", "hf-peft-liger", "trainforge"}
+    assert report["complete"] and set(results) == {"hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"}
     assert all(r["status"] == "skipped" for r in results.values())
     assert "budget" in results["trainforge"]["reason"] and "budget" in done.stdout
