@@ -193,7 +193,8 @@ def trainforge_config(spec: dict, variant: str = "trainforge") -> dict:
                   **({"compile": True} if compiled else {}), **({"fp8": True} if fp8 else {})},
         "optim": {**OPTIM, "schedule": "cosine"},
         "checkpoint": {"every_minutes": None},
-        "log": {"every_steps": 1, "tensorboard": False},
+        # the last warm-up step is profiled (left out of the steady figures): where the step's time goes
+        "log": {"every_steps": 1, "tensorboard": False, "profile_steps": [spec.get("profile_step", 1)]},
     }
 
 
@@ -350,13 +351,15 @@ def run_trainforge(spec: dict, variant: str) -> dict:
     result = train(load_config(out / "config.yaml"), out / "run", ConsoleReporter(Console(quiet=True)))
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     steps, tokens = [], 0
+    profile = next(({"phases": r["profile"], **r.get("profile_ops", {})} for r in rows if "profile" in r), None)
     for r in rows:
         if "loss" in r:
             tokens += r["tokens"]
             steps.append({"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": tokens, "loss": r["loss"]})
     sm = result.summary
     return {"steps": steps, "attention": sm.get("attention"), "kernels": sm.get("kernels"), "precision": sm.get("precision"),
-            "compile": sm.get("compile"), "compiled": sm.get("compiled"), "fp8": sm.get("fp8"), "flops_per_token": sm.get("flops_per_token")}
+            "compile": sm.get("compile"), "compiled": sm.get("compiled"), "fp8": sm.get("fp8"), "flops_per_token": sm.get("flops_per_token"),
+            "profile": profile}
 
 
 def child(variant: str, spec_path: Path, result_path: Path) -> None:
@@ -408,7 +411,7 @@ def summarize(r: dict, warmup: int, peak_flops: float | None) -> dict:
         "late_loss": sum(late) / len(late) if late else None,
         "peak_memory_bytes": r.get("peak_memory_bytes"),
         "tokens": steps[-1]["tokens"],
-        **{k: r[k] for k in ("attention", "kernels", "precision", "compile", "compiled", "fp8") if r.get(k) is not None},
+        **{k: r[k] for k in ("attention", "kernels", "precision", "compile", "compiled", "fp8", "profile") if r.get(k) is not None},
     }
 
 
@@ -432,7 +435,7 @@ def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | 
     ``deadline`` (perf_counter seconds) is skipped, and the timeout of one that starts is cut to it."""
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"
-    spec = {"row": asdict(row), "work": str(work), "model_dir": str(model_dir)}
+    spec = {"row": asdict(row), "work": str(work), "model_dir": str(model_dir), "profile_step": max(1, min(args.warmup, row.steps - 2))}
     spec["data"] = write_data(work, row)
     results: dict[str, dict] = {}
     report = {"row": asdict(row), "results": results}
@@ -537,7 +540,32 @@ def table(reports: list[dict]) -> str:
     devices = sorted({r["environment"]["device"] for r in reports})
     stopped = [str(r["part"]) for r in reports if not r.get("complete", True)]
     note = f" Part {', '.join(stopped)} stopped before its last variant (the call's limit)." if stopped else ""
-    return "\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; torch {reports[0]['environment']['versions']['torch']}.{note}"
+    return ("\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; torch {reports[0]['environment']['versions']['torch']}.{note}"
+            + profile_table(reports))
+
+
+KINDS = ("matmul", "attention", "optimizer", "copy", "communication", "other")
+
+
+def profile_table(reports: list[dict]) -> str:
+    """Where each trainforge variant's profiled step went: the device's busy share of the step (the rest:
+    host overhead and syncs), kernel time by kind, and the costliest kernel."""
+    lines = []
+    for report in reports:
+        for row in report["rows"]:
+            for name, r in row["results"].items():
+                p = r.get("profile") if r.get("status") == "ok" else None
+                if not p or not p.get("op_seconds"):
+                    continue
+                shares = " | ".join(f"{p['by_kind_s'].get(k, 0.0) / p['op_seconds']:.0%}" for k in KINDS)
+                busy = f"{p['device_busy']:.0%}" if p.get("device_busy") is not None else "(host ops)"
+                top = p["top"][0] if p.get("top") else {"name": "", "share": 0.0}
+                lines.append(f"| {row['row']['name']} | {name} | {busy} | {shares} | `{top['name'][:48]}` {top['share']:.0%} |")
+    if not lines:
+        return ""
+    head = ["", "", "Where trainforge's profiled step went (`log.profile_steps`, the last warm-up step):", "",
+            "| row | variant | device busy | " + " | ".join(KINDS) + " | top kernel |", "|---" * (4 + len(KINDS)) + "|"]
+    return "\n".join(head + lines)
 
 
 def fmt(value: float | None, unit: str, digits: int = 2) -> str:

@@ -35,11 +35,14 @@ def test_tiny_suite_reports_every_variant(tmp_path):
         assert r["status"] == "ok", r
         assert r["tokens_per_s"] > 0 and math.isfinite(r["late_loss"]) and r["peak_memory_bytes"] > 0
     tf = results["trainforge"]
+    profile = tf["profile"]  # the profiled warm-up step: phases and where the op time went
+    assert profile["phases"]["forward_s"] > 0 and profile["by_kind_s"]["matmul"] > 0 and profile["top"]
     assert tf["speed_vs_baseline"] > 0 and 0.5 < tf["loss_vs_baseline"] < 2.0
     assert tf["plan"]["tokens_per_s"] > 0 and tf["plan"]["peak_memory_bytes"] > 0 and "speed_error" in tf["plan"]
     table = subprocess.run([sys.executable, str(SUITE), "--table", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert table.returncode == 0, table.stderr
     assert "| llama-8b-shape-lora | trainforge |" in table.stdout and "skipped: needs CUDA" in table.stdout
+    assert "Where trainforge's profiled step went" in table.stdout and "| llama-8b-shape-lora | trainforge-fp8 | (host ops) |" in table.stdout
 
 
 def test_spent_budget_skips_variants_and_still_writes_the_part(tmp_path):

@@ -23,7 +23,7 @@ from ..data.prompt import sample_prompt
 from ..dist import init_distributed, shutdown
 from ..hardware import describe, peak_memory_bytes, pick_device
 from ..metrics.console import ConsoleReporter
-from ..metrics.profile import StepProfile
+from ..metrics.profile import StepProfile, describe_split
 from ..model.compile import compile_decoder
 from ..model.load import count_parameters, weight_storage
 from ..rundir import writing
@@ -227,10 +227,10 @@ def note_start(run: Run) -> None:
 def report_profile(run: Run, profile: StepProfile) -> None:
     """A profiled step's time split, to metrics.jsonl and the console; the trace is on disk."""
     phases = profile.finish()
-    run.metrics.write({"step": profile.step, "profile": phases})
+    run.metrics.write({"step": profile.step, "profile": phases, "profile_ops": profile.split})
     total = sum(phases.values())
     split = ", ".join(f"{k[:-2]} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in phases.items())
-    run.reporter.info(f"profile of step {profile.step}: {split}; trace {profile.trace}")
+    run.reporter.info(f"profile of step {profile.step}: {split}; {describe_split(profile.split)}; trace {profile.trace}")
 
 
 def compile_if(run: Run, reason: str | None) -> None:
