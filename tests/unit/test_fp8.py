@@ -148,3 +148,38 @@ def test_plan_shows_fp8_and_refuses_gpus_that_cannot_run_it(finetune_config, har
     assert row["choice"] == "tensorwise"
     errors = [f["message"] for f in plan["findings"] if f["level"] == "error"]
     assert any(problem in e for e in errors) if problem else not any("fp8" in e for e in errors)
+
+
+def backward_matmuls(frozen: bool) -> int:
+    """Matmuls in the compiled backward of one FP8 linear layer whose weight is frozen or trained."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    counted = {}
+
+    def count(gm, inputs):
+        counted["bw"] = sum(1 for n in gm.graph.nodes if n.op == "call_function" and ("_scaled_mm" in str(n.target) or str(n.target).startswith("aten.mm")))
+        return make_boxed_func(gm.forward)
+
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)).to(torch.bfloat16)
+    apply_fp8(layer, "tensorwise")
+    layer[0].weight.requires_grad_(not frozen)
+    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=count))
+    compiled(torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
+    return counted["bw"]
+
+
+def test_compiled_lora_base_layers_drop_the_unused_weight_gradient():
+    """Why LoRA under train.fp8 wants compile: eager torchao computes a frozen weight's gradient too; in a
+    compiled graph it is dead code (the warning the run gives uncompiled says so)."""
+    torch._dynamo.reset()
+    assert backward_matmuls(frozen=False) == 2 and backward_matmuls(frozen=True) == 1
+
+
+def test_uncompiled_lora_under_fp8_is_warned(finetune_config, tmp_path):
+    cfg = dict(finetune_config)
+    cfg["model"] = {**cfg["model"], "method": "lora"}
+    cfg["train"] = {**cfg["train"], "precision": "bf16", "fp8": True, "max_steps": 2, "compile": False}
+    console = Console(record=True, width=400)
+    train(RunConfig.model_validate(cfg), tmp_path / "run", ConsoleReporter(console))
+    assert "torchao also computes the frozen base layers' weight gradients" in console.export_text()

@@ -159,6 +159,8 @@ def build_model(
             model.resize_token_embeddings(len(tokenizer))
     used = apply_liger(model, warn) if kernels == "liger" else []
     fp8_layers = apply_fp8(model, fp8) if fp8 else 0
+    if fp8 and not fp8_layers:
+        warn("train.fp8: no linear layer has sides that are multiples of 16 (FP8 tensor cores need them): the run is plain bf16")
     model = adapt(model, cfg, activation_checkpointing)
     model.trainforge_kernels = used
     model.trainforge_fp8 = f"{fp8} ({fp8_layers} linear layers)" if fp8 else None
