@@ -52,21 +52,29 @@ def resolve_kernels(requested: str, device_type: str) -> str:
     return "liger"
 
 
+def liger_apply_function(model_type: str | None) -> tuple[Callable | None, list[str]]:
+    """Liger's function that patches an architecture (None where it has none), and which of
+    ``LAYER_KERNELS`` it swaps in for that architecture."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        return None, []
+    params = inspect.signature(apply).parameters
+    return apply, [k for k in LAYER_KERNELS if k in params]
+
+
 def apply_liger(model: torch.nn.Module, warn: Callable[[str], None] = lambda _: None) -> list[str]:
     """Swap this model's RMSNorm, RoPE and SwiGLU for Liger's (architectures Liger knows), and mark a
     plain linear LM head for Liger's fused linear cross-entropy. Returns the kernels now in use."""
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
     model_type = getattr(model.config, "model_type", None)
-    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    used: list[str] = []
+    apply, used = liger_apply_function(model_type)
     if apply is None:
         warn(f"kernels: Liger has no layer kernels for {model_type!r}; its layers stay PyTorch's")
     else:
         params = inspect.signature(apply).parameters
         wanted = {k: True for k in LAYER_KERNELS} | {"cross_entropy": False, "fused_linear_cross_entropy": False}
         apply(model=model, **{k: v for k, v in wanted.items() if k in params})
-        used = [k for k in LAYER_KERNELS if k in params]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is torch.nn.Linear:
         setattr(head, LIGER_LOSS, True)

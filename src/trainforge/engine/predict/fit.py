@@ -57,7 +57,8 @@ def predict_memory(
 ) -> MemoryPrediction:
     """Trace one step of ``cfg`` at these settings and price it on ``profile`` for one of ``world_size`` processes."""
     device_type = "cpu" if profile.kind == "cpu" else "cuda"
-    trace = trace_training_step(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type)
+    trace = trace_training_step(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type,
+                                planned_kernels(cfg, profile))
     parts = dict(trace.parts)
     if world_size > 1 and mode == "fsdp":
         # FSDP2 shards weights, gradients and optimizer state; a layer is gathered whole for its
@@ -73,6 +74,14 @@ def predict_memory(
     tensors = sum(parts.values())
     process = int(tensors * (1 + profile.allocator_overhead) + fixed_bytes(cfg, profile))
     return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size, activation_checkpointing, trace)
+
+
+def planned_kernels(cfg: RunConfig, profile: HardwareProfile) -> str:
+    """What ``train.kernels`` becomes on the profile's device: Liger's kernels on a GPU where liger-kernel is
+    installed (a plan for another machine assumes it has what this one has), else PyTorch's."""
+    from ...model.kernels import liger_installed
+
+    return "liger" if profile.kind == "gpu" and cfg.train.kernels != "torch" and liger_installed() else "torch"
 
 
 def fixed_bytes(cfg: RunConfig, profile: HardwareProfile, loading: bool = False) -> float:

@@ -274,12 +274,14 @@ def trace_training_step(
     activation_checkpointing: bool,
     grad_accum: int = 1,
     device_type: str = "cpu",
+    kernels: str = "torch",
 ) -> StepTrace:
     """Peak memory and ops of one steady-state training step of ``cfg`` at this micro-batch size.
 
     ``device_type``: the device the plan is for; the step is traced on fake CPU tensors either
     way, with that device's loss chunking. With ``grad_accum`` > 1 the traced micro-batch is a
-    later one: the gradients of the earlier ones already exist.
+    later one: the gradients of the earlier ones already exist. ``kernels``: ``liger`` traces Liger's
+    RMSNorm and SwiGLU through stand-ins that keep what they keep (kernel_standins.py).
 
     A model deeper than ``FEW_LAYERS[1]`` is traced at two small depths and each part of its peak
     extrapolated linearly in the number of layers (every layer holds the same weights, state and
@@ -294,8 +296,9 @@ def trace_training_step(
     known = model_depth(cfg.model)
     depth = known[1] if known else None
     if depth is None or depth <= FEW_LAYERS[1]:
-        return _trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, None)
-    a, b = (_trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, n) for n in FEW_LAYERS)
+        return _trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, None, kernels)
+    a, b = (_trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, n, kernels)
+            for n in FEW_LAYERS)
     scale = (depth - FEW_LAYERS[1]) / (FEW_LAYERS[1] - FEW_LAYERS[0])
     parts = {k: int(round(b.parts[k] + scale * (b.parts[k] - a.parts[k]))) for k in b.parts}
     grads = int(round(b.trainable_grads + scale * (b.trainable_grads - a.trainable_grads)))
@@ -311,6 +314,7 @@ def _trace(
     grad_accum: int,
     device_type: str,
     layers: int | None,
+    kernels: str = "torch",
 ) -> StepTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -319,6 +323,7 @@ def _trace(
     from ..loss import chunk_as
     from ..optim import build_optimizer, optimizer_state_bytes
     from ..step import loss_sum, optimizer_step
+    from .kernel_standins import use_liger_stand_ins
 
     cpu = torch.device("cpu")
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing, layers)
@@ -329,6 +334,8 @@ def _trace(
         model = to_empty_keeping_ties(skeleton, cpu)
         if cfg.model.method == "qlora":
             quantize_base_4bit(model, precision.autocast_dtype or torch.float32)
+        if kernels == "liger":
+            use_liger_stand_ins(model)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         # torch's AdamW stands in for every optim.name (low-bit kernels do not run on fake tensors); its
