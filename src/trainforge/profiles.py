@@ -70,9 +70,13 @@ class HardwareProfile:
         return int(self.memory_gib * GIB)
 
     def peak_flops(self, precision: str, tf32: bool = True) -> float:
-        """Peak FLOP/s for matmuls in ``precision`` (bf16 | fp16 | fp32); fp32 on tensor cores as TF32 when allowed."""
+        """Peak FLOP/s for matmuls in ``precision`` (bf16 | fp16 | fp32 | fp8); fp32 on tensor cores as TF32 when
+        allowed; fp8 twice the bf16 rate on GPUs with FP8 tensor cores (every Ada, Hopper and Blackwell
+        datasheet here: the same accumulation, twice the rate), else the bf16 rate (emulated)."""
         if precision == "fp32" and tf32 and self.peak_tflops.get("tf32"):
             return self.peak_tflops["tf32"] * 1e12
+        if precision == "fp8":
+            return (2 if self.name in FP8_TENSOR_CORES else 1) * self.peak_flops("bf16" if self.bf16 else "fp16")
         return self.peak_tflops.get(precision, self.peak_tflops["fp32"]) * 1e12
 
 

@@ -183,3 +183,23 @@ def test_uncompiled_lora_under_fp8_is_warned(finetune_config, tmp_path):
     console = Console(record=True, width=400)
     train(RunConfig.model_validate(cfg), tmp_path / "run", ConsoleReporter(console))
     assert "torchao also computes the frozen base layers' weight gradients" in console.export_text()
+
+
+def test_plan_traces_the_fp8_layers_and_prices_their_matmuls_at_the_fp8_rate(finetune_config):
+    from trainforge.engine.predict.timing import _roofline
+    from trainforge.engine.predict.trace import trace_training_step
+    from trainforge.hardware import PRECISIONS
+    from trainforge.model.tokenizer import load_tokenizer
+    from trainforge.profiles import find_profile
+
+    cfg = dict(finetune_config)
+    cfg["train"] = {**cfg["train"], "precision": "bf16", "fp8": True}
+    run_cfg = RunConfig.model_validate(cfg)
+    tok = load_tokenizer(run_cfg.model.path)
+    trace = trace_training_step(run_cfg, tok, PRECISIONS["bf16"], 2, False, 1, "cuda")
+    fp8_matmuls = [op for op in trace.ops if op.dtype == "float8" and op.flops > 0]
+    assert len(fp8_matmuls) == 14 * 3  # each converted layer: output, input gradient, weight gradient
+    h100, a100 = find_profile("h100"), find_profile("a100")
+    assert h100.peak_flops("fp8") == 2 * h100.peak_flops("bf16") and a100.peak_flops("fp8") == a100.peak_flops("bf16")
+    op = fp8_matmuls[0]
+    assert _roofline(op, h100)[0] == pytest.approx(op.flops / (h100.peak_flops("fp8") * h100.matmul_efficiency))

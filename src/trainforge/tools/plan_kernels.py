@@ -28,7 +28,8 @@ def fp8_decision(cfg: RunConfig) -> dict[str, str] | None:
     if not cfg.train.fp8:
         return None
     return {"setting": "fp8", "choice": str(fp8_recipe(cfg.train.fp8)), "why": "train.fp8: the linear layers' matmuls in FP8 "
-            "(torchao); priced here as bf16 (FP8's speed-up is not in this prediction yet), memory as bf16"}
+            "(torchao), traced as they run eagerly: matmuls at the FP8 rate, each scale and cast a kernel of its own "
+            "(train.compile fuses them; the plan does not model that)"}
 
 
 def fp8_problem(cfg: RunConfig, precision_name: str, profile: HardwareProfile) -> tuple[str, str] | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ...profiles import HardwareProfile
 from .trace import StepTrace
 
-_PRECISION_OF = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp32"}
+_PRECISION_OF = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp32", "float8": "fp8"}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ...hardware import Precision
 
 KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
+FLOAT8_TENSOR = "Float8TrainingTensor"  # torchao's FP8 operand (train.fp8): its ops are priced at the FP8 rate
 
 # ops that only relabel memory (views) or cost nothing worth timing
 _FREE_OPS = {
@@ -203,6 +204,8 @@ class StepTracer(TorchDispatchMode):
         moved = sum(t.numel() * t.element_size() for t in tensors)
         floats = [t.dtype for t in tensors if t.is_floating_point()]
         dtype = str(floats[0]).removeprefix("torch.") if floats else "none"
+        if any(type(t).__name__ == FLOAT8_TENSOR for t in tensors):
+            dtype = "float8"  # torchao's FP8 operands report their original dtype; the matmul runs at the FP8 rate
         spec = tree_map_only(torch.Tensor, lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype), (args, kwargs))
         return OpRecord(str(packet).removeprefix("aten."), flops, moved, dtype, self.phase, func, spec, f"{func}{spec}")
 
@@ -323,6 +326,7 @@ def _trace(
     from ..loss import chunk_as
     from ..optim import build_optimizer, optimizer_state_bytes
     from ..step import loss_sum, optimizer_step
+    from ...model.fp8 import apply_fp8, fp8_recipe
     from .kernel_standins import use_liger_stand_ins
 
     cpu = torch.device("cpu")
@@ -336,6 +340,8 @@ def _trace(
             quantize_base_4bit(model, precision.autocast_dtype or torch.float32)
         if kernels == "liger":
             use_liger_stand_ins(model)
+        if fp8_recipe(cfg.train.fp8) and cfg.model.method != "qlora":
+            apply_fp8(model, fp8_recipe(cfg.train.fp8))  # torchao's layers run on fake tensors: their casts are traced
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         # torch's AdamW stands in for every optim.name (low-bit kernels do not run on fake tensors); its
