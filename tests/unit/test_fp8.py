@@ -203,3 +203,18 @@ def test_plan_traces_the_fp8_layers_and_prices_their_matmuls_at_the_fp8_rate(fin
     assert h100.peak_flops("fp8") == 2 * h100.peak_flops("bf16") and a100.peak_flops("fp8") == a100.peak_flops("bf16")
     op = fp8_matmuls[0]
     assert _roofline(op, h100)[0] == pytest.approx(op.flops / (h100.peak_flops("fp8") * h100.matmul_efficiency))
+
+
+def test_fp8_layers_follow_cpu_autocast_as_linear_layers_do():
+    """torchao casts a layer's input to CUDA's autocast dtype only: on CPU (runs, tests, a plan's fake-tensor
+    trace) the input is cast to CPU's, so the activation kept for backward is bf16 as on a GPU, not fp32."""
+    fp8 = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    assert apply_fp8(fp8, "tensorwise") == 1 and type(fp8[0]).__name__ == "Float8Linear"
+    x = torch.randn(4, 32, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", torch.bfloat16):
+            assert fp8(x).dtype == torch.bfloat16
+        fp8(x)  # no autocast: the input's dtype
+    saved_inputs = [t.dtype for t in kept if t.shape == (4, 32)]
+    assert saved_inputs == [torch.bfloat16, torch.float32]

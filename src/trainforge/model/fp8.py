@@ -85,4 +85,18 @@ def apply_fp8(model: torch.nn.Module, recipe: str) -> int:
 
     before = sum(1 for m in model.modules() if type(m) is torch.nn.Linear)
     convert_to_float8_training(model, module_filter_fn=eligible, config=Float8LinearConfig.from_recipe_name(recipe))
+    for module in model.modules():
+        if type(module).__name__ == "Float8Linear":
+            module.register_forward_pre_hook(_autocast_input)
     return before - sum(1 for m in model.modules() if type(m) is torch.nn.Linear)
+
+
+def _autocast_input(module: torch.nn.Module, args: tuple) -> tuple | None:
+    """Cast a layer's input to the autocast dtype of its own device. torchao's layer does this for CUDA's
+    autocast only; without it a CPU run (and a plan's trace, on fake CPU tensors) would feed and keep
+    fp32 activations where a GPU run keeps bf16 ones."""
+    x = args[0]
+    device = x.device.type
+    if device != "cuda" and torch.is_autocast_enabled(device):
+        return (x.to(torch.get_autocast_dtype(device)), *args[1:])
+    return None
