@@ -113,3 +113,27 @@ def test_fused_matches_standard_under_autocast(tiny_model_dir, tmp_path, precisi
         # per-element rounding of a 16-bit format (8 or 11 mantissa bits) on gradients of size ~1e-2..1e-1
         rel = (g_f[name] - g_s[name]).norm() / g_s[name].norm().clamp_min(1e-12)
         assert rel < (2e-2 if precision == "bf16" else 3e-3), (name, float(rel))
+
+
+def test_weight_gradient_chunks_accumulate_in_fp32_without_a_parameter_sized_copy():
+    """fp32: the GEMM adds in place (same sum as mm + add); bf16 on a CPU: the general path (no fp32-output
+    GEMM there); fake tensors a plan traces for CUDA: the fp32-output addmm, as a CUDA run takes it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainforge.engine.loss import _fp32_out_gemm, add_weight_grad, chunk_as
+
+    gen = torch.Generator().manual_seed(0)
+    g, h = torch.randn(16, 40, generator=gen), torch.randn(16, 24, generator=gen)
+    acc = torch.randn(40, 24, generator=gen)
+    expected = acc + g.t() @ h
+    add_weight_grad(acc, g, h)
+    torch.testing.assert_close(acc, expected)
+    low = torch.zeros(40, 24)
+    add_weight_grad(low, g.bfloat16(), h.bfloat16())
+    torch.testing.assert_close(low, (g.bfloat16().t() @ h.bfloat16()).float())
+    assert not _fp32_out_gemm(g.bfloat16())
+    with FakeTensorMode(), chunk_as("cuda"):
+        fake = torch.empty(16, 40, dtype=torch.bfloat16)
+        assert _fp32_out_gemm(fake) == hasattr(torch.ops.aten.addmm, "dtype_out")
+    with FakeTensorMode(), chunk_as("cpu"):
+        assert not _fp32_out_gemm(torch.empty(16, 40, dtype=torch.bfloat16))

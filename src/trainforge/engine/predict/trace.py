@@ -200,10 +200,15 @@ class StepTracer(TorchDispatchMode):
                 flops = float(counter(*args, **kwargs, out_val=out))
             except Exception:  # a formula that does not take this overload: time it by its bytes
                 flops = 0.0
-        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        given = {k: v for k, v in kwargs.items() if k != "out"}  # an out= tensor is the result: counted once, as written
+        tensors = [t for t in tree_flatten((args, given, out))[0] if isinstance(t, torch.Tensor)]
         moved = sum(t.numel() * t.element_size() for t in tensors)
+        # a GEMM runs at its operands' rate: the narrowest floating input (an fp32-accumulating addmm of bf16
+        # operands is a bf16 GEMM); elementwise ops are priced by their bytes, whatever this says
+        operands = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
         floats = [t.dtype for t in tensors if t.is_floating_point()]
-        dtype = str(floats[0]).removeprefix("torch.") if floats else "none"
+        narrowest = min(operands, key=lambda t: t.element_size()).dtype if operands else (floats[0] if floats else None)
+        dtype = str(narrowest).removeprefix("torch.") if narrowest is not None else "none"
         if any(type(t).__name__ == FLOAT8_TENSOR for t in tensors):
             dtype = "float8"  # torchao's FP8 operands report their original dtype; the matmul runs at the FP8 rate
         spec = tree_map_only(torch.Tensor, lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype), (args, kwargs))
