@@ -23,6 +23,7 @@ from .errors import EXIT_BAD_INPUT, EXIT_PLAN_ERROR, EXIT_UNEXPECTED, Trainforge
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 err = Console(stderr=True, highlight=False)
 
+QUIET_RANK_GRACE_S = 5.0  # a torchrun worker that leaves a shared error to rank 0 waits this long before exiting
 TRAIN_EPILOG = "Exit codes: " + exit_codes_text()
 PLAN_EPILOG = (
     f"Exit codes: 0 no finding is an error; {EXIT_PLAN_ERROR} a finding is an error (the run as planned would fail: "
@@ -90,7 +91,11 @@ def train(
             code = 0
         except TrainforgeError as e:
             # out of memory is one rank's own: every rank says so; the others fail alike and rank 0 speaks
-            _fail_with(e, quiet=alike and not isinstance(e, OutOfMemory))
+            quiet = alike and not isinstance(e, OutOfMemory)
+            if quiet:
+                # torchrun stops every process as soon as one exits: let rank 0 print the shared error first
+                time.sleep(QUIET_RANK_GRACE_S)
+            _fail_with(e, quiet=quiet)
         except Exception as e:
             if not (worker and _peer_failure(e)):
                 raise
