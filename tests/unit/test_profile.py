@@ -12,6 +12,7 @@ from trainforge.config import RunConfig
 from trainforge.engine.trainer import train
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.profile import busy_seconds, describe_split, op_kind, time_split
+from trainforge.metrics.report import write_report
 from trainforge.metrics.tracker import read_metrics
 
 
@@ -28,6 +29,8 @@ def test_profiled_step_splits_time_and_writes_a_trace(finetune_config, tmp_path)
     assert ops["device_busy"] is None and ops["op_seconds"] > 0
     assert ops["by_kind_s"]["matmul"] > 0 and ops["by_kind_s"]["optimizer"] > 0
     assert ops["top"] and abs(sum(ops["by_kind_s"].values()) - ops["op_seconds"]) < 1e-9
+    page = write_report([tmp_path / "run"]).read_text()  # the report shows the profiled step
+    assert "<h2>Profiled steps</h2>" in page and "(CPU: host ops)" in page and "matmul" in page.split("Profiled steps")[1]
 
 
 @pytest.mark.parametrize("name, kind", [

@@ -171,6 +171,31 @@ def _events_table(runs: list[RunData]) -> str:
     return f'<table class="events"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+def _profiles_section(runs: list[RunData]) -> str:
+    """Profiled steps (``log.profile_steps``): the phases, where the device's (CPU: the host's) time went,
+    and the costliest kernels; nothing when no run profiled a step."""
+    esc = html.escape
+    rows = []
+    for run in runs:
+        for p in run.profiles:
+            phases = p["profile"]
+            total = sum(phases.values()) or 1.0
+            split = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f} ms ({v / total:.0%})" for k, v in phases.items())
+            ops = p.get("profile_ops") or {}
+            op_total = ops.get("op_seconds") or 0.0
+            kinds = ", ".join(f"{k} {v / op_total:.0%}" for k, v in (ops.get("by_kind_s") or {}).items() if op_total and v / op_total >= 0.01)
+            busy = f"{ops['device_busy']:.0%}" if ops.get("device_busy") is not None else "(CPU: host ops)"
+            top = "<br>".join(f"{esc(t['name'][:90])} ({t['share']:.0%})" for t in (ops.get("top") or [])[:3])
+            name = f"<td>{esc(run.name)}</td>" if len(runs) > 1 else ""
+            rows.append(f"<tr>{name}<td>{p['step']}</td><td>{esc(split)}</td><td>{busy}</td><td>{esc(kinds)}</td><td>{top}</td></tr>")
+    if not rows:
+        return ""
+    head = ("<th>run</th>" if len(runs) > 1 else "") + "<th>step</th><th>phases</th><th>device busy</th><th>time by kind</th><th>costliest</th>"
+    return (f'<h2>Profiled steps</h2><p class="sub">log.profile_steps: each step\'s phases (synchronized at their edges), '
+            f"where its kernel time went, and the torch profiler trace in profile/ of the run directory.</p>"
+            f'<table class="events"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>')
+
+
 def _config_block(run: RunData) -> str:
     esc = html.escape
     text = yaml.safe_dump(run.config, sort_keys=False) if run.config else "(no config.yaml)"
@@ -221,6 +246,7 @@ def render_html(runs: list[RunData]) -> str:
         f"out-of-memory back-offs, skipped steps and stops; the events table lists them.</p>"
         f'<div class="grid">{"".join(figures)}</div>'
         f"<h2>Events</h2>{_events_table(runs)}"
+        f"{_profiles_section(runs)}"
         f"<h2>Config</h2>{''.join(_config_block(r) for r in runs)}"
         "</body></html>\n"
     )

@@ -47,6 +47,7 @@ class RunData:
     summary: dict[str, Any] | None
     config: dict[str, Any] | None
     marks: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # kind -> [(step, note)]
+    profiles: list[dict[str, Any]] = field(default_factory=list)  # log.profile_steps records: phases and profile_ops
 
     @property
     def status(self) -> str:
@@ -95,6 +96,7 @@ def load_run(path: Path) -> RunData:
         events=read_events(path / EVENTS_FILE),
         summary=summary,
         config=config if isinstance(config, dict) else None,
+        profiles=[r for r in records if isinstance(r.get("profile"), dict) and "step" in r],
     )
     run.marks = _marks(run)
     return run
