@@ -148,6 +148,8 @@ def test_plan_shows_fp8_and_refuses_gpus_that_cannot_run_it(finetune_config, har
     assert row["choice"] == "tensorwise"
     errors = [f["message"] for f in plan["findings"] if f["level"] == "error"]
     assert any(problem in e for e in errors) if problem else not any("fp8" in e for e in errors)
+    warned = any("train.fp8 with train.compile: false" in f["message"] for f in plan["findings"] if f["level"] == "warn")
+    assert warned == (problem is None and cfg["train"].get("compile") is False)
 
 
 def backward_matmuls(frozen: bool) -> int:
@@ -182,7 +184,7 @@ def test_uncompiled_lora_under_fp8_is_warned(finetune_config, tmp_path):
     cfg["train"] = {**cfg["train"], "precision": "bf16", "fp8": True, "max_steps": 2, "compile": False}
     console = Console(record=True, width=400)
     train(RunConfig.model_validate(cfg), tmp_path / "run", ConsoleReporter(console))
-    assert "torchao also computes the frozen base layers' weight gradients" in console.export_text()
+    assert "it also computes the frozen base layers' weight gradients" in console.export_text()
 
 
 def test_plan_traces_the_fp8_layers_and_prices_their_matmuls_at_the_fp8_rate(finetune_config):
@@ -218,3 +220,13 @@ def test_fp8_layers_follow_cpu_autocast_as_linear_layers_do():
         fp8(x)  # no autocast: the input's dtype
     saved_inputs = [t.dtype for t in kept if t.shape == (4, 32)]
     assert saved_inputs == [torch.bfloat16, torch.float32]
+
+
+def test_plan_warns_that_uncompiled_fp8_runs_its_casts_unfused(finetune_config):
+    from trainforge.tools.plan import make_plan
+
+    cfg = dict(finetune_config)
+    cfg["train"] = {**cfg["train"], "precision": "auto", "device": "auto", "fp8": True, "compile": False}
+    plan = make_plan(RunConfig.model_validate(cfg), hardware="h100", time_ops=False)
+    (finding,) = [f for f in plan["findings"] if "train.fp8 with train.compile: false" in f["message"]]
+    assert finding["level"] == "warn" and finding["fix"] == "set train.compile: true (or auto)"

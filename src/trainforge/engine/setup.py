@@ -310,9 +310,10 @@ def build_run_model(
     fp8 = resolve_fp8(cfg.train.fp8, device, precision.autocast_dtype, cfg.model.method)
     if fp8 and device.type == "cpu":
         reporter.warn("train.fp8 on a CPU: torch emulates the FP8 matmuls, slower than bf16 (for checking a config before a GPU run)")
-    if fp8 and cfg.model.method == "lora" and cfg.train.compile is False:
-        reporter.warn("train.fp8 with LoRA, uncompiled: torchao also computes the frozen base layers' weight gradients "
-                      "(one more FP8 matmul per layer, then discarded); compiled, they are dropped: set train.compile: true or auto")
+    if fp8 and cfg.train.compile is False:
+        reporter.warn("train.fp8 uncompiled: torchao's scales and casts run as separate kernels" + (
+            ", and under LoRA it also computes the frozen base layers' weight gradients (one more FP8 matmul per layer, "
+            "then discarded)" if cfg.model.method == "lora" else "") + "; compiled, they fuse: set train.compile: true or auto")
     model = build_model(
         cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None,
         compute_dtype=precision.autocast_dtype, activation_checkpointing=cfg.train.activation_checkpointing,

@@ -30,7 +30,7 @@ from ..hardware import (
     this_profile,
 )
 from ..profiles import GIB, HardwareProfile, find_profile
-from .plan_kernels import fp8_decision, fp8_problem, kernels_choice
+from .plan_kernels import fp8_decision, fp8_problem, fp8_uncompiled, kernels_choice
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
 from .plan_preference import describe_reference, with_reference
 from .plan_remedy import one_change_to_fit
@@ -334,6 +334,8 @@ def findings(
         add("error", f"train.precision bf16: {profile.title} has no bf16", "set train.precision: auto (fp16 with loss scaling)")
     if fp8_problem(cfg, precision.name, profile):
         add("error", *fp8_problem(cfg, precision.name, profile))
+    elif fp8_uncompiled(cfg):
+        add("warn", *fp8_uncompiled(cfg))
     # another machine's CPU profile: whether its bf16 is native is unknown, so only fp16 is said
     emulated = emulated_precision(precision.name, device is None or cpu_has_native_bf16()) if profile.kind == "cpu" else None
     if emulated:

@@ -32,6 +32,14 @@ def fp8_decision(cfg: RunConfig) -> dict[str, str] | None:
             "(train.compile fuses them; the plan does not model that)"}
 
 
+def fp8_uncompiled(cfg: RunConfig) -> tuple[str, str] | None:
+    """(message, fix) when ``train.fp8`` runs eagerly: torchao's scales and casts are kernels of their own."""
+    if not cfg.train.fp8 or cfg.train.compile is not False:
+        return None
+    return ("train.fp8 with train.compile: false: torchao's scales and casts run as separate kernels, which can cost "
+            "more than the FP8 matmuls save (this plan prices them so)", "set train.compile: true (or auto)")
+
+
 def fp8_problem(cfg: RunConfig, precision_name: str, profile: HardwareProfile) -> tuple[str, str] | None:
     """(message, fix) when ``train.fp8`` cannot run as planned: no bf16 compute, or a GPU without FP8 tensor cores."""
     if not cfg.train.fp8:
