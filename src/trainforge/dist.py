@@ -146,8 +146,13 @@ def _allreduce_sum_hook(state, bucket):  # no annotations: DDP checks them, and 
 def shard_fsdp2(model: torch.nn.Module, device: torch.device) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, norm, head), in place."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):  # both setters below came in torch 2.8
+        raise DistError(
+            f"train.distributed: fsdp sums gradients with FSDP2's reduction setters, which torch {torch.__version__} "
+            "lacks (2.8+): upgrade torch, or use train.distributed: ddp"
+        )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     for layer in layers:  # one all-gather per layer: only one layer's full weights live at a time

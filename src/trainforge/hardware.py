@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import resource
 import sys
 import time
@@ -47,6 +48,26 @@ def pick_device(requested: str = "auto") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train.device={requested!r} but CUDA is not available on this machine; use 'auto' or 'cpu'")
     return device
+
+
+def torch_release(version: str | None = None) -> tuple[int, ...]:
+    """(major, minor) of ``version`` (default: this torch), for the features that moved between releases."""
+    return tuple(int(p) for p in re.findall(r"\d+", version or torch.__version__)[:2])
+
+
+def cuda_has_native_bf16(device: torch.device) -> bool:
+    """bf16 tensor cores (compute capability 8.0+). torch's ``is_bf16_supported()`` also says yes where
+    bf16 is only emulated (T4, V100), and Triton's kernels (Liger, FlexAttention) refuse bf16 there."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def fp32_out_addmm_in(version: str | None = None, fake: bool = False) -> bool:
+    """Whether torch ``version``'s CUDA ``addmm(..., out_dtype=fp32)`` takes an fp32 ``self`` beside bf16/fp16
+    operands (a GEMM accumulating straight into an fp32 buffer). The overload exists from 2.8, but until
+    2.10 (pytorch#167931) the kernel refuses that ("self and mat2 must have the same dtype").
+    ``fake``: on the fake tensors a plan traces, where until 2.13 (pytorch#179634) a decomposition
+    registered for every addmm overload bound ``out_dtype`` to ``beta`` and raised."""
+    return torch_release(version) >= ((2, 13) if fake else (2, 10))
 
 
 def cpu_has_native_bf16() -> bool:
@@ -119,8 +140,11 @@ def resolve_precision(requested: str, device: torch.device, cache_dir: Path | No
     """(precision, why). ``auto``: bf16 on Ampere+ GPUs, fp16 + loss scaling on older GPUs; on a CPU
     bf16 only where it is native and its matmuls measure ``BF16_MIN_SPEEDUP`` x fp32, else fp32."""
     if requested != "auto":
-        if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("train.precision=bf16: this GPU has no bf16 support; use fp16, fp32 or auto")
+        if requested == "bf16" and device.type == "cuda" and not cuda_has_native_bf16(device):
+            raise ConfigError(
+                f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bf16 tensor cores (compute capability "
+                "8.0+: A100, L4, RTX 30xx and newer); use fp16, fp32 or auto"
+            )
         return PRECISIONS[requested], "as configured"
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -242,8 +266,12 @@ def measure_matmul(dtype: torch.dtype, n: int = 1024) -> float:
 
 
 def configure_backends(device: torch.device) -> None:
-    """Global speed switches that do not change results beyond the chosen precision."""
+    """Global speed switches that do not change results beyond the chosen precision; on CUDA, ``device``
+    becomes the current GPU."""
     if device.type == "cuda":
+        # kernels launched without an explicit device (Triton's: Liger, compiled code; events, streams)
+        # take the current GPU: with train.device cuda:1 in one process that must be cuda:1, not cuda:0
+        torch.cuda.set_device(device)
         # TF32 matmuls on Ampere+: ~8x fp32 throughput for the few fp32 matmuls left under autocast
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

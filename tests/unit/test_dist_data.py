@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import make_store
 from trainforge.data.loader import RowCollator, TrainLoader
@@ -58,3 +59,15 @@ def test_auto_picks_ddp_when_the_state_fits_and_fsdp_when_not():
     assert choose_mode("auto", 14 * gib, 16 * gib, 1)[0] == "fsdp"  # above 80% of the device
     assert choose_mode("auto", 3.5 * gib, 16 * gib, 4)[0] == "fsdp"  # 4 CPU ranks share the host's memory
     assert choose_mode("ddp", 100 * gib, gib, 1)[0] == "ddp"  # asked for: as configured
+
+
+def test_fsdp_on_a_torch_without_the_sum_reduction_setters_is_refused_with_the_fix(monkeypatch):
+    """torch 2.6 and 2.7 have FSDP2 but not set_gradient_divide_factor / set_force_sum_reduction_for_comms:
+    the run stops before sharding, naming the setting, the torch and what to do."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainforge.dist import DistError, shard_fsdp2
+
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    with pytest.raises(DistError, match=r"train.distributed: fsdp .* \(2.8\+\): upgrade torch, or use train.distributed: ddp"):
+        shard_fsdp2(torch.nn.Linear(2, 2), torch.device("cpu"))

@@ -161,6 +161,60 @@ def test_varlen_gets_the_autocast_dtype(monkeypatch):
     assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen)
 
 
+def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.10's signature: causal by flag, no scale (always 1/sqrt(head_dim)), no grouped heads."""
+    assert is_causal and key.shape[1] == query.shape[1]
+    return reference_varlen(query, key, value, cu_seq_q, max_q, None)
+
+
+def _varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+    assert window_size == (-1, 0) and key.shape[1] == query.shape[1]
+    return reference_varlen(query, key, value, cu_seq_q, max_q, scale)
+
+
+def _varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                 enable_gqa=False):
+    assert window_size == (-1, 0) and enable_gqa == (key.shape[1] != query.shape[1])
+    return reference_varlen(query, key, value, cu_seq_q, max_q, scale)
+
+
+@pytest.mark.parametrize("kernel", [_varlen_2_10, _varlen_2_11, _varlen_2_13])
+@pytest.mark.parametrize("scale", [None, 0.125, 0.3])
+def test_varlen_kernel_calls_each_torch_signature_with_the_models_scale(monkeypatch, kernel, scale):
+    """The wrapper around torch's varlen_attn, against the signatures of torch 2.10 (is_causal, no scale:
+    a model's own scale is folded into the queries), 2.11 (scale, window_size) and 2.13 (enable_gqa)."""
+    from torch.nn.attention import varlen
+
+    monkeypatch.setattr(varlen, "varlen_attn", kernel)
+    monkeypatch.setattr(doc_attention, "_VARLEN_ARGS", None)
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 5, 6, 16], dtype=torch.int32)
+    q = torch.randn(16, 4, 16, generator=gen)
+    k, v = torch.randn(16, 2, 16, generator=gen), torch.randn(16, 2, 16, generator=gen)
+    out = doc_attention.varlen_kernel(q, k, v, cu, 10, scale)
+    torch.testing.assert_close(out, reference_varlen(q, k, v, cu, 10, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_flex_gets_one_dtype_under_autocast(monkeypatch):
+    """FlexAttention before torch 2.11 refuses fp32 queries and keys (RoPE under autocast) beside
+    bf16 values: the wrapper hands it the autocast dtype for all three."""
+    seen = []
+
+    def recording(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+
+    monkeypatch.setattr(doc_attention, "_flex_fn", lambda: recording)
+    doc_attention.register(FLEX_NAME)
+    model = tiny_llama(FLEX_NAME).eval()
+    ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, position_ids=positions(), use_cache=False)
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen)
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_flex_document_mask_matches_documents_run_alone(kv_heads):
     """FlexAttention's document mask, forward on CPU (torch has no FlexAttention backward on CPU)."""

@@ -178,3 +178,15 @@ def test_liger_step_matches_torch_step_on_cuda(restore_llama_module):
     assert abs(l0 - l1) <= 1e-2 * abs(l0)
     for a, b in zip(g0, g1):
         assert (a - b).abs().max() <= 5e-2 * a.abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("torch_takes_it", [True, False])
+def test_liger_loss_kept_off_the_fp32_output_gemm_where_torch_refuses_it(monkeypatch, torch_takes_it):
+    """On torch 2.8/2.9 Liger would accumulate the head's gradient with addmm(out_dtype=fp32) into an fp32
+    buffer, which their CUDA kernel refuses: marking the head for Liger's loss turns Liger's flag off there."""
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+
+    monkeypatch.setattr(flce, "_ADDMM_SUPPORTS_OUT_DTYPE", True)
+    monkeypatch.setattr(kernels, "fp32_out_addmm_in", lambda: torch_takes_it)
+    assert kernels.keep_liger_off_fp32_out_addmm() is (not torch_takes_it)
+    assert flce._ADDMM_SUPPORTS_OUT_DTYPE is torch_takes_it

@@ -120,7 +120,7 @@ def test_weight_gradient_chunks_accumulate_in_fp32_without_a_parameter_sized_cop
     GEMM there); fake tensors a plan traces for CUDA: the fp32-output addmm, as a CUDA run takes it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainforge.engine.loss import _FP32_OUT_ADDMM, _fp32_out_gemm, add_weight_grad, chunk_as
+    from trainforge.engine.loss import _FAKE_FP32_OUT_ADDMM, _fp32_out_gemm, add_weight_grad, chunk_as
 
     gen = torch.Generator().manual_seed(0)
     g, h = torch.randn(16, 40, generator=gen), torch.randn(16, 24, generator=gen)
@@ -134,16 +134,21 @@ def test_weight_gradient_chunks_accumulate_in_fp32_without_a_parameter_sized_cop
     assert not _fp32_out_gemm(g.bfloat16())
     with FakeTensorMode(), chunk_as("cuda"):
         fake = torch.empty(16, 40, dtype=torch.bfloat16)
-        assert _fp32_out_gemm(fake) == _FP32_OUT_ADDMM
+        assert _fp32_out_gemm(fake) == _FAKE_FP32_OUT_ADDMM
     with FakeTensorMode(), chunk_as("cpu"):
         assert not _fp32_out_gemm(torch.empty(16, 40, dtype=torch.bfloat16))
 
 
 
-@pytest.mark.parametrize(("version", "expected"), [("2.8.0", False), ("2.9.1+cu128", False), ("2.10.0", True), ("2.13.0+cpu", True)])
-def test_fp32_output_gemm_only_from_the_torch_whose_kernel_takes_an_fp32_accumulator(version, expected):
+@pytest.mark.parametrize(
+    ("version", "real", "fake"),
+    [("2.8.0", False, False), ("2.9.1+cu128", False, False), ("2.10.0", True, False), ("2.12.1", True, False), ("2.13.0+cpu", True, True)],
+)
+def test_fp32_output_gemm_only_from_the_torch_that_takes_an_fp32_accumulator(version, real, fake):
     """torch 2.8 and 2.9 have addmm's out_dtype but their CUDA kernel refuses an fp32 self beside bf16
-    operands: a CUDA run there would fail at its first backward, so they take the general path."""
-    from trainforge.engine.loss import fp32_out_addmm_in
+    operands: a CUDA run there would fail at its first backward, so they take the general path. A plan's
+    fake tensors raise on that overload until 2.13."""
+    from trainforge.hardware import fp32_out_addmm_in
 
-    assert fp32_out_addmm_in(version) is expected
+    assert fp32_out_addmm_in(version) is real
+    assert fp32_out_addmm_in(version, fake=True) is fake

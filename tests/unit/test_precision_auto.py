@@ -1,5 +1,5 @@
-"""``train.precision: auto`` on a CPU, whatever CPU runs the test: the native-bf16 probe and the
-matmul probe are made to answer each way."""
+"""``train.precision: auto`` on a CPU, whatever CPU runs the test (the native-bf16 probe and the
+matmul probe are made to answer each way), and bf16 refused on GPUs without bf16 tensor cores."""
 
 from __future__ import annotations
 
@@ -72,3 +72,33 @@ def test_forced_bf16_warns_where_the_cpu_emulates_it(native, finetune_config, tm
     buf = io.StringIO()
     trainer.train(RunConfig.model_validate(cfg), tmp_path / "run", ConsoleReporter(Console(file=buf, width=400)))
     assert ("bf16 on this CPU is emulated" in buf.getvalue()) is not native
+
+
+@pytest.mark.parametrize(("capability", "refused"), [((7, 5), True), ((7, 0), True), ((8, 0), False), ((9, 0), False)])
+def test_bf16_on_a_gpu_needs_bf16_tensor_cores(monkeypatch, capability, refused):
+    """torch's is_bf16_supported() says yes on a T4 or V100 (emulation), where Triton's kernels then
+    refuse bf16 mid-run: precision bf16 is refused up front, naming the card and what to use."""
+    from trainforge.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    if refused:
+        with pytest.raises(ConfigError, match=r"Tesla T4 has no bf16 tensor cores.*use fp16"):
+            resolve_precision("bf16", torch.device("cuda"))
+    else:
+        assert resolve_precision("bf16", torch.device("cuda"))[0].name == "bf16"
+
+
+def test_the_run_gpu_becomes_the_current_one(monkeypatch):
+    """One process on cuda:1: Triton's kernels (Liger, compiled code) and CUDA events launch on the
+    current GPU, so configuring the run's backends makes cuda:1 current (cuda:0 stays otherwise)."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        hardware.configure_backends(torch.device("cuda", 1))
+        hardware.configure_backends(CPU)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    assert current == [torch.device("cuda", 1)]

@@ -11,13 +11,13 @@ completion-only loss, padding) never get logits at all.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..data.formats import IGNORE
+from ..hardware import fp32_out_addmm_in
 from ..model.kernels import liger_linear_cross_entropy, uses_liger_loss
 
 CHUNK = 4096  # at most this many target positions per head matmul on GPU: large enough for efficient GEMMs
@@ -29,14 +29,8 @@ CPU_CHUNK = 512  # on CPU a chunk's fp32 logits should stay in cache: 512 rows r
 _chunk_device: str | None = None  # set by ``chunk_as``: the device type whose chunk size a plan traces
 
 
-def fp32_out_addmm_in(version: str) -> bool:
-    """Whether torch ``version``'s CUDA ``addmm(..., out_dtype=fp32)`` takes an fp32 ``self`` beside bf16/fp16
-    operands. The overload exists from 2.8, but until 2.10 (pytorch#167931) the kernel refuses that
-    ("self and mat2 must have the same dtype"): a run there would fail at its first backward."""
-    return tuple(int(p) for p in re.findall(r"\d+", version)[:2]) >= (2, 10)
-
-
-_FP32_OUT_ADDMM = hasattr(torch.ops.aten.addmm, "dtype_out") and fp32_out_addmm_in(torch.__version__)
+_FP32_OUT_ADDMM = hasattr(torch.ops.aten.addmm, "dtype_out") and fp32_out_addmm_in()  # see fp32_out_addmm_in
+_FAKE_FP32_OUT_ADDMM = _FP32_OUT_ADDMM and fp32_out_addmm_in(fake=True)
 
 
 def chunk_for(device_type: str, vocab: int = 0) -> int:
@@ -77,10 +71,10 @@ def add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> N
 
 def _fp32_out_gemm(t: torch.Tensor) -> bool:
     """Whether a low-precision GEMM can write an fp32 result on ``t``'s device (``addmm(..., out_dtype=)``)."""
+    if is_fake(t):  # a plan's trace: fake CPU tensors standing for the device it chunks for
+        return _FAKE_FP32_OUT_ADDMM and _chunk_device == "cuda"
     if not _FP32_OUT_ADDMM:
         return False
-    if is_fake(t):  # a plan's trace: fake CPU tensors standing for the device it chunks for
-        return _chunk_device == "cuda"
     return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 8
 
 

@@ -57,6 +57,7 @@ class NonFiniteGuard:
         self.lagged = device.type == "cuda" if lagged is None else lagged
         self._host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None  # the copy's stream
         self._host_step: int | None = None  # the step whose streak sits in _host
         self.recent: deque[tuple[int, list[int]]] = deque(maxlen=limit + 1)  # (step, example indices)
 
@@ -75,7 +76,7 @@ class NonFiniteGuard:
             self._check(int(self._host), self._host_step)
         self._host.copy_(self.streak, non_blocking=True)
         if self._event is not None:
-            self._event.record()
+            self._event.record(self._stream)
         self._host_step = step
 
     def _check(self, streak: int, step: int) -> None:

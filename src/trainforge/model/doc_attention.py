@@ -117,7 +117,8 @@ _VARLEN_ARGS: dict[str, Any] | None = None
 
 def _varlen_args() -> dict[str, Any]:
     """Keyword arguments for a causal call of this torch's ``varlen_attn``: torch 2.10 takes
-    ``is_causal``, 2.11 and later ``window_size`` (``(-1, 0)``: causal); ``enable_gqa`` where it exists."""
+    ``is_causal``, 2.11 and later ``window_size`` (``(-1, 0)``: causal); whether it takes ``scale``
+    (2.11+) and ``enable_gqa`` (later) is kept under those names as booleans."""
     global _VARLEN_ARGS
     if _VARLEN_ARGS is None:
         from torch.nn.attention.varlen import varlen_attn
@@ -125,6 +126,7 @@ def _varlen_args() -> dict[str, Any]:
         params = inspect.signature(varlen_attn).parameters
         args: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
         args["enable_gqa"] = "enable_gqa" in params
+        args["scale"] = "scale" in params
         _VARLEN_ARGS = args
     return _VARLEN_ARGS
 
@@ -141,7 +143,22 @@ def varlen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
         args["enable_gqa"] = True
     else:
         args.pop("enable_gqa")
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **args)
+    if args.pop("scale"):
+        args["scale"] = scale
+    elif scale is not None and scale != q.shape[-1] ** -0.5:
+        # torch 2.10's kernel always scales by 1/sqrt(head_dim): fold the model's own scale into q
+        q = q * (scale * q.shape[-1] ** 0.5)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **args)
+
+
+def _autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` in the autocast dtype of their device where autocast is on, else in the first one's dtype.
+    Under autocast with fp32 master weights RoPE hands back fp32 queries and keys (cos/sin follow the
+    fp32 residual stream) beside autocast-dtype values: the flash kernel computes in bf16/fp16 only,
+    and FlexAttention before torch 2.11 refuses mixed dtypes."""
+    device_type = tensors[0].device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else tensors[0].dtype
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def varlen_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -150,12 +167,9 @@ def varlen_forward(module, query, key, value, attention_mask, dropout=0.0, scali
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     b, h, t, d = query.shape
     plan = cached_plan(kwargs["position_ids"], b)
-    # under autocast with fp32 master weights RoPE hands back fp32 (cos/sin follow the fp32 residual
-    # stream); the flash kernel computes in bf16/fp16 only, so it gets the autocast dtype
-    device_type = query.device.type
-    half = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else query.dtype
+    query, key, value = _autocast_dtype(query, key, value)
     # (B, H, T, D) -> every row's tokens end to end, (B*T, H, D); contiguous as the kernel requires
-    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d).to(half) for x in (query, key, value))
+    q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
     out = varlen_kernel(q, k, v, plan.cu_seqlens, plan.max_len, scaling)
     return out.view(b, t, h, d), None
 
@@ -211,6 +225,7 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
     plan = cached_plan(kwargs["position_ids"], query.shape[0])
     mask = document_block_mask(plan.doc_ids)
     gqa = query.shape[1] != key.shape[1]
+    query, key, value = _autocast_dtype(query, key, value)
     out = _flex_fn()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2), None
 

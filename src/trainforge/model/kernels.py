@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import TrainforgeError
+from ..hardware import fp32_out_addmm_in
 
 LIGER_LOSS = "trainforge_liger_loss"  # attribute set on an LM head whose loss goes through Liger
 LAYER_KERNELS = ("rms_norm", "rope", "swiglu")
@@ -79,7 +80,21 @@ def apply_liger(model: torch.nn.Module, warn: Callable[[str], None] = lambda _: 
     if type(head) is torch.nn.Linear:
         setattr(head, LIGER_LOSS, True)
         used.append("fused_linear_cross_entropy")
+        keep_liger_off_fp32_out_addmm()
     return used
+
+
+def keep_liger_off_fp32_out_addmm() -> bool:
+    """Liger's fused loss accumulates the head's weight gradient with ``addmm(..., out_dtype=fp32)`` into an
+    fp32 buffer on every torch from 2.8, but torch's CUDA kernel refuses an fp32 accumulator beside bf16
+    operands until 2.10 (``hardware.fp32_out_addmm_in``): there Liger is sent down its own general path
+    (its module flag, where this Liger has it). Returns whether the flag was turned off."""
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+
+    if fp32_out_addmm_in() or not getattr(flce, "_ADDMM_SUPPORTS_OUT_DTYPE", False):
+        return False
+    flce._ADDMM_SUPPORTS_OUT_DTYPE = False
+    return True
 
 
 def uses_liger_loss(head: torch.nn.Module, hidden: torch.Tensor) -> bool:

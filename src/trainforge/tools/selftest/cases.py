@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ...hardware import cuda_has_native_bf16
 from .assets import MODEL_INIT, Assets, str_or_none
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -126,5 +127,5 @@ def case_config(case: Case, assets: Assets, device: str, cache_dir: Path | None 
 def plan(device: torch.device, quick: bool = False) -> tuple[list[Case], list[str]]:
     """The cases and checks ``trainforge selftest`` runs on ``device``: the compiled case in the
     precision ``auto`` picks on a GPU (fp16 on GPUs without bf16), bf16 elsewhere."""
-    compiled = "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16"
+    compiled = "fp16" if device.type == "cuda" and not cuda_has_native_bf16(device) else "bf16"
     return matrix(quick, compiled), list(CHECKS)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...hardware import cuda_has_native_bf16
 from .assets import Assets, build_assets
 from .cases import CHECKS, PRECISIONS, STEPS, Case, plan
 from .checks import Checks
@@ -128,7 +129,7 @@ class SelfTest(TrainingCases, Checks):
         if precision not in PRECISIONS:
             kind, precision = name, "fp32"
         result = Result(name, "check")
-        if precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if precision == "bf16" and self.device.type == "cuda" and not cuda_has_native_bf16(self.device):
             result.status, result.detail = "skipped", "this GPU has no bf16"
         else:
             detail = self._attempt(result, lambda: getattr(self, "_check_" + kind.replace("-", "_"))(precision))

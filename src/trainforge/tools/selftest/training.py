@@ -28,10 +28,11 @@ class TrainingCases:
         from ...config import RunConfig
         from ...engine.trainer import train
         from ...hardware import PRECISIONS as MODES
+        from ...hardware import cuda_has_native_bf16
         from ...metrics.tracker import read_metrics
         from ...data.prompt import sample_prompt
 
-        if case.precision == "bf16" and self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if case.precision == "bf16" and self.device.type == "cuda" and not cuda_has_native_bf16(self.device):
             raise Skip("this GPU has no bf16")
         out = self.workdir / case.name
         shutil.rmtree(out, ignore_errors=True)
