@@ -190,7 +190,9 @@ def trainforge_config(spec: dict, variant: str = "trainforge") -> dict:
         "model": model,
         "data": data,
         "train": {"max_steps": row["steps"], "micro_batch_size": row["micro_batch"], "seed": 0,
-                  **({"compile": True} if compiled else {}), **({"fp8": True} if fp8 else {})},
+                  **({"compile": True} if compiled else {}),
+                  # FP8 layers need bf16 for the rest of the step: what auto picks on a GPU, not on every CPU (--tiny)
+                  **({"fp8": True, "precision": "bf16"} if fp8 else {})},
         "optim": {**OPTIM, "schedule": "cosine"},
         "checkpoint": {"every_minutes": None},
         # the last warm-up step is profiled (left out of the steady figures): where the step's time goes
