@@ -23,10 +23,12 @@ demo: $(STAMP)
 	$(VENV)/bin/trainforge train --output runs/demo
 
 # tests run torch on one thread each (tests/conftest.py), so one worker per core halves the wall time
-# on the 2-core CI machine; --durations names the slowest tests in every run's output
+# on the 2-core CI machine; worksteal hands a queued test to whichever worker is idle (with the default
+# scheduling one worker could sit idle for minutes while the other worked through its queue of slow
+# integration tests); --durations names the slowest tests in every run's output
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
