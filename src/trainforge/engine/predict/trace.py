@@ -361,15 +361,16 @@ def _trace(
             batch = Batch(ids, ids, None, rows * length, rows * length, list(range(rows)))
         fused = cfg.train.fused_loss
 
-        def forward_backward() -> torch.Tensor:
-            loss = loss_sum(model, batch, precision, fused)
-            (loss / batch.n_targets).backward()
-            return loss
+        def leave_gradients() -> None:
+            # what a backward leaves on each trainable weight (its own dtype and shape), without running one:
+            # an untraced forward and backward here would cost as much as the traced step itself
+            for p in params:
+                p.grad = torch.zeros_like(p)
 
-        loss = forward_backward()  # untraced: creates the optimizer state
-        optimizer_step(params, optimizer, cfg.optim.max_grad_norm, None, loss)
+        leave_gradients()
+        optimizer_step(params, optimizer, cfg.optim.max_grad_norm, None, None)  # untraced: creates the optimizer state
         if grad_accum > 1:
-            forward_backward()  # untraced: the gradients earlier micro-batches leave behind
+            leave_gradients()  # the gradients earlier micro-batches leave behind
         tracer = StepTracer()
         tracer.track_training_state(model, optimizer, params)
         try:
