@@ -268,10 +268,11 @@ def measure_matmul(dtype: torch.dtype, n: int = 1024) -> float:
 def configure_backends(device: torch.device) -> None:
     """Global speed switches that do not change results beyond the chosen precision; on CUDA, ``device``
     becomes the current GPU."""
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # plain "cuda" is the current GPU already
         # kernels launched without an explicit device (Triton's: Liger, compiled code; events, streams)
         # take the current GPU: with train.device cuda:1 in one process that must be cuda:1, not cuda:0
         torch.cuda.set_device(device)
+    if device.type == "cuda":
         # TF32 matmuls on Ampere+: ~8x fp32 throughput for the few fp32 matmuls left under autocast
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

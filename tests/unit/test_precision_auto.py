@@ -93,12 +93,15 @@ def test_bf16_on_a_gpu_needs_bf16_tensor_cores(monkeypatch, capability, refused)
 def test_the_run_gpu_becomes_the_current_one(monkeypatch):
     """One process on cuda:1: Triton's kernels (Liger, compiled code) and CUDA events launch on the
     current GPU, so configuring the run's backends makes cuda:1 current (cuda:0 stays otherwise)."""
+    from torch.cuda._utils import _get_device_index
+
     current = []
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(_get_device_index(d)))  # as torch's: an index
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         hardware.configure_backends(torch.device("cuda", 1))
+        hardware.configure_backends(torch.device("cuda"))  # auto's device: no index, nothing to change
         hardware.configure_backends(CPU)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-    assert current == [torch.device("cuda", 1)]
+    assert current == [1]
