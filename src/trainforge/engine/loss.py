@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..data.formats import IGNORE
-from ..hardware import fp32_out_addmm_in
+from ..hardware import cuda_has_native_bf16, fp32_out_addmm_in
 from ..model.kernels import liger_linear_cross_entropy, uses_liger_loss
 
 CHUNK = 4096  # at most this many target positions per head matmul on GPU: large enough for efficient GEMMs
@@ -75,7 +75,7 @@ def _fp32_out_gemm(t: torch.Tensor) -> bool:
         return _FAKE_FP32_OUT_ADDMM and _chunk_device == "cuda"
     if not _FP32_OUT_ADDMM:
         return False
-    return t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 8
+    return t.is_cuda and cuda_has_native_bf16(t.device)  # sm80+: the GEMM with an fp32 output
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
