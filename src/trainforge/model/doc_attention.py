@@ -136,13 +136,10 @@ def varlen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     from torch.nn.attention.varlen import varlen_attn
 
     args = dict(_varlen_args())
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1 and not args.pop("enable_gqa"):  # an older torch: share each key/value head by copying it
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    elif groups > 1:
+    # grouped key/value heads go in uncopied: the flash kernel under every torch's varlen_attn takes
+    # Hkv dividing H (as SDPA's flash path does); 2.12+ asks for the flag, 2.10/2.11 have no check to pass
+    if args.pop("enable_gqa") and q.shape[1] != k.shape[1]:
         args["enable_gqa"] = True
-    else:
-        args.pop("enable_gqa")
     if args.pop("scale"):
         args["scale"] = scale
     elif scale is not None and scale != q.shape[-1] ** -0.5:
