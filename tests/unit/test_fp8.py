@@ -17,7 +17,7 @@ from trainforge.engine.trainer import train
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.tracker import read_metrics
 from trainforge.model import fp8 as fp8_module
-from trainforge.model.fp8 import FP8Unavailable, apply_fp8, fp8_recipe, resolve_fp8
+from trainforge.model.fp8 import FP8Unavailable, apply_fp8, cpu_takes_rowwise_scales, fp8_recipe, resolve_fp8
 
 pytest.importorskip("torchao")
 CPU = torch.device("cpu")
@@ -65,7 +65,8 @@ def test_fp8_forward_and_gradients_stay_close_to_bf16():
     """The same weights, bf16 autocast: the FP8 model's loss within 2% and its gradients pointing the same way."""
     ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(1))
     grads, losses = [], []
-    for recipe in (None, "tensorwise", "rowwise"):
+    recipes = ("tensorwise", "rowwise") if cpu_takes_rowwise_scales() else ("tensorwise",)  # torch 2.11's CPU: per-tensor only
+    for recipe in (None, *recipes):
         model = tiny_llama()
         if recipe:
             apply_fp8(model, recipe)
@@ -93,6 +94,16 @@ def test_lora_wraps_the_fp8_base_layers():
     assert q.lora_B["default"].weight.grad is not None and q.base_layer.weight.grad is None
 
 
+def test_rowwise_on_a_cpu_whose_torch_lacks_per_row_scales_is_refused(monkeypatch):
+    """torch 2.11's CPU scaled matmul asserts per-tensor scales: a rowwise run there would crash at its
+    first forward; it is refused with the way out instead."""
+    assert isinstance(cpu_takes_rowwise_scales(), bool)
+    monkeypatch.setattr(fp8_module, "cpu_takes_rowwise_scales", lambda: False)
+    with pytest.raises(FP8Unavailable, match="per-tensor scales only there: set train.fp8: tensorwise"):
+        resolve_fp8("rowwise", CPU, torch.bfloat16, "full")
+    assert resolve_fp8("tensorwise", CPU, torch.bfloat16, "full") == "tensorwise"
+
+
 def test_refusals_name_the_setting_and_the_fix(monkeypatch):
     with pytest.raises(FP8Unavailable, match="train.precision: bf16"):
         resolve_fp8(True, CPU, None, "full")
@@ -103,7 +114,8 @@ def test_refusals_name_the_setting_and_the_fix(monkeypatch):
     with pytest.raises(FP8Unavailable, match="runs on CUDA"):
         resolve_fp8(True, torch.device("mps"), torch.bfloat16, "full")
     assert resolve_fp8(False, CPU, None, "qlora") is None  # off: nothing is checked
-    assert resolve_fp8("rowwise", CPU, torch.bfloat16, "lora") == "rowwise"
+    if cpu_takes_rowwise_scales():  # else refused: test_rowwise_on_a_cpu_whose_torch_lacks_per_row_scales_is_refused
+        assert resolve_fp8("rowwise", CPU, torch.bfloat16, "lora") == "rowwise"
     monkeypatch.setattr(fp8_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FP8Unavailable, match=r"pip install 'trainforge\[gpu\]'"):
         resolve_fp8(True, CPU, torch.bfloat16, "full")

@@ -74,6 +74,22 @@ def test_seq2seq_traced_peak_matches_a_real_step(seq2seq_dirs, kind, method, pre
     assert predicted.tokens == ROWS * (SOURCE + TARGET)  # a step's tokens count both sides
 
 
+def test_layerdrop_is_traced_as_the_full_step(tmp_path):
+    """LayerDrop draws a random scalar per layer and branches on it (every transformers release with
+    layerdrop > 0; 5.17-5.2x with any): a fake tensor has no value, so the trace keeps every layer."""
+    full = build_bart(tmp_path / "plain")
+    dropping = build_bart(tmp_path / "layerdrop", encoder_layerdrop=0.5, decoder_layerdrop=0.5)
+    prec = PRECISIONS["fp32"]
+    traced = [
+        trace_training_step(seq2seq_config(d, "full", False), load_tokenizer(d), prec, ROWS, False) for d in (full, dropping)
+    ]
+    assert traced[1].peak == traced[0].peak and traced[1].parts == traced[0].parts
+    def work(trace):  # the ops, less LayerDrop's draw and comparison (5.17-5.2x draw even at layerdrop 0)
+        return [(op.name, op.flops) for op in trace.ops if op.name not in ("rand", "lt")]
+
+    assert work(traced[1]) == work(traced[0]) and len(traced[1].ops) - len(work(traced[1])) >= 2 * 4
+
+
 def test_seq2seq_stacks_are_extrapolated_together_exactly(tmp_path):
     """Encoder and decoder of 7 layers each, traced at 2 and 4 of each and extrapolated: the full trace."""
     d = tmp_path / "d.jsonl"

@@ -18,6 +18,7 @@ CPU, torch emulates the FP8 matmuls: slower than bf16, for checking a config and
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -65,7 +66,25 @@ def resolve_fp8(setting: bool | str, device: torch.device, compute_dtype: torch.
             )
     elif device.type != "cpu":
         raise FP8Unavailable(f"train.fp8 runs on CUDA GPUs (and emulated on CPUs); this run is on {device.type}: set train.fp8: false")
+    elif recipe == "rowwise" and not cpu_takes_rowwise_scales():
+        raise FP8Unavailable(
+            f"train.fp8: rowwise on a CPU needs torch's CPU scaled matmul to take per-row scales; torch "
+            f"{torch.__version__} takes per-tensor scales only there: set train.fp8: tensorwise (or upgrade torch: 2.13 has it)"
+        )
     return recipe
+
+
+@functools.cache
+def cpu_takes_rowwise_scales() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` (what emulates FP8 there) takes per-row scales: torch 2.13's
+    does, 2.11's asserts per-tensor. Asked of the op itself, with one 16 x 16 product."""
+    fp8 = torch.float8_e4m3fn
+    a, b = torch.ones(16, 16).to(fp8), torch.ones(16, 16).to(fp8).t()  # the second operand column-major, as cuBLAS wants
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def apply_fp8(model: torch.nn.Module, recipe: str) -> int:

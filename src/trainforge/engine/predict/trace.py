@@ -44,6 +44,9 @@ _FREE_OPS = {
     )
     if hasattr(torch.ops.aten, n)
 }
+# a random draw, and a comparison of one: LayerDrop's ``torch.rand([]) < layerdrop`` in BART, Whisper and kin
+_RANDOM_DRAWS = {torch.ops.aten.rand, torch.ops.aten.uniform, torch.ops.aten.uniform_}
+_COMPARISONS = {torch.ops.aten.lt, torch.ops.aten.le, torch.ops.aten.gt, torch.ops.aten.ge}
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ class StepTracer(TorchDispatchMode):
         self.phase = "forward"
         self.ops: list[OpRecord] = []
         self._hooks: list = []
+        self._draws: dict[int, weakref.ref] = {}  # id -> scalar tensor drawn at random (or compared with one)
 
     # -------------------------------------------------------------- bookkeeping
     def _add(self, st: torch.UntypedStorage, kind: str) -> None:
@@ -182,15 +186,30 @@ class StepTracer(TorchDispatchMode):
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - the dispatcher's signature
         kwargs = kwargs or {}
+        packet = func._overloadpacket
+        if func is torch.ops.aten._local_scalar_dense.default and self._is_fake_draw(args[0]):
+            # a fake tensor has no value to branch on: LayerDrop's coin reads "keep the layer", the full step
+            return False
         out = func(*args, **kwargs)
+        if packet in _RANDOM_DRAWS or (packet in _COMPARISONS and any(self._is_draw(a) for a in args)):
+            if isinstance(out, torch.Tensor) and out.dim() == 0:
+                self._draws[id(out)] = weakref.ref(out)
         kind = "activations" if self.phase == "forward" else "temporaries"
         for st in _storages(out):
             self._add(st, kind)
         self._note_peak()
-        packet = func._overloadpacket
         if packet not in _FREE_OPS and func.namespace != "prim":  # prim ops (device, layout queries) do no work
             self.ops.append(self._record(func, packet, args, kwargs, out))
         return out
+
+    def _is_draw(self, t: object) -> bool:
+        ref = self._draws.get(id(t))  # by id: == on tensors is elementwise, and on fake ones has no answer
+        return ref is not None and ref() is t
+
+    def _is_fake_draw(self, t: object) -> bool:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        return isinstance(t, FakeTensor) and t.dtype == torch.bool and self._is_draw(t)
 
     def _record(self, func, packet, args, kwargs, out) -> OpRecord:  # noqa: ANN001
         flops = 0.0
