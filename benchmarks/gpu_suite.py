@@ -298,10 +298,10 @@ def hf_arguments(spec: dict, name: str) -> dict:
 def run_hf(spec: dict, variant: str) -> dict:
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments, default_data_collator
 
     row, cuda = spec["row"], torch.cuda.is_available()
-    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tok = PreTrainedTokenizerFast.from_pretrained(spec["model_dir"])  # the suite's word-level tokenizer.json, as saved
     clock = StepClock(tok.pad_token_id)
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], attn_implementation="sdpa")
     if variant.startswith("hf-peft"):
@@ -321,11 +321,12 @@ def run_hf(spec: dict, variant: str) -> dict:
 
 def run_trl(spec: dict, variant: str) -> dict:
     import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
 
     row = spec["row"]
-    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    # as saved: AutoTokenizer would rebuild it as the architecture's own class (qwen2: Qwen2Tokenizer)
+    tok = PreTrainedTokenizerFast.from_pretrained(spec["model_dir"])
     clock = StepClock(tok.pad_token_id)
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], attn_implementation="sdpa")
     model.register_forward_pre_hook(clock.hook, with_kwargs=True)

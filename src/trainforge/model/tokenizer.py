@@ -3,27 +3,53 @@ character vocabulary built from the data."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..hf_dir import refuse_custom_code
+from ..hf_dir import TOKENIZER_CONFIG, refuse_custom_code
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 UNK_TOKEN = "<|unk|>"
 
 
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # "exactly the pipeline in tokenizer.json"
+
+
 def load_tokenizer(path: str | Path):
     """A tokenizer from a local directory, with a pad token guaranteed (EOS reused when missing)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     refuse_custom_code(path)  # never run the directory's code; trust_remote_code=False below besides
-    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    if declares_generic_tokenizer(path):
+        # transformers 5's AutoTokenizer picks the class registered for config.json's model_type (qwen2:
+        # Qwen2Tokenizer), which rebuilds the pipeline from the vocabulary with its own pre-tokenizer: a
+        # tokenizer trained for a model from scratch would then split text unlike in training
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {path} has no EOS token; trainforge needs one to separate documents")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # pads carry no loss and no attention, so reusing EOS is safe
     return tok
+
+
+def declares_generic_tokenizer(path: str | Path) -> bool:
+    """Whether ``path``'s tokenizer_config.json names a generic class over its tokenizer.json (what
+    ``PreTrainedTokenizerFast(tokenizer_object=...).save_pretrained`` writes), with no custom code."""
+    directory = Path(path)
+    try:
+        declared = json.loads((directory / TOKENIZER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(declared, dict)
+        and declared.get("tokenizer_class") in GENERIC_CLASSES
+        and "auto_map" not in declared
+        and (directory / "tokenizer.json").is_file()
+    )
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
