@@ -11,11 +11,7 @@ mkdir -p "$(dirname "$EXCLUDE")"
 grep -qxF '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
 # trainforge's own needs the image lacks (pydantic), the suite's baselines (trl, datasets and theirs), the GPU extra
 NAMES="pydantic pydantic-core annotated-types typing-inspection trl datasets dill multiprocess liger-kernel torchao"
-PINS=$(.venv/bin/python - $NAMES <<'PY'
-import importlib.metadata as md, sys
-print(" ".join(f"{n}=={md.version(n)}" for n in sys.argv[1:]))
-PY
-)
+PINS=$(.venv/bin/python benchmarks/pins.py $NAMES)
 rm -rf .whl && mkdir -p .whl
 PLATFORMS=""
 for n in 17 24 27 28 31 34 35; do PLATFORMS="$PLATFORMS --platform manylinux_2_${n}_x86_64"; done

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU image's Python stack on this CPU: what would break there, found before device time is spent.
+#
+# The device image (the device tool's KINDS.md, read 2026-11) has Python 3.12, torch 2.11.0 (CUDA 13),
+# triton 3.6.0, transformers 5.17.0, tokenizers 0.23.2, accelerate 1.15.0, numpy 2.5.2, safetensors 0.8.0;
+# the packages it lacks travel as wheels at this checkout's .venv versions (gpu_wheels.sh), installed here
+# at the same versions. PyPI's torch 2.11 wheel is the CUDA build (about 5 GB with its CUDA libraries);
+# it runs on a CPU. Then it runs, in that environment:
+#   1. the unit tests;
+#   2. `trainforge selftest` (every CPU path against its reference);
+#   3. `gpu_suite.py --tiny`, parts 1 to 3, and the table.
+# About 15 minutes on 2 cores once the environment exists (the first run installs it: a few minutes).
+#
+#   bash benchmarks/device_rehearsal.sh [VENV] [OUT]      # defaults: /tmp/device-venv /tmp/device-rehearsal
+set -uo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-/tmp/device-venv}
+OUT=${2:-/tmp/device-rehearsal}
+IMAGE="torch==2.11.0 triton==3.6.0 transformers==5.17.0 tokenizers==0.23.2 accelerate==1.15.0 numpy==2.5.2 safetensors==0.8.0"
+CARRIED="pydantic pydantic-core annotated-types typing-inspection trl datasets liger-kernel torchao peft"
+TESTING="pytest pytest-xdist pyarrow tensorboard matplotlib bitsandbytes pyyaml typer rich"
+if [ ! -x "$VENV/bin/python" ]; then
+  PY312=$(command -v python3.12) || { echo "device_rehearsal: needs python3.12 (the image's Python)" >&2; exit 2; }
+  "$PY312" -m venv "$VENV" || exit 2
+  # shellcheck disable=SC2046,SC2086
+  "$VENV/bin/pip" install -q $IMAGE $(.venv/bin/python benchmarks/pins.py $CARRIED) $TESTING || exit 2
+fi
+"$VENV/bin/pip" install -q --no-deps -e . || exit 2
+mkdir -p "$OUT"
+"$VENV/bin/python" benchmarks/pins.py torch triton transformers peft trl liger-kernel torchao | tee "$OUT/versions.txt"
+status=0
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests/unit 2>&1 | tee "$OUT/unit.log" | tail -15
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+"$VENV/bin/python" -m trainforge selftest --out "$OUT/selftest.json" > "$OUT/selftest.log" 2>&1 || status=1
+tail -1 "$OUT/selftest.log"
+for part in 1 2 3; do
+  PYTHONPATH=src "$VENV/bin/python" benchmarks/gpu_suite.py --tiny --part $part --out "$OUT/gpu" > "$OUT/gpu-part-$part.log" 2>&1 || status=1
+done
+# a variant that failed is a row in the table, not an exit code: look for "failed"
+PYTHONPATH=src "$VENV/bin/python" benchmarks/gpu_suite.py --table "$OUT/gpu" | tee "$OUT/table.md" | grep -E "failed|skipped" || true
+grep -q "| failed" "$OUT/table.md" && status=1
+echo "device_rehearsal: $([ $status -eq 0 ] && echo passed || echo FAILED); logs in $OUT"
+exit $status
