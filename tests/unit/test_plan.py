@@ -307,3 +307,52 @@ def test_a_preference_plan_adds_the_references_forward_and_copy(tiny_model_dir, 
     share = {"model": 1 / 3, "adapters": 1 / 2, "none": 0.0}[reference] * (2 if objective == "kto" else 1)
     assert planned.seconds == pytest.approx(1.0 + 0.9 * share) and planned.flops == pytest.approx(1e9 * (1 + share))
     assert ("forward adds" in describe_reference(facts)) == (share > 0)
+
+
+def test_attention_flops_are_counted_causal_and_by_the_backward_factor(tmp_path):
+    """torch's FLOP counter has no formula for the CPU flash kernel a plan traces: the trace counts
+    Q K^T and P V per layer, halved for a causal kernel, 2.5 times that for its backward."""
+    cfg = config({"data": {"max_length": 64}}, tmp_path)
+    trace = trace_training_step(cfg, VocabOnly(300), PRECISIONS["fp32"], 2, False)
+    init = TINY_LLAMA_INIT
+    heads, layers = init["num_attention_heads"], init["num_hidden_layers"]
+    head_dim = init["hidden_size"] // heads
+    forward = 2.0 * 2 * heads * 64 * 64 * (2 * head_dim) / 2
+    fwd = [op.flops for op in trace.ops if op.name == "_scaled_dot_product_flash_attention_for_cpu"]
+    bwd = [op.flops for op in trace.ops if op.name == "_scaled_dot_product_flash_attention_for_cpu_backward"]
+    assert fwd == [forward] * layers and bwd == [2.5 * forward] * layers
+
+
+def test_document_masked_attention_is_priced_by_the_documents_length():
+    """Packed rows under varlen/flex attend within each document: the step prices that share of the
+    traced whole-row attention, and nothing else changes."""
+    from trainforge.engine.predict.timing import document_attention_share
+    from trainforge.engine.predict.trace import OpRecord, StepTrace
+
+    assert document_attention_share(512, 2048) == 0.25 and document_attention_share(None, 2048) == 1.0
+    assert document_attention_share(4096, 2048) == 1.0  # a document longer than a row is cut at the row
+    ops = [OpRecord("mm", 1e12, 0, "bfloat16", "forward"), OpRecord("_scaled_dot_product_flash_attention_for_cpu", 1e12, 0, "bfloat16", "forward")]
+    device = HardwareProfile("x", "x", 80, {"bf16": 1000.0, "fp16": 1000.0, "fp32": 50.0}, 1000.0, True,
+                             op_overhead_s=0.0, matmul_efficiency=1.0, bandwidth_efficiency=1.0)
+    whole = predict_step_time(StepTrace(0, {}, ops, tokens=100), device)
+    quarter = predict_step_time(StepTrace(0, {}, ops, tokens=100), device, attention_share=0.25)
+    assert whole.compute_s == pytest.approx(2e-3) and quarter.compute_s == pytest.approx(1.25e-3)
+    assert quarter.flops == pytest.approx(1.25e12)
+
+
+def test_plan_for_a_gpu_prices_packed_documents_under_varlen(tmp_path):
+    """A plan for an H100 (varlen attention) of packed short documents: the attention share is the
+    prepared data's mean document length over the row; unpacked rows keep all of it."""
+    from trainforge.tools.plan_kernels import attention_share
+
+    cfg = config({"data": {"max_length": 64}}, tmp_path)
+    h100 = find_profile("h100")
+    facts = {"prepared": True, "train_tokens": 1600, "train_sequences": 100}
+    assert attention_share(cfg, PRECISIONS["bf16"], None, h100, facts) == pytest.approx(16 / 64)
+    unpacked = config({"data": {"max_length": 64, "packing": False}}, tmp_path)
+    assert attention_share(unpacked, PRECISIONS["bf16"], None, h100, facts) == 1.0
+    assert attention_share(cfg, PRECISIONS["bf16"], None, h100, {"prepared": False}) == 1.0
+    from trainforge.tools.plan import resolve_profile
+
+    here, cpu = resolve_profile("this", cfg)
+    assert attention_share(cfg, PRECISIONS["fp32"], cpu, here, facts) == 1.0  # this CPU: packed_sdpa masks a whole row

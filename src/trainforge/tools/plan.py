@@ -30,7 +30,7 @@ from ..hardware import (
     this_profile,
 )
 from ..profiles import GIB, HardwareProfile, find_profile
-from .plan_kernels import fp8_decision, fp8_problem, fp8_uncompiled, kernels_choice
+from .plan_kernels import attention_share, fp8_decision, fp8_problem, fp8_uncompiled, kernels_choice, planned_attention
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
 from .plan_preference import describe_reference, with_reference
 from .plan_remedy import one_change_to_fit
@@ -110,12 +110,12 @@ def make_plan(
     # on a CPU each process of a data-parallel job gets its share of the cores (torchrun: 1 thread)
     threads = 1 if world_size > 1 else None
     measured = measure_ops(memory.trace, threads=threads) if time_ops and device is not None and device.type == "cpu" else {}
-    step = predict_step_time(memory.trace, profile, accum, measured)
+    data = data_facts(cfg, tokenizer)
+    step = predict_step_time(memory.trace, profile, accum, measured, attention_share(cfg, precision, device, profile, data))
     step = _with_comms(step, memory, profile, world_size, mode)
     optimizer = optimizer_facts(resolved, memory, profile)
     step = with_offload(step, optimizer)
     step, preference = with_reference(resolved, step, memory)  # a preference run's reference forward
-    data = data_facts(cfg, tokenizer)
     steps = run_steps(resolved, accum, world_size, data)
     plan: dict[str, Any] = {
         "hardware": {
@@ -269,18 +269,7 @@ def decisions(
     world_size: int, mode: str, profile: HardwareProfile | None = None,
 ) -> list[dict[str, str]]:
     """What the run would decide by itself on this hardware, and why."""
-    from ..model import doc_attention
-    from ..model.load import attention_implementation
-
-    encoder_decoder = cfg.model.kind.encoder_decoder
-    half = precision.autocast_dtype is not None
-    if device is not None or encoder_decoder:
-        attn = attention_implementation(cfg.model.attention, device or torch.device("cpu"), half, encoder_decoder)
-    elif profile is not None and profile.kind == "gpu":  # a GPU profile: bf16 support marks sm80+ (Ampere and newer)
-        attn = doc_attention.choose(cfg.model.attention, "cuda", (8, 0) if profile.bf16 else (7, 0), half, True)
-    else:
-        attn = cfg.model.attention
-    attn = attn.removeprefix("trainforge_")  # trainforge_packed_sdpa -> packed_sdpa, as the config spells it
+    attn = planned_attention(cfg, precision, device, profile)
     compile_why = {
         True: "on: as configured",
         False: "off: as configured",

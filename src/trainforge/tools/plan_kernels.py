@@ -1,13 +1,19 @@
-"""What plan says about the kernels a run would use on the planned hardware: ``train.kernels``
-(Liger's Triton kernels) and ``train.fp8`` (torchao's FP8 linear layers)."""
+"""What plan says about the kernels a run would use on the planned hardware: attention,
+``train.kernels`` (Liger's Triton kernels) and ``train.fp8`` (torchao's FP8 linear layers)."""
 
 from __future__ import annotations
 
 import torch
 
+from typing import Any
+
 from ..config import RunConfig
+from ..engine.predict.timing import document_attention_share
+from ..hardware import Precision
 from ..model.fp8 import fp8_recipe
 from ..profiles import FP8_TENSOR_CORES, HardwareProfile
+
+DOCUMENT_KERNELS = ("varlen", "flex", "flash_attention_2")  # packed rows: attention within each document only
 
 
 def kernels_choice(cfg: RunConfig, device: torch.device | None, profile: HardwareProfile | None) -> str:
@@ -51,3 +57,28 @@ def fp8_problem(cfg: RunConfig, precision_name: str, profile: HardwareProfile) -
         return (f"train.fp8: {profile.title} has no FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell)",
                 "set train.fp8: false")
     return None
+
+
+def planned_attention(cfg: RunConfig, precision: Precision, device: torch.device | None, profile: HardwareProfile | None) -> str:
+    """The attention implementation the run would take here, as the config spells it."""
+    from ..model import doc_attention
+    from ..model.load import attention_implementation
+
+    encoder_decoder, half = cfg.model.kind.encoder_decoder, precision.autocast_dtype is not None
+    if device is not None or encoder_decoder:
+        attn = attention_implementation(cfg.model.attention, device or torch.device("cpu"), half, encoder_decoder)
+    elif profile is not None and profile.kind == "gpu":  # a GPU profile: bf16 support marks sm80+ (Ampere and newer)
+        attn = doc_attention.choose(cfg.model.attention, "cuda", (8, 0) if profile.bf16 else (7, 0), half, True)
+    else:
+        attn = cfg.model.attention
+    return attn.removeprefix("trainforge_")  # trainforge_packed_sdpa -> packed_sdpa, as the config spells it
+
+
+def attention_share(cfg: RunConfig, precision: Precision, device: torch.device | None, profile: HardwareProfile, data: dict[str, Any]) -> float:
+    """The part of the traced whole-row attention the run computes: a document-masked kernel on packed
+    rows attends within each document (the prepared data's mean length); every other kernel, all of it."""
+    if cfg.data.packing is False or not data.get("prepared") or not data.get("train_sequences"):
+        return 1.0
+    if planned_attention(cfg, precision, device, profile) not in DOCUMENT_KERNELS:
+        return 1.0
+    return document_attention_share(data["train_tokens"] / data["train_sequences"], cfg.data.max_length)

@@ -9,10 +9,10 @@ A step is ``grad_accum`` forward/backward passes and one optimizer step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...profiles import HardwareProfile
-from .trace import StepTrace
+from .trace import ATTENTION_OPS, StepTrace
 
 _PRECISION_OF = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp32", "float8": "fp8"}
 
@@ -34,26 +34,40 @@ class StepTime:
 
 
 def predict_step_time(
-    trace: StepTrace, profile: HardwareProfile, grad_accum: int = 1, measured: dict[str, float] | None = None
+    trace: StepTrace, profile: HardwareProfile, grad_accum: int = 1, measured: dict[str, float] | None = None,
+    attention_share: float = 1.0,
 ) -> StepTime:
     """Seconds per optimizer step of ``trace`` (one micro-batch + optimizer) on ``profile``.
 
     ``measured``: seconds per op key from ``measure_ops`` (this machine only); those ops take
-    their measured time instead of the roofline's.
+    their measured time instead of the roofline's. ``attention_share``: the part of the traced
+    (whole-row) attention the run's kernel computes (``document_attention_share``).
     """
     measured = measured or {}
-    deep = _price(trace.ops, profile, grad_accum, measured)
+    deep = _price(trace.ops, profile, grad_accum, measured, attention_share)
     if trace.fewer_ops is None:
         totals = deep
     else:  # a deep model traced shallow: add the per-layer difference for the layers not traced
-        shallow = _price(trace.fewer_ops, profile, grad_accum, measured)
+        shallow = _price(trace.fewer_ops, profile, grad_accum, measured, attention_share)
         totals = {k: deep[k] + trace.extrapolate * (deep[k] - shallow[k]) for k in deep}
     seconds = totals["compute"] + totals["memory"] + totals["overhead"]
     return StepTime(seconds, totals["compute"], totals["memory"], totals["overhead"], totals["flops"], trace.tokens * grad_accum)
 
 
-def _price(ops: list, profile: HardwareProfile, grad_accum: int, measured: dict[str, float]) -> dict[str, float]:
+def document_attention_share(mean_document_tokens: float | None, row_tokens: int) -> float:
+    """The part of a whole row's causal attention a document-masked kernel (varlen, flex) computes on
+    packed rows: each token attends within its own document, so about the mean document length over
+    the row's (documents of equal length; a spread of lengths costs somewhat more). 1 when unknown."""
+    if not mean_document_tokens or row_tokens <= 0:
+        return 1.0
+    return min(1.0, mean_document_tokens / row_tokens)
+
+
+def _price(ops: list, profile: HardwareProfile, grad_accum: int, measured: dict[str, float],
+           attention_share: float = 1.0) -> dict[str, float]:
     totals = {"compute": 0.0, "memory": 0.0, "overhead": 0.0, "flops": 0.0}
+    if attention_share != 1.0:
+        ops = [replace(op, flops=op.flops * attention_share) if op.name in ATTENTION_OPS else op for op in ops]
     roofline = [(op, *_roofline(op, profile)) for op in ops]
     # ops left unmeasured (too large to replay, or out of time) take the roofline scaled by how far
     # the measured ones were from it: on a CPU, small ops run far below the probes' rates

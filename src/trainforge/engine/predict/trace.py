@@ -15,6 +15,7 @@ The batch is the worst case: full rows of ``data.max_length`` tokens, every posi
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ _FREE_OPS = {
     )
     if hasattr(torch.ops.aten, n)
 }
+# SDPA kernels torch's FLOP counter leaves out: the CPU flash kernel a plan's fake-tensor trace runs, for
+# every device it plans for; the value: its FLOPs over the forward's (backward: dQ, dK, dV, dP and the
+# scores recomputed, five products to the forward's two)
+ATTENTION_OPS = {"_scaled_dot_product_flash_attention_for_cpu": 1.0, "_scaled_dot_product_flash_attention_for_cpu_backward": 2.5}
 # a random draw, and a comparison of one: LayerDrop's ``torch.rand([]) < layerdrop`` in BART, Whisper and kin
 _RANDOM_DRAWS = {torch.ops.aten.rand, torch.ops.aten.uniform, torch.ops.aten.uniform_}
 _COMPARISONS = {torch.ops.aten.lt, torch.ops.aten.le, torch.ops.aten.gt, torch.ops.aten.ge}
@@ -214,7 +219,9 @@ class StepTracer(TorchDispatchMode):
     def _record(self, func, packet, args, kwargs, out) -> OpRecord:  # noqa: ANN001
         flops = 0.0
         counter = flop_registry.get(packet)
-        if counter is not None:
+        if str(packet).removeprefix("aten.") in ATTENTION_OPS:
+            flops = attention_flops(func, args, kwargs)
+        elif counter is not None:
             try:
                 flops = float(counter(*args, **kwargs, out_val=out))
             except Exception:  # a formula that does not take this overload: time it by its bytes
@@ -232,6 +239,19 @@ class StepTracer(TorchDispatchMode):
             dtype = "float8"  # torchao's FP8 operands report their original dtype; the matmul runs at the FP8 rate
         spec = tree_map_only(torch.Tensor, lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype), (args, kwargs))
         return OpRecord(str(packet).removeprefix("aten."), flops, moved, dtype, self.phase, func, spec, f"{func}{spec}")
+
+
+def attention_flops(func, args: tuple, kwargs: dict) -> float:  # noqa: ANN001 - an OpOverload
+    """FLOPs of one of ``ATTENTION_OPS``: Q K^T and P V over (batch, heads, queries, keys), halved where the
+    kernel is causal with no mask (flash kernels skip the masked blocks), times the backward's factor."""
+    named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+    q, k, v = named["query"], named["key"], named["value"]
+    *lead, queries, head_dim = q.shape
+    pairs = math.prod(lead) * queries * k.shape[-2]
+    flops = 2.0 * pairs * (head_dim + v.shape[-1])
+    if named.get("is_causal") and named.get("attn_mask") is None:
+        flops /= 2
+    return flops * ATTENTION_OPS[str(func._overloadpacket).removeprefix("aten.")]
 
 
 # ---------------------------------------------------------------------------------- QLoRA stand-in
