@@ -17,13 +17,17 @@ cd "$(dirname "$0")/.."
 VENV=${1:-/tmp/device-venv}
 OUT=${2:-/tmp/device-rehearsal}
 IMAGE="torch==2.11.0 triton==3.6.0 transformers==5.17.0 tokenizers==0.23.2 accelerate==1.15.0 numpy==2.5.2 safetensors==0.8.0"
-CARRIED="pydantic pydantic-core annotated-types typing-inspection trl datasets liger-kernel torchao peft"
+# gpu_wheels.sh's list; and peft, on the image at a version not read: this checkout's
+CARRIED="pydantic pydantic-core annotated-types typing-inspection trl datasets dill multiprocess liger-kernel torchao peft"
 TESTING="pytest pytest-xdist pyarrow tensorboard matplotlib bitsandbytes pyyaml typer rich"
-if [ ! -x "$VENV/bin/python" ]; then
+if [ ! -f "$VENV/.rehearsal-installed" ]; then  # a marker: an interrupted install is redone, not reused
   PY312=$(command -v python3.12) || { echo "device_rehearsal: needs python3.12 (the image's Python)" >&2; exit 2; }
-  "$PY312" -m venv "$VENV" || exit 2
-  # shellcheck disable=SC2046,SC2086
-  "$VENV/bin/pip" install -q $IMAGE $(.venv/bin/python benchmarks/pins.py $CARRIED) $TESTING || exit 2
+  # shellcheck disable=SC2086
+  PINS=$(.venv/bin/python benchmarks/pins.py $CARRIED) || { echo "device_rehearsal: run make install first" >&2; exit 2; }
+  [ -x "$VENV/bin/python" ] || "$PY312" -m venv "$VENV" || exit 2
+  # shellcheck disable=SC2086
+  "$VENV/bin/pip" install -q $IMAGE $PINS $TESTING || exit 2
+  touch "$VENV/.rehearsal-installed"
 fi
 "$VENV/bin/pip" install -q --no-deps -e . || exit 2
 mkdir -p "$OUT"

@@ -338,11 +338,14 @@ def test_document_masked_attention_is_priced_by_the_documents_length():
     quarter = predict_step_time(StepTrace(0, {}, ops, tokens=100), device, attention_share=0.25)
     assert whole.compute_s == pytest.approx(2e-3) and quarter.compute_s == pytest.approx(1.25e-3)
     assert quarter.flops == pytest.approx(1.25e12)
+    measured = {op.key: 1.0 for op in ops}  # a CPU plan replays the whole-row attention: its time takes the share too
+    assert predict_step_time(StepTrace(0, {}, ops, tokens=100), device, measured=measured, attention_share=0.25).compute_s == pytest.approx(1.25)
 
 
 def test_plan_for_a_gpu_prices_packed_documents_under_varlen(tmp_path):
-    """A plan for an H100 (varlen attention) of packed short documents: the attention share is the
-    prepared data's mean document length over the row; unpacked rows keep all of it."""
+    """A plan for an H100 (varlen attention) or this CPU (packed_sdpa) of packed short documents: the
+    attention share is the prepared data's mean document length over the row; unpacked rows and concat
+    blocks keep all of it."""
     from trainforge.tools.plan_kernels import attention_share
 
     cfg = config({"data": {"max_length": 64}}, tmp_path)
@@ -355,4 +358,6 @@ def test_plan_for_a_gpu_prices_packed_documents_under_varlen(tmp_path):
     from trainforge.tools.plan import resolve_profile
 
     here, cpu = resolve_profile("this", cfg)
-    assert attention_share(cfg, PRECISIONS["fp32"], cpu, here, facts) == 1.0  # this CPU: packed_sdpa masks a whole row
+    assert attention_share(cfg, PRECISIONS["fp32"], cpu, here, facts) == pytest.approx(16 / 64)  # packed_sdpa: by document
+    concat = config({"data": {"max_length": 64, "packing": "concat"}}, tmp_path)  # one stream: no document boundaries
+    assert attention_share(concat, PRECISIONS["bf16"], None, h100, facts) == 1.0

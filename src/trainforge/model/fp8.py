@@ -82,7 +82,7 @@ def cpu_takes_rowwise_scales() -> bool:
     a, b = torch.ones(16, 16).to(fp8), torch.ones(16, 16).to(fp8).t()  # the second operand column-major, as cuBLAS wants
     try:
         torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError):
+    except Exception:  # noqa: BLE001 - a probe: however this torch refuses the scales (2.11 asserts; others raise ValueError)
         return False
     return True
 

@@ -13,7 +13,8 @@ from ..hardware import Precision
 from ..model.fp8 import fp8_recipe
 from ..profiles import FP8_TENSOR_CORES, HardwareProfile
 
-DOCUMENT_KERNELS = ("varlen", "flex", "flash_attention_2")  # packed rows: attention within each document only
+# packed rows: attention within each document only (packed_sdpa: documents batched by length, on a CPU)
+DOCUMENT_KERNELS = ("varlen", "flex", "flash_attention_2", "packed_sdpa")
 
 
 def kernels_choice(cfg: RunConfig, device: torch.device | None, profile: HardwareProfile | None) -> str:
@@ -77,8 +78,8 @@ def planned_attention(cfg: RunConfig, precision: Precision, device: torch.device
 def attention_share(cfg: RunConfig, precision: Precision, device: torch.device | None, profile: HardwareProfile, data: dict[str, Any]) -> float:
     """The part of the traced whole-row attention the run computes: a document-masked kernel on packed
     rows attends within each document (the prepared data's mean length); every other kernel, all of it."""
-    if cfg.data.packing is False or not data.get("prepared") or not data.get("train_sequences"):
-        return 1.0
+    if cfg.data.packing is not True or not data.get("prepared") or not data.get("train_sequences"):
+        return 1.0  # unpacked rows, or concat blocks (one stream, no document boundaries: whole-row attention)
     if planned_attention(cfg, precision, device, profile) not in DOCUMENT_KERNELS:
         return 1.0
     return document_attention_share(data["train_tokens"] / data["train_sequences"], cfg.data.max_length)

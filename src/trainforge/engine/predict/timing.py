@@ -76,7 +76,10 @@ def _price(ops: list, profile: HardwareProfile, grad_accum: int, measured: dict[
     for op, compute, memory in roofline:
         repeat = 1 if op.phase == "optimizer" else grad_accum
         key = "compute" if compute >= memory else "memory"
-        totals[key] += repeat * measured.get(op.key, scale * max(compute, memory))
+        seconds = measured.get(op.key, scale * max(compute, memory))
+        if op.key in measured and op.name in ATTENTION_OPS:
+            seconds *= attention_share  # replayed over the whole row; the run's kernel does its documents' share
+        totals[key] += repeat * seconds
         totals["overhead"] += repeat * profile.op_overhead_s
         totals["flops"] += repeat * op.flops
     return totals
