@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 EXCLUDE=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$EXCLUDE")"
 grep -qxF '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
-# trainforge's own needs the image lacks (pydantic), the suite's baselines (trl, datasets and theirs), the GPU extra
-NAMES="pydantic pydantic-core annotated-types typing-inspection trl datasets dill multiprocess liger-kernel torchao"
+# gpu_carried.txt: trainforge's own needs the image lacks (pydantic), the suite's baselines (trl, datasets and
+# theirs), the GPU extra; device_rehearsal.sh installs the same list
+NAMES=$(cat benchmarks/gpu_carried.txt)
 PINS=$(.venv/bin/python benchmarks/pins.py $NAMES)
 rm -rf .whl && mkdir -p .whl
 PLATFORMS=""

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from typing import Any
+
+import torch
 
 from ..config import RunConfig
 from ..engine.predict.timing import document_attention_share

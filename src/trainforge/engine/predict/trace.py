@@ -218,9 +218,10 @@ class StepTracer(TorchDispatchMode):
 
     def _record(self, func, packet, args, kwargs, out) -> OpRecord:  # noqa: ANN001
         flops = 0.0
+        name = str(packet).removeprefix("aten.")
         counter = flop_registry.get(packet)
-        if str(packet).removeprefix("aten.") in ATTENTION_OPS:
-            flops = attention_flops(func, args, kwargs)
+        if name in ATTENTION_OPS:
+            flops = attention_flops(func, args, kwargs) * ATTENTION_OPS[name]
         elif counter is not None:
             try:
                 flops = float(counter(*args, **kwargs, out_val=out))
@@ -238,20 +239,18 @@ class StepTracer(TorchDispatchMode):
         if any(type(t).__name__ == FLOAT8_TENSOR for t in tensors):
             dtype = "float8"  # torchao's FP8 operands report their original dtype; the matmul runs at the FP8 rate
         spec = tree_map_only(torch.Tensor, lambda t: TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype), (args, kwargs))
-        return OpRecord(str(packet).removeprefix("aten."), flops, moved, dtype, self.phase, func, spec, f"{func}{spec}")
+        return OpRecord(name, flops, moved, dtype, self.phase, func, spec, f"{func}{spec}")
 
 
 def attention_flops(func, args: tuple, kwargs: dict) -> float:  # noqa: ANN001 - an OpOverload
-    """FLOPs of one of ``ATTENTION_OPS``: Q K^T and P V over (batch, heads, queries, keys), halved where the
-    kernel is causal with no mask (flash kernels skip the masked blocks), times the backward's factor."""
+    """Forward FLOPs of one of ``ATTENTION_OPS``: Q K^T and P V over (batch, heads, queries, keys), halved
+    where the kernel is causal with no mask (flash kernels skip the masked blocks)."""
     named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
     q, k, v = named["query"], named["key"], named["value"]
     *lead, queries, head_dim = q.shape
     pairs = math.prod(lead) * queries * k.shape[-2]
     flops = 2.0 * pairs * (head_dim + v.shape[-1])
-    if named.get("is_causal") and named.get("attn_mask") is None:
-        flops /= 2
-    return flops * ATTENTION_OPS[str(func._overloadpacket).removeprefix("aten.")]
+    return flops / 2 if named.get("is_causal") and named.get("attn_mask") is None else flops
 
 
 # ---------------------------------------------------------------------------------- QLoRA stand-in
