@@ -157,6 +157,8 @@ def test_prompt_completion_still_truncates_by_default(tmp_path, tok):
     rows = [{"prompt": "continue:", "completion": " " + " ".join(WORDS * 4)}] * 2
     data = prepare(tmp_path, tok, train=str(write_jsonl(tmp_path / "pc.jsonl", rows)), eval=None, max_length=32)
     assert data.stats["too_long"] == "truncate" and data.stats["truncated"] == 2
+    inputs = [len(data.train.sequence(i)[0]) - 1 for i in range(len(data.train))]  # cut to the row: 32 inputs each
+    assert data.stats["train_token_squares"] == sum(n * n for n in inputs) == 2 * 32**2
     warning = lost_tokens_warning(data.stats, 32)
     assert "raise data.max_length" in warning
 
@@ -187,6 +189,7 @@ def test_a_one_file_corpus_holds_its_eval_fraction_out_of_the_blocks(tmp_path, t
         expected = i > 0 and order[train[i - 1]] == order[b] - 1 and bool(whole.train.continues[order[b]])
         assert bool(data.train.continues[i]) == expected
     assert s["train_tokens"] == sum(len(b) - 1 for b in train)
+    assert s["train_token_squares"] == sum((len(b) - 1) ** 2 for b in train)
     assert s["train_target_tokens"] == sum(int(data.train.sequence(i)[1][1:].sum()) for i in range(len(data.train)))
 
 

@@ -344,14 +344,18 @@ def test_document_masked_attention_is_priced_by_the_documents_length():
 
 def test_plan_for_a_gpu_prices_packed_documents_under_varlen(tmp_path):
     """A plan for an H100 (varlen attention) or this CPU (packed_sdpa) of packed short documents: the
-    attention share is the prepared data's mean document length over the row; unpacked rows and concat
+    attention share is the prepared data's token-weighted mean document length over the row; unpacked rows and concat
     blocks keep all of it."""
     from trainforge.tools.plan_kernels import attention_share
 
     cfg = config({"data": {"max_length": 64}}, tmp_path)
     h100 = find_profile("h100")
     facts = {"prepared": True, "train_tokens": 1600, "train_sequences": 100}
-    assert attention_share(cfg, PRECISIONS["bf16"], None, h100, facts) == pytest.approx(16 / 64)
+    assert attention_share(cfg, PRECISIONS["bf16"], None, h100, facts) == pytest.approx(16 / 64)  # an older cache: the mean
+    # half the documents 8 tokens long, half 24: a row holds as many tokens of each, and the 24-token
+    # ones cost 9x as much attention each, so the token-weighted length (20) prices it, not the mean (16)
+    spread = facts | {"train_token_squares": 50 * 8**2 + 50 * 24**2}
+    assert attention_share(cfg, PRECISIONS["bf16"], None, h100, spread) == pytest.approx(20 / 64)
     unpacked = config({"data": {"max_length": 64, "packing": False}}, tmp_path)
     assert attention_share(unpacked, PRECISIONS["bf16"], None, h100, facts) == 1.0
     assert attention_share(cfg, PRECISIONS["bf16"], None, h100, {"prepared": False}) == 1.0

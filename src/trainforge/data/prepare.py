@@ -166,6 +166,7 @@ class _Counts:
     rows: int = 0
     sequences: int = 0
     tokens: int = 0
+    token_squares: int = 0  # sum of each sequence's input tokens squared: attention's cost on packed rows
     target_tokens: int = 0
     truncated: int = 0
     dropped_too_long: int = 0
@@ -179,7 +180,9 @@ class _Counts:
     def add(self, chunk: TokenizedChunk) -> None:
         self.sequences += len(chunk.lengths)
         # inputs: all but each sequence's last token; a pair's decoder reads its target shifted behind a start token
-        self.tokens += int(chunk.lengths.sum()) - (0 if self.seq2seq else len(chunk.lengths))
+        inputs = chunk.lengths.astype(np.int64) - (0 if self.seq2seq else 1)
+        self.tokens += int(inputs.sum())
+        self.token_squares += int((inputs * inputs).sum())
         if len(chunk.lengths):  # targets are learned tokens after each sequence's first
             starts = np.concatenate([[0], np.cumsum(chunk.lengths)[:-1]])
             self.target_tokens += int(chunk.learn.sum()) - int(chunk.learn[starts].sum())
@@ -295,6 +298,7 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
         "train_sequences": train_counts.sequences,
         "eval_sequences": eval_counts.sequences if eval_counts else 0,
         "train_tokens": train_counts.tokens,
+        "train_token_squares": train_counts.token_squares,
         "train_target_tokens": train_counts.target_tokens,
         "truncated": train_counts.truncated,
         "dropped_too_long": train_counts.dropped_too_long,

@@ -132,13 +132,13 @@ def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_pat
     """Write ``src``'s sequences into a train store (sources kept) and an eval store (``to_eval``), in order.
 
     A split continuation stays one only when the sequence before it went to the same side.
-    Returns each side's counts: sequences, input tokens and target tokens.
+    Returns each side's counts: sequences, input tokens (and their per-sequence squares) and target tokens.
     """
     side = np.asarray(to_eval, dtype=np.int64)
     continues = src.continues.copy()
     continues[1:] &= side[1:] == side[:-1]
     writers = (StoreWriter(train_path, vocab_size), StoreWriter(eval_path, vocab_size))
-    counts = ({"sequences": 0, "tokens": 0, "target_tokens": 0}, {"sequences": 0, "tokens": 0, "target_tokens": 0})
+    counts = tuple({"sequences": 0, "tokens": 0, "token_squares": 0, "target_tokens": 0} for _ in range(2))
     writers[1].start_source()
     source = np.searchsorted(src.source_starts, np.arange(len(src)), "right") - 1  # source of each sequence
     lengths = src.lengths
@@ -159,6 +159,7 @@ def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_pat
             c = counts[s]
             c["sequences"] += j - i
             c["tokens"] += (b - a) - (j - i)  # inputs: all but each sequence's last token
+            c["token_squares"] += int(((lengths[i:j].astype(np.int64) - 1) ** 2).sum())
             c["target_tokens"] += int(learn[a:b].sum()) - int(learn[src.offsets[i:j] - base].sum())
     while k < src.n_sources - 1:
         writers[0].start_source()

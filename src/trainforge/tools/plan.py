@@ -245,7 +245,7 @@ def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
     import json
 
     stats = json.loads(stats_file.read_text())
-    keep = ("format", "train_rows", "train_sequences", "train_tokens", "eval_rows", "eval_sequences", "truncated", "lost_token_share")
+    keep = ("format", "train_rows", "train_sequences", "train_tokens", "train_token_squares", "eval_rows", "eval_sequences", "truncated", "lost_token_share")
     return {"prepared": True, **{k: stats[k] for k in keep if k in stats}}
 
 

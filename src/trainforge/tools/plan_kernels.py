@@ -77,9 +77,13 @@ def planned_attention(cfg: RunConfig, precision: Precision, device: torch.device
 
 def attention_share(cfg: RunConfig, precision: Precision, device: torch.device | None, profile: HardwareProfile, data: dict[str, Any]) -> float:
     """The part of the traced whole-row attention the run computes: a document-masked kernel on packed
-    rows attends within each document (the prepared data's mean length); every other kernel, all of it."""
+    rows attends within each document (the prepared data's token-weighted mean length); every other kernel, all of it."""
     if cfg.data.packing is not True or not data.get("prepared") or not data.get("train_sequences"):
         return 1.0  # unpacked rows, or concat blocks (one stream, no document boundaries: whole-row attention)
     if planned_attention(cfg, precision, device, profile) not in DOCUMENT_KERNELS:
         return 1.0
-    return document_attention_share(data["train_tokens"] / data["train_sequences"], cfg.data.max_length)
+    if data.get("train_token_squares") and data.get("train_tokens"):
+        document_tokens = data["train_token_squares"] / data["train_tokens"]  # token-weighted: long documents cost more
+    else:  # a token cache written before the squares were counted: the plain mean
+        document_tokens = data["train_tokens"] / data["train_sequences"]
+    return document_attention_share(document_tokens, cfg.data.max_length)

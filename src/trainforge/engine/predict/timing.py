@@ -54,13 +54,14 @@ def predict_step_time(
     return StepTime(seconds, totals["compute"], totals["memory"], totals["overhead"], totals["flops"], trace.tokens * grad_accum)
 
 
-def document_attention_share(mean_document_tokens: float | None, row_tokens: int) -> float:
+def document_attention_share(document_tokens: float | None, row_tokens: int) -> float:
     """The part of a whole row's causal attention a document-masked kernel (varlen, flex) computes on
-    packed rows: each token attends within its own document, so about the mean document length over
-    the row's (documents of equal length; a spread of lengths costs somewhat more). 1 when unknown."""
-    if not mean_document_tokens or row_tokens <= 0:
+    packed rows: each token attends within its own document, so a row full of documents of lengths l
+    costs sum(l^2) against the whole row's L^2, i.e. the token-weighted mean document length
+    sum(l^2) / sum(l) over L (``document_tokens``). 1 when unknown."""
+    if not document_tokens or row_tokens <= 0:
         return 1.0
-    return min(1.0, mean_document_tokens / row_tokens)
+    return min(1.0, document_tokens / row_tokens)
 
 
 def _price(ops: list, profile: HardwareProfile, grad_accum: int, measured: dict[str, float],
