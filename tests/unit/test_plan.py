@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_LLAMA_INIT
+from conftest import TINY_LLAMA_INIT, WORDS
 from trainforge.config import RunConfig
 from trainforge.data.loader import Batch
 from trainforge.engine.optim import build_optimizer
@@ -365,3 +365,26 @@ def test_plan_for_a_gpu_prices_packed_documents_under_varlen(tmp_path):
     assert attention_share(cfg, PRECISIONS["fp32"], cpu, here, facts) == pytest.approx(16 / 64)  # packed_sdpa: by document
     concat = config({"data": {"max_length": 64, "packing": "concat"}}, tmp_path)  # one stream: no document boundaries
     assert attention_share(concat, PRECISIONS["bf16"], None, h100, facts) == 1.0
+
+
+def test_a_prepared_cache_gives_the_plan_its_document_lengths(tmp_path, tiny_tokenizer_dir):
+    """``trainforge prepare`` counts each document's squared length; the plan reads it back from the
+    cache and prices packed attention at the token-weighted length, above the plain mean on a spread."""
+    import json
+
+    from trainforge.data.prepare import prepare_data
+    from trainforge.tools.plan import data_facts
+    from trainforge.tools.plan_kernels import attention_share
+
+    rows = [{"prompt": "say:", "completion": " " + " ".join(WORDS[: 2 + (i % 5) * 9])} for i in range(40)]
+    path = tmp_path / "pc.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config({"model": {"tokenizer": str(tiny_tokenizer_dir)}, "data": {"train": str(path), "eval": None, "cache_dir": str(tmp_path / "cache")}}, tmp_path)
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    store = prepare_data(cfg.data, tok, seed=cfg.train.seed, log=lambda *_: None).train
+    inputs = [len(store.sequence(i)[0]) - 1 for i in range(len(store))]
+    facts = data_facts(cfg, tok)
+    assert facts["prepared"] and facts["train_token_squares"] == sum(n * n for n in inputs)
+    weighted = sum(n * n for n in inputs) / sum(inputs)
+    assert weighted > sum(inputs) / len(inputs)
+    assert attention_share(cfg, PRECISIONS["bf16"], None, find_profile("h100"), facts) == pytest.approx(weighted / 64)
