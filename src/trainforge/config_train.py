@@ -60,6 +60,12 @@ class TrainSettings(Section):
         "pays with train.compile; emulated (slow) on CPUs; pip install 'trainforge[gpu]' (docs/fp8.md)",
     )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="auto: CUDA when present, else CPU")
+    cpu_threads: int | Literal["auto"] = Field(
+        "auto",
+        description="threads torch computes with on a CPU; auto: one per core, fewer while other work keeps cores busy "
+        "(measured at the start and again at log steps: a thread on a busy core stalls every op), or OMP_NUM_THREADS "
+        "where set; a number fixes the count (results can differ in the last bits between counts) (> 0, <= 1024)",
+    )
     seed: int = Field(0, ge=0, lt=2**32, description="seeds initialization, data order, eval split and sampling")
     compile: bool | Literal["auto"] = Field(
         "auto",
@@ -108,6 +114,13 @@ class TrainSettings(Section):
             return v.lower() == "true"
         if not isinstance(v, bool) and v not in ("tensorwise", "rowwise"):
             raise ValueError("must be true (tensorwise), false, tensorwise or rowwise")
+        return v
+
+    @field_validator("cpu_threads")
+    @classmethod
+    def _thread_count(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 0 < v <= 1024:
+            raise ValueError("must be auto or a number of threads (> 0, <= 1024)")
         return v
 
     @field_validator("micro_batch_size")

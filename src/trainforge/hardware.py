@@ -290,7 +290,13 @@ def describe(device: torch.device) -> str:
     """One line about the device, for the console."""
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (cuda)"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    return f"cpu ({thread_count()})"
+
+
+def thread_count() -> str:
+    """torch's CPU threads, as the console says them: "1 thread", "8 threads"."""
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n != 1 else ''}"
 
 
 def available_memory_bytes(device: torch.device) -> int | None:
@@ -375,7 +381,7 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
     memory = available_memory_bytes(device) or 0
     return HardwareProfile(
         name="this",
-        title=f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads (this machine)",
+        title=f"{platform.processor() or platform.machine()} CPU, {thread_count()} (this machine)",
         memory_gib=memory_cap_gib((memory + process_rss_bytes()) / GIB),  # free now plus what this process holds
         peak_tflops=tflops,
         bandwidth_gbs=bandwidth / 1e9,

@@ -162,15 +162,16 @@ def test_lora_finetune_final_is_adapter_that_reproduces_eval_loss(tmp_path, trai
 def test_set_overrides_reach_the_run(tmp_path, trainforge_cli, finetune_config):
     config = write_config(tmp_path / "finetune.yaml", finetune_config)
     run = tmp_path / "run"
-    overrides = ["train.max_steps=3", "optim.lr=5e-4"]
+    overrides = ["train.max_steps=3", "optim.lr=5e-4", "train.cpu_threads=1"]
     proc = trainforge_cli("train", config, *[a for o in overrides for a in ("--set", o)], "--output", run)
     assert proc.returncode == 0, show(proc)
+    assert "| cpu (1 thread) |" in proc.stdout, show(proc)
 
     summary, records = _check_run_dir(run, config, overrides)
     assert summary["steps"] == 3
     written = yaml.safe_load((run / "config.yaml").read_text())
     assert written["optim"]["lr"] == 0.0005
-    assert written["train"]["max_steps"] == 3
+    assert written["train"]["max_steps"] == 3 and written["train"]["cpu_threads"] == 1
     assert max(r["step"] for r in records if "loss" in r) == 3
     assert all(r["lr"] <= 5e-4 for r in records if "lr" in r)
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig
+from ..cpu_threads import CpuThreads
 from ..data.loader import Batch, TrainLoader
 from ..dist import DistContext
 from ..hardware import Precision
@@ -88,6 +89,8 @@ class Run:
     startup_phases: dict[str, float] = field(default_factory=dict)  # seconds of set-up's phases (setup.py's Laps)
     advisor: Advisor = field(default_factory=lambda: Advisor(None))  # warns once per cause while the run goes
     objective: Any = field(default_factory=TokenObjective)  # train.objective: what a step sums and divides by
+    # train.cpu_threads: fewer while other work keeps cores busy (checked again at log steps)
+    cpu_threads: CpuThreads = field(default_factory=lambda: CpuThreads(active=False))
 
     @property
     def step(self) -> int:

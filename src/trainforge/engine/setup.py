@@ -12,6 +12,7 @@ import torch
 
 from .. import __version__
 from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_max_steps
+from ..cpu_threads import CpuThreads
 from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import describe_data, get_tokenizer, plan_data
 from ..dist import DistContext, choose_mode, device_for
@@ -94,7 +95,7 @@ def setup(
         resolve_grad_accum(cfg.train, ctx.world_size)
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
-    device, precision, why = choose_device_and_precision(cfg, ctx, reporter)
+    device, precision, why, cpu_threads = choose_device_and_precision(cfg, ctx, reporter)
     # a missing library or an optimizer this device cannot run fails before any work (the mode is checked below)
     check_optimizer(cfg.optim, device.type, None)
     laps("device")
@@ -174,6 +175,7 @@ def setup(
         loader=loader,
         eval_set=build_eval_set(cfg, data, max_steps, ctx.world_size, reporter),
         grad_accum=cfg.train.grad_accum,
+        cpu_threads=cpu_threads,
         compile_auto=CompileAuto(
             cfg.train.compile, compile_key(compile_shape(cfg, model, precision, device, ctx)),
             (cfg.data.cache_dir or default_cache_dir()) / HISTORY_FILE, device,
@@ -288,18 +290,25 @@ def refuse_what_cannot_fit(cfg: RunConfig, tokenizer, precision: Precision, devi
         raise OutOfMemory(message)
 
 
-def choose_device_and_precision(cfg: RunConfig, ctx: DistContext, reporter: ConsoleReporter) -> tuple[torch.device, Precision, str]:
-    """This process's device, the run's precision and why; backends configured for them, and said."""
+def choose_device_and_precision(
+    cfg: RunConfig, ctx: DistContext, reporter: ConsoleReporter
+) -> tuple[torch.device, Precision, str, CpuThreads]:
+    """This process's device, the run's precision and why, and its CPU threads (``train.cpu_threads``);
+    backends configured for them, and said."""
     device = device_for(pick_device(cfg.train.device), ctx)
+    threads = CpuThreads.for_device(cfg.train.cpu_threads, device)
+    thread_note = threads.start()  # before the precision's matmul probe, which is kept per thread count
     precision, why = resolve_precision(cfg.train.precision, device, cfg.data.cache_dir)
     precision, why = fp16_safe_precision(cfg, precision, why, reporter)
     configure_backends(device)
     procs = f" | {ctx.world_size} processes" if ctx.enabled else ""
     reporter.info(f"trainforge {__version__} | {describe(device)}{procs} | precision {precision.name} ({why})")
+    if thread_note:
+        reporter.info(thread_note)
     emulated = emulated_precision(precision.name, cpu_has_native_bf16()) if device.type == "cpu" else None
     if emulated:
         reporter.warn("; ".join(emulated))
-    return device, precision, why
+    return device, precision, why, threads
 
 
 def build_run_model(

@@ -89,6 +89,7 @@ def open_run(
                 completed = True
             finally:
                 run.saver.close()
+                run.cpu_threads.restore()
                 run.reporter.stop()
                 write_report(run)  # report.html at the end, also after a signal or an error
                 run.metrics.close(ok=completed)
@@ -283,6 +284,10 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
     run.reporter.log_step(rec, run.max_steps, eta)
     run.counters.last_train_loss = rec["loss"]
     w.reset()
+    note = run.cpu_threads.recheck()  # other work started or ended on this CPU: the thread count follows it
+    if note:
+        run.reporter.info(note)
+        run.metrics.event("cpu_threads", run.step, threads=torch.get_num_threads(), why=run.cpu_threads.why)
     if run.dist.is_main:
         if run.advisor.windows == 0:  # the first estimate of this process, for doctor to hold against what happened
             run.metrics.event("estimate", run.step, eta_s=round(eta, 2),
@@ -424,6 +429,8 @@ def finish(run: Run) -> RunResult:
         **({"reference": run.objective.reference} if run.objective.unit == "pair" else {}),
         **{k: v for k, v in c.last_eval.items() if k.startswith(("eval_reward", "eval_logps", "eval_kl"))},  # per evaluation (train.eval_max_batches: auto chose it from the run's length)
         "device": str(run.device),
+        **({"cpu_threads": torch.get_num_threads(), "cpu_threads_reason": run.cpu_threads.why or "as the process had them"}
+           if run.device.type == "cpu" else {}),
         "precision": run.precision.name,
         "precision_reason": facts.precision_reason,
         "parameters": total,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..config import RunConfig, resolve_grad_accum
+from ..cpu_threads import CpuThreads
 from ..engine.evaluate import auto_eval_batches, planned_evals
 from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_load_memory, predict_memory
 from ..engine.predict.memory import estimate_memory
@@ -93,6 +94,18 @@ def make_plan(
     cfg: RunConfig, hardware: str = "this", world_size: int = 1, time_ops: bool = True, output: Path | None = None
 ) -> dict[str, Any]:
     """Everything ``trainforge plan`` reports, as one JSON-able dict."""
+    # planning for this machine: its probes and timed ops run on the thread count the run would take now
+    # (train.cpu_threads); each process of a data-parallel job gets its share of the cores (torchrun: 1 thread)
+    here = hardware.lower() == "this" and world_size == 1
+    threads = CpuThreads.for_device(cfg.train.cpu_threads, pick_device(cfg.train.device)) if here else CpuThreads(active=False)
+    threads.start()
+    try:
+        return _make_plan(cfg, hardware, world_size, time_ops, output)
+    finally:
+        threads.restore()
+
+
+def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, output: Path | None) -> dict[str, Any]:
     profile, device = resolve_profile(hardware, cfg)
     precision, precision_why = plan_precision(cfg, profile, device)
     tokenizer = plan_tokenizer(cfg)
@@ -107,7 +120,6 @@ def make_plan(
     levers = lever_savings(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
     load = predict_load_memory(resolved, precision, profile, memory)
     remedy = one_change_to_fit(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
-    # on a CPU each process of a data-parallel job gets its share of the cores (torchrun: 1 thread)
     threads = 1 if world_size > 1 else None
     measured = measure_ops(memory.trace, threads=threads) if time_ops and device is not None and device.type == "cpu" else {}
     data = data_facts(cfg, tokenizer)
