@@ -92,6 +92,37 @@ def test_apply_liger_swaps_llama_layers_and_marks_the_head(restore_llama_module)
     assert modeling_llama.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
 
 
+def test_an_architecture_whose_rope_liger_refuses_keeps_its_own(monkeypatch):
+    """Liger raises for rope=True on GLM-4 (its default is off there): trainforge follows Liger's defaults,
+    and says only the kernels that were swapped in."""
+    from transformers import AutoModelForCausalLM, Glm4Config
+    from transformers.models.glm4 import modeling_glm4
+
+    for name in ("apply_rotary_pos_emb", "Glm4RMSNorm", "Glm4MLP"):
+        if hasattr(modeling_glm4, name):
+            monkeypatch.setattr(modeling_glm4, name, getattr(modeling_glm4, name))
+    rope_before = modeling_glm4.apply_rotary_pos_emb
+    model = AutoModelForCausalLM.from_config(Glm4Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0))
+    used = kernels.apply_liger(model)
+    assert "rope" not in used and "rms_norm" in used and modeling_glm4.apply_rotary_pos_emb is rope_before
+
+
+def test_a_torch_model_built_after_a_liger_one_is_torch_throughout(restore_llama_module):
+    """Liger replaces names in transformers' Llama module for the whole process: restore_torch_layers (called
+    by build_model for kernels: torch) puts PyTorch's back, so a second run or selftest's comparison is fair."""
+    from transformers.models.llama import modeling_llama
+
+    originals = {n: getattr(modeling_llama, n) for n in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}
+    kernels.apply_liger(tiny())
+    kernels.apply_liger(tiny())  # a second Liger model: the originals kept are still PyTorch's
+    assert modeling_llama.apply_rotary_pos_emb is not originals["apply_rotary_pos_emb"]
+    kernels.restore_torch_layers()
+    assert {n: getattr(modeling_llama, n) for n in originals} == originals
+    layer = tiny().model.layers[0]
+    assert type(layer.mlp) is originals["LlamaMLP"] and type(layer.input_layernorm) is originals["LlamaRMSNorm"]
+
+
 def test_unknown_architecture_keeps_torch_layers_and_says_so():
     model = tiny("gpt2")
     said = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -62,7 +63,13 @@ def liger_apply_function(model_type: str | None) -> tuple[Callable | None, list[
     if apply is None:
         return None, []
     params = inspect.signature(apply).parameters
-    return apply, [k for k in LAYER_KERNELS if k in params]
+    # Liger's own defaults say which kernels hold for the architecture: it refuses rope=True for GLM-4
+    # and Qwen3.5 (NotImplementedError) and defaults it off where its RoPE does not match the model's
+    return apply, [k for k in LAYER_KERNELS if k in params and params[k].default is True]
+
+
+_TORCH_NAMES: dict[str, dict[str, object]] = {}
+"""Per transformers modeling module Liger patched in this process: the names it replaced, as they were."""
 
 
 def apply_liger(model: torch.nn.Module, warn: Callable[[str], None] = lambda _: None) -> list[str]:
@@ -74,14 +81,30 @@ def apply_liger(model: torch.nn.Module, warn: Callable[[str], None] = lambda _: 
         warn(f"kernels: Liger has no layer kernels for {model_type!r}; its layers stay PyTorch's")
     else:
         params = inspect.signature(apply).parameters
-        wanted = {k: True for k in LAYER_KERNELS} | {"cross_entropy": False, "fused_linear_cross_entropy": False}
+        wanted = {k: k in used for k in LAYER_KERNELS} | {"cross_entropy": False, "fused_linear_cross_entropy": False}
+        module = sys.modules[type(model).__module__]
+        before = dict(vars(module))
         apply(model=model, **{k: v for k, v in wanted.items() if k in params})
+        replaced = {k: v for k, v in before.items() if vars(module).get(k) is not v}
+        _TORCH_NAMES.setdefault(module.__name__, {}).update(  # the first originals win: later ones are Liger's
+            {k: v for k, v in replaced.items() if k not in _TORCH_NAMES.get(module.__name__, {})})
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is torch.nn.Linear:
         setattr(head, LIGER_LOSS, True)
         used.append("fused_linear_cross_entropy")
         keep_liger_off_fp32_out_addmm()
     return used
+
+
+def restore_torch_layers() -> None:
+    """Put back the transformers names Liger replaced at module level in this process (its RoPE function,
+    norm and MLP classes), so a model built with ``train.kernels: torch`` after a Liger one is PyTorch's
+    throughout (a second run in one process, selftest's comparison). A Liger model still alive keeps its
+    swapped modules but computes RoPE with PyTorch's function again: the same numbers."""
+    for name, originals in _TORCH_NAMES.items():
+        module = sys.modules.get(name)
+        for attr, value in originals.items() if module is not None else ():
+            setattr(module, attr, value)
 
 
 def keep_liger_off_fp32_out_addmm() -> bool:

@@ -13,7 +13,7 @@ from ..config import LoraSettings, ModelSettings
 from ..errors import TrainforgeError
 from ..hf_dir import init_kind, read_config, refuse_custom_code
 from .fp8 import apply_fp8
-from .kernels import apply_liger
+from .kernels import apply_liger, restore_torch_layers
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -141,6 +141,8 @@ def build_model(
     before adapters wrap them, so a LoRA base runs in FP8 under bf16 adapters.
     """
     auto_class = model_class(cfg)  # AutoModelForSeq2SeqLM for T5, BART, ...
+    if kernels != "liger":
+        restore_torch_layers()  # an earlier model of this process may have had Liger patch transformers' modules
     attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision, cfg.kind.encoder_decoder)
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
     base_dtype = storage_dtype(cfg, compute_dtype)
