@@ -130,3 +130,56 @@ def test_a_checkpoint_resumes_exactly_with_each_optimizer(name, finetune_config,
             v, w = v.dequantize(), w.dequantize()
         assert torch.equal(v, w), (name, key)
     assert any("optimizer state" in key for key, _ in checkpoint_tensors(a))
+
+
+class OffloadedLikeTorchao:
+    """The parts of torchao's CPUOffloadOptimizer (CUDA-only) the engine touches: no ``defaults`` and no
+    ``state`` of its own (it never calls Optimizer.__init__), one host AdamW per large tensor in
+    ``optim_dict``, and ``d_opt`` None when no tensor is small enough to stay on the device."""
+
+    def __init__(self, params):
+        self.optim_dict = {p: torch.optim.AdamW([p], lr=0.1) for p in params}
+        self.d_opt = None
+
+    def step(self):
+        for opt in self.optim_dict.values():
+            opt.step()
+
+
+def test_an_offloaded_optimizer_steps_skips_and_counts_its_state():
+    """optim.offload: cpu crashed at the first step (``optimizer.defaults``) and at the summary (``state``
+    of a d_opt that is None when every tensor is offloaded)."""
+    from trainforge.engine.nonfinite import skip_update_if
+
+    w = torch.nn.Parameter(torch.ones(64, 64))
+    opt = OffloadedLikeTorchao([w])
+    w.grad = torch.ones_like(w)
+    skip_update_if(opt, torch.tensor(True))
+    assert torch.equal(w.detach(), torch.ones(64, 64))  # skipped: untouched
+    skip_update_if(opt, torch.tensor(False))
+    assert not torch.equal(w.detach(), torch.ones(64, 64))
+    assert measured_state_bytes(opt) == 2 * 64 * 64 * 4  # exp_avg and exp_avg_sq, fp32 (step counts left out)
+
+
+class CopiedEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+def test_clipping_reaches_the_host_copies_an_offloaded_optimizer_steps_with():
+    """CPUOffloadOptimizer's backward hook copied the gradient to the host before the clip scaled the device
+    one: its host AdamW stepped with unclipped gradients. The host copies now get the same coefficient."""
+    from trainforge.engine.optim import clip_gradients
+
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    w.grad = torch.full((4, 4), 3.0)  # norm 12
+    opt = OffloadedLikeTorchao([])
+    host = torch.zeros(4, 4)
+    host.grad = w.grad.clone()  # what the hook copied during backward
+    opt.device, opt.stream, opt.param_d2h_map, opt.queue = "cpu", torch.cpu.Stream(), {w: host}, {w: CopiedEvent()}
+    norm = clip_gradients([w], opt, 1.0)
+    assert float(norm) == pytest.approx(12.0)
+    assert float(w.grad.norm()) == pytest.approx(1.0, rel=1e-4) and torch.allclose(host.grad, w.grad)
+    host.grad = w.grad.clone()
+    clip_gradients([w], opt, None)  # no clipping asked: nothing scaled
+    assert torch.equal(host.grad, w.grad)

@@ -25,7 +25,7 @@ def skip_update_if(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
     update, weight decay and step count included, inside the kernel: on a GPU the decision
     stays on the device and costs no host sync. Other optimizers get a plain host check.
     """
-    if optimizer.defaults.get("fused"):
+    if getattr(optimizer, "defaults", {}).get("fused"):  # torchao's CPUOffloadOptimizer has no defaults
         optimizer.found_inf = bad.float()
         try:
             optimizer.step()

@@ -149,6 +149,27 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             return sum(size(getattr(value, n)) for n in names if n != "qmap")
         return value.numel() * value.element_size()
 
-    inner = getattr(optimizer, "d_opt", None)  # torchao's CPUOffloadOptimizer: the state is its host optimizers'
-    optimizers = [optimizer] if inner is None else [inner, *getattr(optimizer, "optim_dict", {}).values()]
+    optimizers = [optimizer]
+    if hasattr(optimizer, "optim_dict"):  # torchao's CPUOffloadOptimizer: the state is its host optimizers' (and
+        # its device one's, for small tensors; None when every tensor is large enough to offload)
+        optimizers = [o for o in (optimizer.d_opt, *optimizer.optim_dict.values()) if o is not None]
     return sum(size(v) for opt in optimizers for s in opt.state.values() for k, v in s.items() if k != "step")
+
+
+def clip_gradients(params, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+    """Clip the global gradient norm to ``max_norm`` (None: only measure it); returns the pre-clip norm.
+
+    torchao's CPUOffloadOptimizer copies each gradient to the host on its own stream during backward (a
+    hook), so the clip must neither scale a device gradient a copy still reads nor leave the host copies
+    (what its host AdamW steps with) unclipped: the clip waits for the copies, then the host copies
+    are scaled by the same coefficient."""
+    offloaded = hasattr(optimizer, "param_d2h_map")
+    if offloaded:
+        getattr(torch, optimizer.device).current_stream().wait_stream(optimizer.stream)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+    if offloaded and max_norm:
+        coef = float((max_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0))  # a host sync: the host step waits anyway
+        for p, copied in optimizer.queue.items():
+            copied.synchronize()
+            optimizer.param_d2h_map[p].grad.mul_(coef)
+    return grad_norm

@@ -15,6 +15,7 @@ from ..hardware import Precision
 from ..metrics.profile import NULL_TIMER, StepTimer
 from .loss import fused_head, linear_cross_entropy, seq2seq_fused_head
 from .nonfinite import skip_update_if
+from .optim import clip_gradients
 
 
 def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True) -> torch.Tensor:
@@ -127,7 +128,7 @@ def optimizer_step(
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    grad_norm = clip_gradients(params, optimizer, max_grad_norm)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor; the skip test wants a plain tensor
         grad_norm = grad_norm.full_tensor()
     bad = ~torch.isfinite(loss) if loss is not None else torch.zeros((), dtype=torch.bool, device=grad_norm.device)
