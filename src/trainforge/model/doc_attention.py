@@ -215,10 +215,17 @@ def document_block_mask(doc_ids: torch.Tensor):
     return mask
 
 
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's CUDA kernel (Triton's tl.dot) refuses smaller heads ("NYI")
+
+
 def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """query (B, H, T, D), key/value (B, Hkv, T, D) -> (B, T, H, D), as transformers expects."""
     if not _packed_call(query, key, attention_mask, dropout, module, kwargs):
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if query.is_cuda and min(query.shape[-1], value.shape[-1]) < FLEX_MIN_HEAD_DIM:
+        from .packed_attention import packed_sdpa_forward  # documents batched by length, one SDPA call each
+
+        return packed_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     plan = cached_plan(kwargs["position_ids"], query.shape[0])
     mask = document_block_mask(plan.doc_ids)
     gqa = query.shape[1] != key.shape[1]
