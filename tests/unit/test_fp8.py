@@ -242,3 +242,51 @@ def test_plan_warns_that_uncompiled_fp8_runs_its_casts_unfused(finetune_config):
     plan = make_plan(RunConfig.model_validate(cfg), hardware="h100", time_ops=False)
     (finding,) = [f for f in plan["findings"] if "train.fp8 with train.compile: false" in f["message"]]
     assert finding["level"] == "warn" and finding["fix"] == "set train.compile: true (or auto)"
+
+
+def test_token_counts_cuda_refuses_are_padded_to_16_and_cut_back(monkeypatch):
+    """CUDA's FP8 matmul needs the weight gradient's inner dimension (the batch's tokens) in multiples of
+    16: 3 rows x 5 tokens go in as 16 zero-padded rows; output and every gradient equal the unpadded
+    layer's (the CPU emulation, which takes any count, is the reference)."""
+    inner = []
+    scaled_mm = torch._scaled_mm
+
+    def recording(a, b, *args, **kwargs):
+        inner.append(a.shape[1])
+        return scaled_mm(a, b, *args, **kwargs)
+
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(0))
+    results = []
+    for pad in (False, True):
+        torch.manual_seed(0)
+        layer = torch.nn.Sequential(torch.nn.Linear(32, 48))
+        apply_fp8(layer, "tensorwise")
+        monkeypatch.setattr(fp8_module, "pads_tokens", lambda t, pad=pad: pad)
+        monkeypatch.setattr(torch, "_scaled_mm", recording)
+        inner.clear()
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = layer(xi)
+        out.float().square().sum().backward()
+        monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+        assert out.shape == (3, 5, 48)
+        results.append((out.detach().float(), xi.grad, layer[0].weight.grad))
+        if pad:
+            assert inner and all(n % 16 == 0 for n in inner), inner
+        else:
+            assert 15 in inner  # the weight gradient contracted over the 15 tokens
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_deep_copy_of_an_fp8_model_computes_with_its_own_weights():
+    """A preference run's frozen reference is a deep copy: its FP8 layers must run the copy's weights."""
+    import copy
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False))
+    apply_fp8(model, "tensorwise")
+    frozen = copy.deepcopy(model)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    x = torch.randn(16, 32)
+    assert frozen(x).abs().sum() > 0 and model(x).abs().sum() == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import types
 
 import torch
 
@@ -107,7 +108,32 @@ def apply_fp8(model: torch.nn.Module, recipe: str) -> int:
     for module in model.modules():
         if type(module).__name__ == "Float8Linear":
             module.register_forward_pre_hook(_autocast_input)
+            module.forward = types.MethodType(_token_aligned_forward, module)
     return before - sum(1 for m in model.modules() if type(m) is torch.nn.Linear)
+
+
+TOKEN_ALIGN = 16
+"""The weight gradient's FP8 matmul contracts over the batch's tokens, and CUDA's ``_scaled_mm`` needs
+inner dimensions in multiples of 16 (torchao pads only with ``pad_inner_dim``, which copies every
+operand even when aligned)."""
+
+
+def pads_tokens(x: torch.Tensor) -> bool:
+    """Whether ``x``'s token count must be a multiple of ``TOKEN_ALIGN``: on CUDA; the CPU emulation takes any."""
+    return x.is_cuda
+
+
+def _token_aligned_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An FP8 layer's ``forward``, with the tokens of an input whose count is not a multiple of
+    ``TOKEN_ALIGN`` (an odd micro-batch of rows padded to 8, a max_length of 8 x odd, an OOM back-off to
+    one row) padded by zero rows, cut off the output again: zero rows add nothing to the weight gradient.
+    Bound to the layer as a method, so a deep copy (a preference run's frozen reference) binds to the copy."""
+    forward = type(self).forward
+    tokens = x.numel() // x.shape[-1]
+    if tokens % TOKEN_ALIGN == 0 or not pads_tokens(x):
+        return forward(self, x)
+    flat = torch.nn.functional.pad(x.reshape(tokens, x.shape[-1]), (0, 0, 0, -tokens % TOKEN_ALIGN))
+    return forward(self, flat)[:tokens].reshape(*x.shape[:-1], -1)
 
 
 def _autocast_input(module: torch.nn.Module, args: tuple) -> tuple | None:
