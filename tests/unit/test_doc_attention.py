@@ -52,8 +52,17 @@ def test_attention_implementation_on_cuda_never_builds_a_row_mask(monkeypatch):
         assert attention_implementation("auto", cuda, half_precision=half) == expected
     assert attention_implementation("flex", torch.device("cpu")) == FLEX_NAME
     assert attention_implementation("auto", cuda, encoder_decoder=True) == "sdpa"
-    with pytest.raises(AttentionUnavailable, match="model.attention: varlen"):
+    with pytest.raises(AttentionUnavailable, match="model.attention: varlen.*lacks CUDA"):
         attention_implementation("varlen", torch.device("cpu"))
+    if doc_attention.has_varlen():  # asked by name where the kernel cannot run: refused before the first forward
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        with pytest.raises(AttentionUnavailable, match="lacks bf16 or fp16"):
+            attention_implementation("varlen", cuda, half_precision=False)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+        with pytest.raises(AttentionUnavailable, match="lacks an sm80\\+ GPU \\(this one is sm75\\)"):
+            attention_implementation("varlen", cuda)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert attention_implementation("varlen", cuda) == VARLEN_NAME
 
 
 def test_config_refuses_document_kernels_for_encoder_decoders():

@@ -99,11 +99,20 @@ def attention_implementation(
     from . import doc_attention
 
     if requested in ("varlen", "flex"):
-        if requested == "varlen" and (device.type != "cuda" or not doc_attention.has_varlen()):
-            raise AttentionUnavailable(
-                "model.attention: varlen is torch's Flash varlen kernel: it needs CUDA (sm80+, bf16/fp16) and "
-                "torch >= 2.10; use auto (packed_sdpa on CPU, flex on older GPUs)"
+        if requested == "varlen":
+            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" and torch.cuda.is_available() else None
+            missing = (
+                "CUDA" if device.type != "cuda" else
+                "torch >= 2.10" if not doc_attention.has_varlen() else
+                f"an sm80+ GPU (this one is sm{capability[0]}{capability[1]})" if capability is not None
+                and capability < doc_attention.VARLEN_MIN_CAPABILITY else
+                "bf16 or fp16 (the flash kernel has no fp32: train.precision is fp32)" if not half_precision else None
             )
+            if missing:
+                raise AttentionUnavailable(
+                    f"model.attention: varlen is torch's Flash varlen kernel: it needs CUDA (sm80+, bf16/fp16) and "
+                    f"torch >= 2.10, and here lacks {missing}; use auto (packed_sdpa on CPU, flex where varlen cannot run)"
+                )
         return doc_attention.register(doc_attention.VARLEN_NAME if requested == "varlen" else doc_attention.FLEX_NAME)
     if requested != "auto" or device.type != "cuda":
         return requested if requested != "auto" else "sdpa"  # MPS: stock SDPA
