@@ -281,3 +281,43 @@ def test_document_kernels_on_cuda(impl, head_dim):
     assert (packed - alone).abs().max() / scale < 2e-2
     for g, ref in zip(grads, (p.grad for p in model.parameters())):
         assert (g - ref).abs().max() <= 5e-2 * ref.abs().max() + 1e-6
+
+
+WINDOWED = {"architecture": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "sliding_window": 8}
+
+
+def test_a_sliding_window_shorter_than_the_rows_keeps_the_models_own_attention(tiny_tokenizer_dir):
+    """Documents up to 30 tokens under an 8-token window: auto hands the model to stock SDPA (transformers
+    applies the window beside its own document mask), which gives each document's logits as run alone;
+    the document kernel would attend past the window. A kernel asked for by name is refused."""
+    from trainforge.config import ModelSettings
+    from trainforge.model.load import AttentionUnavailable, build_model
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    warned = []
+    model = build_model(ModelSettings(init=WINDOWED, tokenizer=tiny_tokenizer_dir), tok, 0, torch.device("cpu"), False,
+                        warn=warned.append, max_length=WIDTH).eval()
+    assert model.config._attn_implementation == "sdpa" and "sliding window of 8 tokens" in warned[0]
+    ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions(), use_cache=False).logits
+        torch.testing.assert_close(packed, one_at_a_time(model, ids), atol=1e-4, rtol=1e-4)
+        model.set_attn_implementation(build_model(ModelSettings(init=WINDOWED | {"sliding_window": 64}, tokenizer=tiny_tokenizer_dir),
+                                                  tok, 0, torch.device("cpu"), False, max_length=WIDTH).config._attn_implementation)
+        assert model.config._attn_implementation.startswith("trainforge_")  # a window as long as the rows: the kernel is exact
+        wrong = model(input_ids=ids, position_ids=positions(), use_cache=False).logits
+    assert (wrong - packed).abs().max() > 1e-3  # what the kernel would have computed for documents past the window
+    with pytest.raises(AttentionUnavailable, match="model.attention: packed_sdpa would change.*sliding window of 8"):
+        build_model(ModelSettings(init=WINDOWED, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0,
+                    torch.device("cpu"), False, max_length=WIDTH)
+
+
+def test_soft_capped_attention_goes_to_eager():
+    from transformers import Gemma2Config
+
+    assert doc_attention.uncovered_attention(Gemma2Config(), 2048)[0] == "eager"
+    from transformers import Qwen2Config
+
+    assert doc_attention.uncovered_attention(Qwen2Config(sliding_window=16), 2048) is None  # use_sliding_window off

@@ -43,6 +43,24 @@ def choose(requested: str, device_type: str, capability: tuple[int, int] | None,
     return FLEX_NAME
 
 
+def uncovered_attention(config: Any, max_length: int | None) -> tuple[str, str] | None:
+    """What a model's attention does that the document kernels (varlen, flex, packed_sdpa) do not: logit
+    soft-capping (Gemma 2) or a sliding window shorter than the rows (Mistral v0.1, Gemma 2/3, OLMo 3;
+    ``max_length`` None: any window). Returns (the stock implementation that computes it, on packed rows
+    with transformers' own document mask, and why), or None where the kernels are exact."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        return "eager", f"its attention logits are soft-capped at {softcap:g}"
+    window = getattr(config, "sliding_window", None)
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    sliding = (isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", None) is not False
+               and (not layer_types or "sliding_attention" in layer_types))
+    if sliding and (max_length is None or window < max_length):
+        return "sdpa", f"its layers attend within a sliding window of {window:,} tokens" + (
+            f", shorter than data.max_length {max_length:,}" if max_length else "")
+    return None
+
+
 def has_varlen() -> bool:
     """This torch ships ``torch.nn.attention.varlen.varlen_attn`` (2.10 and later)."""
     try:

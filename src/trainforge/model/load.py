@@ -121,6 +121,27 @@ def attention_implementation(
     return doc_attention.register(chosen)
 
 
+def keep_exact_attention(model: torch.nn.Module, requested: str, attn: str, max_length: int | None, warn: Callable[[str], None]) -> None:
+    """A document kernel on a model whose attention it would compute differently (soft-capped logits, a
+    sliding window shorter than the rows): ``auto`` hands the model to transformers' stock implementation,
+    which applies both beside its own document mask (built from position_ids), and says so; a kernel asked
+    for by name is refused."""
+    from .doc_attention import uncovered_attention
+
+    uncovered = uncovered_attention(model.config, max_length) if attn.startswith("trainforge_") else None
+    if uncovered is None:
+        return
+    stock, why = uncovered
+    if requested != "auto":
+        raise AttentionUnavailable(
+            f"model.attention: {requested} would change this model's attention: {why}, which it does not apply; "
+            f"use auto or {stock} (transformers' own, with a document mask)"
+        )
+    model.set_attn_implementation(stock)
+    warn(f"attention: {stock} for this model ({why}, which trainforge's document kernels do not apply): "
+         "transformers masks each row's documents with a row x row mask, slower on long rows")
+
+
 class AttentionUnavailable(TrainforgeError, ValueError):
     """The configured attention kernel cannot run on this device or torch build."""
 
@@ -136,6 +157,7 @@ def build_model(
     kernels: str = "torch",
     fp8: str | None = None,
     warn: Callable[[str], None] = lambda _: None,
+    max_length: int | None = None,
 ) -> torch.nn.Module:
     """The trainable model: weights loaded or seeded-initialized, LoRA/QLoRA-wrapped when asked.
 
@@ -148,6 +170,7 @@ def build_model(
     the ones in use are listed in ``model.trainforge_kernels``.
     ``fp8``: a torchao recipe; the linear layers run their matmuls in FP8 (model/fp8.py), converted
     before adapters wrap them, so a LoRA base runs in FP8 under bf16 adapters.
+    ``max_length``: the rows' length, against which a sliding attention window is judged (None: any window).
     """
     auto_class = model_class(cfg)  # AutoModelForSeq2SeqLM for T5, BART, ...
     if kernels != "liger":
@@ -168,6 +191,7 @@ def build_model(
         )
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
+    keep_exact_attention(model, cfg.attention, attn, max_length, warn)
     used = apply_liger(model, warn) if kernels == "liger" else []
     fp8_layers = apply_fp8(model, fp8) if fp8 else 0
     if fp8 and not fp8_layers:
