@@ -130,8 +130,10 @@ def liger_linear_cross_entropy(
     ignore_index: int,
 ) -> torch.Tensor:
     """Sum of cross-entropy over ``labels != ignore_index`` through Liger's fused linear cross-entropy,
-    as an fp32 scalar: matmuls in ``compute_dtype``, gradient accumulators in fp32. Only the target
-    positions are handed over, so prompt and padding positions never get logits."""
+    as an fp32 scalar: matmuls in ``compute_dtype``, gradient accumulators in fp32. The head's weight
+    gradient, accumulated in fp32 inside Liger, reaches the fp32 master weight through the cast below:
+    rounded once to ``compute_dtype`` (trainforge's chunked path keeps it fp32 throughout). Only the
+    target positions are handed over, so prompt and padding positions never get logits."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     keep = (labels != ignore_index).nonzero().flatten()
