@@ -10,7 +10,8 @@ EXCLUDE=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$EXCLUDE")"
 grep -qxF '/.whl/' "$EXCLUDE" 2>/dev/null || echo '/.whl/' >> "$EXCLUDE"
 # gpu_carried.txt: trainforge's own needs the image lacks (pydantic), the suite's baselines (trl, datasets and
-# theirs), the GPU extra; device_rehearsal.sh installs the same list
+# theirs), the GPU extra, bitsandbytes (QLoRA and the 8-bit optimizers: 41 MiB of the 64 MiB a call carries);
+# device_rehearsal.sh installs the same list
 NAMES=$(cat benchmarks/gpu_carried.txt)
 PINS=$(.venv/bin/python benchmarks/pins.py $NAMES)
 rm -rf .whl && mkdir -p .whl
