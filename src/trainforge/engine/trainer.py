@@ -284,7 +284,9 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
     run.reporter.log_step(rec, run.max_steps, eta)
     run.counters.last_train_loss = rec["loss"]
     w.reset()
-    note = run.cpu_threads.recheck()  # other work started or ended on this CPU: the thread count follows it
+    # other work started or ended on this CPU: the thread count follows it, until the decoder is compiled
+    # (inductor's CPU kernels are built for the thread count at compile time)
+    note = None if run.compiled else run.cpu_threads.recheck()
     if note:
         run.reporter.info(note)
         run.metrics.event("cpu_threads", run.step, threads=torch.get_num_threads(), why=run.cpu_threads.why)
