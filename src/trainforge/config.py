@@ -327,6 +327,28 @@ class RunConfig(Section):
         """The resolved configuration as YAML (every default spelled out)."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
+    def anchored(self) -> RunConfig:
+        """This config with its local paths made absolute (model, tokenizer, data, cache), as a run
+        directory's config.yaml keeps it: generate, eval, export and doctor then find the base model and
+        the data from any working directory, not only the one the run started in."""
+
+        def local(spec):
+            if isinstance(spec, SourceSpec):
+                return spec.model_copy(update={"path": local(spec.path)})
+            if isinstance(spec, list):
+                return [local(s) for s in spec]
+            if isinstance(spec, Path) or (isinstance(spec, str) and spec not in BUILTINS and "://" not in spec):
+                return type(spec)(os.path.abspath(spec))
+            return spec  # a built-in corpus, an eval fraction, None
+
+        def local_dir(path):  # model.path / model.tokenizer: a directory, or None, or tokenizer "char"
+            return Path(os.path.abspath(path)) if isinstance(path, Path) else path
+
+        m, d = self.model, self.data
+        model = m.model_copy(update={"path": local_dir(m.path), "tokenizer": local_dir(m.tokenizer)})
+        data = d.model_copy(update={"train": local(d.train), "eval": local(d.eval), "cache_dir": local(d.cache_dir)})
+        return self.model_copy(update={"model": model, "data": data})
+
 
 def default_config() -> dict[str, Any]:
     """The built-in default: a small Llama from scratch on the standard library's sources.

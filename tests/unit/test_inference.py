@@ -4,6 +4,7 @@ chat turns read from stdin, streamed generation, and eval's config built from a 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -95,6 +96,26 @@ def test_kinds_of_directory_resolve(tmp_path, tiny_model_dir):
     for given in (run, run / "final"):  # the run, or its final/ named directly
         src = resolve_source(given)
         assert src.run_dir == run and src.weights == run / "final" and src.summary["precision"] == "fp32"
+
+
+def test_a_lora_run_resolves_from_any_directory(tmp_path, tiny_model_dir, toy_data_dir, monkeypatch):
+    """A run started with a relative model.path: its config.yaml keeps the paths absolute (RunConfig.anchored),
+    and a run written before that finds its base through adapter_config.json's absolute path."""
+    from trainforge.config import RunConfig
+
+    monkeypatch.chdir(tiny_model_dir.parent)
+    cfg = RunConfig.model_validate({"model": {"path": tiny_model_dir.name, "method": "lora"},
+                                    "data": {"train": os.path.relpath(toy_data_dir)}})
+    anchored = cfg.anchored()
+    assert anchored.model.path == tiny_model_dir and anchored.data.train == str(toy_data_dir)
+    assert cfg.model.path == type(cfg.model.path)(tiny_model_dir.name)  # the run itself keeps what it was given
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
+    (run / "final" / "adapter_model.safetensors").write_bytes(b"")
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"method": "lora", "path": tiny_model_dir.name}}))
+    monkeypatch.chdir(tmp_path)  # elsewhere: the relative path names nothing here
+    assert resolve_source(run).base == tiny_model_dir
 
 
 def test_unusable_directories_are_refused_naming_what_they_lack(tmp_path, tiny_model_dir):

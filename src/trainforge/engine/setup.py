@@ -110,7 +110,7 @@ def setup(
         resume_plan = choose_checkpoint(out, cfg, resume, reporter)
         if resume_plan is None and ctx.is_main:
             with writing(out / "config.yaml"):
-                (out / "config.yaml").write_text(cfg.to_yaml())  # a resumed run's, once the checkpoint is checked
+                (out / "config.yaml").write_text(cfg.anchored().to_yaml())  # a resumed run's, once the checkpoint is checked
     laps("data")
     reporter.info(f"output: {out}")
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
@@ -376,7 +376,7 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
             run.reporter.info(f"metrics.jsonl: dropped {dropped} records written after {plan.checkpoint.path.name}")
     if run.dist.is_main:
         with writing(run.out / "config.yaml"):
-            (run.out / "config.yaml").write_text(run.cfg.to_yaml())
+            (run.out / "config.yaml").write_text(run.cfg.anchored().to_yaml())
     run.reporter.info(resume_note(plan, run))
     run.metrics.event("resume", run.step, checkpoint=plan.checkpoint.path.name)
 

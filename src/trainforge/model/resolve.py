@@ -129,17 +129,20 @@ def resolve_source(path: str | Path) -> ModelSource:
 
 
 def _adapter_base(src: ModelSource) -> Path:
-    """The adapter's base model directory: the run's model.path, else adapter_config.json's."""
-    named = (src.run_config or {}).get("model", {}).get("path") or src.adapter.get("base_model_name_or_path")
-    if not named:
+    """The adapter's base model directory: the run's model.path, else adapter_config.json's (the first
+    that is a local model directory: a run started elsewhere wrote a path relative to its directory)."""
+    names = [(src.run_config or {}).get("model", {}).get("path"), src.adapter.get("base_model_name_or_path")]
+    names = [n for n in names if n]
+    if not names:
         raise ModelSourceError(f"{src.weights / ADAPTER_CONFIG} names no base model (base_model_name_or_path is empty)")
-    base = Path(named)
-    if not (base / "config.json").is_file() or not has_any(base, MODEL_WEIGHTS):
-        raise ModelSourceError(
-            f"the adapter in {src.weights} adapts {named}, which is not a local model directory (config.json + weights); "
-            f"nothing is downloaded: put the base model there, or set base_model_name_or_path in {ADAPTER_CONFIG}"
-        )
-    return base
+    for named in names:
+        base = Path(named)
+        if (base / "config.json").is_file() and has_any(base, MODEL_WEIGHTS):
+            return base
+    raise ModelSourceError(
+        f"the adapter in {src.weights} adapts {' or '.join(dict.fromkeys(names))}, which is not a local model directory "
+        f"(config.json + weights); nothing is downloaded: put the base model there, or set base_model_name_or_path in {ADAPTER_CONFIG}"
+    )
 
 
 def _tokenizer_dir(src: ModelSource) -> Path:
