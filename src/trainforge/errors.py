@@ -25,8 +25,8 @@ EXIT_CODES: dict[int, str] = {
     EXIT_OUT_OF_MEMORY: "out of memory even at micro-batch 1, or refused before loading the model: "
     "its estimated memory exceeds the device's twice over",
     EXIT_PLAN_ERROR: "plan: a finding is an error (the run as planned would fail; each finding names its fix)",
-    EXIT_INTERRUPTED: "stopped by SIGTERM/SIGINT after saving a checkpoint: run the same command again to resume "
-    "(a second signal stops at once, without saving)",
+    EXIT_INTERRUPTED: "stopped by SIGTERM/SIGINT after saving a checkpoint: run the same command with the same --output "
+    "to resume (the message names the directory) (a second signal stops at once, without saving)",
 }
 """Exit code -> what it means, for every code trainforge exits with on purpose."""
 

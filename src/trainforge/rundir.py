@@ -51,7 +51,7 @@ def write_error(path: Path, error: OSError) -> RunDirWriteError:
     except OSError:
         complete = []
     if complete:
-        then = f"then run the same command again: it resumes from the newest complete checkpoint, {complete[-1].path}"
+        then = f"then run the same command with --output {run_dir}: it resumes from the newest complete checkpoint, {complete[-1].path}"
     else:
         then = f"then start again with a new --output ({run_dir} holds no complete checkpoint to resume from)"
     return RunDirWriteError(

@@ -108,6 +108,7 @@ def test_killed_and_signalled_run_resumes_bitwise_exact(tmp_path, scratch_config
     proc = cli({"signal_in_step": [8, "SIGTERM"]})
     assert proc.returncode == 75, show(proc)
     assert "step-00000006" in proc.stdout and "checkpoint step-00000008 saved" in proc.stderr, show(proc)
+    assert f"run the same command with --output {run}" in proc.stderr, show(proc)  # names where to resume
     assert visible_steps(run) == [6, 8]
 
     # 5. resumes from 8 and finishes

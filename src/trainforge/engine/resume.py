@@ -131,7 +131,7 @@ def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
         raise ResumeError(
             f"cannot resume from {info.path}: settings that a checkpoint is bound to changed: "
             + "; ".join(changed)
-            + ". Put them back to continue this run, or start a new one (another --output, or --resume never)"
+            + ". Put them back to continue this run, or start a new one with another --output"
         )
 
 

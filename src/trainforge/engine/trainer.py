@@ -355,7 +355,7 @@ def stop_on_signal(run: Run) -> None:
     saved = run.saver.save_now(run.step, run.state_dict)
     where = f"checkpoint {step_dir_name(run.step)} saved" if saved else "saving a checkpoint failed (see above)"
     run.metrics.event("stop", run.step, signal=run.stop.name, saved=saved)
-    raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; run the same command again to resume")
+    raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; to resume, run the same command with --output {run.out}")
 
 
 def write_report(run: Run) -> None:

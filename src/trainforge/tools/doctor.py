@@ -102,7 +102,7 @@ def render(d: dict[str, Any]) -> str:
         lost = d["last_step"] - ck["step"]
         line = f"last checkpoint: {Path(ck['path']).name} (step {ck['step']})"
         if not d["state"].startswith(("finished", "running")):
-            line += f"; rerunning the same command resumes there ({lost} logged steps after it are trained again)"
+            line += f"; rerunning the same command with --output {d['run_dir']} resumes there ({lost} logged steps after it are trained again)"
         lines.append(line)
     else:
         lines.append("last checkpoint: none" + ("" if d["state"] == "finished" else "; a rerun starts from step 0"))
