@@ -288,3 +288,32 @@ def test_template_that_rewrites_contents_is_a_data_error_naming_the_row():
     with pytest.raises(DataError) as err:
         Renderer("chat", FieldNames(), tok, chat_template=upper)(Row({"messages": messages}, WHERE))
     assert WHERE in str(err.value) and "data.chat_template" in str(err.value)
+
+
+@pytest.mark.parametrize("family,ends_turn", [("phi3", "<|end|>"), ("gemma2", "<end_of_turn>"), ("llama3", None),
+                                              ("qwen2.5", None), ("mistral", None), ("zephyr", None)])
+def test_generate_chat_stops_at_the_templates_end_of_turn_token(family, ends_turn):
+    """`generate --chat` ends a reply at the template's end-of-turn token where it is not the EOS (Phi-3's
+    <|end|> beside <|endoftext|>, Gemma's <end_of_turn> beside <eos>); where the EOS closes turns, nothing is added."""
+    from trainforge.data.chat import ChatLocator
+    from trainforge.tools.generate import end_of_turn_ids
+
+    tok = tokenizer_for(family)
+    ids = end_of_turn_ids(ChatLocator(tok, tok.chat_template), tok)
+    assert ids == ([tok.convert_tokens_to_ids(ends_turn)] if ends_turn else [])
+
+
+def test_a_base_tokenizer_whose_eos_is_not_the_turn_end_still_stops_the_turn():
+    """Qwen2.5 base: EOS <|endoftext|>, turns end with <|im_end|>; the generation_config's EOS list counts too."""
+    from types import SimpleNamespace
+
+    from trainforge.data.chat import ChatLocator
+    from trainforge.model.generate import stop_token_ids
+    from trainforge.tools.generate import end_of_turn_ids
+
+    tok = build_tokenizer("qwen2.5")
+    tok.add_special_tokens({"eos_token": "<|endoftext|>"})
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_ids(ChatLocator(tok, tok.chat_template), tok) == [im_end]
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[im_end, 7]))
+    assert stop_token_ids(model, tok, [im_end]) == [tok.eos_token_id, im_end, 7]

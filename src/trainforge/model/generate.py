@@ -8,7 +8,7 @@ from the model's decoder start token."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import StoppingCriteriaList
@@ -63,12 +63,23 @@ def sample(
             temperature=temperature,
             top_k=50,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop_token_ids(model, tokenizer),
             use_cache=True,
             **({"stopping_criteria": StoppingCriteriaList([_StopWhen(stop)])} if stop is not None else {}),
         )
     model.train(was_training)
     return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def stop_token_ids(model, tokenizer, extra: Sequence[int] = ()) -> list[int]:
+    """Tokens that end generation: the tokenizer's EOS, every EOS of the model's generation_config (Llama 3
+    and Qwen 2.5 list their end-of-turn token there beside <|end_of_text|> / <|endoftext|>), and ``extra``.
+    Passing the tokenizer's EOS alone would override the generation_config's list."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids: list[int] = []
+    for value in (tokenizer.eos_token_id, configured, list(extra)):
+        ids += value if isinstance(value, list) else [] if value is None else [int(value)]
+    return list(dict.fromkeys(ids))
 
 
 def text_streamer(tokenizer, write: Callable[[str], None]):
@@ -96,13 +107,15 @@ def generate(
     write: Callable[[str], None] | None = None,
     autocast: contextlib.AbstractContextManager | None = None,
     stop_strings: list[str] | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> str:
     """Continue ``input_ids`` (1 x T) and return the new text only (an encoder-decoder: ``input_ids`` is
     the encoder's input, and the text the decoder's output).
 
     ``temperature`` 0: greedy decoding; above 0: seeded top-k sampling. ``write``: called with
     each piece of text as soon as it is decoded (streaming). ``stop_strings``: end the text at
-    the first of these (a chat template's end-of-turn marker that is not a single token).
+    the first of these (a chat template's end-of-turn marker that is not a single token); ``stop_ids``:
+    tokens that end it besides ``stop_token_ids``' (a chat template's end-of-turn token).
     """
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
@@ -115,7 +128,7 @@ def generate(
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop_token_ids(model, tokenizer, stop_ids),
             use_cache=True,
             streamer=text_streamer(tokenizer, write) if write is not None else None,
             **sampling,

@@ -86,6 +86,21 @@ def chat_template(src: ModelSource, tokenizer) -> tuple[str, list[str] | None]:
     return DEFAULT_CHAT_TEMPLATE, end
 
 
+def end_of_turn_ids(locator: ChatLocator, tokenizer) -> list[int]:
+    """The token a chat template closes an assistant turn with, when it is one special token and not the
+    EOS (ChatML's <|im_end|> beside Qwen's <|endoftext|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>): the
+    first token after a rendered reply, if the tokenizer keeps it whole as an added token."""
+    marker = "trainforge-reply-end"
+    try:
+        text = locator.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], "--chat")
+    except Exception:  # noqa: BLE001 - a template that wants other turns: the EOS list stands alone
+        return []
+    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
+    added = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return [ids[0]] if ids and ids[0] in added and ids[0] != tokenizer.eos_token_id else []
+
+
 def run_generate(
     source: str | Path,
     prompt: str | None,
@@ -117,11 +132,13 @@ def run_generate(
     reporter.info(f"model: {src.describe()} | {dev} | precision {prec.name} ({why})")
     tokenizer = load_source_tokenizer(src)
     model = load_model(src, dev, prec, vocab_size=len(tokenizer))
-    stop = None
+    stop, stop_ids = None, []
     text, templated = prompt or "", False
     if turns is not None:
         template, stop = chat_template(src, tokenizer)
-        text = ChatLocator(tokenizer, template).render(turns, "--chat", generation_prompt=True)  # sandboxed; errors are DataErrors
+        locator = ChatLocator(tokenizer, template)
+        text = locator.render(turns, "--chat", generation_prompt=True)  # sandboxed; errors are DataErrors
+        stop_ids = end_of_turn_ids(locator, tokenizer)
         templated = True  # the template writes its own special tokens
     if src.encoder_decoder:
         input_ids = encoder_source(src, tokenizer, text, templated, reporter)
@@ -137,7 +154,7 @@ def run_generate(
         input_ids = input_ids.new_full((1, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id)
     return generate(
         model, tokenizer, input_ids, max_new_tokens, temperature, seed, write=write,
-        autocast=prec.autocast(dev), stop_strings=stop,
+        autocast=prec.autocast(dev), stop_strings=stop, stop_ids=stop_ids,
     )
 
 
