@@ -388,3 +388,19 @@ def test_a_prepared_cache_gives_the_plan_its_document_lengths(tmp_path, tiny_tok
     weighted = sum(n * n for n in inputs) / sum(inputs)
     assert weighted > sum(inputs) / len(inputs)
     assert attention_share(cfg, PRECISIONS["bf16"], None, find_profile("h100"), facts) == pytest.approx(weighted / 64)
+
+
+def test_rows_past_a_learned_position_table_are_refused_and_past_rotary_ones_warned():
+    """GPT-2's n_positions is a table: a longer row indexes past it (an IndexError mid-step before); a rotary
+    model runs on past max_position_embeddings, beyond its training, which is said."""
+    from trainforge.config import ConfigError, ModelSettings
+    from trainforge.model.load import check_positions, position_problem
+
+    gpt2 = ModelSettings(init={"architecture": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 64})
+    llama = ModelSettings(init=dict(TINY_LLAMA_INIT))  # max_position_embeddings 128
+    assert position_problem(gpt2, 64) is None and position_problem(llama, 128) is None
+    with pytest.raises(ConfigError, match="data.max_length 65 exceeds the model's 64 learned positions.*set data.max_length: 64"):
+        check_positions(gpt2, 65, pytest.fail)
+    said = []
+    check_positions(llama, 256, said.append)
+    assert "runs past the 128 positions" in said[0] and "rope_scaling" in said[0]

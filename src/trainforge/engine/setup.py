@@ -43,6 +43,7 @@ from ..model.fp8 import resolve_fp8
 from ..model.kernels import resolve_kernels
 from ..model.load import (
     build_model,
+    check_positions,
     count_parameters,
     describe_storage,
     overflows_in_fp16,
@@ -103,6 +104,7 @@ def setup(
     with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
         tokenizer = get_tokenizer(cfg, reporter)
         laps("tokenizer")
+        check_positions(cfg.model, cfg.data.max_length, reporter.warn)  # a row past a learned position table fails mid-step
         refuse_what_cannot_fit(cfg, tokenizer, precision, device, ctx)  # before the data and the model cost anything
         laps("fit_check")
         data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists

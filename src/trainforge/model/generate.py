@@ -22,8 +22,11 @@ def is_encoder_decoder(model) -> bool:
 def context_room(model, max_new_tokens: int) -> int | None:
     """How many prompt tokens a decoder-only model can read and still write ``max_new_tokens`` within its
     positions (None: no limit known, or an encoder-decoder, whose source limit is the run's)."""
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if is_encoder_decoder(model) or not isinstance(positions, int):
+    from .load import positions_in
+
+    config = getattr(model, "config", None)
+    positions = positions_in(config.to_dict())[0] if config is not None else None
+    if is_encoder_decoder(model) or positions is None:
         return None
     return max(1, positions - max_new_tokens)
 

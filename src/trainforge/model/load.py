@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..config import LoraSettings, ModelSettings
+from ..config import ConfigError, LoraSettings, ModelSettings
 from ..errors import TrainforgeError
 from ..hf_dir import init_kind, read_config, refuse_custom_code
 from .fp8 import apply_fp8
@@ -229,6 +229,54 @@ def architecture_field(cfg: ModelSettings, name: str):
     if cfg.init is not None:
         return cfg.init.get(name)
     return read_config(cfg.path).get(name)
+
+
+ROTARY_FIELDS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "rotary_emb_base", "partial_rotary_factor")
+
+
+def positions_in(fields: dict[str, Any]) -> tuple[int | None, bool]:
+    """(the positions a decoder's config declares, whether they are learned embeddings): a learned table
+    (GPT-2's n_positions, OPT, GPT-Neo) is a hard limit, a row past it indexes outside the table; rotary
+    positions (Llama, Qwen, Mistral, ...) run past it, beyond what the model was trained on."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"):
+        if isinstance(fields.get(name), int):
+            return fields[name], not any(k in fields for k in ROTARY_FIELDS)
+    return None, False
+
+
+def position_limit(cfg: ModelSettings) -> tuple[int | None, bool]:
+    """``positions_in`` of the model ``cfg`` names (None for an encoder-decoder, whose sources and targets
+    are limited by data.max_length and max_target_length)."""
+    if cfg.kind.encoder_decoder:
+        return None, False
+    if cfg.init is not None:
+        from transformers import CONFIG_MAPPING
+
+        fields = {k: v for k, v in cfg.init.items() if k != "architecture"}
+        return positions_in(CONFIG_MAPPING[cfg.init["architecture"]](**fields).to_dict())
+    return positions_in(read_config(cfg.path))
+
+
+def position_problem(cfg: ModelSettings, max_length: int) -> tuple[str, str, str] | None:
+    """("error" or "warn", what, the fix) when ``max_length`` runs past the model's positions."""
+    limit, learned = position_limit(cfg)
+    if limit is None or max_length <= limit:
+        return None
+    if learned:
+        return ("error", f"data.max_length {max_length} exceeds the model's {limit} learned positions (its position table "
+                f"has no row past {limit - 1})", f"set data.max_length: {limit} or less")
+    return ("warn", f"data.max_length {max_length} runs past the {limit} positions the model declares (max_position_embeddings): "
+            "its rotary positions go on, beyond what it was trained on", "lower data.max_length, or extend its context (rope_scaling)")
+
+
+def check_positions(cfg: ModelSettings, max_length: int, warn: Callable[[str], None]) -> None:
+    """Refuse rows longer than a learned position table (they would index past it mid-step), and say when
+    rows run past the positions a rotary model declares."""
+    problem = position_problem(cfg, max_length)
+    if problem and problem[0] == "error":
+        raise ConfigError(f"{problem[1]}; {problem[2]}")
+    if problem:
+        warn(f"{problem[1]}; {problem[2]}")
 
 
 # the depth fields of a model's stacks: decoder-only, T5's encoder and decoder, BART's encoder and decoder

@@ -341,11 +341,11 @@ def findings(
     emulated = emulated_precision(precision.name, device is None or cpu_has_native_bf16()) if profile.kind == "cpu" else None
     if emulated:
         add("warn", *emulated)
-    from ..model.load import architecture_field
+    from ..model.load import position_problem
 
-    max_pos = architecture_field(cfg.model, "max_position_embeddings")
-    if max_pos and cfg.data.max_length > max_pos:
-        add("error", f"data.max_length {cfg.data.max_length} exceeds the model's {max_pos} positions", f"set data.max_length: {max_pos} or less")
+    positions = position_problem(cfg.model, cfg.data.max_length)
+    if positions:
+        add(*positions)
     data, steps = plan["data"], plan["time"]["steps"]
     if data.get("prepared") and steps:
         tokens_per_step = plan["time"]["tokens_per_step"]
