@@ -327,8 +327,12 @@ def test_bad_csv_and_chat_rows_are_located(tmp_path, tok):
 
 def test_empty_or_fully_masked_data_is_an_error(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": " ".join(["alpha"] * 80), "completion": " beta"}] * 3)
-    with pytest.raises(DataError, match="no training example has a token to learn"):
+    with pytest.raises(DataError, match="no training example has a token to learn: all 3 examples lost every learned "
+                                        "token to data.max_length 16 .*the prompt fills the row.*raise data.max_length"):
         prepare(tmp_path, tok, train=str(path), eval=None, max_length=16)
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": " ".join(["alpha"] * 12), "chosen": " beta", "rejected": " gamma"}] * 2)
+    with pytest.raises(DataError, match="all 2 examples lost.*max_length 16 .*each keeps its first 9 tokens"):
+        prepare(tmp_path, tok, train=str(pairs), eval=None, max_length=16)
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(DataError, match="no rows found"):
         prepare(tmp_path, tok, train=str(tmp_path / "empty.jsonl"), eval=None)

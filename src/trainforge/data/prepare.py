@@ -281,13 +281,13 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
         tok.close()
     if kind == "blocks":
         if train_counts.sequences == 0:
-            raise _nothing_to_learn(bad)
+            raise _nothing_to_learn(bad, train_counts, cfg, fmt)
         train_side_counts, eval_side_counts = split_off_blocks(out / "all", cfg.eval, seed, out / "train", out / "eval", vocab)
         for name, value in train_side_counts.items():
             setattr(train_counts, name, value)
         eval_counts = _Counts(rows=0, **eval_side_counts)
     if train_counts.sequences == 0:
-        raise _nothing_to_learn(bad)
+        raise _nothing_to_learn(bad, train_counts, cfg, fmt)
     stored = train_counts.tokens + train_counts.sequences + (eval_counts.tokens + eval_counts.sequences if eval_counts else 0)
     stats = {
         "format": fmt,
@@ -320,9 +320,24 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
     (out / STATS_FILE).write_text(json.dumps(stats, indent=2))  # last: it marks the entry complete
 
 
-def _nothing_to_learn(bad: BadRows) -> DataError:
+def _nothing_to_learn(bad: BadRows, counts: _Counts | None = None, cfg: DataSettings | None = None, fmt: str = "") -> DataError:
+    """No example left with a token to learn: say why, from the counts (an empty source, bad rows, or every
+    example's learned tokens cut off at data.max_length) and what to change."""
+    why = []
+    if counts is not None and cfg is not None and counts.dropped_masked:
+        pairs = fmt == "preference"
+        why.append(
+            f"all {counts.dropped_masked:,} examples lost every learned token to data.max_length {cfg.max_length} "
+            + (f"(both sides of a pair share a row: each keeps its first {cfg.max_length // 2 + 1} tokens, prompt first)"
+               if pairs else "(the prompt fills the row before the reply starts)")
+            + "; raise data.max_length or shorten the prompts"
+        )
+    if counts is not None and cfg is not None and counts.dropped_too_long:
+        why.append(f"{counts.dropped_too_long:,} examples longer than data.max_length {cfg.max_length} were dropped "
+                   "(data.too_long: drop); raise data.max_length or use truncate")
+    if bad.count:
+        why.append(f"{bad.count} bad rows skipped, first: {bad.first[0]}")
     return DataError(
-        "no training example has a token to learn (the data is empty, or every example is fully masked"
-        + (f"; {bad.count} bad rows skipped, first: {bad.first[0]}" if bad.count else "")
-        + ")"
+        "no training example has a token to learn: "
+        + ("; ".join(why) if why else "the data is empty, or every example is fully masked (no reply tokens to learn)")
     )
