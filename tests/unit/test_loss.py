@@ -152,3 +152,17 @@ def test_fp32_output_gemm_only_from_the_torch_that_takes_an_fp32_accumulator(ver
 
     assert fp32_out_addmm_in(version) is real
     assert fp32_out_addmm_in(version, fake=True) is fake
+
+
+def test_lora_targets_take_one_name_and_refuse_names_the_model_lacks(tiny_model_dir):
+    """config.md says module names: a single name adapts that module (PEFT alone reads a string as a regex over
+    full names and matched nothing), and a name no module has is a config error listing the linear layers."""
+    from trainforge.config import ConfigError
+
+    tok = load_tokenizer(tiny_model_dir)
+    model = apply_lora(build_model(ModelSettings(path=tiny_model_dir), tok, seed=0), LoraSettings(r=4, target_modules="q_proj"))
+    adapted = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if ".lora_A" in n}
+    assert adapted == {"q_proj"}
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: q, v names no module of this model; its linear "
+                                          r"layers are .*q_proj.*v_proj.* \(or use all-linear\)"):
+        apply_lora(build_model(ModelSettings(path=tiny_model_dir), tok, seed=0), LoraSettings(r=4, target_modules=["q", "v"]))

@@ -408,7 +408,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
+        target_modules=lora_targets(model, lora.target_modules),
         use_dora=lora.use_dora,
         use_rslora=lora.use_rslora,
         task_type="SEQ_2_SEQ_LM" if getattr(model.config, "is_encoder_decoder", False) else "CAUSAL_LM",
@@ -416,6 +416,25 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, config)
+
+
+def lora_targets(model: torch.nn.Module, targets: str | list[str]) -> str | list[str]:
+    """``model.lora.target_modules`` as PEFT takes it, checked against the model: a single name is a list of
+    one (PEFT would read a string as a regular expression over full module names, so ``q_proj`` matched
+    nothing), and a name no module ends with is refused listing the model's linear layers."""
+    if targets == "all-linear":
+        return targets
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"} - {"lm_head"})
+        raise ConfigError(
+            f"model.lora.target_modules: {', '.join(missing)} names no module of this model; its linear layers are "
+            f"{', '.join(linear)} (or use all-linear)"
+        )
+    return targets
 
 
 def weight_storage(model: torch.nn.Module) -> dict[str, dict[str, int]]:
