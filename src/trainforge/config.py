@@ -102,7 +102,8 @@ class DataSettings(Section):
     )
     fields: FieldNames = Field(default_factory=FieldNames)
     chat_template: str | None = Field(
-        None, description="Jinja chat template; default: the tokenizer's, else trainforge's ChatML-style one"
+        None, description="Jinja chat template, as text or a path to a template file (its text is kept in the run's "
+        "config.yaml); default: the tokenizer's, else trainforge's ChatML-style one",
     )
     train_on_prompt: bool = Field(
         False, description="also learn prompt / user / system tokens (default: completion- / assistant-only)"
@@ -144,6 +145,27 @@ class DataSettings(Section):
             if isinstance(spec, str):
                 _check_source(spec)
         return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, v: str | None) -> str | None:
+        if v is None or "{{" in v or "{%" in v:
+            return v
+        try:
+            path = Path(v).expanduser()
+            if path.is_file():
+                text = path.read_text(encoding="utf-8")
+                if "{{" in text or "{%" in text:
+                    return text
+                raise ValueError(f"{shown(v)} holds no Jinja template (no {{{{ }}}} or {{% %}})")
+        except OSError:  # a template's text too long to be a file name
+            pass
+        except UnicodeDecodeError:
+            raise ValueError(f"{shown(v)} is not a UTF-8 text file") from None
+        raise ValueError(
+            f"{shown(v)} is neither a Jinja template (it has no {{{{ }}}} or {{% %}}) nor a file; give the template's "
+            "text or a path to a .jinja file (a model's own template is used when this is unset)"
+        )
 
     @field_validator("eval")
     @classmethod

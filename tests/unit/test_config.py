@@ -62,6 +62,7 @@ def error_of(overrides=(), path=None) -> str:
         ("model.init.architecture=lama", "model.init.architecture", "did you mean llama"),
         ("train.precision=fp8", "train.precision", "'fp32'"),
         ("data.eval=1.5", "data.eval", "between 0 and 1"),
+        ("data.chat_template=chatml", "data.chat_template", "neither a Jinja template"),
     ],
 )
 def test_bad_values_name_the_key(override, key, fragment):
@@ -367,3 +368,12 @@ def test_an_alias_bomb_in_a_config_file_exits_quickly(tmp_path):
     start = time.monotonic()
     msg = error_of(path=path)
     assert "bomb.yaml, line" in msg and time.monotonic() - start < 2
+
+
+def test_a_chat_template_file_is_read_into_the_config(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    (tmp_path / "empty.jinja").write_text("plain words")
+    cfg = load_config(None, [f"data.chat_template={tmp_path / 'chat.jinja'}"])
+    assert cfg.data.chat_template == template  # config.yaml keeps the text: the run holds what it trained with
+    assert "holds no Jinja template" in error_of([f"data.chat_template={tmp_path / 'empty.jinja'}"])
