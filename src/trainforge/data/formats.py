@@ -116,11 +116,29 @@ class Renderer:
         self.chat = ChatLocator(tokenizer, self.chat_template)
 
     def __call__(self, row: Row) -> Rendered:
-        if self.fmt == "text":
-            return Rendered(_string(row, self.names.text), None, True, row.where)
-        if self.fmt == "chat":
-            return self._chat(row)
-        return self._pair(*self._prompt_completion(row), row.where)
+        try:
+            if self.fmt == "text":
+                return Rendered(_string(row, self.names.text), None, True, row.where)
+            if self.fmt == "chat":
+                return self._chat(row)
+            return self._pair(*self._prompt_completion(row), row.where)
+        except DataError as e:
+            raise self._other_format(row) or e
+
+    def _other_format(self, row: Row) -> DataError | None:
+        """A row of another format than the one the data resolved to (files of two formats in one
+        data.train list): said as such, instead of as the format's missing field."""
+        try:
+            own = detect_format(row, self.names)
+        except DataError:
+            return None
+        if own == self.fmt or not isinstance(row.data, dict):
+            return None
+        return DataError(
+            f"{row.where}: this row is {own} data (fields {sorted(row.data)}), but the run reads {self.fmt} (data.format, "
+            "or the first row of the first source when auto): one run reads one format; convert the files to one, "
+            "or train on them one after the other"
+        )
 
     def _prompt_completion(self, row: Row) -> tuple[str, str]:
         """(prompt, completion) of a prompt/completion, source/target or alpaca row."""
