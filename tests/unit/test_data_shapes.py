@@ -62,6 +62,13 @@ def test_sharegpt_rows_render_and_mask_like_openai_messages(tok):
     assert learned_text(tok, SHAREGPT) == "gamma<|im_end|>\nepsilon zeta<|im_end|>\n"
 
 
+def test_a_top_level_system_field_is_the_system_turn(tok):
+    """LLaMA-Factory's ShareGPT layout puts the system prompt beside the turns: it renders as OpenAI's system message."""
+    beside = {"system": "be brief", "conversations": SHAREGPT["conversations"][1:]}
+    as_openai = Renderer("chat", FieldNames(), tok)(Row(OPENAI, "x:1"))
+    assert Renderer("chat", FieldNames(), tok)(Row(beside, "x:1")).text == as_openai.text
+
+
 def test_sharegpt_is_detected_and_counts_exactly_the_assistant_tokens(tmp_path, tok):
     path = write_jsonl(tmp_path / "sharegpt.jsonl", [SHAREGPT] * 3)
     data = prepare(tmp_path, tok, train=str(path), eval=None)

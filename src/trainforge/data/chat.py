@@ -79,6 +79,9 @@ def conversation(row: Row, field: str, tool_role: str) -> list[dict[str, Any]]:
         out = {k: v for k, v in m.items() if k not in ("from", "value")}
         out["role"], out["content"] = role, _text_of(content, row.where, f"{key}[{i}]")
         messages.append(out)
+    system = row.data.get("system")  # LLaMA-Factory's ShareGPT layout keeps the system prompt beside the turns
+    if isinstance(system, str) and system.strip() and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system})
     return messages
 
 
