@@ -179,6 +179,8 @@ def test_eval_config_takes_the_runs_data_settings_and_reads_every_row(tmp_path, 
     assert plain.data.max_length == 128  # the model's context, below the 1024 default
     with pytest.raises(ConfigError, match="data.packing"):
         eval_config(resolve_source(tiny_model_dir), data, ["data.packing=sometimes"])
+    with pytest.raises(ConfigError, match=r"^--data nope\.jsonl: no file matches 'nope\.jsonl'"):  # not the run's config
+        eval_config(resolve_source(run), "nope.jsonl", [])
 
 
 def test_a_prompt_past_the_models_positions_keeps_its_end_and_a_stop_request_ends_the_sample(tiny_model_dir):

@@ -61,6 +61,9 @@ def eval_config(src: ModelSource, data: str, overrides: list[str], max_positions
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
+        for err in e.errors():
+            if tuple(err["loc"][:2]) == ("data", "train") and ("data", "train") not in overridden:  # --data's own value
+                raise ConfigError(f"--data {data}: {err['msg'].removeprefix('Value error, ')}") from None
         raise ConfigError(format_errors(e, raw, source, {}, overridden, RunConfig)) from None
 
 
