@@ -71,7 +71,6 @@ MODEL_INIT = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,  # grouped-query attention, as current Llama-family models have
-    "head_dim": 16,  # FlexAttention's CUDA kernel (tl.dot) needs at least 16: 32 / 4 heads would give 8
     "max_position_embeddings": 128,
 }
 PRETRAIN_STEPS = 60
