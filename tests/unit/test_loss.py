@@ -166,3 +166,16 @@ def test_lora_targets_take_one_name_and_refuse_names_the_model_lacks(tiny_model_
     with pytest.raises(ConfigError, match=r"model.lora.target_modules: q, v names no module of this model; its linear "
                                           r"layers are .*q_proj.*v_proj.* \(or use all-linear\)"):
         apply_lora(build_model(ModelSettings(path=tiny_model_dir), tok, seed=0), LoraSettings(r=4, target_modules=["q", "v"]))
+
+
+def test_lora_over_a_tokenizer_with_added_tokens_says_their_rows_stay_untrained(tiny_model_dir, tmp_path):
+    from trainforge.config import ModelSettings as Settings
+
+    tok = load_tokenizer(tiny_model_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|turn_end|>"]})
+    said = []
+    build_model(Settings(path=tiny_model_dir, method="lora"), tok, seed=0, warn=said.append)
+    assert len(said) == 1 and "1 token beyond the model's" in said[0] and "<|turn_end|>" in said[0] and "lora trains none" in said[0]
+    said.clear()
+    build_model(Settings(path=tiny_model_dir, method="full"), tok, seed=0, warn=said.append)
+    assert said == []  # a full fine-tune trains the new rows

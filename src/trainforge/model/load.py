@@ -189,8 +189,16 @@ def build_model(
         model = auto_class.from_pretrained(
             str(cfg.path.resolve()), dtype=base_dtype, attn_implementation=attn, trust_remote_code=False, **extra
         )
-        if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        rows = model.get_input_embeddings().num_embeddings
+        if rows < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
+            if cfg.method != "full":  # adapters train none of the new rows (nor are they saved with the adapter)
+                added = tokenizer.convert_ids_to_tokens(list(range(rows, min(len(tokenizer), rows + 3))))
+                n = len(tokenizer) - rows
+                warn(f"the tokenizer has {n} token{'s' if n != 1 else ''} beyond the model's {rows} embedding rows "
+                     f"({', '.join(added)}{', ...' if n > 3 else ''}): their new rows start random and "
+                     f"{cfg.method} trains none of them, so the model cannot learn to read or write them; use model.method: full, "
+                     "or a tokenizer without added tokens (reuse an existing token as the marker)")
     keep_exact_attention(model, cfg.attention, attn, max_length, warn)
     used = apply_liger(model, warn) if kernels == "liger" else []
     fp8_layers = apply_fp8(model, fp8) if fp8 else 0
