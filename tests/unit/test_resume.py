@@ -376,6 +376,17 @@ def test_longer_max_steps_continues_on_the_original_schedule(config, tmp_path):
         train(config, reference)
 
 
+def test_the_same_command_on_a_finished_run_trains_and_rewrites_nothing(config, reference):
+    """A rerun after the run ended says so and leaves final/, summary.json and the metrics as they were
+    (it once re-evaluated, rewrote final/ and printed 'done: 6 steps' for steps it never ran)."""
+    before = {p: p.stat().st_mtime_ns for p in (reference / "summary.json", reference / "final" / "model.safetensors")}
+    lines = (reference / "metrics.jsonl").read_text().count("\n")
+    result, log = train(config, reference)
+    assert "holds this run finished: 6 steps" in log and "raise train.max_steps" in log and "done:" not in log
+    assert result.summary["steps"] == 6 and {p: p.stat().st_mtime_ns for p in before} == before
+    assert (reference / "metrics.jsonl").read_text().count("\n") <= lines + 2  # at most the resume's own events
+
+
 def test_resume_never_refuses_a_directory_holding_a_run(config, reference):
     with pytest.raises(OutputDirError, match="already holds a run"):
         train(config, reference, resume="never")

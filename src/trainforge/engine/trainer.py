@@ -53,9 +53,25 @@ def train(
     ``never`` refuses a directory that holds a run, a path names the checkpoint to continue.
     """
     with open_run(cfg, output_dir, reporter, resume) as run:
+        if finished_before(run):  # the same command again after the run ended: nothing to train or rewrite
+            return RunResult(run.out, json.loads((run.out / "summary.json").read_text()), run.model, run.tokenizer)
         train_loop(run)
         run.saver.close()  # the end-of-run checkpoint is reported before final/ and the summary
         return finish(run)
+
+
+def finished_before(run: Run) -> bool:
+    """The run directory holds this run finished (its last checkpoint at train.max_steps, final/ and
+    summary.json written): said, with what to do to train more."""
+    if run.resumed_from is None or run.step < run.max_steps:
+        return False
+    if not ((run.out / "summary.json").is_file() and (run.out / "final").is_dir()):
+        return False  # stopped after its last step, before final/: finish now
+    run.reporter.info(
+        f"{run.out} holds this run finished: {run.step} steps (train.max_steps), its model in {run.out / 'final'}; "
+        "nothing to train. To train on, raise train.max_steps; to train again, give another --output"
+    )
+    return True
 
 
 @contextlib.contextmanager
