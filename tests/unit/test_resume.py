@@ -441,3 +441,21 @@ def test_background_saves_write_the_same_checkpoints(config, reference, tmp_path
     assert (tmp_path / "async" / "checkpoints" / LATEST).read_text().strip() == "step-00000006"
     meta = json.loads((tmp_path / "async" / "checkpoints" / "step-00000006" / "meta.json").read_text())
     assert meta["fixed"]["train.grad_accum"] == 2 and len(meta["config_hash"]) == 16
+
+
+def test_doctor_on_a_run_killed_after_resuming_before_its_first_log_step(config, reference):
+    """Stopped at step 6, resumed, then SIGKILLed before logging: doctor said 'at step 0' and '-6 logged steps
+    are trained again'. It stands at its checkpoint, killed (not stopped by the signal it resumed from)."""
+    import json
+
+    from trainforge.tools.doctor import diagnose, render
+
+    (reference / "summary.json").unlink()
+    records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    (reference / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if "loss" not in r))
+    with open(reference / "events.jsonl", "a") as f:
+        f.write(json.dumps({"event": "stop", "step": 6, "signal": "SIGINT"}) + "\n")
+        f.write(json.dumps({"event": "start", "step": 6, "max_steps": 6}) + "\n")
+    d = diagnose(reference)
+    assert d["last_step"] == 6 and d["state"].startswith("ended without a summary")
+    assert "-" not in render(d).split("logged steps")[0].rsplit("(", 1)[-1]  # no negative count of lost steps

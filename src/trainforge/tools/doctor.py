@@ -24,10 +24,15 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
     """The diagnosis of the run in ``run_dir`` as plain data (``render`` writes it for people)."""
     run = load_run(run_dir)  # ReportError (exit 2) when it is not a run directory
     starts = [e for e in run.events if e.get("event") == "start"]
-    last_step = run.train[-1]["step"] if run.train else 0
-    max_steps = (run.summary or {}).get("steps") if run.summary else (starts[-1].get("max_steps") if starts else None)
     complete, broken = scan_checkpoints(run.path / "checkpoints")
     newest = complete[-1] if complete else None
+    # the furthest step known: a logged step, the newest checkpoint, or an event (a run resumed and killed
+    # before its first log step has logged nothing since, yet it stands at least at its checkpoint)
+    steps = [run.train[-1]["step"]] if run.train else []
+    steps += [newest.step] if newest else []
+    steps += [e["step"] for e in run.events if isinstance(e.get("step"), int)]
+    last_step = max(steps, default=0)
+    max_steps = (run.summary or {}).get("steps") if run.summary else (starts[-1].get("max_steps") if starts else None)
     out: dict[str, Any] = {
         "run_dir": str(run.path),
         "state": _state(run, last_step),
@@ -51,9 +56,9 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
 def _state(run: RunData, last_step: int) -> str:
     if run.summary is not None:
         return "finished"
-    stops = [e for e in run.events if e.get("event") == "stop"]
-    if stops and stops[-1].get("step") == last_step:
-        return f"stopped by {stops[-1].get('signal') or 'a signal'}"
+    latest = next((e for e in reversed(run.events) if e.get("event") in ("start", "stop")), None)
+    if latest is not None and latest["event"] == "stop" and latest.get("step") == last_step:  # not started again since
+        return f"stopped by {latest.get('signal') or 'a signal'}"
     lease = read_lease(run.path / LEASE_FILE)
     if isinstance(lease, LeaseInfo) and stale_reason(lease) is None:
         return f"running (process {lease.pid} on {lease.host} holds the run directory)"
@@ -99,7 +104,7 @@ def render(d: dict[str, Any]) -> str:
     lines.append(f"state: {d['state']}, at {steps}")
     ck = d["last_checkpoint"]
     if ck:
-        lost = d["last_step"] - ck["step"]
+        lost = max(0, d["last_step"] - ck["step"])
         line = f"last checkpoint: {Path(ck['path']).name} (step {ck['step']})"
         if not d["state"].startswith(("finished", "running")):
             line += f"; rerunning the same command with --output {d['run_dir']} resumes there ({lost} logged steps after it are trained again)"
