@@ -26,9 +26,10 @@ MEANINGFUL = tuple(c for c in EXIT_CODES if c not in (EXIT_OK, EXIT_UNEXPECTED))
 
 
 def torchrun_command(nproc: int, train_args: list[str]) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc_per_node N -m trainforge train ARGS``."""
+    """torchrun (``torch.distributed.run``, through ``torchrun_quiet``, which leaves out its traceback on a
+    signal) ``--standalone --nproc_per_node N -m trainforge train ARGS``."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "trainforge.torchrun_quiet",
         "--standalone",  # a local rendezvous on a free port: no master address to pick
         f"--nproc_per_node={nproc}",
         "-m", "trainforge", "train", *train_args,
