@@ -130,8 +130,9 @@ class CompileAuto:
     # ------------------------------------------------------------ measurements
 
     def _eager_step_s(self) -> float | None:
-        """Mean eager step time of this run, the first (warm-up) step left out."""
-        return statistics.mean(self.eager_times[1:]) if len(self.eager_times) > 1 else None
+        """Median eager step time of this run, the first (warm-up) step left out: one step slowed by other
+        work on the machine must not buy a compile that the run's steady steps do not pay for."""
+        return statistics.median(self.eager_times[1:]) if len(self.eager_times) > 1 else None
 
     def record_step(self, seconds: float, compiled: bool) -> None:
         """One optimizer step's wall time; after a compile's first ``MEASURE_STEPS`` steps, save the record."""
