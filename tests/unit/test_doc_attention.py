@@ -287,37 +287,53 @@ WINDOWED = {"architecture": "mistral", "hidden_size": 32, "intermediate_size": 6
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "sliding_window": 8}
 
 
-def test_a_sliding_window_shorter_than_the_rows_keeps_the_models_own_attention(tiny_tokenizer_dir):
-    """Documents up to 30 tokens under an 8-token window: auto hands the model to stock SDPA (transformers
-    applies the window beside its own document mask), which gives each document's logits as run alone;
-    the document kernel would attend past the window. A kernel asked for by name is refused."""
+@pytest.mark.parametrize("impl", ["packed_sdpa", "flex"])
+def test_a_sliding_window_shorter_than_the_documents_is_applied_within_each(tiny_tokenizer_dir, impl):
+    """Documents up to 30 tokens under an 8-token window (Mistral v0.1, Gemma's local layers): the document
+    kernels mask the window too, so each document's logits equal its own run alone under transformers'
+    stock SDPA with its sliding-window mask; without the window they would not. FlexAttention forward
+    only: torch has no FlexAttention backward on a CPU."""
     from trainforge.config import ModelSettings
-    from trainforge.model.load import AttentionUnavailable, build_model
+    from trainforge.model.load import build_model
     from trainforge.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_tokenizer_dir)
     warned = []
-    model = build_model(ModelSettings(init=WINDOWED, tokenizer=tiny_tokenizer_dir), tok, 0, torch.device("cpu"), False,
-                        warn=warned.append, max_length=WIDTH).eval()
-    assert model.config._attn_implementation == "sdpa" and "sliding window of 8 tokens" in warned[0]
+    model = build_model(ModelSettings(init=WINDOWED, tokenizer=tiny_tokenizer_dir, attention=impl), tok, 0,
+                        torch.device("cpu"), False, warn=warned.append).eval()
+    assert model.config._attn_implementation.startswith("trainforge_") and warned == []
     ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         packed = model(input_ids=ids, position_ids=positions(), use_cache=False).logits
-        torch.testing.assert_close(packed, one_at_a_time(model, ids), atol=1e-4, rtol=1e-4)
-        model.set_attn_implementation(build_model(ModelSettings(init=WINDOWED | {"sliding_window": 64}, tokenizer=tiny_tokenizer_dir),
-                                                  tok, 0, torch.device("cpu"), False, max_length=WIDTH).config._attn_implementation)
-        assert model.config._attn_implementation.startswith("trainforge_")  # a window as long as the rows: the kernel is exact
-        wrong = model(input_ids=ids, position_ids=positions(), use_cache=False).logits
-    assert (wrong - packed).abs().max() > 1e-3  # what the kernel would have computed for documents past the window
-    with pytest.raises(AttentionUnavailable, match="model.attention: packed_sdpa would change.*sliding window of 8"):
-        build_model(ModelSettings(init=WINDOWED, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0,
-                    torch.device("cpu"), False, max_length=WIDTH)
+        kernel = model.config._attn_implementation
+        model.set_attn_implementation("sdpa")
+        alone = one_at_a_time(model, ids)
+        torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
+        model.config.sliding_window = None  # the same weights without the window: documents past 8 tokens differ
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window = None
+        model.set_attn_implementation(kernel)
+        unwindowed = model(input_ids=ids, position_ids=positions(), use_cache=False).logits
+    assert (unwindowed - alone).abs().max() > 1e-3
 
 
-def test_soft_capped_attention_goes_to_eager():
-    from transformers import Gemma2Config
+def test_soft_capped_attention_goes_to_eager_and_a_kernel_asked_for_by_name_is_refused(tiny_tokenizer_dir):
+    """Gemma 2 soft-caps its attention logits, which no document kernel applies: auto hands it to transformers'
+    eager attention (with its document mask) and says so; packed_sdpa by name is refused."""
+    from transformers import Gemma2Config, MistralConfig
 
-    assert doc_attention.uncovered_attention(Gemma2Config(), 2048)[0] == "eager"
-    from transformers import Qwen2Config
+    from trainforge.config import ModelSettings
+    from trainforge.model.load import AttentionUnavailable, build_model
+    from trainforge.model.tokenizer import load_tokenizer
 
-    assert doc_attention.uncovered_attention(Qwen2Config(sliding_window=16), 2048) is None  # use_sliding_window off
+    assert doc_attention.uncovered_attention(Gemma2Config())[0] == "eager"
+    assert doc_attention.uncovered_attention(MistralConfig(sliding_window=16)) is None  # windows the kernels apply
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    gemma2 = {"architecture": "gemma2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "sliding_window": 8}
+    warned = []
+    model = build_model(ModelSettings(init=gemma2, tokenizer=tiny_tokenizer_dir), tok, 0, torch.device("cpu"), False,
+                        warn=warned.append)
+    assert model.config._attn_implementation == "eager" and "soft-capped at 50" in warned[0]
+    with pytest.raises(AttentionUnavailable, match="model.attention: packed_sdpa would change.*soft-capped"):
+        build_model(ModelSettings(init=gemma2, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0, torch.device("cpu"), False)

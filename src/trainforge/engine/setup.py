@@ -328,7 +328,7 @@ def build_run_model(
     model = build_model(
         cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None,
         compute_dtype=precision.autocast_dtype, activation_checkpointing=cfg.train.activation_checkpointing,
-        kernels=kernels, fp8=fp8, warn=reporter.warn, max_length=cfg.data.max_length,
+        kernels=kernels, fp8=fp8, warn=reporter.warn,
     ).to(device)
     model.train()
     trainable, total = count_parameters(model)

@@ -43,22 +43,14 @@ def choose(requested: str, device_type: str, capability: tuple[int, int] | None,
     return FLEX_NAME
 
 
-def uncovered_attention(config: Any, max_length: int | None) -> tuple[str, str] | None:
+def uncovered_attention(config: Any) -> tuple[str, str] | None:
     """What a model's attention does that the document kernels (varlen, flex, packed_sdpa) do not: logit
-    soft-capping (Gemma 2) or a sliding window shorter than the rows (Mistral v0.1, Gemma 2/3, OLMo 3;
-    ``max_length`` None: any window). Returns (the stock implementation that computes it, on packed rows
-    with transformers' own document mask, and why), or None where the kernels are exact."""
+    soft-capping (Gemma 2). Returns (the stock implementation that computes it, on packed rows with
+    transformers' own document mask, and why), or None where the kernels are exact."""
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         return "eager", f"its attention logits are soft-capped at {softcap:g}"
-    window = getattr(config, "sliding_window", None)
-    layer_types = set(getattr(config, "layer_types", None) or [])
-    sliding = (isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", None) is not False
-               and (not layer_types or "sliding_attention" in layer_types))
-    if sliding and (max_length is None or window < max_length):
-        return "sdpa", f"its layers attend within a sliding window of {window:,} tokens" + (
-            f", shorter than data.max_length {max_length:,}" if max_length else "")
-    return None
+    return None  # sliding windows (Mistral, Gemma 2/3, OLMo 3) the kernels apply: transformers passes them per layer
 
 
 def has_varlen() -> bool:
@@ -180,6 +172,9 @@ def varlen_forward(module, query, key, value, attention_mask, dropout=0.0, scali
     """query (B, H, T, D), key/value (B, Hkv, T, D) -> (B, T, H, D), as transformers expects."""
     if not _packed_call(query, key, attention_mask, dropout, module, kwargs):
         return _fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    window = kwargs.get("sliding_window")
+    if window and window < query.shape[2]:  # a sliding-window layer: FlexAttention masks the window as well
+        return flex_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     b, h, t, d = query.shape
     plan = cached_plan(kwargs["position_ids"], b)
     query, key, value = _autocast_dtype(query, key, value)
@@ -215,21 +210,27 @@ def _compiled_block_mask():
 
 
 @torch.compiler.disable
-def document_block_mask(doc_ids: torch.Tensor):
-    """A causal document mask for FlexAttention, built once per forward pass (cached on ``doc_ids``)."""
+def document_block_mask(doc_ids: torch.Tensor, window: int | None = None):
+    """A causal document mask for FlexAttention (within the last ``window`` tokens, for a sliding-window
+    layer), built once per forward pass and kind of layer (cached on ``doc_ids``)."""
     global _masks
-    if _masks is not None and _masks[0] is doc_ids:
-        return _masks[1]
+    if _masks is None or _masks[0] is not doc_ids:
+        _masks = (doc_ids, {})
+    if window in _masks[1]:
+        return _masks[1][window]
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q_idx, kv_idx):
         return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
+    def same_document_window(b, h, q_idx, kv_idx):
+        return same_document_causal(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
     rows, t = doc_ids.shape
     # compiled on CUDA, as torch recommends: the mask is then built block by block, never as a rows x T x T tensor
     build = _compiled_block_mask() if doc_ids.is_cuda else create_block_mask
-    mask = build(same_document_causal, rows, None, t, t, device=doc_ids.device)
-    _masks = (doc_ids, mask)
+    rule = same_document_window if window and window < t else same_document_causal
+    mask = _masks[1][window] = build(rule, rows, None, t, t, device=doc_ids.device)
     return mask
 
 
@@ -245,7 +246,7 @@ def flex_forward(module, query, key, value, attention_mask, dropout=0.0, scaling
 
         return packed_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     plan = cached_plan(kwargs["position_ids"], query.shape[0])
-    mask = document_block_mask(plan.doc_ids)
+    mask = document_block_mask(plan.doc_ids, kwargs.get("sliding_window"))
     gqa = query.shape[1] != key.shape[1]
     query, key, value = _autocast_dtype(query, key, value)
     out = _flex_fn()(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa)

@@ -121,25 +121,25 @@ def attention_implementation(
     return doc_attention.register(chosen)
 
 
-def keep_exact_attention(model: torch.nn.Module, requested: str, attn: str, max_length: int | None, warn: Callable[[str], None]) -> None:
-    """A document kernel on a model whose attention it would compute differently (soft-capped logits, a
-    sliding window shorter than the rows): ``auto`` hands the model to transformers' stock implementation,
-    which applies both beside its own document mask (built from position_ids), and says so; a kernel asked
-    for by name is refused."""
+def exact_attention(config: Any, requested: str, attn: str, warn: Callable[[str], None]) -> str:
+    """``attn``, unless it is a document kernel and the model (its transformers ``config``) computes attention
+    in a way the kernel does not (Gemma 2's soft-capped logits): then, under ``auto``, transformers' stock
+    implementation, which applies it beside its own document mask (built from position_ids), said once; a
+    kernel asked for by name is refused."""
     from .doc_attention import uncovered_attention
 
-    uncovered = uncovered_attention(model.config, max_length) if attn.startswith("trainforge_") else None
+    uncovered = uncovered_attention(config) if attn.startswith("trainforge_") else None
     if uncovered is None:
-        return
+        return attn
     stock, why = uncovered
     if requested != "auto":
         raise AttentionUnavailable(
             f"model.attention: {requested} would change this model's attention: {why}, which it does not apply; "
             f"use auto or {stock} (transformers' own, with a document mask)"
         )
-    model.set_attn_implementation(stock)
     warn(f"attention: {stock} for this model ({why}, which trainforge's document kernels do not apply): "
          "transformers masks each row's documents with a row x row mask, slower on long rows")
+    return stock
 
 
 class AttentionUnavailable(TrainforgeError, ValueError):
@@ -157,7 +157,6 @@ def build_model(
     kernels: str = "torch",
     fp8: str | None = None,
     warn: Callable[[str], None] = lambda _: None,
-    max_length: int | None = None,
 ) -> torch.nn.Module:
     """The trainable model: weights loaded or seeded-initialized, LoRA/QLoRA-wrapped when asked.
 
@@ -170,7 +169,6 @@ def build_model(
     the ones in use are listed in ``model.trainforge_kernels``.
     ``fp8``: a torchao recipe; the linear layers run their matmuls in FP8 (model/fp8.py), converted
     before adapters wrap them, so a LoRA base runs in FP8 under bf16 adapters.
-    ``max_length``: the rows' length, against which a sliding attention window is judged (None: any window).
     """
     auto_class = model_class(cfg)  # AutoModelForSeq2SeqLM for T5, BART, ...
     if kernels != "liger":
@@ -179,11 +177,14 @@ def build_model(
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
     base_dtype = storage_dtype(cfg, compute_dtype)
     if cfg.init is not None:
-        model = auto_class.from_config(
-            init_config(cfg.init, tokenizer), dtype=torch.float32, attn_implementation=attn, trust_remote_code=False
-        )
+        config = init_config(cfg.init, tokenizer)
+        attn = exact_attention(config, cfg.attention, attn, warn)
+        model = auto_class.from_config(config, dtype=torch.float32, attn_implementation=attn, trust_remote_code=False)
     else:
         refuse_custom_code(cfg.path, "model.path")  # never run the directory's code; trust_remote_code=False besides
+        from transformers import AutoConfig
+
+        attn = exact_attention(AutoConfig.from_pretrained(str(cfg.path.resolve()), trust_remote_code=False), cfg.attention, attn, warn)
         extra = {"quantization_config": nf4_config(compute_dtype)} if cfg.method == "qlora" else {}
         # loaded straight in the storage dtype: no fp32 copy of a bf16 base is ever materialized
         model = auto_class.from_pretrained(
@@ -199,7 +200,6 @@ def build_model(
                      f"({', '.join(added)}{', ...' if n > 3 else ''}): their new rows start random and "
                      f"{cfg.method} trains none of them, so the model cannot learn to read or write them; use model.method: full, "
                      "or a tokenizer without added tokens (reuse an existing token as the marker)")
-    keep_exact_attention(model, cfg.attention, attn, max_length, warn)
     used = apply_liger(model, warn) if kernels == "liger" else []
     fp8_layers = apply_fp8(model, fp8) if fp8 else 0
     if fp8 and not fp8_layers:

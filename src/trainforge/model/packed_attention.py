@@ -132,12 +132,18 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, **kwarg
         flat = _Gather.apply(x.transpose(1, 2).reshape(b * t, h, d), plan.slot_token, plan.token_slot, False)
         return [part.view(n, length, h, d).transpose(1, 2) for part, (n, length) in zip(flat.split([n * m for n, m in plan.shapes]), plan.shapes)]
 
-    outs = [
-        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling)
-        .transpose(1, 2)
-        .reshape(-1, h, d)
-        for q, k, v in zip(slots(query), slots(key), slots(value))
-    ]
+    window = kwargs.get("sliding_window")  # Mistral, Gemma 2/3's local layers: each token sees the last `window`
+    p = dropout if module.training else 0.0
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        length = q.shape[2]
+        if window and window < length:  # causal within the window, as transformers' sliding_window_overlay
+            i = torch.arange(length, device=q.device)
+            band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=p, scale=scaling)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling)
+
+    outs = [attend(q, k, v).transpose(1, 2).reshape(-1, h, d) for q, k, v in zip(slots(query), slots(key), slots(value))]
     out = _Gather.apply(torch.cat(outs), plan.token_slot, plan.slot_grad, True)  # token order; padded outputs dropped
     return out.view(b, t, h, d), None
 
