@@ -337,3 +337,26 @@ def test_soft_capped_attention_goes_to_eager_and_a_kernel_asked_for_by_name_is_r
     assert model.config._attn_implementation == "eager" and "soft-capped at 50" in warned[0]
     with pytest.raises(AttentionUnavailable, match="model.attention: packed_sdpa would change.*soft-capped"):
         build_model(ModelSettings(init=gemma2, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0, torch.device("cpu"), False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", [VARLEN_NAME, FLEX_NAME])
+def test_sliding_windows_on_cuda(impl, tiny_tokenizer_dir):
+    """An 8-token window inside packed documents on a GPU (varlen hands windowed layers to FlexAttention),
+    bf16, against each document alone under transformers' SDPA with its window mask."""
+    from trainforge.config import ModelSettings
+    from trainforge.model.load import build_model
+    from trainforge.model.tokenizer import load_tokenizer
+
+    if impl == VARLEN_NAME and (torch.cuda.get_device_capability() < (8, 0) or not doc_attention.has_varlen()):
+        pytest.skip("torch's varlen kernel needs sm80+ and torch >= 2.10")
+    attention = impl.removeprefix("trainforge_")
+    model = build_model(ModelSettings(init=WINDOWED | {"head_dim": 16}, tokenizer=tiny_tokenizer_dir, attention=attention),
+                        load_tokenizer(tiny_tokenizer_dir), 0, torch.device("cuda"), True).cuda().eval()
+    ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        packed = model(input_ids=ids, position_ids=positions().cuda(), use_cache=False).logits.float()
+        model.set_attn_implementation("sdpa")
+        alone = one_at_a_time(model, ids).float()
+    assert (packed - alone).abs().max() / alone.abs().max() < 2e-2
