@@ -19,7 +19,7 @@ OUT=${2:-/tmp/device-rehearsal}
 IMAGE="torch==2.11.0 triton==3.6.0 transformers==5.17.0 tokenizers==0.23.2 accelerate==1.15.0 numpy==2.5.2 safetensors==0.8.0"
 # what gpu_wheels.sh carries; and peft, on the image at a version not read: this checkout's
 CARRIED="$(cat benchmarks/gpu_carried.txt) peft"
-TESTING="pytest pytest-xdist pyarrow tensorboard matplotlib pyyaml typer rich"
+TESTING="pytest-xdist pyarrow tensorboard matplotlib pyyaml typer rich"
 if [ ! -f "$VENV/.rehearsal-installed" ]; then  # a marker: an interrupted install is redone, not reused
   PY312=$(command -v python3.12) || { echo "device_rehearsal: needs python3.12 (the image's Python)" >&2; exit 2; }
   # shellcheck disable=SC2086
