@@ -5,7 +5,8 @@ beside ``--busy`` processes that spin on the CPU for the whole measurement.
     python benchmarks/bench_cpu_threads.py [CONFIG] [--busy 1] [--steps 40] [--repeat 2] [--out results.json]
 
 Each variant runs in its own process with OMP_NUM_THREADS unset; ``all-cores`` fixes
-``train.cpu_threads`` to the machine's core count, ``auto`` lets the run choose. Reported: training
+``train.cpu_threads`` to the machine's core count, ``auto`` lets the run choose, ``one-thread`` fixes 1
+(what auto could have chosen). Reported: training
 tokens/s and wall time (start-up, evaluation and final save included), and each ratio auto / all-cores.
 ``--busy 0`` measures an idle machine, where auto must keep every core (ratio ~1.0).
 """
@@ -50,11 +51,11 @@ def main() -> None:
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.busy)]
-    runs: dict[str, list[dict]] = {"all-cores": [], "auto": []}
+    runs: dict[str, list[dict]] = {"all-cores": [], "auto": [], "one-thread": []}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for i in range(args.repeat):
-                for name, threads in (("all-cores", str(cores)), ("auto", "auto")):
+                for name, threads in (("all-cores", str(cores)), ("auto", "auto"), ("one-thread", "1")):
                     runs[name].append(run_variant(args.config, threads, args.steps, Path(tmp) / f"{name}-{i}"))
     finally:
         for p in spinners:
@@ -65,6 +66,7 @@ def main() -> None:
         "runs": runs, "median": med,
         "auto_vs_all_cores": {"tokens_per_s": med["auto"]["tokens_per_s"] / med["all-cores"]["tokens_per_s"],
                               "wall_s": med["auto"]["wall_s"] / med["all-cores"]["wall_s"]},
+        "one_thread_vs_all_cores": {"tokens_per_s": med["one-thread"]["tokens_per_s"] / med["all-cores"]["tokens_per_s"]},
     }
     print(f"{cores} cores, {args.busy} busy process(es), {args.steps} steps, {result['config']}")
     print("| variant | threads | tokens/s | wall s | loss |")
@@ -74,7 +76,8 @@ def main() -> None:
         loss = "/".join(f"{r['final_train_loss']:.4f}" for r in rs)
         print(f"| {name} | {threads} | {med[name]['tokens_per_s']:,.0f} | {med[name]['wall_s']:.1f} | {loss} |")
     ratio = result["auto_vs_all_cores"]
-    print(f"auto / all-cores: tokens/s {ratio['tokens_per_s']:.2f}x, wall time {ratio['wall_s']:.2f}x")
+    print(f"auto / all-cores: tokens/s {ratio['tokens_per_s']:.2f}x, wall time {ratio['wall_s']:.2f}x; "
+          f"one thread / all-cores: tokens/s {result['one_thread_vs_all_cores']['tokens_per_s']:.2f}x")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 

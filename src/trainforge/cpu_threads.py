@@ -4,40 +4,42 @@ torch starts one thread per core, and each parallel op ends at a barrier where e
 for the slowest. When another process keeps a core busy, the thread on that core runs only when the
 scheduler gives it a time slice, so every op waits up to one slice (about 4-16 ms on Linux) for it:
 a 2-core machine with the other core busy ran a small Llama's step 58 times slower on 2 threads
-than on 1. ``auto`` times a small matmul on the process's thread count and on one thread, and takes
-the most threads that do not stall at the barrier; the run checks again at log steps (at most every
+than on 1. ``auto`` times a matmul on the process's thread count and on one thread, and takes the most
+threads that are clearly faster than one; the run checks again at log steps (at most every
 ``RECHECK_S``), so threads come back when the other work ends and go when it starts.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-PROBE_SIZE = 192  # a 14 MFLOP matmul: large enough that torch splits it over every thread, ~0.3 ms on one core
-PROBE_REPS = 9
-STALL_FACTOR = 2.0  # a thread count this much slower than one thread (and by STALL_MARGIN_S) waits at the barrier
-STALL_MARGIN_S = 0.5e-3
+PROBE_SIZE = 384  # a 113 MFLOP matmul (~1.5 ms on one core): split over every thread, and long enough that
+# the scheduler spreads the threads over the cores the way it does for a training step's ops
+PROBE_WINDOW_S = 0.03  # each count is timed this long: a busy core takes its thread away only now and then, so a
+# few repetitions (or their median) can miss the stall that a whole step meets
+MIN_REPS = 3
+NEEDED_SPEEDUP = 1.25  # n threads are kept only this much faster than one: beside a busy core they are no faster
+# (two threads sharing the free core) or far slower (one of them on the busy core, waited for at every op)
 RECHECK_S = 30.0
 
 
-def probe_seconds(threads: int, reps: int = PROBE_REPS) -> float:
-    """Median seconds of one ``PROBE_SIZE`` matmul on ``threads`` threads (left set afterwards)."""
+def probe_seconds(threads: int, window_s: float = PROBE_WINDOW_S) -> float:
+    """Mean seconds of a ``PROBE_SIZE`` matmul on ``threads`` threads (left set afterwards), repeated for
+    ``window_s`` (at least ``MIN_REPS`` times): the mean counts the stalls a median would hide."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)  # its own generator: the run's random stream must not see the probe
     a, b = torch.randn(PROBE_SIZE, PROBE_SIZE, generator=gen), torch.randn(PROBE_SIZE, PROBE_SIZE, generator=gen)
     torch.mm(a, b)  # warm-up: the thread pool wakes
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+    reps, start = 0, time.perf_counter()
+    while reps < MIN_REPS or time.perf_counter() - start < window_s:
         torch.mm(a, b)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        reps += 1
+    return (time.perf_counter() - start) / reps
 
 
 def candidates(available: int) -> list[int]:
@@ -48,15 +50,16 @@ def candidates(available: int) -> list[int]:
 
 
 def unstalled_threads(available: int, probe=probe_seconds) -> tuple[int, dict[int, float]]:
-    """The most threads (of ``candidates(available)``) whose probe is not stalled against one thread's,
-    and the probe times taken."""
+    """The most threads (of ``candidates(available)``) whose probe runs at least ``NEEDED_SPEEDUP`` times as
+    fast as one thread's, and the probe times taken. Measured on a 2-core machine: idle, 2 threads took
+    0.43-0.58 of one thread's time; beside one spinning process, 1.1 of it (both threads on the free core)
+    or 90 times it (one thread on the busy core)."""
     if available <= 1:
         return 1, {}
     times = {1: probe(1)}
-    limit = max(STALL_FACTOR * times[1], times[1] + STALL_MARGIN_S)
     for n in candidates(available)[:-1]:
         times[n] = probe(n)
-        if times[n] <= limit:
+        if times[n] * NEEDED_SPEEDUP <= times[1]:
             return n, times
     return 1, times
 
@@ -105,15 +108,18 @@ class CpuThreads:
             return None
         before = torch.get_num_threads()
         threads, times = unstalled_threads(self.available, self.probe)
+        if threads != before and not force:  # a change mid-run only when a second probe agrees: one noisy
+            again, times = unstalled_threads(self.available, self.probe)  # probe must not cost 30 s at the wrong count
+            threads = threads if again == threads else before
         torch.set_num_threads(threads)
         self.checked_at = time.perf_counter()
         if threads == self.available:
             self.why = f"auto: all {threads}, no core busy" if threads > 1 else "auto"
             return f"cpu threads: {threads} of {self.available} (auto: the cores are free again)" if before != threads else None
-        stalled = max(n for n in times if n > threads)
+        slower = max(n for n in times if n > threads)
         self.why = (
-            f"auto: {threads} of {self.available}, other work keeps cores busy (a matmul on {stalled} threads took "
-            f"{times[stalled] * 1e3:.1f} ms against {times[1] * 1e3:.2f} ms on one, waiting at every op)"
+            f"auto: {threads} of {self.available}, other work keeps cores busy (a matmul on {slower} threads took "
+            f"{times[slower] * 1e3:.2f} ms against {times[1] * 1e3:.2f} ms on one)"
         )
         if threads == before and not force:
             return None
