@@ -49,7 +49,7 @@ def candidates(available: int) -> list[int]:
     return sorted({available, available * 3 // 4, available // 2, available // 4, 1}, reverse=True)
 
 
-def unstalled_threads(available: int, probe=probe_seconds) -> tuple[int, dict[int, float]]:
+def fastest_threads(available: int, probe=probe_seconds) -> tuple[int, dict[int, float]]:
     """The most threads (of ``candidates(available)``) whose probe runs at least ``NEEDED_SPEEDUP`` times as
     fast as one thread's, and the probe times taken. Measured on a 2-core machine: idle, 2 threads took
     0.43-0.58 of one thread's time; beside one spinning process, 1.1 of it (both threads on the free core)
@@ -107,9 +107,9 @@ class CpuThreads:
         if not self.active or self.setting != "auto" or (not force and now - self.checked_at < RECHECK_S):
             return None
         before = torch.get_num_threads()
-        threads, times = unstalled_threads(self.available, self.probe)
+        threads, times = fastest_threads(self.available, self.probe)
         if threads != before and not force:  # a change mid-run only when a second probe agrees: one noisy
-            again, times = unstalled_threads(self.available, self.probe)  # probe must not cost 30 s at the wrong count
+            again, times = fastest_threads(self.available, self.probe)  # probe must not cost 30 s at the wrong count
             threads = threads if again == threads else before
         torch.set_num_threads(threads)
         self.checked_at = time.perf_counter()

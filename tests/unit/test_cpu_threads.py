@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainforge.config_train import TrainSettings
-from trainforge.cpu_threads import CpuThreads, candidates, probe_seconds, unstalled_threads
+from trainforge.cpu_threads import CpuThreads, candidates, probe_seconds, fastest_threads
 
 
 @pytest.fixture(autouse=True)
@@ -36,17 +36,17 @@ def test_candidates_try_every_count_on_small_machines_and_fractions_on_large_one
 
 def test_auto_keeps_every_core_when_none_stalls_and_probes_only_two_counts():
     probe = busy(stalled_above=64)
-    assert unstalled_threads(4, probe)[0] == 4
+    assert fastest_threads(4, probe)[0] == 4
     assert probe.calls == [1, 4]
 
 
 def test_auto_steps_down_to_the_cores_that_are_free():
-    assert unstalled_threads(2, busy(stalled_above=1))[0] == 1
-    assert unstalled_threads(4, busy(stalled_above=3))[0] == 3
-    assert unstalled_threads(16, busy(stalled_above=9))[0] == 8  # 16 and 12 stall; 8 is the next candidate
+    assert fastest_threads(2, busy(stalled_above=1))[0] == 1
+    assert fastest_threads(4, busy(stalled_above=3))[0] == 3
+    assert fastest_threads(16, busy(stalled_above=9))[0] == 8  # 16 and 12 stall; 8 is the next candidate
     # two threads no faster than one (both on the one free core, beside a spinning process): one thread
-    assert unstalled_threads(2, lambda n: 1.5e-3 if n == 1 else 1.6e-3)[0] == 1
-    assert unstalled_threads(2, lambda n: 1.5e-3 if n == 1 else 0.75e-3)[0] == 2  # idle: about 2x
+    assert fastest_threads(2, lambda n: 1.5e-3 if n == 1 else 1.6e-3)[0] == 1
+    assert fastest_threads(2, lambda n: 1.5e-3 if n == 1 else 0.75e-3)[0] == 2  # idle: about 2x
 
 
 def test_a_run_follows_the_machine_and_says_so(monkeypatch):

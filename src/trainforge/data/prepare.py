@@ -320,11 +320,11 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
     (out / STATS_FILE).write_text(json.dumps(stats, indent=2))  # last: it marks the entry complete
 
 
-def _nothing_to_learn(bad: BadRows, counts: _Counts | None = None, cfg: DataSettings | None = None, fmt: str = "") -> DataError:
+def _nothing_to_learn(bad: BadRows, counts: _Counts, cfg: DataSettings, fmt: str) -> DataError:
     """No example left with a token to learn: say why, from the counts (an empty source, bad rows, or every
     example's learned tokens cut off at data.max_length) and what to change."""
     why = []
-    if counts is not None and cfg is not None and counts.dropped_masked:
+    if counts.dropped_masked:
         pairs = fmt == "preference"
         why.append(
             f"all {counts.dropped_masked:,} examples lost every learned token to data.max_length {cfg.max_length} "
@@ -332,7 +332,7 @@ def _nothing_to_learn(bad: BadRows, counts: _Counts | None = None, cfg: DataSett
                if pairs else "(the prompt fills the row before the reply starts)")
             + "; raise data.max_length or shorten the prompts"
         )
-    if counts is not None and cfg is not None and counts.dropped_too_long:
+    if counts.dropped_too_long:
         why.append(f"{counts.dropped_too_long:,} examples longer than data.max_length {cfg.max_length} were dropped "
                    "(data.too_long: drop); raise data.max_length or use truncate")
     if bad.count:

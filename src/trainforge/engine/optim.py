@@ -135,6 +135,12 @@ def describe_optimizer(cfg: OptimSettings) -> str:
     return f"{cfg.name} ({', '.join(parts)})"
 
 
+def offloaded(optimizer) -> bool:
+    """torchao's ``CPUOffloadOptimizer`` (``optim.offload: cpu``): host optimizers per large tensor, gradients
+    copied to the host during backward, no ``state`` or ``defaults`` of its own."""
+    return hasattr(optimizer, "optim_dict")
+
+
 def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes the optimizer's state holds now: through bitsandbytes' nested dicts and torchao's tensor
     subclasses to the tensors they store (step counts and shared quantization tables left out)."""
@@ -150,8 +156,8 @@ def measured_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         return value.numel() * value.element_size()
 
     optimizers = [optimizer]
-    if hasattr(optimizer, "optim_dict"):  # torchao's CPUOffloadOptimizer: the state is its host optimizers' (and
-        # its device one's, for small tensors; None when every tensor is large enough to offload)
+    if offloaded(optimizer):  # the state is its host optimizers' (and its device one's, for small tensors;
+        # None when every tensor is large enough to offload)
         optimizers = [o for o in (optimizer.d_opt, *optimizer.optim_dict.values()) if o is not None]
     return sum(size(v) for opt in optimizers for s in opt.state.values() for k, v in s.items() if k != "step")
 
@@ -163,11 +169,10 @@ def clip_gradients(params, optimizer: torch.optim.Optimizer, max_norm: float | N
     hook), so the clip must neither scale a device gradient a copy still reads nor leave the host copies
     (what its host AdamW steps with) unclipped: the clip waits for the copies, then the host copies
     are scaled by the same coefficient."""
-    offloaded = hasattr(optimizer, "param_d2h_map")
-    if offloaded:
+    if offloaded(optimizer):
         getattr(torch, optimizer.device).current_stream().wait_stream(optimizer.stream)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-    if offloaded and max_norm:
+    if offloaded(optimizer) and max_norm:
         coef = float((max_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0))  # a host sync: the host step waits anyway
         for p, copied in optimizer.queue.items():
             copied.synchronize()

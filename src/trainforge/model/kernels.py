@@ -86,8 +86,9 @@ def apply_liger(model: torch.nn.Module, warn: Callable[[str], None] = lambda _: 
         before = dict(vars(module))
         apply(model=model, **{k: v for k, v in wanted.items() if k in params})
         replaced = {k: v for k, v in before.items() if vars(module).get(k) is not v}
-        _TORCH_NAMES.setdefault(module.__name__, {}).update(  # the first originals win: later ones are Liger's
-            {k: v for k, v in replaced.items() if k not in _TORCH_NAMES.get(module.__name__, {})})
+        saved = _TORCH_NAMES.setdefault(module.__name__, {})
+        for name, original in replaced.items():
+            saved.setdefault(name, original)  # the first originals win: a later apply's "before" is Liger's
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is torch.nn.Linear:
         setattr(head, LIGER_LOSS, True)
