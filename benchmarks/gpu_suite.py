@@ -21,10 +21,13 @@ Variants, at the same micro-batch, sequence length, optimizer (AdamW, same lr/sc
   trainforge:  ``trainforge train`` on its defaults (precision, attention, kernels, compile: auto);
   trainforge-compiled: the same with ``train.compile: true`` (compile seconds and steady gain);
   trainforge-fp8-compiled: ``train.fp8: true`` (torchao's FP8 linear layers) and ``train.compile: true``
-               (parts 1 and 3; ``--tiny`` runs ``trainforge-fp8`` eager, emulated on the CPU).
+               (parts 1 and 3; ``--tiny`` runs ``trainforge-fp8`` eager, emulated on the CPU);
+  trainforge-default-allocator: trainforge's defaults on torch's default CUDA allocator instead of the
+               expandable segments trainforge asks for (part 1, last: what the setting saves in reserved memory).
 Every variant is its own process. Reported: real (non-padding) tokens/s in steady state (the steps
 after ``--warmup``) and over the whole loop, MFU against the device's dense bf16 peak (one FLOP count,
-trainforge's, for every variant), peak reserved GPU memory (RSS on CPU), the first step's extra
+trainforge's, for every variant), peak reserved GPU memory (RSS on CPU) beside the peak that tensors
+held (allocated; the difference is the allocator's fragmentation), the first step's extra
 seconds (compile, autotuning), and the mean training loss of the last quarter of steps beside the
 baseline's. Beside trainforge rows: what ``trainforge plan`` predicted (``--hardware h100``, or this
 machine with ``--tiny``) for peak memory and tokens/s, and the error (flagged above 15% / 25%).
@@ -74,6 +77,7 @@ QWEN_05B = dict(architecture="qwen2", hidden_size=896, intermediate_size=4864, n
 LLAMA_8B = dict(architecture="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=8192)
 FULL = ["hf", "hf-liger", "trainforge", "trainforge-compiled"]
+DEFAULT_ALLOCATOR = "trainforge-default-allocator"  # trainforge without the expandable segments it asks CUDA for
 
 
 def parts(tiny: bool) -> dict[int, list[Row]]:
@@ -82,14 +86,14 @@ def parts(tiny: bool) -> dict[int, list[Row]]:
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
         return {
-            1: [Row("llama-1b-shape", {**LLAMA_1B, **small}, "full", "sft", 128, 2, 8, FULL + ["trl-packed"])],
+            1: [Row("llama-1b-shape", {**LLAMA_1B, **small}, "full", "sft", 128, 2, 8, FULL + ["trl-packed", DEFAULT_ALLOCATOR])],
             2: [Row("qwen-0.5b-shape", {**QWEN_05B, **small}, "full", "text", 128, 2, 8, ["hf", "trainforge"]),
                 Row("qwen-0.5b-shape-8k", {**QWEN_05B, **small}, "full", "text", 256, 1, 6, ["hf", "trainforge"])],
             3: [Row("llama-8b-shape-lora", {**LLAMA_8B, **small}, "lora", "sft", 128, 2, 8,
                     ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"])],
         }
     return {
-        1: [Row("llama-1b", LLAMA_1B, "full", "sft", 2048, 4, 60, FULL + ["trl-packed", "trainforge-fp8-compiled"])],
+        1: [Row("llama-1b", LLAMA_1B, "full", "sft", 2048, 4, 60, FULL + ["trl-packed", "trainforge-fp8-compiled", DEFAULT_ALLOCATOR])],
         2: [Row("qwen-0.5b", QWEN_05B, "full", "text", 2048, 8, 60, FULL),
             Row("qwen-0.5b-8k", QWEN_05B, "full", "text", 8192, 2, 30, ["hf", "trainforge"])],
         3: [Row("llama-8b-lora", LLAMA_8B, "lora", "sft", 2048, 4, 40, ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8-compiled"])],
@@ -362,7 +366,7 @@ def run_trainforge(spec: dict, variant: str) -> dict:
     sm = result.summary
     return {"steps": steps, "attention": sm.get("attention"), "kernels": sm.get("kernels"), "precision": sm.get("precision"),
             "compile": sm.get("compile"), "compiled": sm.get("compiled"), "fp8": sm.get("fp8"), "flops_per_token": sm.get("flops_per_token"),
-            "profile": profile}
+            "profile": profile, "cuda_allocator": sm.get("cuda_allocator")}
 
 
 def child(variant: str, spec_path: Path, result_path: Path) -> None:
@@ -385,6 +389,8 @@ def child(variant: str, spec_path: Path, result_path: Path) -> None:
 
         r["flops_per_token"] = flops_per_token(model, spec["row"]["seq"])
     r["peak_memory_bytes"] = torch.cuda.max_memory_reserved() if torch.cuda.is_available() else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if torch.cuda.is_available():  # what tensors held at most: reserved minus this is the allocator's fragmentation
+        r["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
     result_path.write_text(json.dumps(r))
 
 
@@ -413,8 +419,9 @@ def summarize(r: dict, warmup: int, peak_flops: float | None) -> dict:
         "mfu": steady * fpt / peak_flops if fpt and peak_flops else None,
         "late_loss": sum(late) / len(late) if late else None,
         "peak_memory_bytes": r.get("peak_memory_bytes"),
+        "peak_allocated_bytes": r.get("peak_allocated_bytes"),
         "tokens": steps[-1]["tokens"],
-        **{k: r[k] for k in ("attention", "kernels", "precision", "compile", "compiled", "fp8", "profile") if r.get(k) is not None},
+        **{k: r[k] for k in ("attention", "kernels", "precision", "compile", "compiled", "fp8", "profile", "cuda_allocator") if r.get(k) is not None},
     }
 
 
@@ -465,12 +472,21 @@ def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | 
     return report
 
 
+def variant_env(variant: str, base: dict[str, str] | os._Environ) -> dict[str, str]:
+    """The environment a variant's process starts with: offline, and for ``DEFAULT_ALLOCATOR`` an allocator
+    setting of the user's own (torch's default allocator), which trainforge leaves as it is."""
+    env = {**base, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if variant == DEFAULT_ALLOCATOR:
+        env |= {"PYTORCH_ALLOC_CONF": "expandable_segments:False", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    return env
+
+
 def launch(variant: str, spec: dict, out: Path, timeout: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(out)}
     spec_path, result_path = out / "spec.json", out / "result.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = variant_env(variant, os.environ)
     try:
         done = subprocess.run([sys.executable, __file__, "--child", variant, str(spec_path), str(result_path)],
                               env=env, capture_output=True, text=True, timeout=timeout)
@@ -523,7 +539,7 @@ def environment(args: argparse.Namespace) -> dict:
 def table(reports: list[dict]) -> str:
     """One markdown table over the parts' reports."""
     lines = [
-        "| row | variant | tokens/s (steady) | vs baseline | MFU | peak memory | vs baseline | first-step extra | late loss vs baseline | plan: memory / tokens/s error |",
+        "| row | variant | tokens/s (steady) | vs baseline | MFU | peak memory reserved (allocated) | vs baseline | first-step extra | late loss vs baseline | plan: memory / tokens/s error |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for report in reports:
@@ -537,7 +553,7 @@ def table(reports: list[dict]) -> str:
                              if "speed_error" in plan and plan.get("memory_error") is not None else plan.get("error", ""))
                 lines.append(
                     f"| {row['row']['name']} | {name} | {r['tokens_per_s']:,.0f} | {fmt(r.get('speed_vs_baseline'), 'x')} | "
-                    f"{fmt(r.get('mfu'), '%')} | {r['peak_memory_bytes'] / 2**30:.1f} GiB | {fmt(r.get('memory_vs_baseline'), 'x')} | "
+                    f"{fmt(r.get('mfu'), '%')} | {memory_cell(r)} | {fmt(r.get('memory_vs_baseline'), 'x')} | "
                     f"{r['first_step_extra_s']:.1f} s | {fmt(r.get('loss_vs_baseline'), 'x', 3)} | {plan_cell} |"
                 )
     devices = sorted({r["environment"]["device"] for r in reports})
@@ -545,6 +561,12 @@ def table(reports: list[dict]) -> str:
     note = f" Part {', '.join(stopped)} stopped before its last variant (the call's limit)." if stopped else ""
     return ("\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; torch {reports[0]['environment']['versions']['torch']}.{note}"
             + profile_table(reports))
+
+
+def memory_cell(r: dict) -> str:
+    """Peak reserved memory, and on a GPU the peak that tensors held beside it: ``20.1 GiB (18.3)``."""
+    allocated = r.get("peak_allocated_bytes")
+    return f"{r['peak_memory_bytes'] / 2**30:.1f} GiB" + (f" ({allocated / 2**30:.1f})" if allocated else "")
 
 
 KINDS = ("matmul", "attention", "optimizer", "copy", "communication", "other")

@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from .allocator import prefer_expandable_segments
 from .errors import EXIT_BAD_INPUT, EXIT_PLAN_ERROR, EXIT_UNEXPECTED, TrainforgeError, exit_codes_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -35,6 +36,7 @@ PLAN_EPILOG = (
 @app.callback()
 def _root() -> None:
     """trainforge: train and fine-tune language models fast, and measure it."""
+    prefer_expandable_segments()  # before anything starts CUDA: its allocator reads the setting once
 
 
 @app.command(epilog=TRAIN_EPILOG)

@@ -57,3 +57,23 @@ def test_spent_budget_skips_variants_and_still_writes_the_part(tmp_path):
     assert report["complete"] and set(results) == {"hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"}
     assert all(r["status"] == "skipped" for r in results.values())
     assert "budget" in results["trainforge"]["reason"] and "budget" in done.stdout
+
+
+def test_the_default_allocator_variant_runs_on_the_users_setting_which_trainforge_keeps():
+    """Part 1's last variant measures what expandable segments save: its process starts with torch's
+    default allocator asked for by name, as a user would, and trainforge's own request then stands aside."""
+    import importlib.util
+
+    from trainforge.allocator import allocator_settings, prefer_expandable_segments
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_suite"] = suite  # its dataclasses look their module up there
+    spec.loader.exec_module(suite)
+    assert suite.DEFAULT_ALLOCATOR in suite.parts(tiny=False)[1][0].variants
+    env = suite.variant_env(suite.DEFAULT_ALLOCATOR, {"PATH": "/bin"})
+    prefer_expandable_segments(env, "2.11.0+cu130")
+    assert allocator_settings(env)["settings"] == "expandable_segments:False" and allocator_settings(env)["set_by"] == "user"
+    ours = suite.variant_env("trainforge", {"PATH": "/bin"})
+    prefer_expandable_segments(ours, "2.11.0+cu130")
+    assert allocator_settings(ours)["set_by"] == "trainforge"

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..allocator import prefer_expandable_segments
 from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_max_steps
 from ..cpu_threads import CpuThreads
 from ..data.loader import TrainLoader, eval_batches
@@ -297,6 +298,7 @@ def choose_device_and_precision(
 ) -> tuple[torch.device, Precision, str, CpuThreads]:
     """This process's device, the run's precision and why, and its CPU threads (``train.cpu_threads``);
     backends configured for them, and said."""
+    prefer_expandable_segments()  # a run started from Python, not the CLI: still before CUDA's allocator starts
     device = device_for(pick_device(cfg.train.device), ctx)
     threads = CpuThreads.for_device(cfg.train.cpu_threads, device)
     thread_note = threads.start()  # before the precision's matmul probe, which is kept per thread count

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..allocator import allocator_settings, expandable_segments_in_effect
 from ..checkpoint import atomic_write_dir, step_dir_name
 from ..config import RunConfig
 from ..data.loader import Batch
@@ -447,6 +448,7 @@ def finish(run: Run) -> RunResult:
         **({"reference": run.objective.reference} if run.objective.unit == "pair" else {}),
         **{k: v for k, v in c.last_eval.items() if k.startswith(("eval_reward", "eval_logps", "eval_kl"))},  # per evaluation (train.eval_max_batches: auto chose it from the run's length)
         "device": str(run.device),
+        **({"cuda_allocator": allocator_settings(in_effect=expandable_segments_in_effect())} if run.device.type == "cuda" else {}),
         **({"cpu_threads": torch.get_num_threads(), "cpu_threads_reason": run.cpu_threads.why or "as the process had them"}
            if run.device.type == "cpu" else {}),
         "precision": run.precision.name,
