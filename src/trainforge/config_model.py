@@ -45,6 +45,10 @@ class LoraSettings(Section):
     )
     use_dora: bool = Field(False, description="DoRA: adapters on the direction, plus a trained magnitude per output")
     use_rslora: bool = Field(False, description="rank-stabilized LoRA: scale updates by alpha / sqrt(r) instead of alpha / r")
+    fused: bool = Field(
+        True, description="add each adapter's update inside the GEMM (no fp32 copy of the layer input, no extra passes "
+        "over its output; the same function and files); false: PEFT's own forward"
+    )
 
 
 class ModelSettings(Section):

@@ -339,6 +339,7 @@ def build_run_model(
         f"model: {cfg.model.method}, {total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable, "
         f"attention {model.config._attn_implementation}, kernels {'liger (' + ', '.join(used) + ')' if used else 'torch'}"
         + (f", fp8 {model.trainforge_fp8}" if getattr(model, "trainforge_fp8", None) else "")
+        + (f", {model.trainforge_lora_fused} fused LoRA layers" if getattr(model, "trainforge_lora_fused", None) else "")
         + (", activation checkpointing" if cfg.train.activation_checkpointing else "")
     )
     reporter.info(f"weights: {describe_storage(weight_storage(model))}")
@@ -366,6 +367,7 @@ def run_facts(
         "attention": getattr(model.config, "_attn_implementation", None),
         "kernels": getattr(model, "trainforge_kernels", []) or "torch",
         "fp8": getattr(model, "trainforge_fp8", None),
+        "lora_fused_layers": getattr(model, "trainforge_lora_fused", None),
     }
     return RunFacts(why, data_format, data_stats, per_token, peak, choices)
 

@@ -14,6 +14,7 @@ from ..errors import TrainforgeError
 from ..hf_dir import init_kind, read_config, refuse_custom_code
 from .fp8 import apply_fp8
 from .kernels import apply_liger, restore_torch_layers
+from .lora_fused import fuse_lora_layers
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -409,7 +410,8 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     Task type ``SEQ_2_SEQ_LM`` for encoder-decoder models (``final/`` then loads with
     ``AutoPeftModelForSeq2SeqLM``). ``all-linear`` adapts every linear layer but the LM head: on
     T5 ``q, k, v, o, wi (wi_0, wi_1), wo``, on BART ``q_proj, k_proj, v_proj, out_proj, fc1, fc2``,
-    in the encoder, the decoder and its cross-attention alike."""
+    in the encoder, the decoder and its cross-attention alike. ``lora.fused``: the layers add their update
+    inside the GEMM (``lora_fused.py``)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -423,7 +425,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     )
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
+    if lora.fused:
+        model.trainforge_lora_fused = fuse_lora_layers(model)  # the update added inside the GEMM (lora_fused.py)
+    return model
 
 
 def lora_targets(model: torch.nn.Module, targets: str | list[str]) -> str | list[str]:
