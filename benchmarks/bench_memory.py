@@ -23,6 +23,7 @@ trainforge runs (`trainforge.engine.trainer.train`, through the same config a CL
 - `tf-full-fp32`: full fine-tune, fp32.           - `tf-full-fp32-ckpt`: + activation checkpointing.
 - `tf-lora-fp32`: LoRA on an fp32 base.           - `tf-lora-bf16`: LoRA, bf16 run: the frozen base in bf16.
 - `tf-lora-bf16-ckpt`: + activation checkpointing. - `tf-qlora-bf16-ckpt`: NF4 base (bitsandbytes), bf16 compute.
+- `tf-lora-bf16-peft`, `tf-qlora-bf16-ckpt-peft`: those two on PEFT's own LoRA forward (`model.lora.fused: false`).
 What a user would otherwise run (TRL `SFTTrainer`, i.e. HF Trainer + PEFT, with `peft_config`):
 - `trl-lora-bf16-ckpt`: the base loaded in bf16 (`model_init_kwargs={"dtype": bfloat16}`), `bf16=True`,
   `gradient_checkpointing=True` (TRL's defaults), packing=True.
@@ -54,11 +55,16 @@ TF_RUNS = {  # name -> trainforge config overrides
     "tf-lora-bf16": {"model.method": "lora", "train.precision": "bf16"},
     "tf-lora-bf16-ckpt": {"model.method": "lora", "train.precision": "bf16", "train.activation_checkpointing": True},
     "tf-qlora-bf16-ckpt": {"model.method": "qlora", "train.precision": "bf16", "train.activation_checkpointing": True},
+    # the same on PEFT's own LoRA forward (model.lora.fused: false): what the fused layers save
+    "tf-lora-bf16-peft": {"model.method": "lora", "train.precision": "bf16", "model.lora.fused": False},
+    "tf-qlora-bf16-ckpt-peft": {"model.method": "qlora", "train.precision": "bf16", "train.activation_checkpointing": True,
+                                "model.lora.fused": False},
 }
 TRL_RUNS = ("trl-lora-bf16-ckpt", "trl-qlora-bf16-ckpt")
 RUNS = (*TF_RUNS, *TRL_RUNS)
-# the pairs the issue compares: trainforge's peak memory must be no higher than the TRL run's
-PAIRS = (("tf-lora-bf16-ckpt", "trl-lora-bf16-ckpt"), ("tf-qlora-bf16-ckpt", "trl-qlora-bf16-ckpt"))
+# trainforge against TRL on the same settings, then the fused LoRA layers against PEFT's forward
+PAIRS = (("tf-lora-bf16-ckpt", "trl-lora-bf16-ckpt"), ("tf-qlora-bf16-ckpt", "trl-qlora-bf16-ckpt"),
+         ("tf-lora-bf16", "tf-lora-bf16-peft"), ("tf-qlora-bf16-ckpt", "tf-qlora-bf16-ckpt-peft"))
 
 
 def settings(args: argparse.Namespace) -> dict:

@@ -96,7 +96,8 @@ def parts(tiny: bool) -> dict[int, list[Row]]:
         1: [Row("llama-1b", LLAMA_1B, "full", "sft", 2048, 4, 60, FULL + ["trl-packed", "trainforge-fp8-compiled", DEFAULT_ALLOCATOR])],
         2: [Row("qwen-0.5b", QWEN_05B, "full", "text", 2048, 8, 60, FULL),
             Row("qwen-0.5b-8k", QWEN_05B, "full", "text", 8192, 2, 30, ["hf", "trainforge"])],
-        3: [Row("llama-8b-lora", LLAMA_8B, "lora", "sft", 2048, 4, 40, ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8-compiled"])],
+        3: [Row("llama-8b-lora", LLAMA_8B, "lora", "sft", 2048, 4, 40,
+                ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8-compiled", "trainforge-compiled"])],
     }
 
 

@@ -43,7 +43,8 @@ PUBLISHED = [
      1, 1304, False, 13.84e9 / GIB, "same table, nf4-dq"),
     ("torchtune: Llama 3.1 8B QLoRA r8 all linear, RTX 4090, 2 x 2048 packed, checkpointing", "llama-3.1-8b", "rtx4090", "qlora",
      {"r": 8, "target_modules": "all-linear"}, 2, 2048, True, 7.4, "pytorch/torchtune README 'Memory and training speed' (2024-09)"),
-    ("PEFT MetaMathQA: Llama 3.2 3B LoRA r32 q,v, L40S, 4 x 768", "llama-3.2-3b", "l40s", "lora", {"r": 32, "alpha": 64, "target_modules": ["q_proj", "v_proj"]},
+    ("PEFT MetaMathQA: Llama 3.2 3B LoRA r32 q,v, L40S, 4 x 768", "llama-3.2-3b", "l40s", "lora", {"r": 32, "alpha": 64, "target_modules": ["q_proj", "v_proj"],
+                                                                                      "fused": False},  # PEFT's own forward, as measured
      4, 768, False, 20.1e9 / GIB, "99th percentile of reserved per step; huggingface/peft method_comparison/MetaMathQA"),
     ("torchtune: Llama 3.2 3B full, A100 80GB, 2 x 4096 packed, no checkpointing", "llama-3.2-3b", "a100-80gb", "full", None,
      2, 4096, False, 60.0, "peak active; pytorch/torchtune README 'Optimization flags' (2024-11), '+ packed' row"),
@@ -67,14 +68,14 @@ def plan_one(root: Path, row: tuple) -> dict:
     cfg = {
         "model": model,
         "data": {"train": str(data), "max_length": length},
-        "train": {"max_steps": 100, "micro_batch_size": mbs, "activation_checkpointing": ckpt, "precision": "bf16"},
+        "train": {"max_steps": 100, "micro_batch_size": mbs, "activation_checkpointing": ckpt, "precision": "bf16", "kernels": "torch"},
     }
     path = root / "plan.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "trainforge", "plan", str(path), "--hardware", hardware, "--json"],
                        capture_output=True, text=True, env=env)
-    if r.returncode not in (0, 1):
+    if r.returncode not in (0, 1, 5):  # 5: a finding is an error (it does not fit the card): the plan is still printed
         return {"label": label, "error": r.stderr[-1500:]}
     plan = json.loads(r.stdout)
     m = plan["memory"]

@@ -82,7 +82,9 @@ def test_tinyllama_lora_fits_8gb_and_an_rtx2080ti(arch):
     plan = example_plan(arch, "tinyllama-lora-8gb.yaml", "tinyllama", "rtx4060")
     peak = plan["memory"]["peak_process_bytes"]
     assert plan["memory"]["fits"] and peak <= 8 * GIB
-    assert peak == pytest.approx(7.19 * GIB, rel=0.10)  # measured when the example was written
+    # 7.19 GiB when the example was written; 5.79 since the LoRA layers add their update inside the GEMM
+    # (model/lora_fused.py: no bf16 copy of each layer's input kept for lora_A; 6.84 GiB on PEFT's forward)
+    assert peak == pytest.approx(5.79 * GIB, rel=0.10)
     choices = {d["setting"]: d["choice"] for d in plan["decisions"]}
     assert choices["precision"] == "bf16" and int(choices["micro_batch_size"]) >= 1
     turing = example_plan(arch, "tinyllama-lora-8gb.yaml", "tinyllama", "rtx2080ti")
