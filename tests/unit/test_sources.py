@@ -139,6 +139,54 @@ def test_saved_dataset_with_a_missing_arrow_file_is_a_data_error(tmp_path, datas
 # ---------------------------------------------------------------- UTF-8 byte-order mark
 
 
+# ---------------------------------------------------------------- Hugging Face Hub snapshots
+
+
+def test_hub_snapshot_directory_reads_its_train_split_not_its_test_split(tmp_path):
+    """A snapshot of a Hub dataset repository (push_to_hub's data/<split>-00000-of-0000N files beside the
+    card) trains on its train split only: its test rows never reach training."""
+    pd = pytest.importorskip("pandas")
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("---\nconfigs: []\n---\n")
+    pd.DataFrame({"text": ["t1", "t2"]}).to_parquet(hub / "data" / "train-00000-of-00002.parquet")
+    pd.DataFrame({"text": ["t3"]}).to_parquet(hub / "data" / "train-00001-of-00002.parquet")
+    pd.DataFrame({"text": ["held out"]}).to_parquet(hub / "data" / "test-00000-of-00001.parquet")
+    assert [r.data["text"] for r in rows_of(hub)] == ["t1", "t2", "t3"]
+    assert [p.name for p in source_files(str(hub))] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        ["train.jsonl", "test.jsonl", "validation.jsonl"],
+        ["data/train/shard_0.jsonl", "data/train/shard_1.jsonl", "data/test/shard_0.jsonl"],
+        ["my_train_file_00001.jsonl", "my_eval_file.jsonl", "dev.jsonl"],
+    ],
+)
+def test_hub_split_keywords_in_file_and_directory_names(tmp_path, files):
+    for name in files:
+        write_jsonl(tmp_path / name, [{"text": name}])
+    assert [r.data["text"] for r in rows_of(tmp_path)] == sorted(f for f in files if "train" in f)
+
+
+def test_hub_snapshot_without_a_train_split_names_its_splits(tmp_path):
+    write_jsonl(tmp_path / "data" / "train_prefs-00000-of-00001.jsonl", [{"text": "a"}])
+    write_jsonl(tmp_path / "data" / "test_prefs-00000-of-00001.jsonl", [{"text": "b"}])
+    with pytest.raises(DataError) as e:
+        rows_of(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path}: its files are in the splits test_prefs, train_prefs (as Hugging Face Hub files are named) and "
+        f"none is 'train'; point data.train at one split's files, e.g. '{tmp_path / 'data' / 'test_prefs*'}'"
+    )
+
+
+def test_a_directory_of_one_split_or_none_reads_every_file(tmp_path):
+    for name in ("train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl", "extra.jsonl", "sub/notes.jsonl"):
+        write_jsonl(tmp_path / name, [{"text": name}])
+    assert len(rows_of(tmp_path)) == 4
+
+
 def test_bom_is_skipped_in_every_text_format(tmp_path):
     rows = [{"text": "alpha"}, {"text": "beta"}]
     (tmp_path / "a.jsonl").write_bytes(BOM + b"".join(json.dumps(r).encode() + b"\n" for r in rows))
