@@ -60,8 +60,8 @@ def format_fields(fmt: str, names: FieldNames) -> tuple[str, ...]:
         "chat": (names.messages,),
         "alpaca": (names.instruction, names.output),
         "source_target": (*SOURCE_TARGET, names.input, names.output),  # either pair (see source_target_keys)
-        "preference": ("prompt", "chosen", "rejected"),  # data/preference.py reads each layout
-        "unpaired": ("prompt", "completion", "messages"),
+        "preference": (names.prompt, "chosen", "rejected"),  # data/preference.py reads each layout
+        "unpaired": (names.prompt, names.completion, names.messages),
     }[fmt]
 
 
@@ -77,7 +77,7 @@ def detect_format(row: Row, names: FieldNames) -> str:
     """The format whose fields the row has (preference pairs, chat, alpaca, prompt/completion, then text)."""
     if "chosen" in row.data and "rejected" in row.data:
         return "preference"  # TRL's {prompt, chosen, rejected} or the implicit-prompt {chosen, rejected} (data/preference.py)
-    if isinstance(row.data.get("label"), bool) and ("completion" in row.data or "messages" in row.data):
+    if isinstance(row.data.get("label"), bool) and (names.completion in row.data or names.messages in row.data):
         return "unpaired"  # KTO: TRL's {prompt, completion, label} or LLaMA-Factory's {messages, label}
     if SHAREGPT_FIELD in row.data and isinstance(row.data[SHAREGPT_FIELD], list):
         return "chat"  # ShareGPT: {"conversations": [{"from", "value"}, ...]}
