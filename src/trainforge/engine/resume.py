@@ -248,6 +248,29 @@ def check_fits_run(plan: ResumePlan, run: Run) -> None:
             )
 
 
+def records_to_keep(out: Path, plan: ResumePlan) -> int:
+    """The metrics.jsonl records of the run at ``plan``'s checkpoint: those written before its save, and, when
+    the run finished at that checkpoint (summary.json of its step and final/ written), the final evaluation
+    written after it, at the same step, which no resumed process writes again."""
+    kept, step = plan.state["counters"]["metrics_records"], plan.checkpoint.step
+    try:
+        finished = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("steps") == step
+        lines = (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()[kept:]
+    except (OSError, ValueError, AttributeError):  # no summary (a killed run), or one that is not ours
+        return kept
+    if not (finished and (out / "final").is_dir()):
+        return kept
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn last line
+            break
+        if not (isinstance(record, dict) and record.get("step") == step and "eval_loss" in record):
+            break
+        kept += 1
+    return kept
+
+
 def resume_note(plan: ResumePlan, run: Run) -> str:
     """One line on what the resumed run continues from and what differs from the configured run."""
     info, c = plan.checkpoint, run.counters
