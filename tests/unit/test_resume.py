@@ -368,6 +368,14 @@ def test_longer_max_steps_continues_on_the_original_schedule(config, tmp_path):
     assert "keeps its 6-step horizon" in log and "records written after" not in log
     evals = [r["step"] for r in read_metrics(reference / "metrics.jsonl") if "eval_loss" in r]
     assert evals == [0, 6, 9]  # the first run's final evaluation stays in the curve
+    # where this process's wall time went: not the first process's loop and eval seconds too (they once made
+    # "start-up 80%" and "81% of it training steps" of one wall time)
+    earlier, t = state(reference, 6)["counters"], result.summary["time"]
+    loop_here = result.summary["train_time_s"] - earlier["loop_time_s"]
+    assert t["train_s"] + t["data_wait_s"] + t["compile_s"] == pytest.approx(loop_here, abs=1e-3)
+    assert 0 < t["eval_s"] < result.summary["time"]["wall_s"] and t["data_wait_s"] < loop_here
+    parts = sum(v for k, v in t.items() if k.endswith("_s") and k != "wall_s")
+    assert parts <= t["wall_s"] + 0.01
     lrs = {r["step"]: r["lr"] for r in read_metrics(reference / "metrics.jsonl") if "lr" in r}
     assert sorted(lrs) == list(range(1, 10))
     floor = config["optim"]["lr"] * 0.1  # min_lr_ratio

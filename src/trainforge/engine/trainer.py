@@ -347,18 +347,20 @@ def wall_time(run: Run) -> float:
 
 
 def time_ledger(run: Run, wall_s: float, end_s: float) -> dict[str, float]:
-    """Where this process's wall time went, in seconds (``metrics/limits.py`` ranks the parts besides training)."""
-    c = run.counters
+    """Where this process's wall time went, in seconds (``metrics/limits.py`` ranks the parts besides training):
+    after a resume, the counters less what the checkpoint's earlier processes had spent (``Run.earlier``)."""
+    c, before = run.counters, run.earlier
     compile_s = (run.compile_auto.measured() or {}).get("compile_s", 0.0)
     step_s = c.loop_time_s / max(c.step, 1)
+    loop_s, data_wait_s = c.loop_time_s - before.get("loop_time_s", 0.0), c.data_wait_s - before.get("data_wait_s", 0.0)
     parts = {
         "startup_s": run.startup_s or 0.0,
-        "train_s": c.loop_time_s - c.data_wait_s - compile_s,  # steps computing (eval and checkpoint pauses excluded)
-        "data_wait_s": c.data_wait_s,
+        "train_s": loop_s - data_wait_s - compile_s,  # steps computing (eval and checkpoint pauses excluded)
+        "data_wait_s": data_wait_s,
         "compile_s": compile_s,
-        "eval_s": c.eval_s,
+        "eval_s": c.eval_s - before.get("eval_s", 0.0),
         "checkpoint_s": run.saver.stall_s,
-        "skipped_s": float(run.guard.total) * step_s,
+        "skipped_s": (float(run.guard.total) - before.get("skipped", 0.0)) * step_s,
         "end_s": end_s,
         "wall_s": wall_s,
     }
@@ -479,5 +481,5 @@ def finish(run: Run) -> RunResult:
         f"done: {c.step} steps, {c.tokens_seen:,} tokens in {c.loop_time_s:.1f}s "
         f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"
     )
-    run.reporter.info(describe_limits(summary["limits"], summary["wall_time_s"], c.loop_time_s - c.data_wait_s))
+    run.reporter.info(describe_limits(summary["limits"], summary["wall_time_s"], summary["time"]["train_s"]))
     return RunResult(out, summary, run.model, run.tokenizer)
