@@ -11,7 +11,7 @@ import torch
 
 from ..config import ConfigError, LoraSettings, ModelSettings
 from ..errors import TrainforgeError
-from ..hf_dir import init_kind, read_config, refuse_custom_code
+from ..hf_dir import init_kind, read_config, refuse_adapter, refuse_custom_code
 from .fp8 import apply_fp8
 from .kernels import apply_liger, restore_torch_layers
 
@@ -182,6 +182,7 @@ def build_model(
         model = auto_class.from_config(config, dtype=torch.float32, attn_implementation=attn, trust_remote_code=False)
     else:
         refuse_custom_code(cfg.path, "model.path")  # never run the directory's code; trust_remote_code=False besides
+        refuse_adapter(cfg.path)
         from transformers import AutoConfig
 
         attn = exact_attention(AutoConfig.from_pretrained(str(cfg.path.resolve()), trust_remote_code=False), cfg.attention, attn, warn)
@@ -322,6 +323,7 @@ def build_model_skeleton(
         config, base_dtype = init_config(cfg.init, tokenizer), torch.float32
     else:
         refuse_custom_code(cfg.path, "model.path")
+        refuse_adapter(cfg.path)
         config = AutoConfig.from_pretrained(str(cfg.path.resolve()), trust_remote_code=False)
         config.vocab_size = max(config.vocab_size, len(tokenizer))
     if layers is not None:
