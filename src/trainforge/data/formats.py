@@ -122,7 +122,7 @@ def _string(row: Row, key: str, optional: bool = False) -> str:
     if key not in row.data or row.data[key] is None:
         if optional:
             return ""
-        raise DataError(f"{row.where}: missing field {key!r}")
+        raise DataError(f"{row.where}: field {key!r} is " + ("null" if key in row.data else "missing"))
     value = row.data[key]
     if not isinstance(value, str):
         raise DataError(f"{row.where}: field {key!r} must be a string, got {type(value).__name__}")
