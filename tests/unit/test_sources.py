@@ -187,6 +187,21 @@ def test_a_directory_of_one_split_or_none_reads_every_file(tmp_path):
     assert len(rows_of(tmp_path)) == 4
 
 
+def test_json_lines_in_a_json_file_are_read_line_by_line(tmp_path):
+    """datasets' Dataset.to_json("train.json") writes JSON Lines under .json, as many Hub repositories ship them;
+    they stopped at line 2 with "malformed JSON at column 1: Extra data"."""
+    path = tmp_path / "train.json"
+    path.write_bytes(BOM + b'{"text": "a"}\n\n{"text": "b", "id": null}\n{"text": broken}\n')
+    got = rows_of(path, policy="skip")
+    assert [r.data["text"] for r in got] == ["a", "b"] and [r.where for r in got] == [f"{path}:1", f"{path}:3"]
+    with pytest.raises(DataError, match=f"{path}:4: malformed JSON"):
+        rows_of(path)
+    pretty = tmp_path / "one.json"  # a pretty-printed object is still no row list
+    pretty.write_text('{\n  "data": [{"text": "a"}]\n}\n')
+    with pytest.raises(DataError, match="expected a JSON array of objects, got dict"):
+        rows_of(pretty)
+
+
 def test_bom_is_skipped_in_every_text_format(tmp_path):
     rows = [{"text": "alpha"}, {"text": "beta"}]
     (tmp_path / "a.jsonl").write_bytes(BOM + b"".join(json.dumps(r).encode() + b"\n" for r in rows))

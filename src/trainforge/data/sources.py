@@ -219,7 +219,11 @@ def read_jsonl(path: Path, bad: BadRows) -> Iterator[Row]:
 
 
 def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
-    """A JSON array of objects (rows are numbered from 1 in messages)."""
+    """A JSON array of objects (rows are numbered from 1 in messages), or JSON Lines named .json, as
+    ``datasets``' ``to_json`` writes them and Hub repositories ship them (read as ``.jsonl``)."""
+    if _is_json_lines(path):
+        yield from read_jsonl(path, bad)
+        return
     try:
         items = json.loads(path.read_bytes().decode("utf-8-sig"))
     except UnicodeDecodeError as e:
@@ -235,6 +239,18 @@ def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
             bad.report(f"{path}: row {i}: expected a JSON object, got {type(obj).__name__}")
             continue
         yield Row(obj, f"{path}: row {i}")
+
+
+def _is_json_lines(path: Path) -> bool:
+    """Whether a .json file holds one object per line: its first line is a whole JSON object."""
+    with open(path, "rb") as f:
+        first = _strip_bom(f.readline()).strip()
+    if not first.startswith(b"{"):
+        return False
+    try:
+        return isinstance(json.loads(first), dict)
+    except (ValueError, RecursionError):  # a pretty-printed object, or not JSON: read_json says what is wrong
+        return False
 
 
 def read_csv(path: Path, bad: BadRows) -> Iterator[Row]:
