@@ -386,6 +386,24 @@ def test_longer_max_steps_continues_on_the_original_schedule(config, tmp_path):
         train(config, reference)
 
 
+def test_an_epochs_run_trains_on_with_more_epochs(config, tmp_path):
+    """A finished epochs run said "To train on, raise train.max_steps", which the config then refused beside
+    epochs, and train.epochs was bound to the checkpoint: such a run could not be trained on at all."""
+    del config["train"]["max_steps"]
+    config["train"]["epochs"] = 1
+    run = tmp_path / "run"
+    first = train(config, run)[0].summary["steps"]
+    _, log = train(config, run)
+    assert "nothing to train. To train on, raise train.epochs;" in log
+    config["train"]["epochs"] = 2
+    result, log = train(config, run)
+    steps = result.summary["steps"]
+    assert 2 * first - 1 <= steps <= 2 * first and f"(step {first} of {steps})" in log
+    config["train"]["epochs"] = 1
+    with pytest.raises(ResumeError, match=rf"train.epochs=1 \({first} steps\) is below the step of .* give train.max_steps"):
+        train(config, run)
+
+
 def test_the_same_command_on_a_finished_run_trains_and_rewrites_nothing(config, reference):
     """A rerun after the run ended says so and leaves final/, summary.json and the metrics as they were
     (it once re-evaluated, rewrote final/ and printed 'done: 6 steps' for steps it never ran)."""

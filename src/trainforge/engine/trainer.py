@@ -36,6 +36,7 @@ from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .preempt import Interrupted, StopRequest
+from .resume import length_key
 from .run import Run, RunResult
 from .setup import setup
 from .sharded import full_model_state
@@ -67,9 +68,10 @@ def finished_before(run: Run) -> bool:
         return False
     if not ((run.out / "summary.json").is_file() and (run.out / "final").is_dir()):
         return False  # stopped after its last step, before final/: finish now
+    key = length_key(run.cfg)  # an epochs run trains on with more epochs, or with train.max_steps in their place
     run.reporter.info(
-        f"{run.out} holds this run finished: {run.step} steps (train.max_steps), its model in {run.out / 'final'}; "
-        "nothing to train. To train on, raise train.max_steps; to train again, give another --output"
+        f"{run.out} holds this run finished: {run.step} steps ({key}), its model in {run.out / 'final'}; "
+        f"nothing to train. To train on, raise {key}; to train again, give another --output"
     )
     return True
 
