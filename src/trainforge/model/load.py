@@ -23,8 +23,9 @@ def init_config(init: dict[str, Any], tokenizer):
     fields = {k: v for k, v in init.items() if k != "architecture"}
     fields.setdefault("vocab_size", len(tokenizer))
     if fields["vocab_size"] < len(tokenizer):
-        raise ValueError(
-            f"model.init.vocab_size={fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens"
+        raise ConfigError(
+            f"model.init.vocab_size={fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens; "
+            "raise it, or leave it out to size the model to the tokenizer"
         )
     fields.setdefault("eos_token_id", tokenizer.eos_token_id)
     fields.setdefault("pad_token_id", tokenizer.pad_token_id)
@@ -75,7 +76,7 @@ def decoder_start_token_id(cfg: ModelSettings, tokenizer) -> int:
         if start is None and (cfg.path / "generation_config.json").is_file():
             start = GenerationConfig.from_pretrained(path).decoder_start_token_id
     if start is None:
-        raise ValueError(
+        raise ConfigError(
             f"model: the encoder-decoder config has no decoder_start_token_id (config.json or generation_config.json "
             f"of {cfg.path or cfg.init.get('architecture')}); add it there (T5 uses the pad token, BART its EOS)"
         )
@@ -396,7 +397,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     the model, so each checkpointed layer is also one ``fully_shard`` unit.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"train.activation_checkpointing: {type(model).__name__} does not support activation checkpointing")
+        raise ConfigError(f"train.activation_checkpointing: {type(model).__name__} does not support activation checkpointing")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
