@@ -407,6 +407,9 @@ def finish(run: Run) -> RunResult:
     weights = full_model_state(run.model) if run.dist.mode == "fsdp" else None
     nonfinite = final_weights_check(run.model, weights, run.reporter.warn) if run.dist.is_main else {}
 
+    if cfg.data.chat_template:  # final/ (and its exports) render chats as the run trained them, in any loader
+        run.tokenizer.chat_template = cfg.data.chat_template
+
     def write_final(tmp: Path) -> None:
         run.model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
         run.tokenizer.save_pretrained(tmp)
