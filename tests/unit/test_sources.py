@@ -181,6 +181,16 @@ def test_hub_snapshot_without_a_train_split_names_its_splits(tmp_path):
     )
 
 
+def test_a_hub_snapshots_metadata_json_is_not_read_as_data(tmp_path):
+    """dataset_infos.json (older Hub repositories) beside the data stopped the run as a row without the format's
+    fields; datasets.load_dataset skips it, config.json and dataset_info.json."""
+    write_jsonl(tmp_path / "data.jsonl", [{"text": "a"}])
+    for name in ("dataset_infos.json", "dataset_info.json", "config.json"):
+        (tmp_path / name).write_text('{"default": {"features": {}}}')
+    assert [r.data for r in rows_of(tmp_path)] == [{"text": "a"}]
+    assert source_files(str(tmp_path)) == [tmp_path / "data.jsonl"]
+
+
 def test_a_directory_of_one_split_or_none_reads_every_file(tmp_path):
     for name in ("train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl", "extra.jsonl", "sub/notes.jsonl"):
         write_jsonl(tmp_path / name, [{"text": name}])

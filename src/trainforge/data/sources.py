@@ -22,7 +22,7 @@ from typing import Any
 
 from ..config import BUILTIN_FUNCTION_LABELS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB
 from ..errors import TrainforgeError
-from .splits import TRAIN, by_split
+from .splits import METADATA_FILES, TRAIN, by_split
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 
@@ -93,7 +93,10 @@ def _files_below(root: Path) -> list[Path]:
             if saved_dataset_kind(here / name):
                 found.append(here / name)
                 dirnames.remove(name)  # its own files are not read one by one
-        found.extend(here / f for f in filenames if Path(f).suffix in SUPPORTED_SUFFIXES and (here / f).is_file())
+        found.extend(
+            here / f for f in filenames
+            if Path(f).suffix in SUPPORTED_SUFFIXES and f not in METADATA_FILES and (here / f).is_file()
+        )
     return found
 
 

@@ -6,7 +6,8 @@ writes, any split name), else a ``train``/``validation``/``test`` keyword (or an
 ``eval``, ...) delimited by non-word characters in the file name or a directory name
 (``train.jsonl``, ``my_test_file.csv``, ``data/validation/shard_0.csv``). A directory whose files
 fall in two or more splits is read as one split, ``train``, as ``datasets.load_dataset`` would load it
-for training: the test rows never reach training (``sources.expand_paths``).
+for training: the test rows never reach training (``sources.expand_paths``). Its metadata files
+(``dataset_infos.json``, ...) are not data.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import re
 from pathlib import Path
 
 TRAIN = "train"
+# a repository's metadata beside its data files, which ``datasets.load_dataset`` never reads as rows
+METADATA_FILES = frozenset({"config.json", "dataset_info.json", "dataset_infos.json"})
 KEYWORDS = {
     "train": TRAIN, "training": TRAIN,
     "validation": "validation", "valid": "validation", "val": "validation", "dev": "validation",
