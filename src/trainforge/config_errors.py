@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 import reprlib
+import typing
 from typing import Any
 
 import yaml
@@ -52,13 +53,18 @@ def clip(text: str, limit: int = SHOWN_CHARS) -> str:
 
 
 def key_lines(node: yaml.Node | None, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
-    """Map each key path of a composed YAML document to its 1-based line number."""
+    """Map each key path of a composed YAML document to its 1-based line number (a list item's path ends in
+    its index)."""
     lines: dict[tuple[str, ...], int] = {}
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             path = prefix + (str(key_node.value),)
             lines[path] = key_node.start_mark.line + 1
             lines.update(key_lines(value_node, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[prefix + (str(i),)] = item.start_mark.line + 1
+            lines.update(key_lines(item, prefix + (str(i),)))
     return lines
 
 
@@ -72,9 +78,9 @@ def format_errors(
 ) -> str:
     """The message of a failed validation of ``data`` (read from ``source``) against ``schema``."""
     out = [f"invalid configuration ({clip(source)}):"]
-    errors = err.errors(include_input=False, include_url=False)
+    errors = _deepest_union_errors(err.errors(include_input=False, include_url=False), data)
     for e in errors[:MAX_ERRORS]:
-        loc = _strip_union_tags(tuple(str(p) for p in e["loc"]))
+        loc = _strip_union_tags(tuple(str(p) for p in e["loc"]), data)
         msg = e["msg"].removeprefix("Value error, ")
         named = _KEY_PREFIX.match(msg)
         if named:  # a validator that knows the exact key names it first: "model.init.x: ..."
@@ -86,7 +92,7 @@ def format_errors(
             msg = "required key is missing"
         given = _lookup(data, loc)
         where = ""
-        if loc in overridden:
+        if any(loc[:n] in overridden for n in range(1, len(loc) + 1)):  # the key, or one above it, was --set
             where = " (from --set)"
         else:
             line = _nearest_line(marks, loc)
@@ -104,11 +110,28 @@ _MISSING = object()
 _KEY_PREFIX = re.compile(r"^((?:model|data|train|optim|checkpoint|log)(?:\.[A-Za-z0-9_]+)+): (.*)$", re.S)
 
 
-def _strip_union_tags(loc: tuple[str, ...]) -> tuple[str, ...]:
-    # pydantic adds the union member type to locations ("train.str", "eval.float"); users never typed those
+def _strip_union_tags(loc: tuple[str, ...], data: Any) -> tuple[str, ...]:
+    """The key path the user typed: without the union member types pydantic adds to locations ("train.str",
+    "eval.float", "train.0.SourceSpec.weight"), a CamelCase member being a tag unless the data has such a key."""
     tags = {"str", "float", "int", "bool", "none"}
-    kept = [p for p in loc if p not in tags and not p.startswith(("function-", "list[", "tuple["))]
+    kept: list[str] = []
+    for p in loc:
+        model_tag = p[:1].isupper() and p.isidentifier() and _lookup(data, (*kept, p)) is _MISSING
+        if p not in tags and not model_tag and not p.startswith(("function-", "list[", "tuple[", "literal[")):
+            kept.append(p)
     return tuple(kept)
+
+
+def _deepest_union_errors(errors: list[dict[str, Any]], data: Any) -> list[dict[str, Any]]:
+    """Without the errors of union members that did not apply: a member's error (its location tagged with the
+    member type) is left out when another error lies deeper below the same key, e.g. ``data.train`` "should be
+    a valid string" beside ``data.train.0.weight`` "should be greater than 0"."""
+    locs = [(tuple(str(p) for p in e["loc"]), _strip_union_tags(tuple(str(p) for p in e["loc"]), data)) for e in errors]
+
+    def explained(raw: tuple[str, ...], loc: tuple[str, ...]) -> bool:
+        return raw != loc and any(len(other) > len(loc) and other[: len(loc)] == loc for _, other in locs)
+
+    return [e for e, (raw, loc) in zip(errors, locs) if not explained(raw, loc)]
 
 
 def _lookup(data: Any, loc: tuple[str, ...]) -> Any:
@@ -133,13 +156,23 @@ def _nearest_line(marks: dict[tuple[str, ...], int], loc: tuple[str, ...]) -> in
 def _allowed_keys_hint(schema: type[BaseModel], loc: tuple[str, ...]) -> str:
     model = schema
     for part in loc[:-1]:
+        if part.isdigit():  # a list item: the list's own member model, found below
+            continue
         field = model.model_fields.get(part)
-        ann = field.annotation if field else None
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        else:
+        found = _model_in(field.annotation) if field else None
+        if found is None:
             return ""
+        model = found
     allowed = [f.alias or name for name, f in model.model_fields.items()]
     close = difflib.get_close_matches(loc[-1][:SHOWN_CHARS], allowed, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{hint} allowed here: {', '.join(allowed)}"
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds: the annotation itself, or the one model among its union members and
+    list items (``str | list[str | SourceSpec]``: ``SourceSpec``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    found = {m for arg in typing.get_args(annotation) if (m := _model_in(arg)) is not None}
+    return found.pop() if len(found) == 1 else None

@@ -166,6 +166,21 @@ def refuse_custom_code(path: str | Path, role: str = "", _seen: frozenset[Path] 
                 raise type(e)(f"the adapter in {where} adapts {base}: {e}") from None
 
 
+class AdapterNotModel(TrainforgeError, ValueError):
+    """A PEFT adapter directory given where training needs a model to start from."""
+
+
+def refuse_adapter(path: str | Path, role: str = "model.path") -> None:
+    """Raise when ``path`` is a PEFT adapter (adapter_config.json, no config.json), such as a LoRA run's final/:
+    a run trains a model, which the adapter must first be merged into."""
+    path = Path(path)
+    if has_any(path, (ADAPTER_CONFIG,)) and not has_any(path, (CONFIG,)):
+        raise AdapterNotModel(
+            f"{role}: {path} is a PEFT adapter ({ADAPTER_CONFIG}, no {CONFIG}), not a model to train from; merge it "
+            f"into its base first, `trainforge export {path} --merge --out DIR`, and set {role}: DIR"
+        )
+
+
 def _describe_auto_map(auto_map: Any) -> str:
     """``AutoConfig=configuration_evil.EvilConfig, ...``: what an ``auto_map`` points at, short."""
     if isinstance(auto_map, dict):

@@ -262,6 +262,27 @@ def test_single_assistant_turn_ending_the_conversation(family):
     check_learned_exactly(family, messages, expected_learned(family, messages))
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen2.5", "gemma2", "phi3"])
+def test_trl_conversational_prompt_completion_learns_only_the_completion(family):
+    """TRL's conversational prompt/completion rows ({"prompt": [messages], "completion": [messages]}) were refused
+    ("field 'prompt' must be a string, got list"); they are chat rows whose prompt's turns, an earlier
+    assistant turn included, are context: only the completion's assistant turn is learned."""
+    from trainforge.data.formats import detect_format
+
+    messages = basic_conversation(family)
+    row = Row({"prompt": messages[:-1], "completion": messages[-1:]}, WHERE)
+    assert detect_format(row, FieldNames()) == "chat"
+    tok = tokenizer_for(family)
+    renderer = Renderer("chat", FieldNames(), tok)
+    rendered = renderer(row)
+    assert rendered.text == renderer(Row({"messages": messages}, WHERE)).text
+    chunk = tokenize_rendered([rendered], tok, max_length=4096, too_long="truncate", special_tokens=False)
+    learned = [decode(tok, chunk.ids[a:b]) for a, b in runs(chunk.learn)]
+    assert learned == EXPECTED_BASIC[family][-1:]
+    pair = renderer.pair(row)  # an encoder-decoder reads it as the messages row: the last reply is the target
+    assert pair.target == messages[-1]["content"] and pair.source.endswith(EXPECT[family]["header"])
+
+
 def test_phi3_trailing_eos_is_rendered_but_not_learned():
     """Phi-3's template ends a conversation with eos_token: the text of a conversation is not
     its prefix renders glued together, and that last EOS belongs to no turn."""

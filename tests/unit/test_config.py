@@ -83,6 +83,24 @@ def test_errors_in_yaml_name_file_and_line(tmp_path):
     assert "optim.lr" in msg and f"{path}, line 9" in msg
 
 
+def test_a_bad_entry_of_a_source_list_is_named_alone_with_its_line(tmp_path):
+    """data.train as a list of {path, weight}: the entry's own error, at its line, without the union's other
+    members ("data.train: Input should be a valid string", "data.train.0.SourceSpec.weight") nor the
+    YAML file named for a value given with --set."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model:\n  init: {architecture: llama, hidden_size: 32}\n"
+        "data:\n  train:\n    - builtin:python-stdlib\n    - {path: builtin:python-functions, weight: 0}\n"
+    )
+    assert error_of(path=path).splitlines()[1:] == [
+        f"  data.train.1.weight: Input should be greater than 0; given 0 ({path}, line 6)"
+    ]
+    msg = error_of([f"data.train=[{{path: builtin:python-stdlib, wieght: 2}}]"], path=path)
+    assert msg.splitlines()[1:] == [
+        "  data.train.0.wieght: unknown key; did you mean 'weight'? allowed here: path, weight (from --set)"
+    ]
+
+
 def test_model_path_must_exist_and_exclude_init(tmp_path):
     assert "model.path" in error_of(["model.path=./does-not-exist"])
     assert "exactly one of model.path" in error_of([f"model.path={tmp_path}"])

@@ -303,7 +303,8 @@ def test_loader_epoch_visits_each_row_once_and_restores_position(tmp_path):
         (b'{"text": "ok"}\n\xff\xfe\n', "bad.jsonl:2: not valid UTF-8"),
         (b'{"text": "ok"}\n[1, 2]\n', "bad.jsonl:2: expected a JSON object"),
         (b'{"text": "ok"}\n{"text": 3}\n', "bad.jsonl:2: field 'text' must be a string, got int"),
-        (b'{"text": "ok"}\n{"body": "x"}\n', "bad.jsonl:2: missing field 'text'"),
+        (b'{"text": "ok"}\n{"body": "x"}\n', "bad.jsonl:2: field 'text' is missing"),
+        (b'{"text": "ok"}\n{"text": null, "id": 2}\n', "bad.jsonl:2: field 'text' is null"),  # was "missing field 'text'"
     ],
 )
 def test_bad_rows_name_file_and_line(tmp_path, tok, content, fragment):

@@ -39,3 +39,20 @@ def test_every_error_names_a_listed_exit_code():
 def test_readme_exit_code_table_is_the_list():
     rows = dict(re.findall(r"^\| (\d+) \| (.+) \|$", README.read_text(), re.M))
     assert {int(k): v for k, v in rows.items()} == EXIT_CODES
+
+
+def test_model_settings_that_fail_at_build_time_are_user_errors(tiny_tokenizer_dir):
+    """model.init.vocab_size below the tokenizer's size (and the model checks beside it in model/load.py) raised
+    a bare ValueError: a traceback and exit 1 for a config value the message itself names."""
+    import pytest
+
+    from trainforge.errors import EXIT_BAD_INPUT
+    from trainforge.model.load import init_config
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    with pytest.raises(TrainforgeError, match=r"model.init.vocab_size=50 is smaller than the tokenizer's \d+ tokens; raise it") as e:
+        init_config({"architecture": "llama", "vocab_size": 50}, tok)
+    assert e.value.exit_code == EXIT_BAD_INPUT
+    source = (Path(trainforge.__file__).parent / "model" / "load.py").read_text()
+    assert "raise ValueError(" not in source  # every refusal there is a ConfigError the CLI prints

@@ -169,3 +169,27 @@ def test_refusals_name_the_problem(tmp_path, tiny_model_dir):
         export(adapter, tmp_path / "b", merge=True, dtype="int4", reporter=QUIET)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary directory left behind"
+
+
+def test_a_runs_chat_template_travels_with_final_and_its_export(tmp_path, tiny_model_dir, toy_data_dir):
+    """A run that trained chats with data.chat_template saved final/ with a tokenizer that had none: the exported
+    model (a plain HF directory for transformers, vLLM, ...) then failed apply_chat_template or rendered chats
+    unlike training."""
+    from conftest import finetune_settings, toy_prompt_completions, write_jsonl
+    from transformers import AutoTokenizer
+
+    from trainforge.config import RunConfig
+    from trainforge.engine.trainer import train
+
+    template = (Path(__file__).parents[1] / "fixtures" / "chat_templates" / "HuggingFaceH4-zephyr-7b-beta.jinja").read_text()
+    chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
+             for r in toy_prompt_completions(40)]
+    settings = finetune_settings(tiny_model_dir, toy_data_dir)
+    settings["data"] = {"train": str(write_jsonl(tmp_path / "chats.jsonl", chats)), "eval": None, "max_length": 64,
+                        "chat_template": template}
+    settings["train"]["max_steps"] = 1
+    train(RunConfig.model_validate(settings), tmp_path / "run", QUIET)
+    out = tmp_path / "merged"
+    export(tmp_path / "run", out, merge=True, dtype=None, reporter=QUIET)
+    for directory in (tmp_path / "run" / "final", out):
+        assert AutoTokenizer.from_pretrained(directory).chat_template == template

@@ -57,3 +57,32 @@ def test_the_resolved_config_carries_the_kind(tmp_path):
     assert cfg.data.packing is False and "packing" in cfg.data.model_fields_set  # resolved on the input
     plain = ModelSettings(init={"architecture": "llama", "hidden_size": 32})
     assert plain.kind == hf_dir.ModelKind("llama", False)
+
+
+def test_training_from_an_adapter_directory_says_to_merge_it_first(tmp_path, tiny_model_dir, toy_data_dir):
+    """model.path at a LoRA run's final/ (adapter_config.json, no config.json), as when DPO follows a LoRA SFT run:
+    train and plan once ended in transformers' traceback ("Unrecognized model ... model_type"), exit 1."""
+    import shutil
+
+    import pytest
+    from conftest import finetune_settings
+
+    from trainforge.engine.trainer import train
+    from trainforge.errors import EXIT_BAD_INPUT, TrainforgeError
+
+    adapter = tmp_path / "sft" / "final"
+    adapter.mkdir(parents=True)
+    write(adapter, "adapter_config.json", {"peft_type": "LORA", "base_model_name_or_path": str(tiny_model_dir)})
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, adapter / name)
+    settings = finetune_settings(tiny_model_dir, toy_data_dir)
+    settings["model"] = {"path": str(adapter), "method": "lora"}
+    with pytest.raises(hf_dir.AdapterNotModel) as e:
+        train(RunConfig.model_validate(settings), tmp_path / "dpo")
+    assert isinstance(e.value, TrainforgeError) and e.value.exit_code == EXIT_BAD_INPUT
+    assert str(e.value) == (
+        f"model.path: {adapter} is a PEFT adapter (adapter_config.json, no config.json), not a model to train from; "
+        f"merge it into its base first, `trainforge export {adapter} --merge --out DIR`, and set model.path: DIR"
+    )
+    assert not (tmp_path / "dpo").exists()

@@ -42,3 +42,26 @@ def test_a_tokenizer_that_names_its_own_class_still_gets_it(tmp_path):
     config = directory / "tokenizer_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "Qwen2Tokenizer"}))
     assert type(load_tokenizer(directory)).__name__ == "Qwen2Tokenizer"
+
+
+def test_a_tokenizer_that_does_not_load_or_has_no_eos_is_a_located_error(tmp_path, tiny_tokenizer_dir):
+    """Both ended in a traceback (exit 1): transformers' ValueError for a directory with a tokenizer_config.json
+    but no tokenizer files, and trainforge's own bare ValueError for a tokenizer without an EOS token."""
+    import shutil
+
+    from trainforge.errors import EXIT_BAD_INPUT
+    from trainforge.model.tokenizer import TokenizerError
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(TokenizerError, match=rf"^the tokenizer in {partial} cannot be loaded: .* It needs tokenizer.json") as e:
+        load_tokenizer(partial)
+    assert e.value.exit_code == EXIT_BAD_INPUT
+    no_eos = shutil.copytree(tiny_tokenizer_dir, tmp_path / "no-eos")
+    declared = json.loads((no_eos / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "pad_token"):
+        declared.pop(key, None)
+    (no_eos / "tokenizer_config.json").write_text(json.dumps(declared))
+    with pytest.raises(TokenizerError, match=rf"^the tokenizer in {no_eos} has no EOS token.*set eos_token in its tokenizer_config.json"):
+        load_tokenizer(no_eos)

@@ -179,6 +179,9 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
         rows_for(load_config(None), SimpleNamespace(format="unpaired"))
     with pytest.raises(DataError, match="train.objective=kto needs unpaired rows"):
         rows_for(load_config(None, ["train.objective=kto"]), pairs)
+    # {prompt, completion, label: 1} rows are prompt/completion data: the message says why, and how to find the row
+    with pytest.raises(DataError, match=r"is prompt_completion data \(told apart by a 'label' of true or false, not 1/0"):
+        rows_for(load_config(None, ["train.objective=kto"]), SimpleNamespace(format="prompt_completion"))
 
 
 KTO = [  # (prompt, completion, desirable); each example's KL sample is its prompt with the next one's completion

@@ -82,6 +82,36 @@ def test_anthropic_hh_implicit_prompt_is_the_shared_prefix_cut_at_a_word():
     assert got_r.spans == [(len(prompt), len(rejected))]
 
 
+def test_orca_dpo_pairs_read_their_prompt_under_its_data_fields_name():
+    """Intel/orca_dpo_pairs: {system, question, chosen, rejected}; data.fields.prompt names the question."""
+    tok = tokenizer_for("qwen2.5")
+    r = PreferenceRenderer(Renderer("preference", FieldNames(prompt="question"), tok))
+    row = Row({"system": "", "question": "Capital of France?", "chosen": " Paris.", "rejected": " Rome."}, WHERE)
+    chosen, rejected = r.pair(row)
+    assert chosen.text == "Capital of France? Paris." and rejected.text == "Capital of France? Rome."
+    assert learned_text(tok, chosen).startswith(" Paris.") and "Capital" not in learned_text(tok, chosen)
+    kto = PreferenceRenderer(Renderer("unpaired", FieldNames(prompt="question", completion="answer"), tok))
+    rendered, good = kto.unpaired(Row({"question": "2+2?", "answer": " 4", "label": True}, WHERE))
+    assert good is True and rendered.text == "2+2? 4" and rendered.spans == [(4, 6)]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"system": "", "question": "Capital of France?", "chosen": "Paris.", "rejected": "Rome."},
+        {"chosen": [assistant("Paris.")], "rejected": [assistant("Rome.")]},
+    ],
+)
+def test_a_pair_without_a_prompt_says_to_name_its_field(row):
+    """Replies alone, with their prompt under another name (orca_dpo_pairs' 'question'), were trained as
+    preferences of replies to nothing; now the row is refused with the field to set."""
+    _, r = renderer()
+    with pytest.raises(DataError) as e:
+        r.pair(Row(row, WHERE))
+    assert str(e.value).startswith(f"{WHERE}: no prompt: the row has no 'prompt' field (fields: {sorted(row)})")
+    assert "data.fields.prompt" in str(e.value)
+
+
 def test_kto_rows_in_trl_and_llama_factory_layouts():
     tok, r = renderer()
     assert preference_kind(Row({"prompt": "2+2?", "completion": " 4", "label": True}, WHERE)) == "unpaired"

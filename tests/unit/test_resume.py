@@ -365,7 +365,17 @@ def test_longer_max_steps_continues_on_the_original_schedule(config, tmp_path):
     train(config, reference)
     config["train"]["max_steps"] = 9
     result, log = train(config, reference)
-    assert "keeps its 6-step horizon" in log
+    assert "keeps its 6-step horizon" in log and "records written after" not in log
+    evals = [r["step"] for r in read_metrics(reference / "metrics.jsonl") if "eval_loss" in r]
+    assert evals == [0, 6, 9]  # the first run's final evaluation stays in the curve
+    # where this process's wall time went: not the first process's loop and eval seconds too (they once made
+    # "start-up 80%" and "81% of it training steps" of one wall time)
+    earlier, t = state(reference, 6)["counters"], result.summary["time"]
+    loop_here = result.summary["train_time_s"] - earlier["loop_time_s"]
+    assert t["train_s"] + t["data_wait_s"] + t["compile_s"] == pytest.approx(loop_here, abs=1e-3)
+    assert 0 < t["eval_s"] < result.summary["time"]["wall_s"] and t["data_wait_s"] < loop_here
+    parts = sum(v for k, v in t.items() if k.endswith("_s") and k != "wall_s")
+    assert parts <= t["wall_s"] + 0.01
     lrs = {r["step"]: r["lr"] for r in read_metrics(reference / "metrics.jsonl") if "lr" in r}
     assert sorted(lrs) == list(range(1, 10))
     floor = config["optim"]["lr"] * 0.1  # min_lr_ratio
@@ -376,15 +386,34 @@ def test_longer_max_steps_continues_on_the_original_schedule(config, tmp_path):
         train(config, reference)
 
 
+def test_an_epochs_run_trains_on_with_more_epochs(config, tmp_path):
+    """A finished epochs run said "To train on, raise train.max_steps", which the config then refused beside
+    epochs, and train.epochs was bound to the checkpoint: such a run could not be trained on at all."""
+    del config["train"]["max_steps"]
+    config["train"]["epochs"] = 1
+    run = tmp_path / "run"
+    first = train(config, run)[0].summary["steps"]
+    _, log = train(config, run)
+    assert "nothing to train. To train on, raise train.epochs;" in log
+    config["train"]["epochs"] = 2
+    result, log = train(config, run)
+    steps = result.summary["steps"]
+    assert 2 * first - 1 <= steps <= 2 * first and f"(step {first} of {steps})" in log
+    config["train"]["epochs"] = 1
+    with pytest.raises(ResumeError, match=rf"train.epochs=1 \({first} steps\) is below the step of .* give train.max_steps"):
+        train(config, run)
+
+
 def test_the_same_command_on_a_finished_run_trains_and_rewrites_nothing(config, reference):
     """A rerun after the run ended says so and leaves final/, summary.json and the metrics as they were
     (it once re-evaluated, rewrote final/ and printed 'done: 6 steps' for steps it never ran)."""
     before = {p: p.stat().st_mtime_ns for p in (reference / "summary.json", reference / "final" / "model.safetensors")}
-    lines = (reference / "metrics.jsonl").read_text().count("\n")
+    metrics = (reference / "metrics.jsonl").read_text()
     result, log = train(config, reference)
     assert "holds this run finished: 6 steps" in log and "raise train.max_steps" in log and "done:" not in log
     assert result.summary["steps"] == 6 and {p: p.stat().st_mtime_ns for p in before} == before
-    assert (reference / "metrics.jsonl").read_text().count("\n") <= lines + 2  # at most the resume's own events
+    # the final evaluation, written after the last checkpoint, was once cut off as if a crash had left it
+    assert "records written after" not in log and (reference / "metrics.jsonl").read_text() == metrics
 
 
 def test_resume_never_refuses_a_directory_holding_a_run(config, reference):

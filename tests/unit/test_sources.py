@@ -139,6 +139,79 @@ def test_saved_dataset_with_a_missing_arrow_file_is_a_data_error(tmp_path, datas
 # ---------------------------------------------------------------- UTF-8 byte-order mark
 
 
+# ---------------------------------------------------------------- Hugging Face Hub snapshots
+
+
+def test_hub_snapshot_directory_reads_its_train_split_not_its_test_split(tmp_path):
+    """A snapshot of a Hub dataset repository (push_to_hub's data/<split>-00000-of-0000N files beside the
+    card) trains on its train split only: its test rows never reach training."""
+    pd = pytest.importorskip("pandas")
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("---\nconfigs: []\n---\n")
+    pd.DataFrame({"text": ["t1", "t2"]}).to_parquet(hub / "data" / "train-00000-of-00002.parquet")
+    pd.DataFrame({"text": ["t3"]}).to_parquet(hub / "data" / "train-00001-of-00002.parquet")
+    pd.DataFrame({"text": ["held out"]}).to_parquet(hub / "data" / "test-00000-of-00001.parquet")
+    assert [r.data["text"] for r in rows_of(hub)] == ["t1", "t2", "t3"]
+    assert [p.name for p in source_files(str(hub))] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        ["train.jsonl", "test.jsonl", "validation.jsonl"],
+        ["data/train/shard_0.jsonl", "data/train/shard_1.jsonl", "data/test/shard_0.jsonl"],
+        ["my_train_file_00001.jsonl", "my_eval_file.jsonl", "dev.jsonl"],
+    ],
+)
+def test_hub_split_keywords_in_file_and_directory_names(tmp_path, files):
+    for name in files:
+        write_jsonl(tmp_path / name, [{"text": name}])
+    assert [r.data["text"] for r in rows_of(tmp_path)] == sorted(f for f in files if "train" in f)
+
+
+def test_hub_snapshot_without_a_train_split_names_its_splits(tmp_path):
+    write_jsonl(tmp_path / "data" / "train_prefs-00000-of-00001.jsonl", [{"text": "a"}])
+    write_jsonl(tmp_path / "data" / "test_prefs-00000-of-00001.jsonl", [{"text": "b"}])
+    with pytest.raises(DataError) as e:
+        rows_of(tmp_path)
+    assert str(e.value) == (
+        f"{tmp_path}: its files are in the splits test_prefs, train_prefs (as Hugging Face Hub files are named) and "
+        f"none is 'train'; point data.train at one split's files, e.g. '{tmp_path / 'data' / 'test_prefs*'}'"
+    )
+
+
+def test_a_hub_snapshots_metadata_json_is_not_read_as_data(tmp_path):
+    """dataset_infos.json (older Hub repositories) beside the data stopped the run as a row without the format's
+    fields; datasets.load_dataset skips it, config.json and dataset_info.json."""
+    write_jsonl(tmp_path / "data.jsonl", [{"text": "a"}])
+    for name in ("dataset_infos.json", "dataset_info.json", "config.json"):
+        (tmp_path / name).write_text('{"default": {"features": {}}}')
+    assert [r.data for r in rows_of(tmp_path)] == [{"text": "a"}]
+    assert source_files(str(tmp_path)) == [tmp_path / "data.jsonl"]
+
+
+def test_a_directory_of_one_split_or_none_reads_every_file(tmp_path):
+    for name in ("train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl", "extra.jsonl", "sub/notes.jsonl"):
+        write_jsonl(tmp_path / name, [{"text": name}])
+    assert len(rows_of(tmp_path)) == 4
+
+
+def test_json_lines_in_a_json_file_are_read_line_by_line(tmp_path):
+    """datasets' Dataset.to_json("train.json") writes JSON Lines under .json, as many Hub repositories ship them;
+    they stopped at line 2 with "malformed JSON at column 1: Extra data"."""
+    path = tmp_path / "train.json"
+    path.write_bytes(BOM + b'{"text": "a"}\n\n{"text": "b", "id": null}\n{"text": broken}\n')
+    got = rows_of(path, policy="skip")
+    assert [r.data["text"] for r in got] == ["a", "b"] and [r.where for r in got] == [f"{path}:1", f"{path}:3"]
+    with pytest.raises(DataError, match=f"{path}:4: malformed JSON"):
+        rows_of(path)
+    pretty = tmp_path / "one.json"  # a pretty-printed object is still no row list
+    pretty.write_text('{\n  "data": [{"text": "a"}]\n}\n')
+    with pytest.raises(DataError, match="expected a JSON array of objects, got dict"):
+        rows_of(pretty)
+
+
 def test_bom_is_skipped_in_every_text_format(tmp_path):
     rows = [{"text": "alpha"}, {"text": "beta"}]
     (tmp_path / "a.jsonl").write_bytes(BOM + b"".join(json.dumps(r).encode() + b"\n" for r in rows))

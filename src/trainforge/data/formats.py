@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,8 +61,8 @@ def format_fields(fmt: str, names: FieldNames) -> tuple[str, ...]:
         "chat": (names.messages,),
         "alpaca": (names.instruction, names.output),
         "source_target": (*SOURCE_TARGET, names.input, names.output),  # either pair (see source_target_keys)
-        "preference": ("prompt", "chosen", "rejected"),  # data/preference.py reads each layout
-        "unpaired": ("prompt", "completion", "messages"),
+        "preference": (names.prompt, "chosen", "rejected"),  # data/preference.py reads each layout
+        "unpaired": (names.prompt, names.completion, names.messages),
     }[fmt]
 
 
@@ -77,10 +78,12 @@ def detect_format(row: Row, names: FieldNames) -> str:
     """The format whose fields the row has (preference pairs, chat, alpaca, prompt/completion, then text)."""
     if "chosen" in row.data and "rejected" in row.data:
         return "preference"  # TRL's {prompt, chosen, rejected} or the implicit-prompt {chosen, rejected} (data/preference.py)
-    if isinstance(row.data.get("label"), bool) and ("completion" in row.data or "messages" in row.data):
+    if isinstance(row.data.get("label"), bool) and (names.completion in row.data or names.messages in row.data):
         return "unpaired"  # KTO: TRL's {prompt, completion, label} or LLaMA-Factory's {messages, label}
     if SHAREGPT_FIELD in row.data and isinstance(row.data[SHAREGPT_FIELD], list):
         return "chat"  # ShareGPT: {"conversations": [{"from", "value"}, ...]}
+    if conversational_prompt(row, names):
+        return "chat"  # TRL's conversational prompt/completion: {"prompt": [messages], "completion": [messages]}
     for fmt in ("chat", "alpaca", "prompt_completion", "text"):
         if all(k in row.data for k in format_fields(fmt, names)):
             return fmt
@@ -94,11 +97,32 @@ def detect_format(row: Row, names: FieldNames) -> str:
     )
 
 
+def conversational_prompt(row: Row, names: FieldNames) -> bool:
+    """Whether the row is TRL's conversational prompt/completion: both fields message lists, no messages field."""
+    return (
+        names.messages not in row.data
+        and isinstance(row.data.get(names.prompt), list)
+        and isinstance(row.data.get(names.completion), list)
+    )
+
+
+def chat_messages(row: Row, names: FieldNames, tool_role: str) -> tuple[list[dict[str, Any]], int]:
+    """A chat row's messages, and how many of them lead the part to learn: none for a messages (or ShareGPT)
+    row; for a conversational prompt/completion row its prompt's messages, followed by its completion's."""
+    if not conversational_prompt(row, names):
+        return conversation(row, names.messages, tool_role), 0
+    prompt, completion = (
+        conversation(Row({names.messages: row.data[key]}, f"{row.where} ({key})"), names.messages, tool_role)
+        for key in (names.prompt, names.completion)
+    )
+    return prompt + completion, len(prompt)
+
+
 def _string(row: Row, key: str, optional: bool = False) -> str:
     if key not in row.data or row.data[key] is None:
         if optional:
             return ""
-        raise DataError(f"{row.where}: missing field {key!r}")
+        raise DataError(f"{row.where}: field {key!r} is " + ("null" if key in row.data else "missing"))
     value = row.data[key]
     if not isinstance(value, str):
         raise DataError(f"{row.where}: field {key!r} must be a string, got {type(value).__name__}")
@@ -170,7 +194,7 @@ class Renderer:
             )
         if self.fmt != "chat":
             return Pair(*self._prompt_completion(row), row.where)
-        messages = conversation(row, self.names.messages, self.tool_role)
+        messages, _ = chat_messages(row, self.names, self.tool_role)
         last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
         if last is None:
             return Pair("", None, row.where)
@@ -182,11 +206,12 @@ class Renderer:
         return Rendered(text, None if self.train_on_prompt else [(len(prompt), len(text))], True, where)
 
     def _chat(self, row: Row) -> Rendered:
-        messages = conversation(row, self.names.messages, self.tool_role)
+        messages, prompt = chat_messages(row, self.names, self.tool_role)
         text = self.chat.render(messages, row.where)
         if self.train_on_prompt:
             return Rendered(text, None, False, row.where)
-        return Rendered(text, self.chat.locate(messages, text, row.where), False, row.where)
+        earlier = sum(m["role"] == "assistant" for m in messages[:prompt])  # a prompt's assistant turns: context
+        return Rendered(text, self.chat.locate(messages, text, row.where)[earlier:], False, row.where)
 
 
 @dataclass

@@ -110,8 +110,10 @@ def rows_for(cfg: RunConfig, prepared: PreparedData) -> Callable[[TokenStore, np
         if wanted is None:
             fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
             raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to {fix}")
+        told = (" (told apart by a 'label' of true or false, not 1/0 or a string: set data.format: unpaired to have each "
+                "row's label checked)" if wanted == "unpaired" else "")
         raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} "
-                        f"is {prepared.format} data")
+                        f"is {prepared.format} data{told}")
     if objective != "sft":  # a stored pair is sequences 2k and 2k + 1; a source's weight repeats or samples pairs
         return lambda store, index: pair_rows(store, index[index % 2 == 0] // 2, d.max_length)
     return lambda store, index: build_rows(store, index, d.packing, d.max_length)

@@ -11,7 +11,9 @@ Unpaired rows (KTO): TRL's ``{"prompt", "completion", "label"}`` and LLaMA-Facto
 
 Each side is rendered as SFT renders a row (the real chat template; offset-exact spans): only the reply
 is learned, never the prompt nor earlier assistant turns. Bad rows (identical sides, an empty side, a
-missing or non-boolean label) raise ``DataError`` naming the file and line.
+missing or non-boolean label, a pair with no prompt) raise ``DataError`` naming the file and line. The prompt,
+completion and messages fields are read under their ``data.fields`` names (Intel's orca_dpo_pairs:
+``fields: {prompt: question}``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .chat import conversation
 from .formats import Rendered, Renderer, TokenizedChunk, tokenize_rendered
 from .sources import DataError, Row
 
-CHOSEN, REJECTED, PROMPT, COMPLETION, LABEL, MESSAGES = "chosen", "rejected", "prompt", "completion", "label", "messages"
+CHOSEN, REJECTED, COMPLETION, LABEL, MESSAGES = "chosen", "rejected", "completion", "label", "messages"
 
 
 def preference_kind(row: Row) -> str | None:
@@ -40,7 +42,7 @@ class PreferenceRenderer:
     """Renders preference rows with one SFT ``Renderer``'s chat template (and its role handling)."""
 
     def __init__(self, renderer: Renderer):
-        self.chat, self.tool_role = renderer.chat, renderer.tool_role
+        self.chat, self.tool_role, self.names = renderer.chat, renderer.tool_role, renderer.names
 
     def pair(self, row: Row) -> tuple[Rendered, Rendered]:
         """(chosen, rejected) of a paired row, each its prompt plus its reply, the reply learned."""
@@ -48,11 +50,13 @@ class PreferenceRenderer:
         if isinstance(chosen, list) and isinstance(rejected, list):
             return self._message_pair(row, chosen, rejected)
         if isinstance(chosen, str) and isinstance(rejected, str):
-            prompt = row.data.get(PROMPT)
+            prompt = row.data.get(self.names.prompt)
             if prompt is None:
                 prompt, chosen, rejected = split_shared_prefix(chosen, rejected)
+                if not prompt.strip():
+                    raise self._no_prompt(row)
             elif not isinstance(prompt, str):
-                raise DataError(f"{row.where}: 'prompt' must be a string when chosen and rejected are strings")
+                raise DataError(f"{row.where}: {self.names.prompt!r} must be a string when chosen and rejected are strings")
             _check_sides(row.where, chosen, rejected)
             return _text(prompt, chosen, row.where), _text(prompt, rejected, row.where)
         raise DataError(
@@ -65,31 +69,36 @@ class PreferenceRenderer:
         label = row.data.get(LABEL)
         if not isinstance(label, bool):
             raise DataError(f"{row.where}: 'label' must be true (desirable) or false (undesirable), got {label!r}")
-        if MESSAGES in row.data:
-            messages = self._messages(row, MESSAGES)
+        if self.names.messages in row.data:
+            messages = self._messages(row, self.names.messages)
             last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
             if last is None:
                 raise DataError(f"{row.where}: 'messages' has no assistant turn to judge")
             return self._render(messages[:last], messages[last : last + 1], row.where), label
-        prompt, completion = row.data.get(PROMPT), row.data.get(COMPLETION)
+        names = self.names
+        prompt, completion = row.data.get(names.prompt), row.data.get(names.completion)
         if isinstance(prompt, list) and isinstance(completion, list):
-            messages = self._messages(row, PROMPT), self._messages(row, COMPLETION)
+            messages = self._messages(row, names.prompt), self._messages(row, names.completion)
             return self._render(*messages, row.where), label
         if not (isinstance(prompt, str) and isinstance(completion, str)):
-            raise DataError(f"{row.where}: 'prompt' and 'completion' must both be strings or both be message lists")
+            raise DataError(
+                f"{row.where}: {names.prompt!r} and {names.completion!r} must both be strings or both be message lists"
+            )
         if not completion.strip():
             raise DataError(f"{row.where}: the completion is empty")
         return _text(prompt, completion, row.where), label
 
     def _message_pair(self, row: Row, chosen: list, rejected: list) -> tuple[Rendered, Rendered]:
         chosen_msgs, rejected_msgs = self._messages(row, CHOSEN), self._messages(row, REJECTED)
-        prompt = row.data.get(PROMPT)
+        prompt = row.data.get(self.names.prompt)
         if isinstance(prompt, list):  # TRL conversational: the prompt's messages, then each side's reply
-            prompt_msgs = self._messages(row, PROMPT)
+            prompt_msgs = self._messages(row, self.names.prompt)
         else:  # implicit: the shared leading messages are the prompt (a prompt string beside them repeats it)
             n = 0
             while n < min(len(chosen_msgs), len(rejected_msgs)) and chosen_msgs[n] == rejected_msgs[n]:
                 n += 1
+            if n == 0 and prompt is None:
+                raise self._no_prompt(row)
             prompt_msgs, chosen_msgs, rejected_msgs = chosen_msgs[:n], chosen_msgs[n:], rejected_msgs[n:]
         for side, msgs in ((CHOSEN, chosen_msgs), (REJECTED, rejected_msgs)):
             if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
@@ -97,6 +106,14 @@ class PreferenceRenderer:
         if chosen_msgs == rejected_msgs:
             raise DataError(f"{row.where}: chosen and rejected are identical: there is no preference to learn")
         return self._render(prompt_msgs, chosen_msgs, row.where), self._render(prompt_msgs, rejected_msgs, row.where)
+
+    def _no_prompt(self, row: Row) -> DataError:
+        """A pair without a prompt: no prompt field, and chosen and rejected share no beginning to take as one."""
+        return DataError(
+            f"{row.where}: no prompt: the row has no {self.names.prompt!r} field (fields: {sorted(row.data)}) and chosen "
+            "and rejected share no beginning to take as the prompt; name the prompt's field with data.fields.prompt "
+            "(e.g. data.fields: {prompt: question})"
+        )
 
     def _messages(self, row: Row, key: str) -> list[dict[str, Any]]:
         return conversation(Row({MESSAGES: row.data[key]}, f"{row.where} ({key})"), MESSAGES, self.tool_role)

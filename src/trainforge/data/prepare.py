@@ -23,8 +23,7 @@ import numpy as np
 
 from ..config import DataSettings
 from .cache import STATS_FILE, entry_dir, fingerprint, is_complete, publish_entry
-from .chat import conversation
-from .formats import Renderer, TokenizedChunk, detect_format, format_fields, tokenize_rendered
+from .formats import Renderer, TokenizedChunk, chat_messages, detect_format, format_fields, tokenize_rendered
 from .preference import PreferenceRenderer
 from .preference import tokenize_pairs as tokenize_preference_pairs
 from .preference import tokenize_unpaired
@@ -68,7 +67,7 @@ def training_texts(cfg: DataSettings, fmt: str) -> Iterator[str]:
     for _, row in train_rows(cfg, BadRows("skip")):
         if fmt == "chat":  # the contents of the turns, in either message layout
             try:
-                yield from (m["content"] for m in conversation(row, cfg.fields.messages, "tool"))
+                yield from (m["content"] for m in chat_messages(row, cfg.fields, "tool")[0])
             except DataError:
                 pass  # reported with its location when the data is tokenized
             continue

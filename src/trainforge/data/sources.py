@@ -22,6 +22,7 @@ from typing import Any
 
 from ..config import BUILTIN_FUNCTION_LABELS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB
 from ..errors import TrainforgeError
+from .splits import METADATA_FILES, TRAIN, by_split
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 
@@ -68,10 +69,11 @@ def expand_paths(spec: str) -> list[Path]:
     """A file, a directory (every supported file below it) or a glob, sorted.
 
     A directory saved with ``datasets``' ``save_to_disk`` (at the top or anywhere below) is one
-    entry, the directory itself, never the JSON and Arrow files inside it."""
+    entry, the directory itself, never the JSON and Arrow files inside it. A directory whose file names
+    give two or more splits, as a Hugging Face Hub snapshot's do, gives its ``train`` split (``splits.py``)."""
     p = Path(spec)
     if p.is_dir():
-        paths = [p] if saved_dataset_kind(p) else _files_below(p)
+        paths = [p] if saved_dataset_kind(p) else _train_split(p, _files_below(p))
     else:
         paths = [Path(q) for q in glob.glob(spec)]
     if not paths:
@@ -91,8 +93,26 @@ def _files_below(root: Path) -> list[Path]:
             if saved_dataset_kind(here / name):
                 found.append(here / name)
                 dirnames.remove(name)  # its own files are not read one by one
-        found.extend(here / f for f in filenames if Path(f).suffix in SUPPORTED_SUFFIXES and (here / f).is_file())
+        found.extend(
+            here / f for f in filenames
+            if Path(f).suffix in SUPPORTED_SUFFIXES and f not in METADATA_FILES and (here / f).is_file()
+        )
     return found
+
+
+def _train_split(root: Path, files: list[Path]) -> list[Path]:
+    """All ``files`` of ``root``, or only its ``train`` split's when their names give several splits."""
+    splits = by_split(root, files)
+    named = sorted(s for s in splits if s)
+    if len(named) < 2:
+        return files
+    if TRAIN not in splits:
+        example = splits[named[0]][0].parent / f"{named[0]}*"
+        raise DataError(
+            f"{root}: its files are in the splits {', '.join(named)} (as Hugging Face Hub files are named) and none is "
+            f"'train'; point data.train at one split's files, e.g. '{example}'"
+        )
+    return splits[TRAIN]
 
 
 def iter_source(spec: str, bad: BadRows, txt_mode: str = "file") -> Iterator[Row]:
@@ -202,7 +222,11 @@ def read_jsonl(path: Path, bad: BadRows) -> Iterator[Row]:
 
 
 def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
-    """A JSON array of objects (rows are numbered from 1 in messages)."""
+    """A JSON array of objects (rows are numbered from 1 in messages), or JSON Lines named .json, as
+    ``datasets``' ``to_json`` writes them and Hub repositories ship them (read as ``.jsonl``)."""
+    if _is_json_lines(path):
+        yield from read_jsonl(path, bad)
+        return
     try:
         items = json.loads(path.read_bytes().decode("utf-8-sig"))
     except UnicodeDecodeError as e:
@@ -218,6 +242,18 @@ def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
             bad.report(f"{path}: row {i}: expected a JSON object, got {type(obj).__name__}")
             continue
         yield Row(obj, f"{path}: row {i}")
+
+
+def _is_json_lines(path: Path) -> bool:
+    """Whether a .json file holds one object per line: its first line is a whole JSON object."""
+    with open(path, "rb") as f:
+        first = _strip_bom(f.readline()).strip()
+    if not first.startswith(b"{"):
+        return False
+    try:
+        return isinstance(json.loads(first), dict)
+    except (ValueError, RecursionError):  # a pretty-printed object, or not JSON: read_json says what is wrong
+        return False
 
 
 def read_csv(path: Path, bad: BadRows) -> Iterator[Row]:

@@ -2,7 +2,8 @@
 
 What must match a checkpoint (``fixed_settings``): the model, data and optimizer sections and
 the seed and batch layout of ``train``; the data as tokenized (counts and tokenizer). What may
-change: ``train.max_steps`` (longer or shorter, not below the checkpoint's step), device and
+change: the run's length, ``train.max_steps`` or ``train.epochs`` (longer or shorter, not below the
+checkpoint's step), device and
 precision (the result is then no longer bitwise the same), eval, logging and checkpoint
 settings. A longer ``max_steps`` keeps the learning-rate schedule of the original run: its
 horizon is saved with the checkpoint, so the steps already planned keep their rates and the
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from .run import Run  # for annotations only: the run module imports nothing of this one
 
 CHECKPOINTS = "checkpoints"
-FIXED_TRAIN_KEYS = ("seed", "micro_batch_size", "grad_accum", "epochs")
+FIXED_TRAIN_KEYS = ("seed", "micro_batch_size", "grad_accum")
 
 
 class ResumeError(TrainforgeError, RuntimeError):
@@ -236,7 +237,7 @@ def check_fits_run(plan: ResumePlan, run: Run) -> None:
         )
     if run.max_steps < info.step:
         raise ResumeError(
-            f"train.max_steps={run.max_steps} is below the step of {info.path} ({info.step}); give at least {info.step}"
+            f"{run_length(run)} is below the step of {info.path} ({info.step}); give train.max_steps of at least {info.step}"
         )
     check_world(info, run.dist.world_size, run.dist.mode)
     if run.dist.mode != "fsdp":
@@ -248,13 +249,48 @@ def check_fits_run(plan: ResumePlan, run: Run) -> None:
             )
 
 
+def records_to_keep(out: Path, plan: ResumePlan) -> int:
+    """The metrics.jsonl records of the run at ``plan``'s checkpoint: those written before its save, and, when
+    the run finished at that checkpoint (summary.json of its step and final/ written), the final evaluation
+    written after it, at the same step, which no resumed process writes again."""
+    kept, step = plan.state["counters"]["metrics_records"], plan.checkpoint.step
+    try:
+        finished = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("steps") == step
+        lines = (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()[kept:]
+    except (OSError, ValueError, AttributeError):  # no summary (a killed run), or one that is not ours
+        return kept
+    if not (finished and (out / "final").is_dir()):
+        return kept
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn last line
+            break
+        if not (isinstance(record, dict) and record.get("step") == step and "eval_loss" in record):
+            break
+        kept += 1
+    return kept
+
+
+def length_key(cfg: RunConfig) -> str:
+    """The key that sets the run's length: ``train.epochs`` when it is given (and max_steps not), else ``train.max_steps``."""
+    return "train.epochs" if cfg.train.max_steps is None and cfg.train.epochs is not None else "train.max_steps"
+
+
+def run_length(run: Run) -> str:
+    """The setting that makes the run's length, with its steps: ``train.max_steps=9`` or ``train.epochs=2 (14 steps)``."""
+    if length_key(run.cfg) == "train.epochs":
+        return f"train.epochs={run.cfg.train.epochs:g} ({run.max_steps} steps)"
+    return f"train.max_steps={run.max_steps}"
+
+
 def resume_note(plan: ResumePlan, run: Run) -> str:
     """One line on what the resumed run continues from and what differs from the configured run."""
     info, c = plan.checkpoint, run.counters
     notes = [f"resuming from {info.path} (step {info.step} of {run.max_steps})"]
     if run.max_steps != c.schedule_steps:
         notes.append(
-            f"the learning-rate schedule keeps its {c.schedule_steps}-step horizon (train.max_steps is now {run.max_steps})"
+            f"the learning-rate schedule keeps its {c.schedule_steps}-step horizon ({run_length(run)} now)"
         )
     if run.grad_accum != run.cfg.train.grad_accum:
         notes.append(

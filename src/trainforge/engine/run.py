@@ -84,6 +84,8 @@ class Run:
     compiled: bool = False  # the decoder runs through torch.compile
     batches: Iterator[Batch] | None = None  # the loader's iterator while the loop runs
     resumed_from: int | None = None
+    # the checkpoint's loop, data-wait and eval seconds and skipped steps: spent by earlier processes of the run
+    earlier: dict[str, float] = field(default_factory=dict)
     started_at: float = 0.0  # time.perf_counter() when setup began: summary.json's wall time
     startup_s: float | None = None  # setup began -> the loop first started, in this process
     startup_phases: dict[str, float] = field(default_factory=dict)  # seconds of set-up's phases (setup.py's Laps)
@@ -137,4 +139,8 @@ class Run:
         self.loader.batch_size, self.grad_accum = state["micro_batch_size"], state["grad_accum"]
         self.counters.load_state_dict(state["counters"])
         self.resumed_from = self.counters.step
+        c = self.counters
+        self.earlier = {
+            "loop_time_s": c.loop_time_s, "data_wait_s": c.data_wait_s, "eval_s": c.eval_s, "skipped": float(self.guard.total)
+        }
         restore_rng(state["rng_ranks"][self.dist.rank] if "rng_ranks" in state else state["rng"])

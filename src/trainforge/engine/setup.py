@@ -62,7 +62,7 @@ from .reference import attach_reference
 from .oom import OutOfMemory
 from .optim import build_optimizer, check_optimizer, describe_optimizer
 from .preempt import StopRequest
-from .resume import CHECKPOINTS, ResumePlan, check_fits_run, checkpoint_meta, choose_checkpoint, resume_note
+from .resume import CHECKPOINTS, ResumePlan, check_fits_run, checkpoint_meta, choose_checkpoint, records_to_keep, resume_note
 from .run import Run, RunFacts
 from .saver import Checkpointer
 from .schedule import build_scheduler
@@ -377,7 +377,7 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
     check_fits_run(plan, run)
     run.load_state_dict(plan.state, plan.checkpoint.path)
     if plan.same_run:
-        dropped = run.metrics.truncate(plan.state["counters"]["metrics_records"])
+        dropped = run.metrics.truncate(records_to_keep(run.out, plan))
         if dropped:
             run.reporter.info(f"metrics.jsonl: dropped {dropped} records written after {plan.checkpoint.path.name}")
     if run.dist.is_main:

@@ -37,6 +37,7 @@ from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .preempt import Interrupted, StopRequest
+from .resume import length_key
 from .run import Run, RunResult
 from .setup import setup
 from .sharded import full_model_state
@@ -68,9 +69,10 @@ def finished_before(run: Run) -> bool:
         return False
     if not ((run.out / "summary.json").is_file() and (run.out / "final").is_dir()):
         return False  # stopped after its last step, before final/: finish now
+    key = length_key(run.cfg)  # an epochs run trains on with more epochs, or with train.max_steps in their place
     run.reporter.info(
-        f"{run.out} holds this run finished: {run.step} steps (train.max_steps), its model in {run.out / 'final'}; "
-        "nothing to train. To train on, raise train.max_steps; to train again, give another --output"
+        f"{run.out} holds this run finished: {run.step} steps ({key}), its model in {run.out / 'final'}; "
+        f"nothing to train. To train on, raise {key}; to train again, give another --output"
     )
     return True
 
@@ -348,18 +350,20 @@ def wall_time(run: Run) -> float:
 
 
 def time_ledger(run: Run, wall_s: float, end_s: float) -> dict[str, float]:
-    """Where this process's wall time went, in seconds (``metrics/limits.py`` ranks the parts besides training)."""
-    c = run.counters
+    """Where this process's wall time went, in seconds (``metrics/limits.py`` ranks the parts besides training):
+    after a resume, the counters less what the checkpoint's earlier processes had spent (``Run.earlier``)."""
+    c, before = run.counters, run.earlier
     compile_s = (run.compile_auto.measured() or {}).get("compile_s", 0.0)
     step_s = c.loop_time_s / max(c.step, 1)
+    loop_s, data_wait_s = c.loop_time_s - before.get("loop_time_s", 0.0), c.data_wait_s - before.get("data_wait_s", 0.0)
     parts = {
         "startup_s": run.startup_s or 0.0,
-        "train_s": c.loop_time_s - c.data_wait_s - compile_s,  # steps computing (eval and checkpoint pauses excluded)
-        "data_wait_s": c.data_wait_s,
+        "train_s": loop_s - data_wait_s - compile_s,  # steps computing (eval and checkpoint pauses excluded)
+        "data_wait_s": data_wait_s,
         "compile_s": compile_s,
-        "eval_s": c.eval_s,
+        "eval_s": c.eval_s - before.get("eval_s", 0.0),
         "checkpoint_s": run.saver.stall_s,
-        "skipped_s": float(run.guard.total) * step_s,
+        "skipped_s": (float(run.guard.total) - before.get("skipped", 0.0)) * step_s,
         "end_s": end_s,
         "wall_s": wall_s,
     }
@@ -403,6 +407,9 @@ def finish(run: Run) -> RunResult:
     # FSDP: every rank hands its shards to rank 0, which writes a plain (unsharded) HF directory
     weights = full_model_state(run.model) if run.dist.mode == "fsdp" else None
     nonfinite = final_weights_check(run.model, weights, run.reporter.warn) if run.dist.is_main else {}
+
+    if cfg.data.chat_template:  # final/ (and its exports) render chats as the run trained them, in any loader
+        run.tokenizer.chat_template = cfg.data.chat_template
 
     def write_final(tmp: Path) -> None:
         run.model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
@@ -481,5 +488,5 @@ def finish(run: Run) -> RunResult:
         f"done: {c.step} steps, {c.tokens_seen:,} tokens in {c.loop_time_s:.1f}s "
         f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"
     )
-    run.reporter.info(describe_limits(summary["limits"], summary["wall_time_s"], c.loop_time_s - c.data_wait_s))
+    run.reporter.info(describe_limits(summary["limits"], summary["wall_time_s"], summary["time"]["train_s"]))
     return RunResult(out, summary, run.model, run.tokenizer)

@@ -11,7 +11,7 @@ import torch
 
 from ..config import ConfigError, LoraSettings, ModelSettings
 from ..errors import TrainforgeError
-from ..hf_dir import init_kind, read_config, refuse_custom_code
+from ..hf_dir import init_kind, read_config, refuse_adapter, refuse_custom_code
 from .fp8 import apply_fp8
 from .kernels import apply_liger, restore_torch_layers
 from .lora_fused import fuse_lora_layers
@@ -24,8 +24,9 @@ def init_config(init: dict[str, Any], tokenizer):
     fields = {k: v for k, v in init.items() if k != "architecture"}
     fields.setdefault("vocab_size", len(tokenizer))
     if fields["vocab_size"] < len(tokenizer):
-        raise ValueError(
-            f"model.init.vocab_size={fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens"
+        raise ConfigError(
+            f"model.init.vocab_size={fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens; "
+            "raise it, or leave it out to size the model to the tokenizer"
         )
     fields.setdefault("eos_token_id", tokenizer.eos_token_id)
     fields.setdefault("pad_token_id", tokenizer.pad_token_id)
@@ -76,7 +77,7 @@ def decoder_start_token_id(cfg: ModelSettings, tokenizer) -> int:
         if start is None and (cfg.path / "generation_config.json").is_file():
             start = GenerationConfig.from_pretrained(path).decoder_start_token_id
     if start is None:
-        raise ValueError(
+        raise ConfigError(
             f"model: the encoder-decoder config has no decoder_start_token_id (config.json or generation_config.json "
             f"of {cfg.path or cfg.init.get('architecture')}); add it there (T5 uses the pad token, BART its EOS)"
         )
@@ -183,6 +184,7 @@ def build_model(
         model = auto_class.from_config(config, dtype=torch.float32, attn_implementation=attn, trust_remote_code=False)
     else:
         refuse_custom_code(cfg.path, "model.path")  # never run the directory's code; trust_remote_code=False besides
+        refuse_adapter(cfg.path)
         from transformers import AutoConfig
 
         attn = exact_attention(AutoConfig.from_pretrained(str(cfg.path.resolve()), trust_remote_code=False), cfg.attention, attn, warn)
@@ -323,6 +325,7 @@ def build_model_skeleton(
         config, base_dtype = init_config(cfg.init, tokenizer), torch.float32
     else:
         refuse_custom_code(cfg.path, "model.path")
+        refuse_adapter(cfg.path)
         config = AutoConfig.from_pretrained(str(cfg.path.resolve()), trust_remote_code=False)
         config.vocab_size = max(config.vocab_size, len(tokenizer))
     if layers is not None:
@@ -395,7 +398,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     the model, so each checkpointed layer is also one ``fully_shard`` unit.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"train.activation_checkpointing: {type(model).__name__} does not support activation checkpointing")
+        raise ConfigError(f"train.activation_checkpointing: {type(model).__name__} does not support activation checkpointing")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..errors import TrainforgeError
 from ..hf_dir import TOKENIZER_CONFIG, refuse_custom_code
 
 EOS_TOKEN = "<|endoftext|>"
@@ -17,20 +18,34 @@ UNK_TOKEN = "<|unk|>"
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # "exactly the pipeline in tokenizer.json"
 
 
+class TokenizerError(TrainforgeError, ValueError):
+    """A tokenizer directory that does not load, or a tokenizer trainforge cannot train with (no EOS token)."""
+
+
 def load_tokenizer(path: str | Path):
     """A tokenizer from a local directory, with a pad token guaranteed (EOS reused when missing)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     refuse_custom_code(path)  # never run the directory's code; trust_remote_code=False below besides
-    if declares_generic_tokenizer(path):
-        # transformers 5's AutoTokenizer picks the class registered for config.json's model_type (qwen2:
-        # Qwen2Tokenizer), which rebuilds the pipeline from the vocabulary with its own pre-tokenizer: a
-        # tokenizer trained for a model from scratch would then split text unlike in training
-        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
-    else:
-        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    try:
+        if declares_generic_tokenizer(path):
+            # transformers 5's AutoTokenizer picks the class registered for config.json's model_type (qwen2:
+            # Qwen2Tokenizer), which rebuilds the pipeline from the vocabulary with its own pre-tokenizer: a
+            # tokenizer trained for a model from scratch would then split text unlike in training
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except (OSError, ValueError, ImportError) as e:  # missing or partial files, a slow tokenizer's missing package
+        reason = " ".join(str(e).split()).rstrip(".")
+        raise TokenizerError(
+            f"the tokenizer in {path} cannot be loaded: {reason[:400]}. It needs tokenizer.json, or the files its "
+            "tokenizer_config.json's class reads (tokenizer.model needs `pip install sentencepiece`)"
+        ) from None
     if tok.eos_token_id is None:
-        raise ValueError(f"tokenizer at {path} has no EOS token; trainforge needs one to separate documents")
+        raise TokenizerError(
+            f"the tokenizer in {path} has no EOS token, which trainforge needs to end documents; set eos_token in its "
+            f"{TOKENIZER_CONFIG}, or use another tokenizer (model.tokenizer)"
+        )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # pads carry no loss and no attention, so reusing EOS is safe
     return tok
