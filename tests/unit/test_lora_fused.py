@@ -106,11 +106,23 @@ def test_what_the_fused_path_does_not_cover_runs_peft_forward():
         torch.testing.assert_close(fused(input_ids=IDS).logits, plain(input_ids=IDS).logits, rtol=1e-5, atol=1e-5)
 
 
+def base_calls(model: torch.nn.Module) -> list[int]:
+    """A counter of the base layers' forwards under the LoRA layers of ``model``."""
+    calls = [0]
+    for module in model.modules():
+        if type(module).__name__.startswith("Fused"):
+            module.base_layer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
 def test_mixed_dtypes_without_autocast_take_peft_casts():
-    """A bf16 base under fp32 adapters with no autocast (how generate may call a model): PEFT's casts apply."""
+    """A bf16 base under fp32 adapters with no autocast (how generate may call a model): PEFT's casts apply,
+    and each base layer runs once."""
     fused, plain = pair(LoraSettings(r=4, alpha=8), dtype=torch.bfloat16)
+    calls = base_calls(fused)
     with torch.no_grad():
         torch.testing.assert_close(fused(input_ids=IDS).logits, plain(input_ids=IDS).logits)
+    assert calls[0] == 14
 
 
 def test_fused_false_keeps_peft_layers_and_the_adapter_files_are_peft_s(tmp_path):
@@ -141,7 +153,7 @@ def test_a_deep_copy_uses_its_own_adapters():
 
 def test_qlora_4bit_layers_are_fused_and_match_peft(tiny_model_dir):
     """QLoRA's 4-bit base (bitsandbytes' CPU backend here): the adapted layers are fused and give PEFT's
-    loss and adapter gradients under bf16 autocast, as the trainer runs them."""
+    loss and adapter gradients under bf16 autocast, as the trainer runs them, running each base layer once."""
     pytest.importorskip("bitsandbytes")
     from trainforge.config import ModelSettings
     from trainforge.model.load import build_model
@@ -161,7 +173,9 @@ def test_qlora_4bit_layers_are_fused_and_match_peft(tiny_model_dir):
         if type(module).__name__.startswith("Fused"):
             module.__class__ = type(module).__mro__[1]
     ids = IDS % len(tok)
+    calls = base_calls(fused)
     (loss_f, grads_f), (loss_p, grads_p) = step(fused, ids, torch.bfloat16), step(plain, ids, torch.bfloat16)
+    assert calls[0] == 14  # once each, also where the 4-bit base answers in fp32 (its input's dtype after fp32 norms)
     torch.testing.assert_close(loss_f, loss_p, rtol=2e-2, atol=2e-2)
     for name, grad in grads_p.items():
         assert ((grads_f[name] - grad).norm() / grad.norm()).item() < 0.05, name

@@ -41,17 +41,20 @@ def fused_lora_forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     name = _single_adapter(layer) if not args and not kwargs else None
     if name is None:
         return layer._peft_forward(x, *args, **kwargs)
-    result = layer.base_layer(x)
-    a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+    a, b, scaling = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        if result.dtype != torch.get_autocast_dtype(device_type):
-            return layer._peft_forward(x)  # a base layer kept in another dtype: PEFT's type promotion decides
-    elif not (x.dtype == a.dtype == b.dtype == result.dtype):
+    autocast = torch.is_autocast_enabled(device_type)
+    if not autocast and not x.dtype == a.dtype == b.dtype:
         return layer._peft_forward(x)  # no autocast to reconcile dtypes: PEFT casts the input to the adapters'
-    xa = F.linear(layer.lora_dropout[name](x), a)  # x as it is: no fp32 copy, and lora_A keeps the base's input
+    result = layer.base_layer(x)
+    dropped = layer.lora_dropout[name](x)  # x as it is: no fp32 copy, and lora_A keeps the base's input
+    if result.dtype != (torch.get_autocast_dtype(device_type) if autocast else a.dtype):
+        # the base answered in another dtype (QLoRA's 4-bit layers return their fp32 input's dtype):
+        # PEFT's sum and type promotion, without running the base again
+        return (result + layer.lora_B[name](layer.lora_A[name](dropped)) * scaling).to(result.dtype)
+    xa = F.linear(dropped, a)
     # result + scaling * (xa @ B^T) in the GEMM's epilogue: one pass over the output, one rounding
-    out = torch.addmm(result.reshape(-1, result.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t(), alpha=layer.scaling[name])
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t(), alpha=scaling)
     return out.view(result.shape)
 
 
