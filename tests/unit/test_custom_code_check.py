@@ -107,7 +107,8 @@ def test_model_settings_refuse_at_validation(tiny_model_dir, tiny_tokenizer_dir,
 def test_load_tokenizer_without_the_check_still_runs_no_code(tiny_tokenizer_dir, tmp_path, marker, no_prompt, monkeypatch):
     evil = custom_code_tokenizer(tiny_tokenizer_dir, tmp_path / "evil-tok", marker)
     monkeypatch.setattr(tokenizer, "refuse_custom_code", lambda *a, **k: None)
-    with pytest.raises(ValueError, match="trust_remote_code=True"):
+    # transformers' refusal, passed on as a TokenizerError naming the directory (exit 2)
+    with pytest.raises(tokenizer.TokenizerError, match=r"cannot be loaded: .*contains custom code"):
         tokenizer.load_tokenizer(evil)
 
 
