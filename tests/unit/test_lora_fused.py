@@ -106,6 +106,19 @@ def test_what_the_fused_path_does_not_cover_runs_peft_forward():
         torch.testing.assert_close(fused(input_ids=IDS).logits, plain(input_ids=IDS).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_peft_release_that_flags_dora_in_use_dora_runs_peft_forward(monkeypatch):
+    """PEFT before 0.15 marked DoRA in ``use_dora`` (no ``lora_variant``): such a layer is not fused."""
+    fused, _ = pair(LoraSettings(r=4, alpha=8))
+    layer = next(m for m in fused.modules() if type(m).__name__.startswith("Fused"))
+    peft_calls = []
+    monkeypatch.setattr(type(layer), "_peft_forward", lambda self, x, *a, **k: peft_calls.append(self) or self.base_layer(x))
+    with torch.no_grad():
+        layer(torch.randn(2, 32))
+        layer.use_dora = {"default": True}
+        layer(torch.randn(2, 32))
+    assert peft_calls == [layer]
+
+
 def base_calls(model: torch.nn.Module) -> list[int]:
     """A counter of the base layers' forwards under the LoRA layers of ``model``."""
     calls = [0]

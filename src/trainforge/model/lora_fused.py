@@ -30,9 +30,12 @@ def _single_adapter(layer: Any) -> str | None:
     if layer.disable_adapters or layer.merged:
         return None
     active = layer.active_adapters
-    if len(active) != 1 or active[0] not in layer.lora_A or active[0] in getattr(layer, "lora_variant", {}):
+    if len(active) != 1 or active[0] not in layer.lora_A:
         return None
     name = active[0]
+    # a variant (DoRA, ...): PEFT 0.15+ lists it in lora_variant, earlier releases flag DoRA in use_dora
+    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name):
+        return None
     return None if layer.lora_B[name].bias is not None else name
 
 
