@@ -342,3 +342,52 @@ def test_a_file_the_system_refuses_to_read_is_a_data_error_naming_it(tmp_path, m
     monkeypatch.setattr(type(path), "read_bytes", lambda self: refusing(self))
     with pytest.raises(DataError, match=rf"{path}: cannot be read \(Permission denied\)"):
         list(iter_source(str(path), BadRows("error")))
+
+
+# ---------------------------------------------------------------- gzip-compressed text files
+
+
+def gz(path, text: str | bytes):
+    import gzip
+
+    with gzip.open(path, "wb") as f:
+        f.write(text.encode() if isinstance(text, str) else text)
+    return path
+
+
+def test_gzip_compressed_text_files_are_read_as_their_format_with_lines(tmp_path):
+    """Anthropic's hh-rlhf ships only train.jsonl.gz: JSONL, JSON, CSV and text read through gzip, the same
+    rows and the same file:line locations as uncompressed."""
+    rows = [{"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go away"}] * 2
+    jsonl = gz(tmp_path / "train.jsonl.gz", "".join(json.dumps(r) + "\n" for r in rows))
+    got = rows_of(jsonl)
+    assert [r.data for r in got] == rows and got[1].where == f"{jsonl}:2"
+    assert [r.data for r in rows_of(gz(tmp_path / "a.json.gz", json.dumps(rows)))] == rows
+    csv_rows = rows_of(gz(tmp_path / "b.csv.gz", BOM + b"prompt,completion\nq,a\n"))
+    assert [r.data for r in csv_rows] == [{"prompt": "q", "completion": "a"}] and csv_rows[0].where.endswith("b.csv.gz:2")
+    assert [r.data["text"] for r in rows_of(gz(tmp_path / "c.txt.gz", "one\n\ntwo\n"), txt_mode="paragraph")] == ["one", "two"]
+
+
+def test_gzip_files_in_a_hub_layout_are_found_and_split(tmp_path):
+    base = tmp_path / "hh" / "harmless-base"
+    base.mkdir(parents=True)
+    gz(base / "train.jsonl.gz", json.dumps({"text": "train row"}) + "\n")
+    gz(base / "test.jsonl.gz", json.dumps({"text": "test row"}) + "\n")
+    assert [r.data["text"] for r in rows_of(tmp_path / "hh")] == ["train row"]
+
+
+def test_bad_gzip_files_are_named(tmp_path):
+    whole = gz(tmp_path / "whole.jsonl.gz", json.dumps({"text": "x" * 5000}) + "\n")
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole.read_bytes()[:40])
+    with pytest.raises(DataError, match=r"cut.jsonl.gz: not a complete gzip file"):
+        rows_of(cut)
+    (tmp_path / "plain.jsonl.gz").write_bytes(b'{"text": "not compressed"}\n')
+    with pytest.raises(DataError, match=r"plain.jsonl.gz: not a complete gzip file"):
+        rows_of(tmp_path / "plain.jsonl.gz")
+    (tmp_path / "x.parquet.gz").write_bytes(b"")
+    with pytest.raises(DataError, match=r"unsupported file type '.parquet.gz'.*\.jsonl\.gz"):
+        rows_of(tmp_path / "x.parquet.gz")
+    bad_line = gz(tmp_path / "bad.jsonl.gz", '{"text": "ok"}\n{"text": \n')
+    with pytest.raises(DataError, match=r"bad.jsonl.gz:2: malformed JSON"):
+        rows_of(bad_line)

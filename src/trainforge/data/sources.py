@@ -23,9 +23,7 @@ from typing import Any
 from ..config import BUILTIN_FUNCTION_LABELS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB
 from ..errors import TrainforgeError
 from .splits import METADATA_FILES, TRAIN, by_split
-
-SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
-
+from .textfiles import GZIP, GZIP_ERRORS, SUPPORTED_SUFFIXES, TEXT_SUFFIXES, data_suffix, is_data_file, open_data, strip_bom, text_file_problem
 
 class DataError(TrainforgeError, ValueError):
     """Bad input data; the message names the file, the line (or row) and what was expected."""
@@ -95,7 +93,7 @@ def _files_below(root: Path) -> list[Path]:
                 dirnames.remove(name)  # its own files are not read one by one
         found.extend(
             here / f for f in filenames
-            if Path(f).suffix in SUPPORTED_SUFFIXES and f not in METADATA_FILES and (here / f).is_file()
+            if is_data_file(Path(f)) and f not in METADATA_FILES and (here / f).is_file()
         )
     return found
 
@@ -124,82 +122,38 @@ def iter_source(spec: str, bad: BadRows, txt_mode: str = "file") -> Iterator[Row
         if path.is_dir() and saved_dataset_kind(path):
             yield from read_saved_dataset(path)
             continue
-        reader = READERS.get(path.suffix)
+        reader = READERS.get(data_suffix(path)) if is_data_file(path) else None
         if reader is None:
-            raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(SUPPORTED_SUFFIXES)}")
+            kind = "".join(path.suffixes[-2:]) if path.suffix == GZIP else path.suffix
+            raise DataError(
+                f"{path}: unsupported file type {kind!r}; use one of {', '.join(SUPPORTED_SUFFIXES)} "
+                f"(the text ones also gzip-compressed: .jsonl.gz, .json.gz, .csv.gz, .txt.gz)"
+            )
         try:  # the file system's refusals (permissions, a directory named like a file, I/O errors) name the file
-            if path.suffix in TEXT_SUFFIXES:
-                check_text_file(path)
-            if path.suffix == ".txt":
+            problem = text_file_problem(path) if data_suffix(path) in TEXT_SUFFIXES else None
+            if problem:
+                raise DataError(problem)
+            if data_suffix(path) == ".txt":
                 yield from read_txt(path, bad, txt_mode)
             else:
                 yield from reader(path, bad)
+        except GZIP_ERRORS as e:  # before OSError: BadGzipFile is one
+            raise DataError(f"{path}: not a complete gzip file ({e or type(e).__name__}); compress it again, or give it uncompressed") from None
         except OSError as e:
             raise DataError(
                 f"{path}: cannot be read ({e.strerror or type(e).__name__}); check that it is a file this user may read"
             ) from None
 
 
-# ---------------------------------------------------------------- text files
-
-TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")
-SNIFF_BYTES = 8192
-# a sample with more than this share of bytes that are not UTF-8 text (invalid or control bytes) is binary;
-# a text file in another encoding falls under it and gets the per-line "not valid UTF-8" messages instead
-BINARY_SHARE = 0.3
-_TEXT_CONTROLS = frozenset("\t\n\r\f\v\x1b")
-_OTHER_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
-
-
-def check_text_file(path: Path) -> None:
-    """Raise a DataError when ``path`` is not UTF-8 text: a NUL byte, a UTF-16/32 byte-order mark, or
-    mostly undecodable or control bytes in its first bytes. Raised whatever the bad-row policy: a
-    binary file's "rows" are not bad rows to skip, the file is the wrong one."""
-    with open(path, "rb") as f:
-        sample = f.read(SNIFF_BYTES)
-        more = bool(f.read(1))
-    for bom, name in _OTHER_BOMS:
-        if sample.startswith(bom):
-            raise DataError(f"{path} is {name} text (it starts with a {name} byte-order mark); re-encode it as UTF-8")
-    nul = sample.find(b"\0")
-    if nul >= 0:
-        raise DataError(f"{path} is not a text file (byte {nul} is NUL); give a JSONL, JSON, CSV or text file in UTF-8")
-    n_bad, first, i = 0, None, 0  # bytes that are not text; the first one (offset, what it is)
-    while i < len(sample):
-        try:
-            text, err = sample[i:].decode("utf-8"), None
-        except UnicodeDecodeError as e:
-            text, err = sample[i : i + e.start].decode("utf-8"), e
-        for k, c in enumerate(text):
-            if (c < " " and c not in _TEXT_CONTROLS) or c == "\x7f":
-                n_bad += 1
-                if first is None:
-                    first = (i + len(text[:k].encode("utf-8")), f"control character 0x{ord(c):02x}")
-        if err is None or (more and err.reason == "unexpected end of data"):  # a character cut by the sample's end
-            break
-        n_bad += err.end - err.start
-        if first is None:
-            first = (i + err.start, f"0x{sample[i + err.start]:02x}, not valid UTF-8")
-        i += err.end
-    if first is not None and n_bad > BINARY_SHARE * len(sample):
-        byte, what = first
-        raise DataError(
-            f"{path} is not a text file (byte {byte} is {what}; {n_bad} of its first {len(sample)} bytes are not text); "
-            "give a JSONL, JSON, CSV or text file in UTF-8"
-        )
-
-
-def _strip_bom(raw: bytes) -> bytes:
-    return raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
-
+# ---------------------------------------------------------------- text files (data/textfiles.py: names, gzip, UTF-8)
 
 def read_jsonl(path: Path, bad: BadRows) -> Iterator[Row]:
     """One JSON object per line; blank lines skipped."""
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             if lineno == 1:
-                raw = _strip_bom(raw)
+                raw = strip_bom(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -228,7 +182,8 @@ def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
         yield from read_jsonl(path, bad)
         return
     try:
-        items = json.loads(path.read_bytes().decode("utf-8-sig"))
+        with open_data(path) as f:
+            items = json.loads(f.read().decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
     except json.JSONDecodeError as e:
@@ -246,8 +201,8 @@ def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
 
 def _is_json_lines(path: Path) -> bool:
     """Whether a .json file holds one object per line: its first line is a whole JSON object."""
-    with open(path, "rb") as f:
-        first = _strip_bom(f.readline()).strip()
+    with open_data(path) as f:
+        first = strip_bom(f.readline()).strip()
     if not first.startswith(b"{"):
         return False
     try:
@@ -258,7 +213,7 @@ def _is_json_lines(path: Path) -> bool:
 
 def read_csv(path: Path, bad: BadRows) -> Iterator[Row]:
     """A header row of field names, then one row per record (``file:line`` counts the header as line 1)."""
-    with open(path, newline="", encoding="utf-8-sig", errors="strict") as f:
+    with open_data(path, "rt", newline="", encoding="utf-8-sig", errors="strict") as f:
         reader = csv.DictReader(f)
         try:
             for row in reader:
@@ -346,7 +301,8 @@ def saved_dataset_files(path: Path) -> list[Path]:
 def read_txt(path: Path, bad: BadRows, mode: str) -> Iterator[Row]:
     """``file``: the whole file is one document; ``paragraph``: each blank-line-separated block is one."""
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        with open_data(path, "rt", encoding="utf-8-sig") as f:
+            text = f.read()
     except UnicodeDecodeError as e:
         bad.report(f"{path}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8")
         return
