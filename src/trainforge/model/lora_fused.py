@@ -36,6 +36,8 @@ def _single_adapter(layer: Any) -> str | None:
     # a variant (DoRA, ...): PEFT 0.15+ lists it in lora_variant, earlier releases flag DoRA in use_dora
     if name in getattr(layer, "lora_variant", {}) or getattr(layer, "use_dora", {}).get(name):
         return None
+    if not isinstance(layer.scaling.get(name), (int, float)):  # addmm's alpha is a number, not a tensor
+        return None
     return None if layer.lora_B[name].bias is not None else name
 
 
