@@ -122,7 +122,8 @@ def iter_source(spec: str, bad: BadRows, txt_mode: str = "file") -> Iterator[Row
         if path.is_dir() and saved_dataset_kind(path):
             yield from read_saved_dataset(path)
             continue
-        reader = READERS.get(data_suffix(path)) if is_data_file(path) else None
+        suffix = data_suffix(path)  # .jsonl for train.jsonl and train.jsonl.gz alike
+        reader = READERS.get(suffix) if is_data_file(path) else None
         if reader is None:
             kind = "".join(path.suffixes[-2:]) if path.suffix == GZIP else path.suffix
             raise DataError(
@@ -130,10 +131,10 @@ def iter_source(spec: str, bad: BadRows, txt_mode: str = "file") -> Iterator[Row
                 f"(the text ones also gzip-compressed: .jsonl.gz, .json.gz, .csv.gz, .txt.gz)"
             )
         try:  # the file system's refusals (permissions, a directory named like a file, I/O errors) name the file
-            problem = text_file_problem(path) if data_suffix(path) in TEXT_SUFFIXES else None
+            problem = text_file_problem(path) if suffix in TEXT_SUFFIXES else None
             if problem:
                 raise DataError(problem)
-            if data_suffix(path) == ".txt":
+            if suffix == ".txt":
                 yield from read_txt(path, bad, txt_mode)
             else:
                 yield from reader(path, bad)

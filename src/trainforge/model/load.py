@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -148,6 +149,13 @@ class AttentionUnavailable(TrainforgeError, ValueError):
     """The configured attention kernel cannot run on this device or torch build."""
 
 
+def check_model_dir(path: str | Path) -> None:
+    """A ``model.path`` a run may start from: no code of its own to run (``trust_remote_code=False`` besides),
+    and a model, not a PEFT adapter to merge first."""
+    refuse_custom_code(path, "model.path")
+    refuse_adapter(path)
+
+
 def build_model(
     cfg: ModelSettings,
     tokenizer,
@@ -183,8 +191,7 @@ def build_model(
         attn = exact_attention(config, cfg.attention, attn, warn)
         model = auto_class.from_config(config, dtype=torch.float32, attn_implementation=attn, trust_remote_code=False)
     else:
-        refuse_custom_code(cfg.path, "model.path")  # never run the directory's code; trust_remote_code=False besides
-        refuse_adapter(cfg.path)
+        check_model_dir(cfg.path)
         from transformers import AutoConfig
 
         attn = exact_attention(AutoConfig.from_pretrained(str(cfg.path.resolve()), trust_remote_code=False), cfg.attention, attn, warn)
@@ -324,8 +331,7 @@ def build_model_skeleton(
     if cfg.init is not None:
         config, base_dtype = init_config(cfg.init, tokenizer), torch.float32
     else:
-        refuse_custom_code(cfg.path, "model.path")
-        refuse_adapter(cfg.path)
+        check_model_dir(cfg.path)
         config = AutoConfig.from_pretrained(str(cfg.path.resolve()), trust_remote_code=False)
         config.vocab_size = max(config.vocab_size, len(tokenizer))
     if layers is not None:
