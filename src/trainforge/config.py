@@ -83,6 +83,9 @@ class FieldNames(Section):
     instruction: str = "instruction"
     input: str = "input"
     output: str = "output"
+    chosen: str = Field("chosen", description="preference pairs: the preferred reply (StackExchange-paired: response_j)")
+    rejected: str = Field("rejected", description="preference pairs: the other reply (StackExchange-paired: response_k)")
+    label: str = Field("label", description="unpaired (KTO) rows: true for a desirable completion, false otherwise")
 
 
 class DataSettings(Section):

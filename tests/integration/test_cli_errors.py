@@ -202,3 +202,24 @@ def test_a_model_directory_without_model_files_exits_2_saying_what_it_lacks(tmp_
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, show(proc)
     message = " ".join(proc.stderr.split())
     assert f"{empty} is not a Hugging Face model directory" in message and "lacks config.json" in message, show(proc)
+
+
+def test_kto_on_rows_labelled_1_or_0_is_refused_before_anything_is_tokenized(tmp_path, finetune_config):
+    """{prompt, completion, label: 1} rows are prompt/completion data, not KTO's: the run used to tokenize the whole
+    dataset (and train a tokenizer on it) before saying so. The first row's format now decides before any of that."""
+    rows = [{"prompt": f"q{i}?", "completion": f" a{i}", "label": i % 2} for i in range(40)]
+    data = tmp_path / "kto.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = copy.deepcopy(finetune_config)
+    cfg["data"].update({"train": str(data), "eval": None, "cache_dir": str(tmp_path / "cache")})
+    cfg["train"]["objective"] = "kto"
+    config = write_config(tmp_path / "kto.yaml", cfg)
+    out = tmp_path / "out"
+
+    proc = run_cli(["train", config, "--output", out], tmp_path, timeout=120)
+
+    assert proc.returncode == 2, show(proc)
+    assert "train.objective=kto needs unpaired rows" in proc.stderr and "not 1/0" in proc.stderr, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    assert not (tmp_path / "cache" / "data").exists(), show(proc)  # nothing tokenized
+    assert not out.exists()

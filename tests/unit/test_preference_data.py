@@ -7,7 +7,7 @@ import pytest
 from test_chat_templates import EXPECT, decode, tokenizer_for
 
 from trainforge.config import FieldNames
-from trainforge.data.formats import Renderer, tokenize_rendered
+from trainforge.data.formats import Renderer, detect_format, tokenize_rendered
 from trainforge.data.preference import PreferenceRenderer, preference_kind, split_shared_prefix
 from trainforge.data.sources import DataError, Row
 
@@ -93,6 +93,37 @@ def test_orca_dpo_pairs_read_their_prompt_under_its_data_fields_name():
     kto = PreferenceRenderer(Renderer("unpaired", FieldNames(prompt="question", completion="answer"), tok))
     rendered, good = kto.unpaired(Row({"question": "2+2?", "answer": " 4", "label": True}, WHERE))
     assert good is True and rendered.text == "2+2? 4" and rendered.spans == [(4, 6)]
+
+
+def test_stack_exchange_paired_reads_its_replies_under_their_data_fields_names():
+    """lvwerra/stack-exchange-paired: {qid, question, date, metadata, response_j, response_k}, response_j the
+    preferred answer. data.fields maps all three, the row is detected as a pair, and only the replies are learned."""
+    tok = tokenizer_for("qwen2.5")
+    names = FieldNames(prompt="question", chosen="response_j", rejected="response_k")
+    row = Row({"qid": 1, "question": "How do I reverse a list?", "date": "2010/01/01", "metadata": ["x"],
+               "response_j": " Use reversed(xs).", "response_k": " Sort it."}, WHERE)
+    assert detect_format(row, names) == "preference" and preference_kind(row, names) == "pairs"
+    with pytest.raises(DataError, match="cannot tell the data format"):
+        detect_format(row, FieldNames())  # without the names the row is nothing known
+    with pytest.raises(DataError, match=r"'response_j'\+'response_k' \(preference\)"):
+        detect_format(Row({"question": "q", "answer": "a"}, WHERE), names)  # the hint names the mapped fields
+    r = PreferenceRenderer(Renderer("preference", names, tok))
+    chosen, rejected = r.pair(row)
+    assert chosen.text == "How do I reverse a list? Use reversed(xs)." and rejected.text.endswith(" Sort it.")
+    assert learned_text(tok, chosen).startswith(" Use reversed") and "reverse a list" not in learned_text(tok, chosen)
+    with pytest.raises(DataError, match="the response_k reply is empty"):
+        r.pair(Row({"question": "q?", "response_j": " a", "response_k": " "}, WHERE))
+
+
+def test_kto_label_under_its_data_fields_name():
+    tok = tokenizer_for("qwen2.5")
+    names = FieldNames(label="desirable")
+    row = Row({"prompt": "2+2?", "completion": " 4", "desirable": True}, WHERE)
+    assert detect_format(row, names) == "unpaired" and preference_kind(row, names) == "unpaired"
+    rendered, good = PreferenceRenderer(Renderer("unpaired", names, tok)).unpaired(row)
+    assert good is True and rendered.text == "2+2? 4"
+    with pytest.raises(DataError, match="'desirable' must be true"):
+        PreferenceRenderer(Renderer("unpaired", names, tok)).unpaired(Row({"prompt": "a", "completion": " b", "desirable": 1}, WHERE))
 
 
 @pytest.mark.parametrize(

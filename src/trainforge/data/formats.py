@@ -61,7 +61,7 @@ def format_fields(fmt: str, names: FieldNames) -> tuple[str, ...]:
         "chat": (names.messages,),
         "alpaca": (names.instruction, names.output),
         "source_target": (*SOURCE_TARGET, names.input, names.output),  # either pair (see source_target_keys)
-        "preference": (names.prompt, "chosen", "rejected"),  # data/preference.py reads each layout
+        "preference": (names.prompt, names.chosen, names.rejected),  # data/preference.py reads each layout
         "unpaired": (names.prompt, names.completion, names.messages),
     }[fmt]
 
@@ -76,9 +76,9 @@ def source_target_keys(row: Row, names: FieldNames) -> tuple[str, str] | None:
 
 def detect_format(row: Row, names: FieldNames) -> str:
     """The format whose fields the row has (preference pairs, chat, alpaca, prompt/completion, then text)."""
-    if "chosen" in row.data and "rejected" in row.data:
+    if names.chosen in row.data and names.rejected in row.data:
         return "preference"  # TRL's {prompt, chosen, rejected} or the implicit-prompt {chosen, rejected} (data/preference.py)
-    if isinstance(row.data.get("label"), bool) and (names.completion in row.data or names.messages in row.data):
+    if isinstance(row.data.get(names.label), bool) and (names.completion in row.data or names.messages in row.data):
         return "unpaired"  # KTO: TRL's {prompt, completion, label} or LLaMA-Factory's {messages, label}
     if SHAREGPT_FIELD in row.data and isinstance(row.data[SHAREGPT_FIELD], list):
         return "chat"  # ShareGPT: {"conversations": [{"from", "value"}, ...]}
@@ -93,7 +93,8 @@ def detect_format(row: Row, names: FieldNames) -> str:
         f"{row.where}: cannot tell the data format from fields {sorted(row.data)}; expected "
         f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' or '{SHAREGPT_FIELD}' (chat), "
         f"'{names.instruction}'+'{names.output}' (alpaca) or 'source'+'target' / '{names.input}'+'{names.output}' "
-        "(source_target), 'chosen'+'rejected' (preference), 'completion'/'messages'+'label' (unpaired); or set data.format / data.fields"
+        f"(source_target), '{names.chosen}'+'{names.rejected}' (preference), '{names.completion}'/'{names.messages}'+'{names.label}' "
+        "(unpaired); or set data.format / data.fields"
     )
 
 

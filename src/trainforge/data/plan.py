@@ -82,6 +82,7 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     Encoder-decoder models (T5, BART, ...): source -> target pairs, one per row (the config
     turns packing off for them), batched by ``Seq2SeqCollator``."""
     d = cfg.data
+    check_objective_data(cfg, resolve_format(d))  # from the first row: refused before the whole dataset is tokenized
     prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=cfg.model.kind.encoder_decoder)
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
@@ -97,23 +98,34 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     return DataPlan(prepared, train_rows, eval_rows, collator(prepared.train, pin), eval_collate)
 
 
+def check_objective_data(cfg: RunConfig, fmt: str) -> None:
+    """``DataError`` when ``train.objective`` and the data's format ``fmt`` disagree: a preference objective on
+    other data, or preference data without one. Called on the first row's format before anything is tokenized."""
+    d, objective = cfg.data, cfg.train.objective
+    wanted = {"sft": None, "kto": "unpaired"}.get(objective, "preference")
+    held = fmt if fmt in ("preference", "unpaired") else None
+    if wanted == held:
+        return
+    n = d.fields
+    layouts = {"preference": f"{{{n.prompt}, {n.chosen}, {n.rejected}}} or {{{n.chosen}, {n.rejected}}}",
+               "unpaired": f"{{{n.prompt}, {n.completion}, {n.label}}} or {{{n.messages}, {n.label}}}"}
+    if wanted is None:
+        fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
+        raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to {fix}")
+    told = (f" (told apart by a {n.label!r} of true or false, not 1/0 or a string: set data.format: unpaired to have "
+            "each row's label checked)" if wanted == "unpaired" else "")
+    other = (" (other column names: map them with data.fields, e.g. "
+             "data.fields: {prompt: question, chosen: response_j, rejected: response_k})" if wanted == "preference" else "")
+    raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} "
+                    f"is {fmt} data{told}{other}")
+
+
 def rows_for(cfg: RunConfig, prepared: PreparedData) -> Callable[[TokenStore, np.ndarray], list]:
     """A function (store, sequence indices) -> the rows the run trains on: packed, concatenated or one per row as
     ``data.packing`` says; preference data as whole pairs (each sequence pair k = 2k, 2k + 1 in one row).
     A preference objective on other data, or preference data without one, is a ``DataError``."""
     d, objective = cfg.data, cfg.train.objective
-    wanted = {"sft": None, "kto": "unpaired"}.get(objective, "preference")
-    held = prepared.format if prepared.format in ("preference", "unpaired") else None
-    if wanted != held:
-        layouts = {"preference": "{prompt, chosen, rejected} or {chosen, rejected}",
-                   "unpaired": "{prompt, completion, label} or {messages, label}"}
-        if wanted is None:
-            fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
-            raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to {fix}")
-        told = (" (told apart by a 'label' of true or false, not 1/0 or a string: set data.format: unpaired to have each "
-                "row's label checked)" if wanted == "unpaired" else "")
-        raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} "
-                        f"is {prepared.format} data{told}")
+    check_objective_data(cfg, prepared.format)
     if objective != "sft":  # a stored pair is sequences 2k and 2k + 1; a source's weight repeats or samples pairs
         return lambda store, index: pair_rows(store, index[index % 2 == 0] // 2, d.max_length)
     return lambda store, index: build_rows(store, index, d.packing, d.max_length)

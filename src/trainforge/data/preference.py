@@ -11,9 +11,9 @@ Unpaired rows (KTO): TRL's ``{"prompt", "completion", "label"}`` and LLaMA-Facto
 
 Each side is rendered as SFT renders a row (the real chat template; offset-exact spans): only the reply
 is learned, never the prompt nor earlier assistant turns. Bad rows (identical sides, an empty side, a
-missing or non-boolean label, a pair with no prompt) raise ``DataError`` naming the file and line. The prompt,
-completion and messages fields are read under their ``data.fields`` names (Intel's orca_dpo_pairs:
-``fields: {prompt: question}``).
+missing or non-boolean label, a pair with no prompt) raise ``DataError`` naming the file and line. Every field
+is read under its ``data.fields`` name (Intel's orca_dpo_pairs: ``fields: {prompt: question}``; StackExchange-paired:
+``fields: {prompt: question, chosen: response_j, rejected: response_k}``).
 """
 
 from __future__ import annotations
@@ -22,18 +22,21 @@ from typing import Any
 
 import numpy as np
 
+from ..config import FieldNames
 from .chat import conversation
 from .formats import Rendered, Renderer, TokenizedChunk, tokenize_rendered
 from .sources import DataError, Row
 
-CHOSEN, REJECTED, COMPLETION, LABEL, MESSAGES = "chosen", "rejected", "completion", "label", "messages"
+MESSAGES = "messages"  # the key conversation() reads a re-wrapped message list under
 
 
-def preference_kind(row: Row) -> str | None:
-    """``pairs`` (chosen and rejected), ``unpaired`` (a completion or messages with a label), else None."""
-    if CHOSEN in row.data and REJECTED in row.data:
+def preference_kind(row: Row, names: FieldNames | None = None) -> str | None:
+    """``pairs`` (chosen and rejected), ``unpaired`` (a completion or messages with a label), else None;
+    fields under their ``names`` (``data.fields``)."""
+    n = names or FieldNames()
+    if n.chosen in row.data and n.rejected in row.data:
         return "pairs"
-    if LABEL in row.data and (COMPLETION in row.data or MESSAGES in row.data):
+    if n.label in row.data and (n.completion in row.data or n.messages in row.data):
         return "unpaired"
     return None
 
@@ -46,7 +49,8 @@ class PreferenceRenderer:
 
     def pair(self, row: Row) -> tuple[Rendered, Rendered]:
         """(chosen, rejected) of a paired row, each its prompt plus its reply, the reply learned."""
-        chosen, rejected = row.data.get(CHOSEN), row.data.get(REJECTED)
+        n = self.names
+        chosen, rejected = row.data.get(n.chosen), row.data.get(n.rejected)
         if isinstance(chosen, list) and isinstance(rejected, list):
             return self._message_pair(row, chosen, rejected)
         if isinstance(chosen, str) and isinstance(rejected, str):
@@ -57,18 +61,18 @@ class PreferenceRenderer:
                     raise self._no_prompt(row)
             elif not isinstance(prompt, str):
                 raise DataError(f"{row.where}: {self.names.prompt!r} must be a string when chosen and rejected are strings")
-            _check_sides(row.where, chosen, rejected)
+            _check_sides(row.where, chosen, rejected, n)
             return _text(prompt, chosen, row.where), _text(prompt, rejected, row.where)
         raise DataError(
-            f"{row.where}: 'chosen' and 'rejected' must both be strings or both be message lists, got "
+            f"{row.where}: {n.chosen!r} and {n.rejected!r} must both be strings or both be message lists, got "
             f"{type(chosen).__name__} and {type(rejected).__name__}"
         )
 
     def unpaired(self, row: Row) -> tuple[Rendered, bool]:
         """(the completion after its prompt, whether it is desirable) of a KTO row."""
-        label = row.data.get(LABEL)
+        label = row.data.get(self.names.label)
         if not isinstance(label, bool):
-            raise DataError(f"{row.where}: 'label' must be true (desirable) or false (undesirable), got {label!r}")
+            raise DataError(f"{row.where}: {self.names.label!r} must be true (desirable) or false (undesirable), got {label!r}")
         if self.names.messages in row.data:
             messages = self._messages(row, self.names.messages)
             last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
@@ -89,10 +93,11 @@ class PreferenceRenderer:
         return _text(prompt, completion, row.where), label
 
     def _message_pair(self, row: Row, chosen: list, rejected: list) -> tuple[Rendered, Rendered]:
-        chosen_msgs, rejected_msgs = self._messages(row, CHOSEN), self._messages(row, REJECTED)
-        prompt = row.data.get(self.names.prompt)
+        names = self.names
+        chosen_msgs, rejected_msgs = self._messages(row, names.chosen), self._messages(row, names.rejected)
+        prompt = row.data.get(names.prompt)
         if isinstance(prompt, list):  # TRL conversational: the prompt's messages, then each side's reply
-            prompt_msgs = self._messages(row, self.names.prompt)
+            prompt_msgs = self._messages(row, names.prompt)
         else:  # implicit: the shared leading messages are the prompt (a prompt string beside them repeats it)
             n = 0
             while n < min(len(chosen_msgs), len(rejected_msgs)) and chosen_msgs[n] == rejected_msgs[n]:
@@ -100,7 +105,7 @@ class PreferenceRenderer:
             if n == 0 and prompt is None:
                 raise self._no_prompt(row)
             prompt_msgs, chosen_msgs, rejected_msgs = chosen_msgs[:n], chosen_msgs[n:], rejected_msgs[n:]
-        for side, msgs in ((CHOSEN, chosen_msgs), (REJECTED, rejected_msgs)):
+        for side, msgs in ((names.chosen, chosen_msgs), (names.rejected, rejected_msgs)):
             if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
                 raise DataError(f"{row.where}: the {side} side has no assistant reply after the prompt")
         if chosen_msgs == rejected_msgs:
@@ -144,8 +149,8 @@ def split_shared_prefix(chosen: str, rejected: str) -> tuple[str, str, str]:
     return chosen[:n], chosen[n:], rejected[n:]
 
 
-def _check_sides(where: str, chosen: str, rejected: str) -> None:
-    for side, text in ((CHOSEN, chosen), (REJECTED, rejected)):
+def _check_sides(where: str, chosen: str, rejected: str, names: FieldNames) -> None:
+    for side, text in ((names.chosen, chosen), (names.rejected, rejected)):
         if not text.strip():
             raise DataError(f"{where}: the {side} reply is empty")
     if chosen == rejected:

@@ -15,7 +15,8 @@ from ..allocator import prefer_expandable_segments
 from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_max_steps
 from ..cpu_threads import CpuThreads
 from ..data.loader import TrainLoader, eval_batches
-from ..data.plan import describe_data, get_tokenizer, plan_data
+from ..data.plan import check_objective_data, describe_data, get_tokenizer, plan_data
+from ..data.prepare import resolve_format
 from ..dist import DistContext, choose_mode, device_for
 from ..errors import TrainforgeError
 from ..hardware import (
@@ -103,6 +104,7 @@ def setup(
     laps("device")
 
     with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
+        check_objective_data(cfg, resolve_format(cfg.data))  # data of the wrong kind fails before a tokenizer is trained on it
         tokenizer = get_tokenizer(cfg, reporter)
         laps("tokenizer")
         check_positions(cfg.model, cfg.data.max_length, reporter.warn)  # a row past a learned position table fails mid-step
