@@ -1,4 +1,4 @@
-"""Assistant-only loss masks under the real chat templates of seven model families.
+"""Assistant-only loss masks under the real chat templates of eight model families.
 
 The templates in ``tests/fixtures/chat_templates`` are the ``chat_template`` texts shipped in
 the families' Hugging Face ``tokenizer_config.json`` files (``families.json`` says where each
@@ -19,6 +19,8 @@ that is the same whether another message follows or the conversation ends there:
 * Gemma 2:   ``<end_of_turn>\\n``   (``content | trim + '<end_of_turn>\\n'``)
 * Phi-3.5:   ``<|end|>\\n``         (the ``eos_token`` appended after the LAST message only is not part of the turn)
 * Zephyr:    ``</s>\\n``            (``content + eos_token`` and the newline after ``}}``, written after every message)
+* Qwen3:     ``<|im_end|>\\n``      (as Qwen2.5; a turn after the last user message also learns the think block
+                                   the template writes before its content, ``<think>\\n\\n</think>\\n\\n`` when empty)
 
 The tokenizer isolates every whitespace and punctuation character before BPE, so no token
 straddles a template/content boundary and every learned run decodes to exactly the expected
@@ -46,6 +48,7 @@ from trainforge.data.sources import DataError, Row
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_templates"
 FAMILIES: dict[str, dict] = json.loads((FIXTURES / "families.json").read_text())
 WHERE = "t.jsonl:1"
+EMPTY_THINK = "<think>\n\n</think>\n\n"  # what Qwen3 writes before the content of a last turn without reasoning
 
 # What each template writes right before an assistant content (its assistant header, or the
 # end of the user turn where the assistant has no header of its own) and right after it (the
@@ -59,6 +62,7 @@ EXPECT = {
     "gemma2": {"header": "<start_of_turn>model\n", "eot": "<end_of_turn>\n", "trim": True},
     "phi3": {"header": "<|assistant|>\n", "eot": "<|end|>\n", "trim": False},
     "zephyr": {"header": "<|assistant|>\n", "eot": "</s>\n", "trim": False},
+    "qwen3": {"header": "<|im_start|>assistant\n", "eot": "<|im_end|>\n", "trim": False, "lead_last": EMPTY_THINK},
 }
 
 SYSTEM = "You are a terse geography tutor."
@@ -77,6 +81,7 @@ EXPECTED_BASIC = {
     "gemma2": ["Paris is the capital of France.<end_of_turn>\n", "Rome \u2014 or Roma, in Italian.<end_of_turn>\n"],
     "phi3": ["  Paris is the capital of France.\n<|end|>\n", "Rome \u2014 or Roma, in Italian.<|end|>\n"],
     "zephyr": ["  Paris is the capital of France.\n</s>\n", "Rome \u2014 or Roma, in Italian.</s>\n"],
+    "qwen3": ["  Paris is the capital of France.\n<|im_end|>\n", "<think>\n\n</think>\n\nRome \u2014 or Roma, in Italian.<|im_end|>\n"],
 }
 
 
@@ -106,8 +111,12 @@ def spoofing_conversation(family: str) -> list[dict[str, str]]:
 
 
 def expected_learned(family: str, messages: list[dict[str, str]]) -> list[str]:
+    """Per assistant turn: its content (trimmed where the template trims) and end-of-turn marker, after the
+    template's empty think block where it writes one (Qwen3: a last turn that follows the last user message)."""
     e = EXPECT[family]
-    return [(m["content"].strip() if e["trim"] else m["content"]) + e["eot"] for m in messages if m["role"] == "assistant"]
+    lead = lambda k: e.get("lead_last", "") if k == len(messages) - 1 else ""  # noqa: E731
+    return [lead(k) + (m["content"].strip() if e["trim"] else m["content"]) + e["eot"]
+            for k, m in enumerate(messages) if m["role"] == "assistant"]
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -338,3 +347,81 @@ def test_a_base_tokenizer_whose_eos_is_not_the_turn_end_still_stops_the_turn():
     assert end_of_turn_ids(ChatLocator(tok, tok.chat_template), tok) == [im_end]
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[im_end, 7]))
     assert stop_token_ids(model, tok, [im_end]) == [tok.eos_token_id, im_end, 7]
+
+
+# ---------------------------------------------------------------- reasoning (Qwen3's <think> blocks)
+
+
+def _think(reasoning: str, answer: str) -> str:
+    return f"<think>\n{reasoning}\n</think>\n\n{answer}"
+
+
+def test_qwen3_reasoning_inline_is_learned_with_its_think_block():
+    """Reasoning datasets (OpenThoughts, s1K, ...) keep the trace in the content as <think>...</think>. Qwen3's
+    template moves it into a think block of its own: every such row used to be refused ("the chat template changes
+    message ..."). The whole block is what the model writes after its header, so all of it is learned."""
+    messages = [{"role": "user", "content": USER_1}, {"role": "assistant", "content": _think("France's capital: Paris.", "Paris.")}]
+    check_learned_exactly("qwen3", messages, [_think("France's capital: Paris.", "Paris.") + "<|im_end|>\n"])
+
+
+def test_qwen3_reasoning_content_field_is_learned_like_inline_reasoning():
+    """``reasoning_content`` (the DeepSeek API's and vLLM's field) was rendered but not learned: only the answer was."""
+    inline = [{"role": "user", "content": USER_1}, {"role": "assistant", "content": _think("Known fact.", "Paris.")}]
+    field = [{"role": "user", "content": USER_1}, {"role": "assistant", "content": "Paris.", "reasoning_content": "Known fact."}]
+    _, a, chunk_a = render_and_mask("qwen3", inline)
+    _, b, chunk_b = render_and_mask("qwen3", field)
+    assert a.text == b.text and chunk_a.learn.tolist() == chunk_b.learn.tolist()
+    check_learned_exactly("qwen3", field, [_think("Known fact.", "Paris.") + "<|im_end|>\n"])
+
+
+def test_qwen3_earlier_turns_lose_their_reasoning_as_the_template_writes_them():
+    """Before the last user message Qwen3 writes only the answer (as at inference, where history has no traces):
+    that answer is learned; the last turn keeps and learns its reasoning."""
+    messages = [
+        {"role": "user", "content": USER_1},
+        {"role": "assistant", "content": _think("Recall: Paris.", "Paris.")},
+        {"role": "user", "content": USER_2},
+        {"role": "assistant", "content": _think("Recall: Rome.", "Rome.")},
+    ]
+    check_learned_exactly("qwen3", messages, ["Paris.<|im_end|>\n", _think("Recall: Rome.", "Rome.") + "<|im_end|>\n"])
+
+
+def test_qwen3_tool_call_turns_after_the_last_user_message_keep_their_reasoning():
+    """An assistant turn that calls a tool after the last user message keeps its reasoning (Qwen3 writes it for
+    every step of a multi-step tool exchange): learned are the trace, the content, the call the template writes
+    from ``tool_calls`` and the end of the turn; the tool's answer is not."""
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": _think("Look it up.", "Checking."), "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": _think("It said sunny.", "It is sunny.")},
+    ]
+    tool_call = '\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    check_learned_exactly("qwen3", messages, [
+        _think("Look it up.", "Checking.") + tool_call + "<|im_end|>\n",
+        _think("It said sunny.", "It is sunny.") + "<|im_end|>\n",
+    ])
+
+
+def test_a_template_that_drops_reasoning_says_so():
+    """DeepSeek-R1-Distill's template (llama.cpp's verbatim copy, models/templates/
+    deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja) keeps only what follows </think> in every assistant turn: the
+    trace cannot be learned with it, and the error says that instead of "the template changes message 1"."""
+    tok = tokenizer_for("qwen2.5")
+    template = (FIXTURES / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+    renderer = Renderer("chat", FieldNames(), tok, chat_template=template)
+    messages = [{"role": "user", "content": USER_1}, {"role": "assistant", "content": _think("Recall.", "Paris.")}]
+    with pytest.raises(DataError, match=r"drops or moves reasoning.*reads the 'reasoning_content' field"):
+        renderer(Row({"messages": messages}, WHERE))
+    plain = [{"role": "user", "content": USER_1}, {"role": "assistant", "content": "Paris."}]
+    assert renderer(Row({"messages": plain}, WHERE)).spans  # without reasoning the template is located as before
+
+
+def test_templates_that_do_not_read_reasoning_keep_think_blocks_as_content():
+    """ChatML (trainforge's default) writes the content as given: an inline trace stays in it and is learned."""
+    tok = tokenizer_for("qwen2.5")
+    messages = [{"role": "user", "content": USER_1}, {"role": "assistant", "content": _think("Recall.", "Paris.")}]
+    rendered = Renderer("chat", FieldNames(), tok)(Row({"messages": messages}, WHERE))
+    chunk = tokenize_rendered([rendered], tok, max_length=4096, too_long="truncate", special_tokens=False)
+    assert [decode(tok, chunk.ids[a:b]) for a, b in runs(chunk.learn)] == [_think("Recall.", "Paris.") + "<|im_end|>\n"]

@@ -103,38 +103,80 @@ def _text_of(content: Any, where: str, name: str) -> str:
     raise DataError(f"{where}: {name}.content must be a string or a list of text parts, got {type(content).__name__}")
 
 
+REASONING = "reasoning_content"  # an assistant message's reasoning, the field Qwen3-style templates read
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message whose content carries its reasoning inline (``<think>R</think>A``, as reasoning
+    datasets store it) as ``reasoning_content`` R and ``content`` A, for a template that reads the field:
+    Qwen3's renders the same text either way (it strips the same newlines), and the two parts become separate
+    slots of the skeleton."""
+    content = message["content"]
+    if message["role"] != "assistant" or THINK_CLOSE not in content or isinstance(message.get(REASONING), str):
+        return message
+    reasoning = content.split(THINK_CLOSE)[0].split(THINK_OPEN)[-1].strip("\n")
+    return {**message, REASONING: reasoning, "content": content.split(THINK_CLOSE)[-1].lstrip("\n")}
+
+
+def _slot(i: int, reasoning: bool = False) -> int:
+    """The placeholder number of message i's content (even) or reasoning (odd)."""
+    return 2 * i + int(reasoning)
+
+
+def _variants(text: str) -> dict[str, None]:
+    """How a template may write a content: as given, trimmed (Llama 3, Gemma), or with newlines stripped
+    at its ends (Qwen3's reasoning and the answer after it)."""
+    return dict.fromkeys((text, text.strip(), text.strip("\n"), text.lstrip("\n")))
+
+
 class ChatLocator:
     """Renders conversations with one template and locates the assistant turns in the text."""
 
     def __init__(self, tokenizer, template: str):
         self.tokenizer, self.template = tokenizer, template
+        self.reads_reasoning = REASONING in template  # Qwen3-style: reasoning rendered in a <think> block
         # skeleton renders depend only on the conversation's structure (roles and non-content fields)
         self._skeletons: OrderedDict[tuple, str] = OrderedDict()
         self._markers: dict[tuple[str, str], str] = {}  # (text after a turn, alternative) -> end marker
+
+    def prepared(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` as they are rendered: inline reasoning moved to ``reasoning_content`` where the
+        template reads that field (``split_reasoning``); unchanged otherwise."""
+        return [split_reasoning(m) for m in messages] if self.reads_reasoning else messages
 
     def render(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False) -> str:
         """The conversation as the template writes it; ``generation_prompt``: followed by the header of
         the assistant turn to come (an encoder-decoder's source)."""
         try:
             return self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+                self.prepared(messages), chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
             )
         except Exception as e:  # jinja's raise_exception (e.g. roles must alternate) and template bugs
             raise DataError(f"{where}: the chat template cannot render this conversation: {e}") from None
 
-    def _skeleton(self, messages: list[dict[str, Any]], where: str) -> str:
-        """The conversation rendered with placeholders for contents (cached by structure)."""
-        key = tuple(json.dumps({k: v for k, v in m.items() if k != "content"}, sort_keys=True, default=str) for m in messages)
+    def _skeleton(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False) -> str:
+        """The conversation rendered with placeholders for contents and reasoning (cached by structure)."""
+        messages = self.prepared(messages)
+        key = (generation_prompt, *(
+            json.dumps({k: (v if k != REASONING else isinstance(v, str)) for k, v in m.items() if k != "content"},
+                       sort_keys=True, default=str)
+            for m in messages
+        ))
         if key not in self._skeletons:
-            marked = [{**m, "content": placeholder(i)} for i, m in enumerate(messages)]
-            self._skeletons[key] = self.render(marked, where)
+            marked = [
+                {**m, "content": placeholder(_slot(i)), **({REASONING: placeholder(_slot(i, True))} if isinstance(m.get(REASONING), str) else {})}
+                for i, m in enumerate(messages)
+            ]
+            self._skeletons[key] = self.render(marked, where, generation_prompt)
             if len(self._skeletons) > _CACHE_SIZE:
                 self._skeletons.popitem(last=False)
         self._skeletons.move_to_end(key)
         return self._skeletons[key]
 
     def locate(self, messages: list[dict[str, Any]], text: str, where: str) -> list[tuple[int, int]]:
-        """Character spans ``[start, end)`` of each assistant turn (content + end marker) in ``text``."""
+        """Character spans ``[start, end)`` of each assistant turn (what the model writes after the turn's
+        header: its reasoning and content, and the end marker) in ``text``."""
         try:
             return self._locate(messages, text, where)
         except DataError:
@@ -143,30 +185,49 @@ class ChatLocator:
             return self._locate(messages, text, where)
 
     def _locate(self, messages: list[dict[str, Any]], text: str, where: str) -> list[tuple[int, int]]:
+        messages = self.prepared(messages)
         skeleton = self._skeleton(messages, where)
         literals = _PLACEHOLDER.split(skeleton)[0::2]  # template text between placeholders
-        order = [int(i) for i in _PLACEHOLDER.findall(skeleton)]
+        order = [int(k) for k in _PLACEHOLDER.findall(skeleton)]
         if not text.startswith(literals[0]):
-            raise _rewritten(where, "the text before the first message")
-        pos, spans = len(literals[0]), []
-        for j, i in enumerate(order):
-            content, after = messages[i]["content"], literals[j + 1]
+            raise _rewritten(where, "the text before the first message", messages)
+        pos, turns = len(literals[0]), {}  # assistant message -> [start of its first slot, end of its last, slot, after]
+        for j, k in enumerate(order):
+            i, after = k // 2, literals[j + 1]
+            value = messages[i][REASONING if k % 2 else "content"]
             last = j == len(order) - 1
-            for candidate in dict.fromkeys((content, content.strip())):  # as given, or trimmed (Llama 3, Gemma)
+            for candidate in _variants(value):
                 end = pos + len(candidate)
                 if text.startswith(candidate, pos) and (text[end:] == after if last else text.startswith(after, end)):
                     break
             else:
-                raise _rewritten(where, f"message {i} ({messages[i]['role']})")
+                raise _rewritten(where, f"message {i} ({messages[i]['role']})", messages)
             if messages[i]["role"] == "assistant":
-                spans.append((pos, end + len(self._end_marker(messages, i, after, where))))
+                turns.setdefault(i, [pos, end, k, after])[1:] = [end, k, after]
             pos = end + len(after)
-        return spans
+        return [
+            (start - len(self._lead(messages, i, skeleton, where)), end + len(self._end_marker(messages, i, k, after, where)))
+            for i, (start, end, k, after) in turns.items()
+        ]
 
-    def _end_marker(self, messages: list[dict[str, Any]], i: int, after: str, where: str) -> str:
-        """The part of ``after`` (template text following assistant message i) that closes the turn.
+    def _lead(self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str) -> str:
+        """Template text the model writes before assistant message i's first slot: what follows the
+        generation prompt there, e.g. Qwen3's ``<think>\n`` before the reasoning, or its empty
+        ``<think>\n\n</think>\n\n`` before an answer without one. Empty for templates whose header
+        ends where the content starts; whitespace alone is left to the tokens that straddle it
+        (``tokenize_rendered``), as before the first content of Mixtral's ``[/INST] ``."""
+        first = min(skeleton.find(placeholder(_slot(i, r))) for r in (False, True) if placeholder(_slot(i, r)) in skeleton)
+        try:
+            prompt = self._skeleton(messages[:i], where, generation_prompt=True)
+        except DataError:
+            return ""
+        lead = skeleton[len(prompt) : first]
+        return lead if skeleton.startswith(prompt) and lead.strip() and not _PLACEHOLDER.search(lead) else ""
 
-        It is the common prefix of what follows the content here and what follows it when the
+    def _end_marker(self, messages: list[dict[str, Any]], i: int, slot: int, after: str, where: str) -> str:
+        """The part of ``after`` (template text following assistant message i's last slot) that closes the turn.
+
+        It is the common prefix of what follows the slot here and what follows it when the
         conversation continues differently: ended right after message i, or, for the last
         message, continued by a user turn.
         """
@@ -178,7 +239,7 @@ class ChatLocator:
             alt = self._skeleton(other, where)
         except DataError:  # the template refuses the variant: the turn ends where the text says
             return after if i == len(messages) - 1 else ""
-        rest = alt.split(placeholder(i), 1)[1] if placeholder(i) in alt else ""
+        rest = alt.split(placeholder(slot), 1)[1] if placeholder(slot) in alt else ""
         return self._shared_tokens(after, _PLACEHOLDER.split(rest, 1)[0])
 
     def _shared_tokens(self, a: str, b: str) -> str:
@@ -200,7 +261,14 @@ class ChatLocator:
         return self._markers[(a, b)]
 
 
-def _rewritten(where: str, what: str) -> DataError:
+def _rewritten(where: str, what: str, messages: list[dict[str, Any]]) -> DataError:
+    if any(m["role"] == "assistant" and THINK_CLOSE in m["content"] for m in messages):
+        return DataError(
+            f"{where}: the chat template rewrites an assistant message that holds its reasoning ({THINK_OPEN}...{THINK_CLOSE}): "
+            "this template drops or moves reasoning (DeepSeek-R1's and QwQ's drop it from every turn), so it cannot be "
+            "learned with it; set data.chat_template to a template that renders reasoning (one that reads the "
+            f"{REASONING!r} field, as Qwen3's does), or remove the {THINK_OPEN} blocks from the data"
+        )
     return DataError(
         f"{where}: the chat template changes {what} while rendering (it does more than place or trim message "
         "contents), so the assistant turns cannot be located in the text; set data.chat_template to a template "

@@ -82,7 +82,7 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     Encoder-decoder models (T5, BART, ...): source -> target pairs, one per row (the config
     turns packing off for them), batched by ``Seq2SeqCollator``."""
     d = cfg.data
-    check_objective_data(cfg, resolve_format(d))  # from the first row: refused before the whole dataset is tokenized
+    check_objective_data(cfg)  # from the first row: refused before the whole dataset is tokenized
     prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=cfg.model.kind.encoder_decoder)
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
@@ -98,10 +98,11 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     return DataPlan(prepared, train_rows, eval_rows, collator(prepared.train, pin), eval_collate)
 
 
-def check_objective_data(cfg: RunConfig, fmt: str) -> None:
-    """``DataError`` when ``train.objective`` and the data's format ``fmt`` disagree: a preference objective on
-    other data, or preference data without one. Called on the first row's format before anything is tokenized."""
+def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
+    """``DataError`` when ``train.objective`` and the data's format ``fmt`` (default: the first row's) disagree: a
+    preference objective on other data, or preference data without one. Checked before anything is tokenized."""
     d, objective = cfg.data, cfg.train.objective
+    fmt = fmt or resolve_format(d)
     wanted = {"sft": None, "kto": "unpaired"}.get(objective, "preference")
     held = fmt if fmt in ("preference", "unpaired") else None
     if wanted == held:

@@ -16,7 +16,6 @@ from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_m
 from ..cpu_threads import CpuThreads
 from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import check_objective_data, describe_data, get_tokenizer, plan_data
-from ..data.prepare import resolve_format
 from ..dist import DistContext, choose_mode, device_for
 from ..errors import TrainforgeError
 from ..hardware import (
@@ -43,14 +42,7 @@ from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
 from ..model.fp8 import resolve_fp8
 from ..model.kernels import resolve_kernels
-from ..model.load import (
-    build_model,
-    check_positions,
-    count_parameters,
-    describe_storage,
-    overflows_in_fp16,
-    weight_storage,
-)
+from ..model.load import build_model, check_positions, count_parameters, describe_storage, overflows_in_fp16, weight_storage
 from ..rundir import writing
 from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
@@ -104,7 +96,7 @@ def setup(
     laps("device")
 
     with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
-        check_objective_data(cfg, resolve_format(cfg.data))  # data of the wrong kind fails before a tokenizer is trained on it
+        check_objective_data(cfg)  # data of the wrong kind fails before a tokenizer is trained on it
         tokenizer = get_tokenizer(cfg, reporter)
         laps("tokenizer")
         check_positions(cfg.model, cfg.data.max_length, reporter.warn)  # a row past a learned position table fails mid-step
