@@ -146,3 +146,25 @@ def test_a_tokenizer_trained_on_the_data_is_trained_once_and_loaded_after(tmp_pa
     assert (again.eos_token_id, again.pad_token_id) == (first.eos_token_id, first.pad_token_id)
     assert "trained on the data" in tokenizer(320)[1]  # another vocabulary size
     assert "trained on the data" in tokenizer(300, "pc_train.jsonl")[1]  # other data
+
+
+def test_later_field_names_leave_existing_keys_alone_until_renamed(toy_data_dir):
+    """data.fields.chosen/rejected/label came after stores were keyed by the data settings: at their defaults
+    they are not hashed, so a run started before keeps its store (and resumes: a checkpoint names its store's
+    key); renaming one is a different store."""
+    from trainforge.config import DataSettings
+    from trainforge.data.cache import LATER_FIELD_NAMES, _settings, built_tokenizer_key, fingerprint
+    from trainforge.model.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(["abc"])
+    base = DataSettings(train=str(toy_data_dir / "pc_train.jsonl"), eval=None)
+    older = base.model_dump(mode="json")["fields"]  # what versions before these names hashed
+    for name in LATER_FIELD_NAMES:
+        del older[name]
+    assert _settings(base, set())["fields"] == older
+    key = fingerprint(base, "preference", tok, 0)
+    for name in LATER_FIELD_NAMES:
+        renamed = base.model_copy(update={"fields": base.fields.model_copy(update={name: "other"})})
+        assert _settings(renamed, set())["fields"] == {**older, name: "other"}
+        assert fingerprint(renamed, "preference", tok, 0) != key
+        assert built_tokenizer_key(renamed, "preference", 64) != built_tokenizer_key(base, "preference", 64)

@@ -13,9 +13,10 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..atomic import publish_dir, remove_stale_temps
-from ..config import DataSettings, default_cache_dir
+from ..config import DataSettings, FieldNames, default_cache_dir
 from .holdout import holdout_kind
 from .sources import BUILTIN_ROWS_VERSION, BUILTIN_SOURCES, source_files
 
@@ -39,12 +40,27 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+# data.fields names added after stores were first keyed: left out of a key while at their default, so the
+# stores (and the checkpoints that name them) of runs that do not rename them keep their keys
+LATER_FIELD_NAMES = ("chosen", "rejected", "label")
+
+
+def _settings(cfg: DataSettings, exclude: set[str]) -> dict[str, Any]:
+    """The data settings a key hashes, as JSON."""
+    settings = cfg.model_dump(mode="json", exclude=exclude)
+    default = FieldNames()
+    for name in LATER_FIELD_NAMES:
+        if getattr(cfg.fields, name) == getattr(default, name):
+            del settings["fields"][name]
+    return settings
+
+
 def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool = False) -> str:
     """Hash of source contents, tokenizer, and every setting that changes the stored tokens.
     ``seq2seq``: source -> target pairs of an encoder-decoder model (other stores keep their keys)."""
     h = hashlib.blake2b(digest_size=16)
     exclude = {"packing", "cache_dir", "num_workers", "train", "max_target_length"}
-    settings = cfg.model_dump(mode="json", exclude=exclude)
+    settings = _settings(cfg, exclude)
     settings["train"] = [s.path for s in cfg.sources()]  # weights are applied when loading, not stored
     settings["too_long"] = cfg.too_long_for(fmt)  # the default and the same policy set by hand share a cache
     key = {"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}
@@ -71,7 +87,7 @@ def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
     import tokenizers
 
     h = hashlib.blake2b(digest_size=16)
-    settings = cfg.model_dump(mode="json", exclude={"cache_dir", "num_workers"})
+    settings = _settings(cfg, {"cache_dir", "num_workers"})
     key = {"v": BPE_VERSION, "tokenizers": tokenizers.__version__, "format": fmt, "vocab": vocab_size, "settings": settings}
     h.update(json.dumps(key, sort_keys=True).encode())
     _hash_sources(h, [s.path for s in cfg.sources()])
