@@ -425,3 +425,49 @@ def test_templates_that_do_not_read_reasoning_keep_think_blocks_as_content():
     rendered = Renderer("chat", FieldNames(), tok)(Row({"messages": messages}, WHERE))
     chunk = tokenize_rendered([rendered], tok, max_length=4096, too_long="truncate", special_tokens=False)
     assert [decode(tok, chunk.ids[a:b]) for a, b in runs(chunk.learn)] == [_think("Recall.", "Paris.") + "<|im_end|>\n"]
+
+
+# ---------------------------------------------------------------- tool calls (OpenAI-style tool_calls)
+
+WEATHER_CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+
+
+def tool_conversation(content: str | None) -> list[dict]:
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": content, "tool_calls": [WEATHER_CALL]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+    ]
+
+
+@pytest.mark.parametrize("family,call,final", [
+    ("qwen2.5", '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n', "It is sunny.<|im_end|>\n"),
+    ("qwen3", '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+     EMPTY_THINK + "It is sunny.<|im_end|>\n"),
+    ("llama3", '{"name": "weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny.<|eot_id|>"),
+], ids=["qwen2.5", "qwen3", "llama3"])
+def test_a_turn_that_only_calls_a_tool_is_learned(family, call, final):
+    """Agent traces in the OpenAI layout: an assistant turn with ``tool_calls`` and no content. Qwen's templates
+    write no newline for an empty content, so the placeholder render did not match and every such row was refused;
+    Llama 3's writes the call instead of the content, so the turn had no place in the text and was silently not
+    learned (the model never learned to call). The call the template writes, and the end of the turn, are learned."""
+    messages = tool_conversation(None)
+    tok = tokenizer_for(family)
+    renderer = Renderer("chat", FieldNames(), tok)
+    rendered = renderer(Row({"messages": messages}, WHERE))
+    expected_text = tok.apply_chat_template([{**m, "content": m["content"] or ""} for m in messages], tokenize=False)
+    assert _undated(rendered.text) == _undated(expected_text)
+    chunk = tokenize_rendered([rendered], tok, max_length=4096, too_long="truncate", special_tokens=False)
+    assert [decode(tok, chunk.ids[a:b]) for a, b in runs(chunk.learn)] == [call, final]
+
+
+def test_a_tool_call_turn_in_a_prompt_is_context_and_the_completion_is_learned():
+    """TRL's conversational prompt/completion with a tool exchange in the prompt: the prompt's assistant turns are
+    counted off the located turns, so a turn Llama 3's template writes without its content must still count."""
+    messages = tool_conversation(None)
+    tok = tokenizer_for("llama3")
+    renderer = Renderer("chat", FieldNames(), tok)
+    rendered = renderer(Row({"prompt": messages[:-1], "completion": messages[-1:]}, WHERE))
+    chunk = tokenize_rendered([rendered], tok, max_length=4096, too_long="truncate", special_tokens=False)
+    assert [decode(tok, chunk.ids[a:b]) for a, b in runs(chunk.learn)] == ["It is sunny.<|eot_id|>"]

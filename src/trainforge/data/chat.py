@@ -18,10 +18,12 @@ conversation ends there (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s>``, ``<end_of_
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from .sources import DataError, Row
@@ -46,6 +48,7 @@ SHAREGPT_FIELD = "conversations"
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _PLACEHOLDER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 _CACHE_SIZE = 4096
+_NEXT_USER = {"role": "user", "content": ""}  # a turn after the last, to see where the last one ends
 
 
 def placeholder(i: int) -> str:
@@ -136,9 +139,10 @@ class ChatLocator:
     def __init__(self, tokenizer, template: str):
         self.tokenizer, self.template = tokenizer, template
         self.reads_reasoning = REASONING in template  # Qwen3-style: reasoning rendered in a <think> block
-        # skeleton renders depend only on the conversation's structure (roles and non-content fields)
+        # skeleton renders depend only on the conversation's structure (roles, non-content fields, empty contents)
         self._skeletons: OrderedDict[tuple, str] = OrderedDict()
         self._markers: dict[tuple[str, str], str] = {}  # (text after a turn, alternative) -> end marker
+        self._structures: dict[int, tuple[dict[str, Any], str]] = {}
 
     def prepared(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` as they are rendered: inline reasoning moved to ``reasoning_content`` where the
@@ -155,28 +159,35 @@ class ChatLocator:
         except Exception as e:  # jinja's raise_exception (e.g. roles must alternate) and template bugs
             raise DataError(f"{where}: the chat template cannot render this conversation: {e}") from None
 
-    def _skeleton(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False) -> str:
-        """The conversation rendered with placeholders for contents and reasoning (cached by structure)."""
+    def _skeleton(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False, force: int | None = None) -> str:
+        """The conversation rendered with placeholders for contents and reasoning (cached by structure).
+
+        Empty ones stay empty, because templates test them (Qwen writes no newline before the tool call of a
+        turn with an empty content, Qwen3 no think block for an empty trace); ``force``: that message's
+        content gets its placeholder even when empty."""
         messages = self.prepared(messages)
-        key = (generation_prompt, *(
-            json.dumps({k: (v if k != REASONING else isinstance(v, str)) for k, v in m.items() if k != "content"},
-                       sort_keys=True, default=str)
-            for m in messages
-        ))
+        key = (generation_prompt, force, *map(self._structure, messages))
         if key not in self._skeletons:
-            marked = [
-                {**m, "content": placeholder(_slot(i)), **({REASONING: placeholder(_slot(i, True))} if isinstance(m.get(REASONING), str) else {})}
-                for i, m in enumerate(messages)
-            ]
-            self._skeletons[key] = self.render(marked, where, generation_prompt)
+            self._skeletons[key] = self.render([_marked(m, i, i == force) for i, m in enumerate(messages)], where, generation_prompt)
             if len(self._skeletons) > _CACHE_SIZE:
                 self._skeletons.popitem(last=False)
         self._skeletons.move_to_end(key)
         return self._skeletons[key]
 
+    def _structure(self, message: dict[str, Any]) -> str:
+        """What of a message shapes its render besides its text: its fields, with contents reduced to whether
+        they are empty (memoized per message object while one conversation is located)."""
+        held = self._structures.get(id(message))
+        if held is None or held[0] is not message:  # the memo holds each message, so no id is reused meanwhile
+            held = self._structures[id(message)] = (message, json.dumps(
+                {k: (bool(v) if k in ("content", REASONING) and isinstance(v, str) else v) for k, v in message.items()},
+                sort_keys=True, default=str,
+            ))
+        return held[1]
+
     def locate(self, messages: list[dict[str, Any]], text: str, where: str) -> list[tuple[int, int]]:
-        """Character spans ``[start, end)`` of each assistant turn (what the model writes after the turn's
-        header: its reasoning and content, and the end marker) in ``text``."""
+        """Character spans ``[start, end)`` of each assistant turn in ``text``: what the model writes after the
+        turn's header (its reasoning, content and tool calls) and the end-of-turn marker."""
         try:
             return self._locate(messages, text, where)
         except DataError:
@@ -186,37 +197,55 @@ class ChatLocator:
 
     def _locate(self, messages: list[dict[str, Any]], text: str, where: str) -> list[tuple[int, int]]:
         messages = self.prepared(messages)
+        self._structures.clear()  # memoized for this row's messages only
         skeleton = self._skeleton(messages, where)
-        literals = _PLACEHOLDER.split(skeleton)[0::2]  # template text between placeholders
-        order = [int(k) for k in _PLACEHOLDER.findall(skeleton)]
-        if not text.startswith(literals[0]):
-            raise _rewritten(where, "the text before the first message", messages)
-        pos, turns = len(literals[0]), {}  # assistant message -> [start of its first slot, end of its last, slot, after]
-        for j, k in enumerate(order):
-            i, after = k // 2, literals[j + 1]
-            value = messages[i][REASONING if k % 2 else "content"]
-            last = j == len(order) - 1
-            for candidate in _variants(value):
-                end = pos + len(candidate)
-                if text.startswith(candidate, pos) and (text[end:] == after if last else text.startswith(after, end)):
-                    break
-            else:
-                raise _rewritten(where, f"message {i} ({messages[i]['role']})", messages)
-            if messages[i]["role"] == "assistant":
-                turns.setdefault(i, [pos, end, k, after])[1:] = [end, k, after]
-            pos = end + len(after)
+        to_text = _walk(messages, skeleton, text, where)
         return [
-            (start - len(self._lead(messages, i, skeleton, where)), end + len(self._end_marker(messages, i, k, after, where)))
-            for i, (start, end, k, after) in turns.items()
+            tuple(to_text(x) for x in self._turn(messages, i, skeleton, where))
+            for i, m in enumerate(messages) if m["role"] == "assistant"
         ]
 
-    def _lead(self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str) -> str:
-        """Template text the model writes before assistant message i's first slot: what follows the
-        generation prompt there, e.g. Qwen3's ``<think>\n`` before the reasoning, or its empty
-        ``<think>\n\n</think>\n\n`` before an answer without one. Empty for templates whose header
+    def _turn(self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str, force: int | None = None) -> tuple[int, int]:
+        """``[start, end)`` of assistant message i's turn in ``skeleton``.
+
+        With a slot (its content or reasoning written): from the template text after the generation prompt
+        (``_lead``) to the end marker after its last slot. Without one, an empty content the template writes
+        once it has one (Qwen's tool-call turns) is located in the skeleton that gives it its placeholder
+        and carried back; a content the template does not write (Llama 3's tool-call turns) spans from the
+        generation prompt to the end marker."""
+        found = [(skeleton.index(placeholder(k)), k) for k in (_slot(i, True), _slot(i)) if placeholder(k) in skeleton]
+        if found:
+            first, last = min(found)[0], max(found)
+            last_end = last[0] + len(placeholder(last[1]))
+            start = first - len(self._lead(messages, i, skeleton, first, where))
+            after = _PLACEHOLDER.split(skeleton[last_end:], 1)[0]
+            return start, last_end + len(self._end_marker(messages, i, last[1], after, where, force))
+        if force is None:
+            forced = self._skeleton(messages, where, force=i)
+            if placeholder(_slot(i)) in forced:
+                to_skeleton = _align(forced, skeleton)
+                start, end = (to_skeleton(x) for x in self._turn(messages, i, forced, where, force=i))
+                if start is None or end is None:
+                    raise _rewritten(where, f"message {i} (assistant)", messages)
+                return start, end
+        try:
+            prompt = self._skeleton(messages[:i], where, generation_prompt=True)
+        except DataError:
+            prompt = None
+        if prompt is None or not skeleton.startswith(prompt):
+            raise _rewritten(where, f"message {i} (assistant)", messages)
+        start = len(prompt)
+        marker = self._end_marker(messages, i, None, _PLACEHOLDER.split(skeleton[start:], 1)[0], where, None, start)
+        if not marker.strip():
+            raise _rewritten(where, f"message {i} (assistant)", messages)
+        return start, start + len(marker)
+
+    def _lead(self, messages: list[dict[str, Any]], i: int, skeleton: str, first: int, where: str) -> str:
+        """Template text the model writes before assistant message i's first slot (at ``first``): what follows
+        the generation prompt there, e.g. Qwen3's ``<think>\\n`` before the reasoning, or its empty
+        ``<think>\\n\\n</think>\\n\\n`` before an answer without one. Empty for templates whose header
         ends where the content starts; whitespace alone is left to the tokens that straddle it
         (``tokenize_rendered``), as before the first content of Mixtral's ``[/INST] ``."""
-        first = min(skeleton.find(placeholder(_slot(i, r))) for r in (False, True) if placeholder(_slot(i, r)) in skeleton)
         try:
             prompt = self._skeleton(messages[:i], where, generation_prompt=True)
         except DataError:
@@ -224,22 +253,29 @@ class ChatLocator:
         lead = skeleton[len(prompt) : first]
         return lead if skeleton.startswith(prompt) and lead.strip() and not _PLACEHOLDER.search(lead) else ""
 
-    def _end_marker(self, messages: list[dict[str, Any]], i: int, slot: int, after: str, where: str) -> str:
-        """The part of ``after`` (template text following assistant message i's last slot) that closes the turn.
+    def _end_marker(
+        self, messages: list[dict[str, Any]], i: int, slot: int | None, after: str, where: str,
+        force: int | None, start: int | None = None,
+    ) -> str:
+        """The part of ``after`` (template text following assistant message i's last slot, or from ``start``
+        for a turn without one) that closes the turn.
 
-        It is the common prefix of what follows the slot here and what follows it when the
-        conversation continues differently: ended right after message i, or, for the last
-        message, continued by a user turn.
+        It is the common prefix of what follows here and what follows when the conversation continues
+        differently: ended right after message i, or, for the last message, continued by a user turn.
         """
         if i < len(messages) - 1:
             other = messages[: i + 1]
         else:
-            other = [*messages, {"role": "user", "content": ""}]
+            other = [*messages, _NEXT_USER]
         try:
-            alt = self._skeleton(other, where)
+            alt = self._skeleton(other, where, force=force)
         except DataError:  # the template refuses the variant: the turn ends where the text says
             return after if i == len(messages) - 1 else ""
-        rest = alt.split(placeholder(slot), 1)[1] if placeholder(slot) in alt else ""
+        if slot is not None:
+            rest = alt.split(placeholder(slot), 1)[1] if placeholder(slot) in alt else ""
+        else:
+            full = self._skeleton(messages, where)
+            rest = alt[start:] if alt.startswith(full[:start]) else ""
         return self._shared_tokens(after, _PLACEHOLDER.split(rest, 1)[0])
 
     def _shared_tokens(self, a: str, b: str) -> str:
@@ -259,6 +295,53 @@ class ChatLocator:
                 n -= 1
             self._markers[(a, b)] = a[:n]
         return self._markers[(a, b)]
+
+
+
+def _marked(message: dict[str, Any], i: int, force: bool) -> dict[str, Any]:
+    """Message i with placeholders for its content and reasoning, where they are not empty (``force``: the
+    content's even so)."""
+    out = {**message, "content": placeholder(_slot(i)) if message["content"] or force else ""}
+    if isinstance(message.get(REASONING), str):
+        out[REASONING] = placeholder(_slot(i, True)) if message[REASONING] else ""
+    return out
+
+
+def _walk(messages: list[dict[str, Any]], skeleton: str, text: str, where: str) -> Callable[[int], int]:
+    """Walk ``text`` along ``skeleton`` (literal template text must match, each slot is its value as given or
+    trimmed) and return the map from a skeleton offset outside the slots to the text's."""
+    literals = _PLACEHOLDER.split(skeleton)[0::2]  # template text between placeholders
+    order = [int(k) for k in _PLACEHOLDER.findall(skeleton)]
+    if not text.startswith(literals[0]):
+        raise _rewritten(where, "the text before the first message", messages)
+    pos, sk, ends = len(literals[0]), len(literals[0]), []  # (skeleton end, text end) of each slot
+    for j, k in enumerate(order):
+        i, after = k // 2, literals[j + 1]
+        last = j == len(order) - 1
+        for candidate in _variants(messages[i][REASONING if k % 2 else "content"]):
+            end = pos + len(candidate)
+            if text.startswith(candidate, pos) and (text[end:] == after if last else text.startswith(after, end)):
+                break
+        else:
+            raise _rewritten(where, f"message {i} ({messages[i]['role']})", messages)
+        sk += len(placeholder(k))
+        ends.append((sk, end))
+        pos, sk = end + len(after), sk + len(after)
+
+    def to_text(x: int) -> int:
+        j = bisect.bisect_right(ends, (x, len(text) + 1)) - 1
+        return x if j < 0 else x - ends[j][0] + ends[j][1]
+
+    return to_text
+
+
+def _align(src: str, dst: str) -> Callable[[int], int | None]:
+    """Map offsets of ``src`` to ``dst``, two renders that differ in one place: offsets up to their common
+    beginning and from their common end map; offsets inside the difference map to None."""
+    a = len(os.path.commonprefix([src, dst]))
+    b = len(os.path.commonprefix([src[::-1], dst[::-1]]))
+    b = min(b, len(src) - a, len(dst) - a)
+    return lambda x: x if x <= a else x - len(src) + len(dst) if x >= len(src) - b else None
 
 
 def _rewritten(where: str, what: str, messages: list[dict[str, Any]]) -> DataError:
