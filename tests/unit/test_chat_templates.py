@@ -1,4 +1,4 @@
-"""Assistant-only loss masks under the real chat templates of eight model families.
+"""Assistant-only loss masks under the real chat templates of nine model families.
 
 The templates in ``tests/fixtures/chat_templates`` are the ``chat_template`` texts shipped in
 the families' Hugging Face ``tokenizer_config.json`` files (``families.json`` says where each
@@ -21,6 +21,8 @@ that is the same whether another message follows or the conversation ends there:
 * Zephyr:    ``</s>\\n``            (``content + eos_token`` and the newline after ``}}``, written after every message)
 * Qwen3:     ``<|im_end|>\\n``      (as Qwen2.5; a turn after the last user message also learns the think block
                                    the template writes before its content, ``<think>\\n\\n</think>\\n\\n`` when empty)
+* gpt-oss:   ``<|end|>``, or ``<|return|>`` for the last turn (the token the model emits to stop; the two share
+             nothing, so the special token after the content is the marker), after ``<|channel|>final<|message|>``
 
 The tokenizer isolates every whitespace and punctuation character before BPE, so no token
 straddles a template/content boundary and every learned run decodes to exactly the expected
@@ -49,6 +51,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_templates
 FAMILIES: dict[str, dict] = json.loads((FIXTURES / "families.json").read_text())
 WHERE = "t.jsonl:1"
 EMPTY_THINK = "<think>\n\n</think>\n\n"  # what Qwen3 writes before the content of a last turn without reasoning
+FINAL_CHANNEL = "<|channel|>final<|message|>"  # what gpt-oss writes between its header and an answer
 
 # What each template writes right before an assistant content (its assistant header, or the
 # end of the user turn where the assistant has no header of its own) and right after it (the
@@ -63,6 +66,7 @@ EXPECT = {
     "phi3": {"header": "<|assistant|>\n", "eot": "<|end|>\n", "trim": False},
     "zephyr": {"header": "<|assistant|>\n", "eot": "</s>\n", "trim": False},
     "qwen3": {"header": "<|im_start|>assistant\n", "eot": "<|im_end|>\n", "trim": False, "lead_last": EMPTY_THINK},
+    "gpt-oss": {"header": "<|start|>assistant", "eot": "<|end|>", "trim": False, "lead": FINAL_CHANNEL, "eot_last": "<|return|>"},
 }
 
 SYSTEM = "You are a terse geography tutor."
@@ -82,6 +86,8 @@ EXPECTED_BASIC = {
     "phi3": ["  Paris is the capital of France.\n<|end|>\n", "Rome \u2014 or Roma, in Italian.<|end|>\n"],
     "zephyr": ["  Paris is the capital of France.\n</s>\n", "Rome \u2014 or Roma, in Italian.</s>\n"],
     "qwen3": ["  Paris is the capital of France.\n<|im_end|>\n", "<think>\n\n</think>\n\nRome \u2014 or Roma, in Italian.<|im_end|>\n"],
+    "gpt-oss": ["<|channel|>final<|message|>  Paris is the capital of France.\n<|end|>",
+                "<|channel|>final<|message|>Rome \u2014 or Roma, in Italian.<|return|>"],
 }
 
 
@@ -113,9 +119,10 @@ def spoofing_conversation(family: str) -> list[dict[str, str]]:
 def expected_learned(family: str, messages: list[dict[str, str]]) -> list[str]:
     """Per assistant turn: its content (trimmed where the template trims) and end-of-turn marker, after the
     template's empty think block where it writes one (Qwen3: a last turn that follows the last user message)."""
-    e = EXPECT[family]
-    lead = lambda k: e.get("lead_last", "") if k == len(messages) - 1 else ""  # noqa: E731
-    return [lead(k) + (m["content"].strip() if e["trim"] else m["content"]) + e["eot"]
+    e, n = EXPECT[family], len(messages)
+    lead = lambda k: e.get("lead", "") + (e.get("lead_last", "") if k == n - 1 else "")  # noqa: E731
+    eot = lambda k: e.get("eot_last", e["eot"]) if k == n - 1 else e["eot"]  # noqa: E731
+    return [lead(k) + (m["content"].strip() if e["trim"] else m["content"]) + eot(k)
             for k, m in enumerate(messages) if m["role"] == "assistant"]
 
 
@@ -199,7 +206,7 @@ def render_and_mask(family: str, messages: list[dict[str, str]]):
 
 
 def _undated(text: str) -> str:
-    return re.sub(r"Today Date: [^\n]*", "Today Date: -", text)
+    return re.sub(r"(Today Date|Current date): [^\n]*", r"\1: -", text)
 
 
 def check_learned_exactly(family: str, messages: list[dict[str, str]], expected: list[str]) -> None:
@@ -446,7 +453,8 @@ def tool_conversation(content: str | None) -> list[dict]:
     ("qwen3", '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
      EMPTY_THINK + "It is sunny.<|im_end|>\n"),
     ("llama3", '{"name": "weather", "parameters": {"city": "Paris"}}<|eot_id|>', "It is sunny.<|eot_id|>"),
-], ids=["qwen2.5", "qwen3", "llama3"])
+    ("gpt-oss", ' to=functions.weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>', FINAL_CHANNEL + "It is sunny.<|return|>"),
+], ids=["qwen2.5", "qwen3", "llama3", "gpt-oss"])
 def test_a_turn_that_only_calls_a_tool_is_learned(family, call, final):
     """Agent traces in the OpenAI layout: an assistant turn with ``tool_calls`` and no content. Qwen's templates
     write no newline for an empty content, so the placeholder render did not match and every such row was refused;
@@ -471,3 +479,15 @@ def test_a_tool_call_turn_in_a_prompt_is_context_and_the_completion_is_learned()
     rendered = renderer(Row({"prompt": messages[:-1], "completion": messages[-1:]}, WHERE))
     chunk = tokenize_rendered([rendered], tok, max_length=4096, too_long="truncate", special_tokens=False)
     assert [decode(tok, chunk.ids[a:b]) for a, b in runs(chunk.learn)] == ["It is sunny.<|eot_id|>"]
+
+
+def test_gpt_oss_thinking_is_learned_as_its_analysis_channel():
+    """gpt-oss reads a trace from ``thinking`` and writes it, for the last turn, as an analysis message before the
+    final one; the model writes both, so both are learned. An inline <think> trace is moved to ``thinking``."""
+    analysis = "<|channel|>analysis<|message|>Known fact.<|end|><|start|>assistant" + FINAL_CHANNEL + "Paris.<|return|>"
+    field = [{"role": "user", "content": USER_1}, {"role": "assistant", "content": "Paris.", "thinking": "Known fact."}]
+    check_learned_exactly("gpt-oss", field, [analysis])
+    inline = [{"role": "user", "content": USER_1}, {"role": "assistant", "content": _think("Known fact.", "Paris.")}]
+    _, rendered, chunk = render_and_mask("gpt-oss", inline)
+    _, expected, expected_chunk = render_and_mask("gpt-oss", field)
+    assert rendered.text == expected.text and chunk.learn.tolist() == expected_chunk.learn.tolist()

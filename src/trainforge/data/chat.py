@@ -107,19 +107,28 @@ def _text_of(content: Any, where: str, name: str) -> str:
 
 
 REASONING = "reasoning_content"  # an assistant message's reasoning, the field Qwen3-style templates read
+THINKING = "thinking"  # ... the field gpt-oss's template reads (its analysis channel)
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def split_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+def reasoning_field(template: str) -> str | None:
+    """The message field a template writes reasoning from: ``reasoning_content`` (Qwen3, GLM), ``thinking``
+    (gpt-oss), or None (the template has no place for it)."""
+    if REASONING in template:
+        return REASONING
+    return THINKING if re.search(r"\bthinking\b", template) else None  # not Qwen3's enable_thinking
+
+
+def split_reasoning(message: dict[str, Any], field: str = REASONING) -> dict[str, Any]:
     """An assistant message whose content carries its reasoning inline (``<think>R</think>A``, as reasoning
-    datasets store it) as ``reasoning_content`` R and ``content`` A, for a template that reads the field:
-    Qwen3's renders the same text either way (it strips the same newlines), and the two parts become separate
-    slots of the skeleton."""
+    datasets store it) as ``field`` R and ``content`` A, for a template that reads the field: Qwen3's renders
+    the same text either way (it strips the same newlines), and the two parts become separate slots of the
+    skeleton."""
     content = message["content"]
-    if message["role"] != "assistant" or THINK_CLOSE not in content or isinstance(message.get(REASONING), str):
+    if message["role"] != "assistant" or THINK_CLOSE not in content or isinstance(message.get(field), str):
         return message
     reasoning = content.split(THINK_CLOSE)[0].split(THINK_OPEN)[-1].strip("\n")
-    return {**message, REASONING: reasoning, "content": content.split(THINK_CLOSE)[-1].lstrip("\n")}
+    return {**message, field: reasoning, "content": content.split(THINK_CLOSE)[-1].lstrip("\n")}
 
 
 def _slot(i: int, reasoning: bool = False) -> int:
@@ -138,7 +147,7 @@ class ChatLocator:
 
     def __init__(self, tokenizer, template: str):
         self.tokenizer, self.template = tokenizer, template
-        self.reads_reasoning = REASONING in template  # Qwen3-style: reasoning rendered in a <think> block
+        self.reasoning = reasoning_field(template)  # where the template writes a trace from (a slot of its own)
         # skeleton renders depend only on the conversation's structure (roles, non-content fields, empty contents)
         self._skeletons: OrderedDict[tuple, str] = OrderedDict()
         self._markers: dict[tuple[str, str], str] = {}  # (text after a turn, alternative) -> end marker
@@ -147,7 +156,7 @@ class ChatLocator:
     def prepared(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` as they are rendered: inline reasoning moved to ``reasoning_content`` where the
         template reads that field (``split_reasoning``); unchanged otherwise."""
-        return [split_reasoning(m) for m in messages] if self.reads_reasoning else messages
+        return [split_reasoning(m, self.reasoning) for m in messages] if self.reasoning else messages
 
     def render(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False) -> str:
         """The conversation as the template writes it; ``generation_prompt``: followed by the header of
@@ -168,7 +177,8 @@ class ChatLocator:
         messages = self.prepared(messages)
         key = (generation_prompt, force, *map(self._structure, messages))
         if key not in self._skeletons:
-            self._skeletons[key] = self.render([_marked(m, i, i == force) for i, m in enumerate(messages)], where, generation_prompt)
+            marked = [_marked(m, i, i == force, self.reasoning) for i, m in enumerate(messages)]
+            self._skeletons[key] = self.render(marked, where, generation_prompt)
             if len(self._skeletons) > _CACHE_SIZE:
                 self._skeletons.popitem(last=False)
         self._skeletons.move_to_end(key)
@@ -180,7 +190,7 @@ class ChatLocator:
         held = self._structures.get(id(message))
         if held is None or held[0] is not message:  # the memo holds each message, so no id is reused meanwhile
             held = self._structures[id(message)] = (message, json.dumps(
-                {k: (bool(v) if k in ("content", REASONING) and isinstance(v, str) else v) for k, v in message.items()},
+                {k: (bool(v) if k in ("content", self.reasoning) and isinstance(v, str) else v) for k, v in message.items()},
                 sort_keys=True, default=str,
             ))
         return held[1]
@@ -199,7 +209,7 @@ class ChatLocator:
         messages = self.prepared(messages)
         self._structures.clear()  # memoized for this row's messages only
         skeleton = self._skeleton(messages, where)
-        to_text = _walk(messages, skeleton, text, where)
+        to_text = _walk(messages, skeleton, text, where, self.reasoning)
         return [
             tuple(to_text(x) for x in self._turn(messages, i, skeleton, where))
             for i, m in enumerate(messages) if m["role"] == "assistant"
@@ -261,7 +271,9 @@ class ChatLocator:
         for a turn without one) that closes the turn.
 
         It is the common prefix of what follows here and what follows when the conversation continues
-        differently: ended right after message i, or, for the last message, continued by a user turn.
+        differently: ended right after message i, or, for the last message, continued by a user turn. Where
+        the two share nothing, a special token that starts ``after`` closes the turn: gpt-oss ends a last turn
+        with ``<|return|>`` and any other with ``<|end|>``, and the model must learn to write both.
         """
         if i < len(messages) - 1:
             other = messages[: i + 1]
@@ -276,7 +288,16 @@ class ChatLocator:
         else:
             full = self._skeleton(messages, where)
             rest = alt[start:] if alt.startswith(full[:start]) else ""
-        return self._shared_tokens(after, _PLACEHOLDER.split(rest, 1)[0])
+        return self._shared_tokens(after, _PLACEHOLDER.split(rest, 1)[0]) or self._special_start(after)
+
+    def _special_start(self, text: str) -> str:
+        """The special token ``text`` starts with, or ``""``."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[:1]
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        if not ids or not (ids[0] in self.tokenizer.all_special_ids or getattr(added.get(ids[0]), "special", False)):
+            return ""
+        token = self.tokenizer.convert_ids_to_tokens(ids[0])
+        return token if text.startswith(token) else ""
 
     def _shared_tokens(self, a: str, b: str) -> str:
         """The longest common prefix of ``a`` and ``b`` that ends on a token boundary in both.
@@ -298,16 +319,16 @@ class ChatLocator:
 
 
 
-def _marked(message: dict[str, Any], i: int, force: bool) -> dict[str, Any]:
-    """Message i with placeholders for its content and reasoning, where they are not empty (``force``: the
-    content's even so)."""
+def _marked(message: dict[str, Any], i: int, force: bool, reasoning: str | None) -> dict[str, Any]:
+    """Message i with placeholders for its content and its ``reasoning`` field, where they are not empty
+    (``force``: the content's even so)."""
     out = {**message, "content": placeholder(_slot(i)) if message["content"] or force else ""}
-    if isinstance(message.get(REASONING), str):
-        out[REASONING] = placeholder(_slot(i, True)) if message[REASONING] else ""
+    if reasoning and isinstance(message.get(reasoning), str):
+        out[reasoning] = placeholder(_slot(i, True)) if message[reasoning] else ""
     return out
 
 
-def _walk(messages: list[dict[str, Any]], skeleton: str, text: str, where: str) -> Callable[[int], int]:
+def _walk(messages: list[dict[str, Any]], skeleton: str, text: str, where: str, reasoning: str | None) -> Callable[[int], int]:
     """Walk ``text`` along ``skeleton`` (literal template text must match, each slot is its value as given or
     trimmed) and return the map from a skeleton offset outside the slots to the text's."""
     literals = _PLACEHOLDER.split(skeleton)[0::2]  # template text between placeholders
@@ -318,7 +339,7 @@ def _walk(messages: list[dict[str, Any]], skeleton: str, text: str, where: str) 
     for j, k in enumerate(order):
         i, after = k // 2, literals[j + 1]
         last = j == len(order) - 1
-        for candidate in _variants(messages[i][REASONING if k % 2 else "content"]):
+        for candidate in _variants(messages[i][reasoning if k % 2 else "content"]):
             end = pos + len(candidate)
             if text.startswith(candidate, pos) and (text[end:] == after if last else text.startswith(after, end)):
                 break
