@@ -339,6 +339,25 @@ def test_soft_capped_attention_goes_to_eager_and_a_kernel_asked_for_by_name_is_r
         build_model(ModelSettings(init=gemma2, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0, torch.device("cpu"), False)
 
 
+def test_the_skeleton_of_a_soft_capped_model_takes_the_attention_its_run_takes(tiny_tokenizer_dir):
+    """The plan's meta-device skeleton (built by every train before the model, and by plan) of Gemma 2 used the
+    causal document kernel, which transformers refuses for a model without SDPA: train and plan stopped with a
+    traceback before any work. It takes the stock attention training takes (eager) instead."""
+    from trainforge.config import ModelSettings
+    from conftest import TINY_LLAMA_INIT
+    from trainforge.model.load import build_model_skeleton
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    gemma2 = {"architecture": "gemma2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "sliding_window": 8}
+    skeleton = build_model_skeleton(ModelSettings(init=gemma2, tokenizer=tiny_tokenizer_dir), tok, None, False)
+    assert skeleton.config._attn_implementation == "eager"
+    assert next(skeleton.parameters()).is_meta
+    llama = build_model_skeleton(ModelSettings(init=TINY_LLAMA_INIT, tokenizer=tiny_tokenizer_dir), tok, None, False)
+    assert llama.config._attn_implementation == "trainforge_causal_sdpa"  # the kernels' linear-memory stand-in
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("impl", [VARLEN_NAME, FLEX_NAME])
