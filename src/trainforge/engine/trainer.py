@@ -19,6 +19,7 @@ from .. import __version__
 from ..allocator import allocator_settings, expandable_segments_in_effect
 from ..checkpoint import atomic_write_dir, step_dir_name
 from ..config import RunConfig
+from ..data.formats import trained_chat_template
 from ..data.loader import Batch
 from ..data.prompt import sample_prompt
 from ..dist import init_distributed, shutdown
@@ -408,8 +409,9 @@ def finish(run: Run) -> RunResult:
     weights = full_model_state(run.model) if run.dist.mode == "fsdp" else None
     nonfinite = final_weights_check(run.model, weights, run.reporter.warn) if run.dist.is_main else {}
 
-    if cfg.data.chat_template:  # final/ (and its exports) render chats as the run trained them, in any loader
-        run.tokenizer.chat_template = cfg.data.chat_template
+    template = trained_chat_template(facts.data_format, cfg.data.chat_template, run.tokenizer)
+    if template:  # final/ (and its exports) render chats as the run trained them, in any loader
+        run.tokenizer.chat_template = template
 
     def write_final(tmp: Path) -> None:
         run.model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
