@@ -83,6 +83,26 @@ def test_errors_in_yaml_name_file_and_line(tmp_path):
     assert "optim.lr" in msg and f"{path}, line 9" in msg
 
 
+def test_a_key_in_the_wrong_section_names_the_section_that_has_it(tmp_path):
+    """HF's TrainingArguments hold the learning rate, warmup and clipping beside the steps: ``train.lr`` or
+    ``train.warmup_steps`` only said "unknown key" with train's keys (and a wrong guess, if any was close);
+    the message names where the key lives."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model:\n  init: {architecture: llama, hidden_size: 32}\n"
+        "data:\n  train: builtin:python-stdlib\n"
+        "train:\n  lr: 0.001\n  warmup_steps: 10\n  every_steps: 5\n"
+        "optim:\n  max_steps: 3\n"
+    )
+    lines = error_of(path=path).splitlines()[1:]
+    assert lines[0].startswith("  train.lr: unknown key; it belongs under optim.lr; allowed here: objective, max_steps,")
+    assert lines[0].endswith(f"({path}, line 6)")
+    assert lines[1].startswith("  train.warmup_steps: unknown key; it belongs under optim.warmup_steps; allowed here:")
+    assert lines[2].startswith("  train.every_steps: unknown key; it belongs under checkpoint.every_steps or log.every_steps;")
+    assert lines[3].startswith("  optim.max_steps: unknown key; it belongs under train.max_steps; allowed here: name,")
+    assert "unknown key; allowed here: " in error_of(["train.zzz=1"])  # neither close nor elsewhere
+
+
 def test_a_bad_entry_of_a_source_list_is_named_alone_with_its_line(tmp_path):
     """data.train as a list of {path, weight}: the entry's own error, at its line, without the union's other
     members ("data.train: Input should be a valid string", "data.train.0.SourceSpec.weight") nor the
