@@ -123,7 +123,8 @@ def test_a_bad_entry_of_a_source_list_is_named_alone_with_its_line(tmp_path):
 
 def test_model_path_must_exist_and_exclude_init(tmp_path):
     assert "model.path" in error_of(["model.path=./does-not-exist"])
-    assert "exactly one of model.path" in error_of([f"model.path={tmp_path}"])
+    # --set model.path replaces the default's model.init (a layer above it); both given are refused
+    assert "exactly one of model.path" in error_of([f"model.path={tmp_path}", "model.init={architecture: llama}"])
 
 
 def test_lora_needs_a_pretrained_model():
@@ -139,7 +140,7 @@ def test_not_yaml_mapping(tmp_path):
 def test_steps_from_epochs():
     cfg = load_config(None, ["train.max_steps=null", "train.epochs=2", "train.grad_accum=4"])
     assert resolve_max_steps(cfg.train, batches_per_epoch=10) == 5
-    assert "not both" in error_of(["train.epochs=2"])
+    assert "not both" in error_of(["train.max_steps=5", "train.epochs=2"])
 
 
 def test_docs_config_reference_is_current():
@@ -415,3 +416,22 @@ def test_a_chat_template_file_is_read_into_the_config(tmp_path):
     cfg = load_config(None, [f"data.chat_template={tmp_path / 'chat.jinja'}"])
     assert cfg.data.chat_template == template  # config.yaml keeps the text: the run holds what it trained with
     assert "holds no Jinja template" in error_of([f"data.chat_template={tmp_path / 'empty.jinja'}"])
+
+
+def test_set_on_one_key_of_a_pair_replaces_the_other_below(tmp_path, tiny_model_dir):
+    """``--set train.max_steps=N`` on a config with ``epochs`` (what a resume's message asks for, and the way to
+    try an epochs config for a few steps) and ``--set model.path=DIR`` on the built-in default (its model.init)
+    were refused as "not both"; --set is a layer above the file, as presets are, and replaces the other key."""
+    path = tmp_path / "epochs.yaml"
+    path.write_text(f"model: {{path: {tiny_model_dir}}}\ndata: {{train: builtin:python-stdlib}}\ntrain: {{epochs: 2}}\n")
+    cfg = load_config(path, ["train.max_steps=10"])
+    assert (cfg.train.max_steps, cfg.train.epochs) == (10, None)
+    cfg = load_config(None, [f"model.path={tiny_model_dir}"])
+    assert cfg.model.path == tiny_model_dir and cfg.model.init is None
+    cfg = load_config(path, ["model.init={architecture: llama, hidden_size: 32}"])
+    assert cfg.model.path is None and cfg.model.init["hidden_size"] == 32
+    # both keys of a pair on the command line, a nested key or a null replace nothing: the clash is named
+    assert "give train.max_steps or train.epochs, not both" in error_of(["train.max_steps=10", "train.epochs=1"])
+    with pytest.raises(ConfigError, match="exactly one of model.path"):
+        load_config(path, ["model.init.architecture=llama"])
+    assert load_config(None, ["model.path=null"]).model.init is not None
