@@ -347,6 +347,21 @@ def test_changed_setting_is_refused_naming_it_and_touching_nothing(config, refer
     assert {p: p.read_bytes() for p in reference.rglob("*") if p.is_file()} == before
 
 
+def test_a_changed_setting_is_refused_before_the_data_is_tokenized(config, reference, tmp_path, monkeypatch):
+    """A rerun with a changed data setting (data.max_length) tokenized the whole corpus again, into a new cache
+    entry, and loaded the model before the checkpoint refused it: minutes to hours on a real corpus. The
+    refusal now comes first: no tokenizing, no model."""
+    import trainforge.engine.setup as setup_module
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the data was prepared before the changed setting was refused")
+
+    monkeypatch.setattr(setup_module, "plan_data", no_work)
+    config["data"]["max_length"] = 48
+    with pytest.raises(ResumeError, match="data.max_length: 64 in the checkpoint, 48 now"):
+        train(config, reference)
+
+
 def test_changed_data_at_the_same_path_is_refused(config, tmp_path):
     data = tmp_path / "train.jsonl"
     rows = Path(config["data"]["train"]).read_text().splitlines()

@@ -136,6 +136,16 @@ def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
         )
 
 
+def refuse_changed_settings(out: Path, cfg: RunConfig, resume: str) -> None:
+    """Before the data is tokenized and the model loaded: a rerun (``--resume auto``) whose bound settings differ
+    from its newest checkpoint's is refused now, as ``choose_checkpoint`` refuses it later (a changed
+    ``data.max_length`` once tokenized a whole corpus again before the refusal)."""
+    if resume == "auto":
+        complete, _ = scan_checkpoints(out / CHECKPOINTS)
+        if complete:
+            check_settings(complete[-1], cfg)
+
+
 # ---------------------------------------------------------------- choosing the checkpoint
 
 

@@ -38,7 +38,7 @@ from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .preempt import Interrupted, StopRequest
-from .resume import length_key
+from .resume import length_key, refuse_changed_settings
 from .run import Run, RunResult
 from .setup import setup
 from .sharded import full_model_state
@@ -103,6 +103,7 @@ def open_run(
         with (contextlib.nullcontext(stop) if stop is not None else StopRequest()) as stop, hold_run_dir(
             output_dir, ctx, reporter, lambda: stop.requested, cfg.train.dist_timeout_s * 0.9 if ctx.enabled else None
         ):
+            refuse_changed_settings(output_dir, cfg, resume)  # before the data is tokenized and the model loaded
             run = setup(cfg, output_dir, reporter, resume, stop, ctx)
             try:
                 yield run
