@@ -165,8 +165,23 @@ def _allowed_keys_hint(schema: type[BaseModel], loc: tuple[str, ...]) -> str:
         model = found
     allowed = [f.alias or name for name, f in model.model_fields.items()]
     close = difflib.get_close_matches(loc[-1][:SHOWN_CHARS], allowed, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"{hint} allowed here: {', '.join(allowed)}"
+    elsewhere = _sections_holding(schema, loc[-1]) if len(loc) == 2 else []
+    hint = (
+        f"; it belongs under {' or '.join(f'{s}.{loc[-1]}' for s in elsewhere)}" if elsewhere else  # train.lr: optim.lr
+        f"; did you mean {close[0]!r}?" if close else ""
+    )
+    return f"{hint}{' ' if hint.endswith('?') else '; '}allowed here: {', '.join(allowed)}"
+
+
+def _sections_holding(schema: type[BaseModel], key: str) -> list[str]:
+    """The top-level sections of ``schema`` that have ``key`` (a key put in the wrong section, as ``train.lr``
+    where HF's TrainingArguments hold the learning rate beside the steps)."""
+    found = []
+    for name, field in schema.model_fields.items():
+        section = _model_in(field.annotation)
+        if section is not None and any((f.alias or n) == key for n, f in section.model_fields.items()):
+            found.append(field.alias or name)
+    return found
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:

@@ -1,13 +1,15 @@
 """``--set KEY=VALUE`` overrides: each value parsed as YAML (numbers leniently) and set into the nested config mapping.
 
 A value that is not YAML is taken as its text; one over a limit of ``config_yaml`` (aliases expanded, nesting,
-integer digits) is a ``ConfigError`` naming the key."""
+integer digits) is a ``ConfigError`` naming the key. Setting one key of a pair that gives one setting two ways
+(``train.max_steps``/``epochs``, ``model.path``/``init``: ``config_presets.ONE_SETTING``) replaces the other below."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .config_errors import ConfigError, clip, shown
+from .config_presets import replaced_below
 from .config_yaml import MAX_DEPTH, InvalidYaml, load_yaml
 
 
@@ -49,6 +51,11 @@ def apply_overrides(data: dict[str, Any], items: list[str] | tuple[str, ...]) ->
     overridden: set[tuple[str, ...]] = set()
     for item in items:
         parts, value = parse_override(item)
+        section = data.get(parts[0]) if len(parts) == 2 and value is not None else None
+        if isinstance(section, dict):  # --set train.max_steps over a file's epochs, model.path over the default's init
+            for other in replaced_below(parts[0], {parts[1]}):
+                if (parts[0], other) not in overridden:  # both given with --set: validation names the clash
+                    section.pop(other, None)
         apply_override(data, parts, value)
         overridden.add(tuple(parts))
     return overridden

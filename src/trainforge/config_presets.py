@@ -10,8 +10,9 @@
 Where a preset sits: ``--preset NAME`` on the command line lays it over the config file (and over the
 built-in default), beneath ``--set``; ``preset: NAME`` inside a YAML file lays it beneath that file's
 own keys. Either way the run's ``config.yaml`` shows every resolved value and the preset's name.
-A layer that sets the run's length (``train.max_steps`` or ``train.epochs``) replaces the other one
-of the layers below it: they are one setting.
+A layer that sets the run's length (``train.max_steps`` or ``train.epochs``), or the model a run starts
+from (``model.path`` or ``model.init``), replaces the other one of the layers below it: they are one
+setting (``ONE_SETTING``). ``--set`` is such a layer too (config_overrides.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 RUN_LENGTH = ("max_steps", "epochs")
+ONE_SETTING: dict[str, tuple[str, ...]] = {"train": RUN_LENGTH, "model": ("path", "init")}
+"""Keys of a section that give one setting two ways (the run's length; the model a run starts from): a
+layer (a preset, ``--set``) that sets one of them replaces the others of the layers below it."""
+
+
+def replaced_below(section: str, keys: set[str] | dict[str, object]) -> tuple[str, ...]:
+    """The keys of ``section`` a layer setting ``keys`` there replaces (``ONE_SETTING``): the pair's other key."""
+    pair = ONE_SETTING.get(section, ())
+    return tuple(k for k in pair if k not in keys) if any(k in keys for k in pair) else ()
 
 
 def preset_overlay(name: str) -> dict[str, Any]:
@@ -45,14 +55,12 @@ def preset_overlay(name: str) -> dict[str, Any]:
 
 def overlay(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """``base`` with ``top``'s keys laid over it, section by section (a new dict; inputs untouched).
-    ``top`` setting the run's length removes the other run-length key of ``base``'s train section."""
+    ``top`` setting one key of a ``ONE_SETTING`` pair removes the other from ``base``'s section."""
     out = copy.deepcopy(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            if key == "train" and any(k in value for k in RUN_LENGTH):
-                for other in RUN_LENGTH:
-                    if other not in value:
-                        out[key].pop(other, None)
+            for other in replaced_below(key, value):
+                out[key].pop(other, None)
             out[key] = overlay(out[key], value)
         else:
             out[key] = copy.deepcopy(value)

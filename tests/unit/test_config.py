@@ -83,6 +83,26 @@ def test_errors_in_yaml_name_file_and_line(tmp_path):
     assert "optim.lr" in msg and f"{path}, line 9" in msg
 
 
+def test_a_key_in_the_wrong_section_names_the_section_that_has_it(tmp_path):
+    """HF's TrainingArguments hold the learning rate, warmup and clipping beside the steps: ``train.lr`` or
+    ``train.warmup_steps`` only said "unknown key" with train's keys (and a wrong guess, if any was close);
+    the message names where the key lives."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model:\n  init: {architecture: llama, hidden_size: 32}\n"
+        "data:\n  train: builtin:python-stdlib\n"
+        "train:\n  lr: 0.001\n  warmup_steps: 10\n  every_steps: 5\n"
+        "optim:\n  max_steps: 3\n"
+    )
+    lines = error_of(path=path).splitlines()[1:]
+    assert lines[0].startswith("  train.lr: unknown key; it belongs under optim.lr; allowed here: objective, max_steps,")
+    assert lines[0].endswith(f"({path}, line 6)")
+    assert lines[1].startswith("  train.warmup_steps: unknown key; it belongs under optim.warmup_steps; allowed here:")
+    assert lines[2].startswith("  train.every_steps: unknown key; it belongs under checkpoint.every_steps or log.every_steps;")
+    assert lines[3].startswith("  optim.max_steps: unknown key; it belongs under train.max_steps; allowed here: name,")
+    assert "unknown key; allowed here: " in error_of(["train.zzz=1"])  # neither close nor elsewhere
+
+
 def test_a_bad_entry_of_a_source_list_is_named_alone_with_its_line(tmp_path):
     """data.train as a list of {path, weight}: the entry's own error, at its line, without the union's other
     members ("data.train: Input should be a valid string", "data.train.0.SourceSpec.weight") nor the
@@ -103,7 +123,8 @@ def test_a_bad_entry_of_a_source_list_is_named_alone_with_its_line(tmp_path):
 
 def test_model_path_must_exist_and_exclude_init(tmp_path):
     assert "model.path" in error_of(["model.path=./does-not-exist"])
-    assert "exactly one of model.path" in error_of([f"model.path={tmp_path}"])
+    # --set model.path replaces the default's model.init (a layer above it); both given are refused
+    assert "exactly one of model.path" in error_of([f"model.path={tmp_path}", "model.init={architecture: llama}"])
 
 
 def test_lora_needs_a_pretrained_model():
@@ -119,7 +140,7 @@ def test_not_yaml_mapping(tmp_path):
 def test_steps_from_epochs():
     cfg = load_config(None, ["train.max_steps=null", "train.epochs=2", "train.grad_accum=4"])
     assert resolve_max_steps(cfg.train, batches_per_epoch=10) == 5
-    assert "not both" in error_of(["train.epochs=2"])
+    assert "not both" in error_of(["train.max_steps=5", "train.epochs=2"])
 
 
 def test_docs_config_reference_is_current():
@@ -395,3 +416,22 @@ def test_a_chat_template_file_is_read_into_the_config(tmp_path):
     cfg = load_config(None, [f"data.chat_template={tmp_path / 'chat.jinja'}"])
     assert cfg.data.chat_template == template  # config.yaml keeps the text: the run holds what it trained with
     assert "holds no Jinja template" in error_of([f"data.chat_template={tmp_path / 'empty.jinja'}"])
+
+
+def test_set_on_one_key_of_a_pair_replaces_the_other_below(tmp_path, tiny_model_dir):
+    """``--set train.max_steps=N`` on a config with ``epochs`` (what a resume's message asks for, and the way to
+    try an epochs config for a few steps) and ``--set model.path=DIR`` on the built-in default (its model.init)
+    were refused as "not both"; --set is a layer above the file, as presets are, and replaces the other key."""
+    path = tmp_path / "epochs.yaml"
+    path.write_text(f"model: {{path: {tiny_model_dir}}}\ndata: {{train: builtin:python-stdlib}}\ntrain: {{epochs: 2}}\n")
+    cfg = load_config(path, ["train.max_steps=10"])
+    assert (cfg.train.max_steps, cfg.train.epochs) == (10, None)
+    cfg = load_config(None, [f"model.path={tiny_model_dir}"])
+    assert cfg.model.path == tiny_model_dir and cfg.model.init is None
+    cfg = load_config(path, ["model.init={architecture: llama, hidden_size: 32}"])
+    assert cfg.model.path is None and cfg.model.init["hidden_size"] == 32
+    # both keys of a pair on the command line, a nested key or a null replace nothing: the clash is named
+    assert "give train.max_steps or train.epochs, not both" in error_of(["train.max_steps=10", "train.epochs=1"])
+    with pytest.raises(ConfigError, match="exactly one of model.path"):
+        load_config(path, ["model.init.architecture=llama"])
+    assert load_config(None, ["model.path=null"]).model.init is not None

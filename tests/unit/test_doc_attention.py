@@ -320,7 +320,7 @@ def test_a_sliding_window_shorter_than_the_documents_is_applied_within_each(tiny
 def test_soft_capped_attention_goes_to_eager_and_a_kernel_asked_for_by_name_is_refused(tiny_tokenizer_dir):
     """Gemma 2 soft-caps its attention logits, which no document kernel applies: auto hands it to transformers'
     eager attention (with its document mask) and says so; packed_sdpa by name is refused."""
-    from transformers import Gemma2Config, MistralConfig
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig
 
     from trainforge.config import ModelSettings
     from trainforge.model.load import AttentionUnavailable, build_model
@@ -328,6 +328,31 @@ def test_soft_capped_attention_goes_to_eager_and_a_kernel_asked_for_by_name_is_r
 
     assert doc_attention.uncovered_attention(Gemma2Config())[0] == "eager"
     assert doc_attention.uncovered_attention(MistralConfig(sliding_window=16)) is None  # windows the kernels apply
+    assert doc_attention.uncovered_attention(LlamaConfig()) is None
+
+
+def test_attention_sinks_go_to_eager(tiny_tokenizer_dir):
+    """GPT-OSS adds learned attention sinks, passed to the attention function as an extra argument the document
+    kernels ignored (on CUDA: silently another attention; on CPU: transformers' 'no sdpa' traceback). A model
+    class transformers gives no SDPA path trains on its eager attention under auto, as Gemma 2 does."""
+    from transformers import GptOssConfig
+
+    from trainforge.config import ModelSettings
+    from trainforge.model.load import AttentionUnavailable, build_model
+    from trainforge.model.tokenizer import load_tokenizer
+
+    stock, why = doc_attention.uncovered_attention(GptOssConfig())
+    assert stock == "eager" and "GptOssForCausalLM" in why
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    gpt_oss = {"architecture": "gpt_oss", "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2, "head_dim": 8,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+               "max_position_embeddings": 64, "sliding_window": 8}
+    warned = []
+    model = build_model(ModelSettings(init=gpt_oss, tokenizer=tiny_tokenizer_dir), tok, 0, torch.device("cpu"), False,
+                        warn=warned.append)
+    assert model.config._attn_implementation == "eager" and "sinks" in warned[0]
+    with pytest.raises(AttentionUnavailable, match="model.attention: packed_sdpa would change"):
+        build_model(ModelSettings(init=gpt_oss, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0, torch.device("cpu"), False)
     tok = load_tokenizer(tiny_tokenizer_dir)
     gemma2 = {"architecture": "gemma2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "sliding_window": 8}
@@ -337,6 +362,25 @@ def test_soft_capped_attention_goes_to_eager_and_a_kernel_asked_for_by_name_is_r
     assert model.config._attn_implementation == "eager" and "soft-capped at 50" in warned[0]
     with pytest.raises(AttentionUnavailable, match="model.attention: packed_sdpa would change.*soft-capped"):
         build_model(ModelSettings(init=gemma2, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0, torch.device("cpu"), False)
+
+
+def test_the_skeleton_of_a_soft_capped_model_takes_the_attention_its_run_takes(tiny_tokenizer_dir):
+    """The plan's meta-device skeleton (built by every train before the model, and by plan) of Gemma 2 used the
+    causal document kernel, which transformers refuses for a model without SDPA: train and plan stopped with a
+    traceback before any work. It takes the stock attention training takes (eager) instead."""
+    from trainforge.config import ModelSettings
+    from conftest import TINY_LLAMA_INIT
+    from trainforge.model.load import build_model_skeleton
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    gemma2 = {"architecture": "gemma2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "sliding_window": 8}
+    skeleton = build_model_skeleton(ModelSettings(init=gemma2, tokenizer=tiny_tokenizer_dir), tok, None, False)
+    assert skeleton.config._attn_implementation == "eager"
+    assert next(skeleton.parameters()).is_meta
+    llama = build_model_skeleton(ModelSettings(init=TINY_LLAMA_INIT, tokenizer=tiny_tokenizer_dir), tok, None, False)
+    assert llama.config._attn_implementation == "trainforge_causal_sdpa"  # the kernels' linear-memory stand-in
 
 
 @pytest.mark.gpu

@@ -193,3 +193,40 @@ def test_a_runs_chat_template_travels_with_final_and_its_export(tmp_path, tiny_m
     export(tmp_path / "run", out, merge=True, dtype=None, reporter=QUIET)
     for directory in (tmp_path / "run" / "final", out):
         assert AutoTokenizer.from_pretrained(directory).chat_template == template
+
+
+def test_a_chat_run_on_a_tokenizer_without_a_template_saves_the_default_it_trained_with(tmp_path, tiny_model_dir, toy_data_dir):
+    """Chats on a base tokenizer without a chat template train with trainforge's ChatML default; final/ and its
+    export had no template, so ``apply_chat_template`` raised (and vLLM rendered no turns) for the chat model
+    just trained. They carry the default now, rendering as training did; ``generate --chat`` on final/ still
+    stops at the default's end-of-turn text. A text run on the same tokenizer gets no template."""
+    from conftest import finetune_settings, toy_prompt_completions, write_jsonl
+    from transformers import AutoTokenizer
+
+    from trainforge.config import RunConfig
+    from trainforge.data.formats import DEFAULT_CHAT_TEMPLATE
+    from trainforge.engine.trainer import train
+    from trainforge.model.resolve import resolve_source
+    from trainforge.tools.generate import chat_template
+
+    assert AutoTokenizer.from_pretrained(tiny_model_dir).chat_template is None
+    chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
+             for r in toy_prompt_completions(40)]
+    settings = finetune_settings(tiny_model_dir, toy_data_dir)
+    settings["data"] = {"train": str(write_jsonl(tmp_path / "chats.jsonl", chats)), "eval": None, "max_length": 64}
+    settings["train"]["max_steps"] = 1
+    train(RunConfig.model_validate(settings), tmp_path / "run", QUIET)
+    out = tmp_path / "merged"
+    export(tmp_path / "run", out, merge=True, dtype=None, reporter=QUIET)
+    turns = [{"role": "user", "content": "continue: alpha"}]
+    for directory in (tmp_path / "run" / "final", out):
+        tok = AutoTokenizer.from_pretrained(directory)
+        assert tok.chat_template == DEFAULT_CHAT_TEMPLATE
+        assert tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) == (
+            "<|im_start|>user\ncontinue: alpha<|im_end|>\n<|im_start|>assistant\n")
+    src = resolve_source(tmp_path / "run")
+    assert chat_template(src, AutoTokenizer.from_pretrained(tmp_path / "run" / "final")) == (DEFAULT_CHAT_TEMPLATE, ["<|im_end|>"])
+
+    settings["data"] = {"train": str(toy_data_dir / "text_train.jsonl"), "eval": None, "max_length": 64}
+    train(RunConfig.model_validate(settings), tmp_path / "text-run", QUIET)
+    assert AutoTokenizer.from_pretrained(tmp_path / "text-run" / "final").chat_template is None

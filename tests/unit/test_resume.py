@@ -347,6 +347,40 @@ def test_changed_setting_is_refused_naming_it_and_touching_nothing(config, refer
     assert {p: p.read_bytes() for p in reference.rglob("*") if p.is_file()} == before
 
 
+def test_a_changed_setting_is_refused_before_the_data_is_tokenized(config, reference, tmp_path, monkeypatch):
+    """A rerun with a changed data setting (data.max_length) tokenized the whole corpus again, into a new cache
+    entry, and loaded the model before the checkpoint refused it: minutes to hours on a real corpus. The
+    refusal now comes first: no tokenizing, no model."""
+    import trainforge.engine.setup as setup_module
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the data was prepared before the changed setting was refused")
+
+    monkeypatch.setattr(setup_module, "plan_data", no_work)
+    config["data"]["max_length"] = 48
+    with pytest.raises(ResumeError, match="data.max_length: 64 in the checkpoint, 48 now"):
+        train(config, reference)
+
+
+@pytest.mark.parametrize("batch", [{"micro_batch_size": "auto"}, {"global_batch_size": 8}])
+def test_a_batch_the_run_resolves_itself_resumes_with_the_same_command(config, tmp_path, batch):
+    """A checkpoint binds the resolved micro-batch and accumulation; the rerun's config still said ``auto`` (or
+    left grad_accum to global_batch_size), so the same command was refused ("train.micro_batch_size: 8 in the
+    checkpoint, 'auto' now"; "train.grad_accum: 2 in the checkpoint, 1 now"): such a run could never resume."""
+    del config["train"]["grad_accum"]
+    config["train"].update(batch, max_steps=4)
+    first = train(config, tmp_path / "run")[0]
+    config["train"]["max_steps"] = 6
+    result, log = train(config, tmp_path / "run")
+    assert "resuming from" in log and "step-00000004" in log and result.summary["steps"] == 6
+    assert result.summary["micro_batch_size"] == first.summary["micro_batch_size"]
+    assert result.summary["grad_accum"] == first.summary["grad_accum"]
+    if "global_batch_size" in batch:  # the global batch the config fixes still binds the checkpoint
+        config["train"].update(global_batch_size=16, max_steps=8)
+        with pytest.raises(ResumeError, match="train.grad_accum: 2 in the checkpoint, 4 now"):
+            train(config, tmp_path / "run")
+
+
 def test_changed_data_at_the_same_path_is_refused(config, tmp_path):
     data = tmp_path / "train.jsonl"
     rows = Path(config["data"]["train"]).read_text().splitlines()

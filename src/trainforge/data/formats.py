@@ -130,6 +130,17 @@ def _string(row: Row, key: str, optional: bool = False) -> str:
     return value
 
 
+def trained_chat_template(fmt: str, configured: str | None, tokenizer) -> str | None:
+    """The chat template a run's ``final/`` tokenizer must carry so that any loader (``apply_chat_template``,
+    vLLM, ``export``) renders chats as the run trained them: ``data.chat_template`` when set, else the default
+    a chat run rendered with because the tokenizer has none; None where the tokenizer's own stands."""
+    if configured:
+        return configured
+    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+        return DEFAULT_CHAT_TEMPLATE
+    return None
+
+
 class Renderer:
     """Renders rows of one format; holds the chat template and the prompt-learning switch."""
 
@@ -137,7 +148,8 @@ class Renderer:
         self.fmt, self.names, self.tokenizer, self.train_on_prompt = fmt, names, tokenizer, train_on_prompt
         own = chat_template or getattr(tokenizer, "chat_template", None)
         self.chat_template = own or DEFAULT_CHAT_TEMPLATE
-        self.tool_role = tool_role_of(self.chat_template, default_template=own is None)
+        # the default saved into a chat run's final/ (trained_chat_template) renders tools as it did in that run
+        self.tool_role = tool_role_of(self.chat_template, default_template=own in (None, DEFAULT_CHAT_TEMPLATE))
         self.chat = ChatLocator(tokenizer, self.chat_template)
 
     def __call__(self, row: Row) -> Rendered:

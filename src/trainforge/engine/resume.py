@@ -30,7 +30,7 @@ from ..checkpoint import (
     scan_checkpoints,
     verify_checkpoint,
 )
-from ..config import RunConfig
+from ..config import RunConfig, resolve_grad_accum
 from ..errors import TrainforgeError
 from ..metrics.console import ConsoleReporter
 from ..metrics.sink import flat_config
@@ -126,14 +126,38 @@ def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return [f"{k}: {saved[k]!r} in the checkpoint, {now[k]!r} now" for k in shared if saved[k] != now[k]]
 
 
+def resolved_against(info: CheckpointInfo, cfg: RunConfig) -> dict[str, Any]:
+    """``fixed_settings(cfg)`` as the run resolves them when it resumes ``info`` (a checkpoint binds resolved values):
+    ``micro_batch_size: auto`` takes the checkpoint's micro-batch (``fit_to_machine`` keeps it), and a grad_accum
+    that ``global_batch_size`` derives is derived from that (at the checkpoint's process count: another count is
+    ``check_world``'s to refuse)."""
+    t = cfg.train
+    saved_micro = info.meta.get("fixed", {}).get("train.micro_batch_size")
+    if t.micro_batch_size == "auto" and isinstance(saved_micro, int):
+        t = t.model_copy(update={"micro_batch_size": saved_micro})
+    if t.global_batch_size is not None and t.micro_batch_size != "auto":
+        t = t.model_copy(update={"grad_accum": resolve_grad_accum(t, int(info.meta.get("world_size", 1)))})
+    return fixed_settings(cfg.model_copy(update={"train": t}))
+
+
 def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
-    changed = _differences(info.meta.get("fixed", {}), fixed_settings(cfg))
+    changed = _differences(info.meta.get("fixed", {}), resolved_against(info, cfg))
     if changed:
         raise ResumeError(
             f"cannot resume from {info.path}: settings that a checkpoint is bound to changed: "
             + "; ".join(changed)
             + ". Put them back to continue this run, or start a new one with another --output"
         )
+
+
+def refuse_changed_settings(out: Path, cfg: RunConfig, resume: str) -> None:
+    """Before the data is tokenized and the model loaded: a rerun (``--resume auto``) whose bound settings differ
+    from its newest checkpoint's is refused now, as ``choose_checkpoint`` refuses it later (a changed
+    ``data.max_length`` once tokenized a whole corpus again before the refusal)."""
+    if resume == "auto":
+        complete, _ = scan_checkpoints(out / CHECKPOINTS)
+        if complete:
+            check_settings(complete[-1], cfg)
 
 
 # ---------------------------------------------------------------- choosing the checkpoint

@@ -19,6 +19,7 @@ from .. import __version__
 from ..allocator import allocator_settings, expandable_segments_in_effect
 from ..checkpoint import atomic_write_dir, step_dir_name
 from ..config import RunConfig
+from ..data.formats import trained_chat_template
 from ..data.loader import Batch
 from ..data.prompt import sample_prompt
 from ..dist import init_distributed, shutdown
@@ -37,7 +38,7 @@ from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .preempt import Interrupted, StopRequest
-from .resume import length_key
+from .resume import length_key, refuse_changed_settings
 from .run import Run, RunResult
 from .setup import setup
 from .sharded import full_model_state
@@ -102,6 +103,7 @@ def open_run(
         with (contextlib.nullcontext(stop) if stop is not None else StopRequest()) as stop, hold_run_dir(
             output_dir, ctx, reporter, lambda: stop.requested, cfg.train.dist_timeout_s * 0.9 if ctx.enabled else None
         ):
+            refuse_changed_settings(output_dir, cfg, resume)  # before the data is tokenized and the model loaded
             run = setup(cfg, output_dir, reporter, resume, stop, ctx)
             try:
                 yield run
@@ -408,8 +410,9 @@ def finish(run: Run) -> RunResult:
     weights = full_model_state(run.model) if run.dist.mode == "fsdp" else None
     nonfinite = final_weights_check(run.model, weights, run.reporter.warn) if run.dist.is_main else {}
 
-    if cfg.data.chat_template:  # final/ (and its exports) render chats as the run trained them, in any loader
-        run.tokenizer.chat_template = cfg.data.chat_template
+    template = trained_chat_template(facts.data_format, cfg.data.chat_template, run.tokenizer)
+    if template:  # final/ (and its exports) render chats as the run trained them, in any loader
+        run.tokenizer.chat_template = template
 
     def write_final(tmp: Path) -> None:
         run.model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))

@@ -45,12 +45,28 @@ def choose(requested: str, device_type: str, capability: tuple[int, int] | None,
 
 def uncovered_attention(config: Any) -> tuple[str, str] | None:
     """What a model's attention does that the document kernels (varlen, flex, packed_sdpa) do not: logit
-    soft-capping (Gemma 2). Returns (the stock implementation that computes it, on packed rows with
+    soft-capping (Gemma 2), or anything for which transformers gives its model class no SDPA path
+    (GPT-OSS's attention sinks). Returns (the stock implementation that computes it, on packed rows with
     transformers' own document mask, and why), or None where the kernels are exact."""
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         return "eager", f"its attention logits are soft-capped at {softcap:g}"
+    model = _causal_lm_class(config)
+    if model is not None and not getattr(model, "_supports_sdpa", True):
+        # the kernels compute what SDPA computes: what transformers keeps from SDPA (GPT-OSS's attention sinks,
+        # passed as an extra argument a kernel would silently drop) they cannot compute either
+        return "eager", f"transformers gives {model.__name__} no SDPA attention: it computes more, as GPT-OSS's sinks"
     return None  # sliding windows (Mistral, Gemma 2/3, OLMo 3) the kernels apply: transformers passes them per layer
+
+
+def _causal_lm_class(config: Any) -> type | None:
+    """The transformers class ``AutoModelForCausalLM`` builds for ``config``; None where it has none."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return None
 
 
 def has_varlen() -> bool:

@@ -321,7 +321,8 @@ def build_model_skeleton(
 
     The same architecture, storage dtypes, checkpointing and adapters as ``build_model``; a QLoRA
     base is left in the compute dtype (the plan accounts for its 4-bit storage itself), and
-    attention is causal SDPA without a mask (memory linear in the row length, like the kernels training uses).
+    attention is causal SDPA without a mask (memory linear in the row length, like the kernels training uses),
+    or the stock implementation training uses where those kernels do not apply (``exact_attention``).
     ``layers``: build only this many layers in each stack (a plan extrapolates deep models from shallow ones).
     An encoder-decoder keeps the attention training uses: its encoder and cross-attention are not causal.
     """
@@ -345,9 +346,12 @@ def build_model_skeleton(
     else:
         # causal SDPA without a materialized mask, whose memory is linear in the row length as flash-attention's;
         # transformers' own sdpa path would build a row x row mask on fake tensors (it cannot see they need none)
+        # a model whose attention the kernels do not compute (Gemma 2) runs transformers' stock one: so does its plan
+        from .doc_attention import uncovered_attention
         from .packed_attention import register_causal
 
-        attn = register_causal()
+        uncovered = uncovered_attention(config)
+        attn = uncovered[0] if uncovered else register_causal()
     with torch.device("meta"):
         model = model_class(cfg).from_config(config, dtype=base_dtype, attn_implementation=attn, trust_remote_code=False)
         return adapt(model, cfg, activation_checkpointing)

@@ -80,7 +80,7 @@ def chat_template(src: ModelSource, tokenizer) -> tuple[str, list[str] | None]:
     marker to stop at when the template is trainforge's default (its marker is text, not a token)."""
     configured = (src.run_config or {}).get("data", {}).get("chat_template")
     own = configured or getattr(tokenizer, "chat_template", None)
-    if own:
+    if own and own != DEFAULT_CHAT_TEMPLATE:  # the default, as a chat run's final/ carries it, stops as below
         return own, None
     end = None if CHATML_END in tokenizer.get_vocab() and tokenizer.convert_tokens_to_ids(CHATML_END) == tokenizer.eos_token_id else [CHATML_END]
     return DEFAULT_CHAT_TEMPLATE, end
