@@ -136,6 +136,8 @@ def test_nan_streak_exits_3_and_changed_setting_exits_2(tmp_path, finetune_confi
     proc = run_cli(["train", config, "--output", run], tmp_path, faults={"nan_in_steps": [3, 4]})
     assert proc.returncode == 3, show(proc)
     assert "stopped at step 4" in proc.stderr and "Example indices of those batches: step 3: [" in proc.stderr, show(proc)
+    # ... and their documents, by source file and first words, which can be searched for in the data
+    assert 'Their documents (source, first words): row ' in proc.stderr and 'pc_train.jsonl "' in proc.stderr, show(proc)
     assert "Traceback" not in proc.stderr, show(proc)
     assert [c.step for c in scan_checkpoints(run / "checkpoints")[0]] == [2]
 

@@ -54,8 +54,13 @@ class Advisor:
     False where the peak is no hardware peak (a CPU emulating the precision: its probe times a slow
     fallback kernel, which the run's own matmuls need not take), so MFU above 100% means nothing."""
 
-    def __init__(self, capacity: int | None, reprobe: Callable[[], tuple[float, str]] | None = None, judge_mfu: bool = True):
+    def __init__(
+        self, capacity: int | None, reprobe: Callable[[], tuple[float, str]] | None = None, judge_mfu: bool = True,
+        describe: Callable[[list[int]], str] | None = None,
+    ):
+        """``describe``: example indices -> their documents' sources and first words, for a spike's message."""
         self.capacity = capacity
+        self.describe = describe
         self.reprobe = reprobe
         self.judge_mfu = judge_mfu
         self.given: set[str] = set()
@@ -215,14 +220,14 @@ class Advisor:
                 history.append(value)
         return found
 
-    @staticmethod
-    def _spike(name: str, step: int, value: float, median: float, indices: list[int]) -> Advice:
+    def _spike(self, name: str, step: int, value: float, median: float, indices: list[int]) -> Advice:
         shown = ", ".join(map(str, indices[:16])) + (", ..." if len(indices) > 16 else "")
+        documents = f" Their documents (source, first words): {self.describe(indices)}." if self.describe and indices else ""
         label = "loss" if name == "loss" else "gradient norm"
         return Advice(
             f"{name}_spike",
             f"step {step}: {label} {value:.4g} is {value / median:.1f}x the median of the last steps ({median:.4g}). "
-            f"Example indices of that step: {shown or 'not recorded'}. Check those examples; if spikes recur, lower "
+            f"Example indices of that step: {shown or 'not recorded'}.{documents} Check those examples; if spikes recur, lower "
             "optim.lr, raise optim.warmup_steps or keep optim.max_grad_norm on",
             {"value": value, "median": median, "spike_step": step, "example_indices": indices[:64]},
         )

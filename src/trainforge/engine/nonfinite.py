@@ -48,10 +48,13 @@ class NonFiniteGuard:
     def __init__(
         self, limit: int, device: torch.device, lagged: bool | None = None,
         newest_checkpoint: Callable[[], Path | None] | None = None,
+        describe: Callable[[list[int]], str] | None = None,
     ):
-        """``newest_checkpoint``: asked when the run stops, the checkpoint its message names (None: there is none)."""
+        """``newest_checkpoint``: asked when the run stops, the checkpoint its message names (None: there is none);
+        ``describe``: example indices -> their documents' sources and first words (``data.examples``)."""
         self.limit = limit
         self.newest_checkpoint = newest_checkpoint
+        self.describe = describe
         self.total = torch.zeros((), dtype=torch.int64, device=device)
         self.streak = torch.zeros((), dtype=torch.int64, device=device)
         self.lagged = device.type == "cuda" if lagged is None else lagged
@@ -84,10 +87,12 @@ class NonFiniteGuard:
             return
         steps = [(s, idx) for s, idx in self.recent if step - streak < s <= step]
         listed = "; ".join(f"step {s}: {idx}" for s, idx in steps)
+        rows = list(dict.fromkeys(i for _, idx in steps for i in idx))
+        shown = f" Their documents (source, first words): {self.describe(rows)}." if self.describe and rows else ""
         raise NonFiniteError(
             f"training stopped at step {step}: the loss or gradient norm was not finite for {streak} steps in a row "
             f"(steps {step - streak + 1}-{step}, train.max_skipped_steps={self.limit}); their updates were skipped. "
-            f"Example indices of those batches: {listed or 'not recorded'}. Check those examples, lower optim.lr "
+            f"Example indices of those batches: {listed or 'not recorded'}.{shown} Check those examples, lower optim.lr "
             f"or raise optim.warmup_steps{self._last_good()}"
         )
 

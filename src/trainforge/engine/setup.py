@@ -14,6 +14,7 @@ from .. import __version__
 from ..allocator import prefer_expandable_segments
 from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_max_steps
 from ..cpu_threads import CpuThreads
+from ..data.examples import row_describer
 from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import check_objective_data, describe_data, get_tokenizer, plan_data
 from ..dist import DistContext, choose_mode, device_for
@@ -156,6 +157,7 @@ def setup(
         writer=checkpoint_writer(ctx),
     )
     saver.on_event = metrics.event  # checkpoints and the pauses they cost, to events.jsonl
+    describe = row_describer(data.prepared.train, data.train_rows, [s.path for s in cfg.data.sources()], tokenizer)
     run = Run(
         cfg=cfg,
         out=out,
@@ -180,7 +182,7 @@ def setup(
         reporter=reporter,
         metrics=metrics,
         saver=saver,
-        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device, newest_checkpoint=saver.newest_complete),
+        guard=NonFiniteGuard(cfg.train.max_skipped_steps, device, newest_checkpoint=saver.newest_complete, describe=describe),
         window=LogWindow.on(device),
         stop=stop or StopRequest(),
         dist=ctx,
@@ -192,7 +194,7 @@ def setup(
         objective=objective,
         advisor=Advisor(
             device_memory(device)[0], peak_reprobe(device, precision, cfg.data.cache_dir, ctx.world_size),
-            judge_mfu=not (device.type == "cpu" and emulated_precision(precision.name, cpu_has_native_bf16())),
+            judge_mfu=not (device.type == "cpu" and emulated_precision(precision.name, cpu_has_native_bf16())), describe=describe,
         ),
     )
     laps("services")
