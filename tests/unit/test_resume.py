@@ -377,7 +377,8 @@ def test_a_batch_the_run_resolves_itself_resumes_with_the_same_command(config, t
     assert result.summary["grad_accum"] == first.summary["grad_accum"]
     if "global_batch_size" in batch:  # the global batch the config fixes still binds the checkpoint
         config["train"].update(global_batch_size=16, max_steps=8)
-        with pytest.raises(ResumeError, match="train.grad_accum: 2 in the checkpoint, 4 now"):
+        with pytest.raises(ResumeError, match=r"train.grad_accum: 2 in the checkpoint, 4 now \(derived from "
+                           r"train.global_batch_size: 16;"):  # the setting the user changed is named
             train(config, tmp_path / "run")
 
 

@@ -142,6 +142,10 @@ def resolved_against(info: CheckpointInfo, cfg: RunConfig) -> dict[str, Any]:
 
 def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
     changed = _differences(info.meta.get("fixed", {}), resolved_against(info, cfg))
+    if cfg.train.global_batch_size is not None:  # the grad_accum the user did not set comes from the batch they did
+        changed = [c + f" (derived from train.global_batch_size: {cfg.train.global_batch_size}; the checkpoint's run "
+                   "had a global batch of micro_batch_size x grad_accum x processes)" if c.startswith("train.grad_accum:") else c
+                   for c in changed]
     if changed:
         raise ResumeError(
             f"cannot resume from {info.path}: settings that a checkpoint is bound to changed: "
