@@ -391,3 +391,58 @@ def test_bad_gzip_files_are_named(tmp_path):
     bad_line = gz(tmp_path / "bad.jsonl.gz", '{"text": "ok"}\n{"text": \n')
     with pytest.raises(DataError, match=r"bad.jsonl.gz:2: malformed JSON"):
         rows_of(bad_line)
+
+
+# ---------------------------------------------------------------- reads bounded in memory (gzip bombs)
+
+
+def test_an_overlong_jsonl_line_is_a_bad_row_skipped_without_being_held(tmp_path, monkeypatch):
+    """A one-line .jsonl.gz can decompress to many gigabytes; reading it as one line filled the memory. A line over
+    the limit is a bad row (named with its line), skipped in bounded pieces, and the lines after it keep their numbers."""
+    import gzip
+
+    from trainforge.data import textfiles
+
+    monkeypatch.setattr(textfiles, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "train.jsonl.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(b'{"text": "short"}\n' + b'{"text": "' + b"a" * 50_000 + b'"}\n' + b'{"text": "after"}\n')
+    with pytest.raises(DataError, match=r"train.jsonl.gz:2: the line is over 0 MiB"):
+        rows_of(path)
+    rows = rows_of(path, "skip")
+    assert [(r.data["text"], r.where) for r in rows] == [("short", f"{path}:1"), ("after", f"{path}:3")]
+
+
+@pytest.mark.parametrize("name,expect", [
+    ("rows.json.gz", r"decompressed, an eighth of the memory available, and a JSON array is parsed whole; convert it to JSON Lines"),
+    ("rows.json", r"GiB, an eighth of the memory available, and a JSON array is parsed whole"),
+    ("book.txt", r"and a text file is read whole; split it into smaller files"),
+])
+def test_a_file_read_whole_is_refused_past_its_share_of_the_memory(tmp_path, monkeypatch, name, expect):
+    import gzip
+
+    from trainforge.data import textfiles
+
+    monkeypatch.setattr(textfiles, "whole_file_limit", lambda: 4096)
+    body = (json.dumps([{"text": "x" * 100}] * 100) if ".json" in name else "word " * 2000).encode()
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(body) if name.endswith(".gz") else body)
+    assert len(path.read_bytes()) > 4096 or name.endswith(".gz")
+    with pytest.raises(DataError, match=expect):
+        rows_of(path)
+    monkeypatch.setattr(textfiles, "whole_file_limit", lambda: 1 << 30)
+    assert rows_of(path)  # under the limit the same file reads
+
+
+def test_an_overlong_csv_line_is_refused(tmp_path, monkeypatch):
+    import gzip
+
+    from trainforge.data import textfiles
+
+    monkeypatch.setattr(textfiles, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "rows.csv.gz"
+    path.write_bytes(gzip.compress(b"text\nshort\n" + b"a" * 50_000 + b"\n"))
+    with pytest.raises(DataError, match="rows.csv.gz: a line over 0 MiB"):
+        rows_of(path, "skip")
+    monkeypatch.setattr(textfiles, "MAX_LINE_BYTES", 1 << 20)
+    assert [r.data["text"] for r in rows_of(path)] == ["short", "a" * 50_000]

@@ -22,8 +22,12 @@ from typing import Any
 
 from ..config import BUILTIN_FUNCTION_LABELS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB
 from ..errors import TrainforgeError
+from . import textfiles
 from .splits import METADATA_FILES, TRAIN, by_split
-from .textfiles import GZIP, GZIP_ERRORS, SUPPORTED_SUFFIXES, TEXT_SUFFIXES, data_suffix, is_data_file, open_data, strip_bom, text_file_problem
+from .textfiles import (
+    GZIP, GZIP_ERRORS, SUPPORTED_SUFFIXES, TEXT_SUFFIXES, bounded_lines, data_suffix, is_data_file, open_data,
+    read_whole, strip_bom, text_file_problem,
+)
 
 class DataError(TrainforgeError, ValueError):
     """Bad input data; the message names the file, the line (or row) and what was expected."""
@@ -151,8 +155,12 @@ def iter_source(spec: str, bad: BadRows, txt_mode: str = "file") -> Iterator[Row
 def read_jsonl(path: Path, bad: BadRows) -> Iterator[Row]:
     """One JSON object per line; blank lines skipped."""
     with open_data(path) as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(bounded_lines(f), 1):
             where = f"{path}:{lineno}"
+            if raw is None:
+                bad.report(f"{where}: the line is over {textfiles.MAX_LINE_BYTES >> 20} MiB, far more than a training row; the file is "
+                           "damaged, or holds a whole dataset on one line (write one JSON object per line)")
+                continue
             if lineno == 1:
                 raw = strip_bom(raw)
             try:
@@ -183,8 +191,7 @@ def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
         yield from read_jsonl(path, bad)
         return
     try:
-        with open_data(path) as f:
-            items = json.loads(f.read().decode("utf-8-sig"))
+        items = json.loads(_whole(path, "a JSON array is parsed whole", "convert it to JSON Lines (one object per line: .jsonl), which is read as it streams").decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
     except json.JSONDecodeError as e:
@@ -200,10 +207,21 @@ def read_json(path: Path, bad: BadRows) -> Iterator[Row]:
         yield Row(obj, f"{path}: row {i}")
 
 
+def _whole(path: Path, why: str, fix: str) -> bytes:
+    """The file's bytes (decompressed), or a ``DataError`` when they would not fit the memory it may take."""
+    raw, limit = read_whole(path)
+    if raw is None:
+        raise DataError(
+            f"{path}: over {limit / 2**30:.1f} GiB{' decompressed' if path.suffix == GZIP else ''}, an eighth of the memory "
+            f"available, and {why}; {fix}"
+        )
+    return raw
+
+
 def _is_json_lines(path: Path) -> bool:
     """Whether a .json file holds one object per line: its first line is a whole JSON object."""
     with open_data(path) as f:
-        first = strip_bom(f.readline()).strip()
+        first = strip_bom(f.readline(textfiles.MAX_LINE_BYTES)).strip()
     if not first.startswith(b"{"):
         return False
     try:
@@ -215,7 +233,7 @@ def _is_json_lines(path: Path) -> bool:
 def read_csv(path: Path, bad: BadRows) -> Iterator[Row]:
     """A header row of field names, then one row per record (``file:line`` counts the header as line 1)."""
     with open_data(path, "rt", newline="", encoding="utf-8-sig", errors="strict") as f:
-        reader = csv.DictReader(f)
+        reader = csv.DictReader(_bounded_text(f, path))
         try:
             for row in reader:
                 where = f"{path}:{reader.line_num}"
@@ -227,6 +245,16 @@ def read_csv(path: Path, bad: BadRows) -> Iterator[Row]:
             raise DataError(f"{path}: after line {reader.line_num}: not valid UTF-8 (byte {e.start})") from None
         except csv.Error as e:
             raise DataError(f"{path}:{reader.line_num}: malformed CSV: {e}") from None
+
+
+def _bounded_text(f: Any, path: Path) -> Iterator[str]:
+    """The lines of a text file, refused at one over ``MAX_LINE_BYTES`` characters (a CSV record cannot be skipped
+    from the middle: where the next one starts is not known)."""
+    limit = textfiles.MAX_LINE_BYTES
+    while line := f.readline(limit + 1):
+        if len(line) > limit and not line.endswith(("\n", "\r")):
+            raise DataError(f"{path}: a line over {limit >> 20} MiB, far more than a training row; the file is damaged")
+        yield line
 
 
 def read_parquet(path: Path, bad: BadRows) -> Iterator[Row]:
@@ -302,8 +330,7 @@ def saved_dataset_files(path: Path) -> list[Path]:
 def read_txt(path: Path, bad: BadRows, mode: str) -> Iterator[Row]:
     """``file``: the whole file is one document; ``paragraph``: each blank-line-separated block is one."""
     try:
-        with open_data(path, "rt", encoding="utf-8-sig") as f:
-            text = f.read()
+        text = _whole(path, "a text file is read whole", "split it into smaller files").decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads
     except UnicodeDecodeError as e:
         bad.report(f"{path}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8")
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -88,3 +89,51 @@ def open_data(path: Path, mode: str = "rb", **kwargs: Any) -> IO[Any]:
     if path.suffix == GZIP:
         return gzip.open(path, mode if "b" in mode else mode.replace("t", "") + "t", **kwargs)
     return open(path, mode, **kwargs)
+
+
+# ---------------------------------------------------------------- bounded reads (a gzip file may decompress to anything)
+
+MAX_LINE_BYTES = 1 << 28  # 256 MiB: a JSONL row longer than this is no training example (a damaged or hostile file)
+WHOLE_FILE_SHARE = 8  # a file parsed whole (JSON array, text) takes several times its size as Python objects
+_CHUNK = 1 << 24
+
+
+def bounded_lines(f: IO[bytes]) -> Iterator[bytes | None]:
+    """The lines of a binary file; a line over ``MAX_LINE_BYTES`` is skipped without being held, and gives None
+    (a one-line ``.jsonl.gz`` that decompresses to many gigabytes would otherwise fill the memory)."""
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := f.readline(_CHUNK)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+        else:
+            yield raw
+
+
+def whole_file_limit() -> int | None:
+    """The most bytes a file parsed whole may hold: the system's available memory over ``WHOLE_FILE_SHARE``
+    (None where it is not known)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // WHOLE_FILE_SHARE
+    except OSError:
+        pass
+    return None
+
+
+def read_whole(path: Path) -> tuple[bytes | None, int | None]:
+    """(the file's bytes, decompressed, or None when they exceed ``whole_file_limit``; the limit). A plain file is
+    measured before it is read; a compressed one as it decompresses, and left as soon as it passes the limit."""
+    limit = whole_file_limit()
+    if limit is not None and path.suffix != GZIP and path.stat().st_size > limit:
+        return None, limit
+    chunks, n = [], 0
+    with open_data(path) as f:
+        while chunk := f.read(_CHUNK):
+            n += len(chunk)
+            if limit is not None and n > limit:
+                return None, limit
+            chunks.append(chunk)
+    return b"".join(chunks), limit
