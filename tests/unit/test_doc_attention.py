@@ -347,21 +347,16 @@ def test_attention_sinks_go_to_eager(tiny_tokenizer_dir):
     gpt_oss = {"architecture": "gpt_oss", "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2, "head_dim": 8,
                "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
                "max_position_embeddings": 64, "sliding_window": 8}
-    warned = []
-    model = build_model(ModelSettings(init=gpt_oss, tokenizer=tiny_tokenizer_dir), tok, 0, torch.device("cpu"), False,
-                        warn=warned.append)
-    assert model.config._attn_implementation == "eager" and "sinks" in warned[0]
-    with pytest.raises(AttentionUnavailable, match="model.attention: packed_sdpa would change"):
-        build_model(ModelSettings(init=gpt_oss, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0, torch.device("cpu"), False)
-    tok = load_tokenizer(tiny_tokenizer_dir)
     gemma2 = {"architecture": "gemma2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "sliding_window": 8}
-    warned = []
-    model = build_model(ModelSettings(init=gemma2, tokenizer=tiny_tokenizer_dir), tok, 0, torch.device("cpu"), False,
-                        warn=warned.append)
-    assert model.config._attn_implementation == "eager" and "soft-capped at 50" in warned[0]
-    with pytest.raises(AttentionUnavailable, match="model.attention: packed_sdpa would change.*soft-capped"):
-        build_model(ModelSettings(init=gemma2, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0, torch.device("cpu"), False)
+    for init, why in ((gpt_oss, "sinks"), (gemma2, "soft-capped at 50")):
+        warned = []
+        model = build_model(ModelSettings(init=init, tokenizer=tiny_tokenizer_dir), tok, 0, torch.device("cpu"), False,
+                            warn=warned.append)
+        assert model.config._attn_implementation == "eager" and why in warned[0]
+        with pytest.raises(AttentionUnavailable, match=f"model.attention: packed_sdpa would change.*{why.split()[0]}"):
+            build_model(ModelSettings(init=init, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0,
+                        torch.device("cpu"), False)
 
 
 def test_the_skeleton_of_a_soft_capped_model_takes_the_attention_its_run_takes(tiny_tokenizer_dir):
