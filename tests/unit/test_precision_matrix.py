@@ -58,6 +58,18 @@ def test_matrix_covers_every_combination_once():
         assert {c.method for c in mine} == {"full", "lora"} and {c.head for c in mine} == {"fused", "standard"}
 
 
+def test_the_compiled_lora_case_of_a_gpu_trains_here_too(selftest):
+    """``selftest`` on CUDA adds a compiled LoRA case (fused LoRA layers inside regionally compiled decoder layers: the
+    8B LoRA row's path); on a CPU it is left out of the user's matrix for time. It runs here, once, through the same
+    runner: a graph is compiled and the run tracks its fp32 reference."""
+    cuda_cases = matrix(compiled_precision="bf16", compiled_lora=True)
+    added = [c for c in cuda_cases if c not in CASES]
+    assert [c.name for c in added] == ["bf16-chat-lora-fused-compiled"]
+    result = selftest.case(added[0])
+    assert result.status == "ok", result.error
+    assert result.loss_gap is not None and all(math.isfinite(x) for x in result.losses)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_training_path(selftest, case):
     result = selftest.case(case)

@@ -50,9 +50,10 @@ QUICK = {("concat", "full", "fused"), ("packed", "full", "fused"), ("completion"
 """The ``--quick`` subset, per precision: every data shape, LoRA and the standard head."""
 
 
-def matrix(quick: bool = False, compiled_precision: str | None = "bf16") -> list[Case]:
+def matrix(quick: bool = False, compiled_precision: str | None = "bf16", compiled_lora: bool = False) -> list[Case]:
     """The cases, fp32 references first. ``quick``: ``QUICK`` per precision and no compile.
-    ``compiled_precision``: the precision of the compiled case (None: none)."""
+    ``compiled_precision``: the precision of the compiled case (None: none); ``compiled_lora``: a compiled LoRA
+    case too (fused LoRA layers inside regionally compiled decoder layers, what a GPU LoRA run takes)."""
     cases = [
         Case(p, d, m, h)
         for p in PRECISIONS
@@ -63,6 +64,8 @@ def matrix(quick: bool = False, compiled_precision: str | None = "bf16") -> list
     ]
     if compiled_precision and not quick:
         cases.append(Case(compiled_precision, "packed", "full", "fused", compiled=True))
+        if compiled_lora:
+            cases.append(Case(compiled_precision, "chat", "lora", "fused", compiled=True))
     # activation checkpointing recomputes each layer in backward: it must track the plain run
     cases += [Case("fp32", "packed", "full", "fused", checkpointing=True), Case(compiled_precision or "bf16", "chat", "lora", "fused", checkpointing=True)]
     return cases
@@ -125,7 +128,8 @@ def case_config(case: Case, assets: Assets, device: str, cache_dir: Path | None 
 
 
 def plan(device: torch.device, quick: bool = False) -> tuple[list[Case], list[str]]:
-    """The cases and checks ``trainforge selftest`` runs on ``device``: the compiled case in the
-    precision ``auto`` picks on a GPU (fp16 on GPUs without bf16), bf16 elsewhere."""
+    """The cases and checks ``trainforge selftest`` runs on ``device``: the compiled cases in the
+    precision ``auto`` picks on a GPU (fp16 on GPUs without bf16), bf16 elsewhere; a compiled LoRA case on
+    CUDA only (on a CPU its compile costs more than the rest of the matrix)."""
     compiled = "fp16" if device.type == "cuda" and not cuda_has_native_bf16(device) else "bf16"
-    return matrix(quick, compiled), list(CHECKS)
+    return matrix(quick, compiled, compiled_lora=device.type == "cuda"), list(CHECKS)
