@@ -3,17 +3,20 @@
 Messages come as OpenAI-style ``{"role", "content"}`` or ShareGPT-style ``{"from", "value"}``
 objects; content may be a string or a list of ``{"type": "text", "text": ...}`` parts. The
 conversation is rendered once with the real chat template. To find the assistant turns in it,
-the same conversation is also rendered with every content replaced by a unique placeholder (a
-"skeleton"): the skeleton shows which template text surrounds each message, and walking the
-real text along it gives each content's exact character range. Nothing is searched for by
-string, so a user turn that quotes a template marker cannot move a mask, and templates that
-append EOS or a newline only at the very end (Phi-3) work, because no rendered prefix has to be
-a prefix of the whole.
+the same conversation is also rendered with every non-empty content (and reasoning trace) replaced
+by a unique placeholder (a "skeleton"): the skeleton shows which template text surrounds each
+message, and walking the real text along it gives each content's exact character range. Nothing
+is searched for by string, so a user turn that quotes a template marker cannot move a mask, and
+templates that append EOS or a newline only at the very end (Phi-3) work, because no rendered
+prefix has to be a prefix of the whole.
 
-The learned span of an assistant turn is its content plus its end-of-turn marker: the template
-text written right after the content that is the same whether another message follows or the
-conversation ends there (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>\\n``,
-``<|end|>\\n``). Headers, and system, user and tool turns, are never learned.
+The learned span of an assistant turn is what the model writes after the turn's header (the
+generation prompt): template text before the content (Qwen3's think block, gpt-oss's final
+channel), the reasoning and content, tool calls the template writes from ``tool_calls``, and the
+end-of-turn marker: the template text after the turn that is the same whether another message
+follows or the conversation ends there (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s>``,
+``<end_of_turn>\\n``, ``<|end|>\\n``), or the special token that starts it where the two differ
+(gpt-oss's ``<|end|>`` / ``<|return|>``). Headers, and system, user and tool turns, are never learned.
 """
 
 from __future__ import annotations
@@ -154,8 +157,8 @@ class ChatLocator:
         self._structures: dict[int, tuple[dict[str, Any], str]] = {}
 
     def prepared(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """``messages`` as they are rendered: inline reasoning moved to ``reasoning_content`` where the
-        template reads that field (``split_reasoning``); unchanged otherwise."""
+        """``messages`` as they are rendered: inline reasoning moved to the template's reasoning field where it
+        reads one (``split_reasoning``); unchanged otherwise."""
         return [split_reasoning(m, self.reasoning) for m in messages] if self.reasoning else messages
 
     def render(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False) -> str:
@@ -316,7 +319,6 @@ class ChatLocator:
                 n -= 1
             self._markers[(a, b)] = a[:n]
         return self._markers[(a, b)]
-
 
 
 def _marked(message: dict[str, Any], i: int, force: bool, reasoning: str | None) -> dict[str, Any]:
