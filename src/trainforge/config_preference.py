@@ -14,7 +14,7 @@ OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto")
 REFERENCE_FREE = ("orpo", "simpo")
 """Objectives that compare the policy with itself: no reference model runs."""
 READ_BY = {"label_smoothing": ("dpo",), "simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",)}
-"""The ``preference`` keys only some objectives read (``beta`` and ``reference`` are checked on their own)."""
+"""The ``preference`` keys only some objectives read (``reference``: all but ``REFERENCE_FREE``; ``beta``: all)."""
 
 
 class PreferenceSettings(Section):
@@ -72,6 +72,9 @@ def _check_unread(objective: str, settings: PreferenceSettings) -> None:
         if objective not in readers and value != default:
             raise ValueError(f"preference.{key}: {value} has no effect on train.objective {objective} (only "
                              f"{' and '.join(readers)} reads it); remove it or set it to {default}")
+    if objective in REFERENCE_FREE and settings.reference in ("model", "precompute"):
+        raise ValueError(f"preference.reference: {settings.reference} has no effect on train.objective {objective}, which "
+                         "runs no reference model; remove it or set it to auto")
 
 
 def resolve_reference(objective: str, reference: str, method: str) -> str:

@@ -262,7 +262,8 @@ def test_a_precomputed_reference_trains_as_the_frozen_copy_and_is_computed_once(
 
 @pytest.mark.parametrize("objective, key", [
     ("ipo", "label_smoothing=0.1"), ("simpo", "label_smoothing=0.1"), ("dpo", "simpo_gamma=1.0"),
-    ("orpo", "desirable_weight=1.33"), ("dpo", "undesirable_weight=2"),
+    ("orpo", "desirable_weight=1.33"), ("dpo", "undesirable_weight=2"), ("simpo", "reference=precompute"),
+    ("orpo", "reference=model"),
 ])
 def test_a_preference_key_the_objective_does_not_read_is_refused(objective, key):
     """A setting that would change nothing (a TRL user's SimPO label smoothing) is named, not silently dropped."""
@@ -280,3 +281,4 @@ def test_preference_keys_the_objective_reads_or_leaves_at_their_default_are_acce
     assert load_config(None, ["train.objective=simpo", "preference.simpo_gamma=1.0"]).preference.simpo_gamma == 1.0
     assert load_config(None, ["train.objective=kto", "preference.desirable_weight=1.33"]).preference.desirable_weight == 1.33
     assert load_config(None, ["train.objective=ipo", "preference.label_smoothing=0.0", "preference.simpo_gamma=0.5"])
+    assert load_config(None, ["train.objective=orpo", "preference.reference=none"]).preference.reference == "none"
