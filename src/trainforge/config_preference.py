@@ -13,6 +13,8 @@ OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto")
 """``train.objective`` values: next-token cross-entropy, then the preference objectives (engine/preference.py)."""
 REFERENCE_FREE = ("orpo", "simpo")
 """Objectives that compare the policy with itself: no reference model runs."""
+READ_BY = {"label_smoothing": ("dpo",), "simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",)}
+"""The ``preference`` keys only some objectives read (``reference``: all but ``REFERENCE_FREE``; ``beta``: all)."""
 
 
 class PreferenceSettings(Section):
@@ -54,11 +56,25 @@ def check_objective(cfg: Any) -> None:
     rows = "unpaired" if objective == "kto" else "preference"
     if cfg.data.format not in ("auto", rows):
         raise ValueError(f"data.format: train.objective {objective} reads {rows} rows; set data.format: {rows} or auto")
+    _check_unread(objective, cfg.preference)
     if objective == "kto" and cfg.preference.reference == "none":
         raise ValueError("preference.reference: kto compares each completion with the reference; use auto or model")
     if cfg.data.packing is not True:
         raise ValueError(f"data.packing: train.objective {objective} puts a pair's chosen and rejected sides into one row "
                          "as two documents (one forward for both); set data.packing: true")
+
+
+def _check_unread(objective: str, settings: PreferenceSettings) -> None:
+    """Raise ValueError for a ``preference`` key set away from its default that ``objective`` never reads: it would
+    change nothing (TRL applies a label smoothing to SimPO, for one; here only DPO's conservative loss has one)."""
+    for key, readers in READ_BY.items():
+        value, default = getattr(settings, key), PreferenceSettings.model_fields[key].default
+        if objective not in readers and value != default:
+            raise ValueError(f"preference.{key}: {value} has no effect on train.objective {objective} (only "
+                             f"{' and '.join(readers)} reads it); remove it or set it to {default}")
+    if objective in REFERENCE_FREE and settings.reference in ("model", "precompute"):
+        raise ValueError(f"preference.reference: {settings.reference} has no effect on train.objective {objective}, which "
+                         "runs no reference model; remove it or set it to auto")
 
 
 def resolve_reference(objective: str, reference: str, method: str) -> str:

@@ -258,3 +258,27 @@ def test_a_precomputed_reference_trains_as_the_frozen_copy_and_is_computed_once(
     _, again = train({**cfg, "preference": {"reference": "precompute"}}, tmp_path / "again")
     assert "loaded from the cache" in again and "computed with" not in again
     assert copy_run.summary["eval_reward_accuracy"] == pytest.approx(first.summary["eval_reward_accuracy"])
+
+
+@pytest.mark.parametrize("objective, key", [
+    ("ipo", "label_smoothing=0.1"), ("simpo", "label_smoothing=0.1"), ("dpo", "simpo_gamma=1.0"),
+    ("orpo", "desirable_weight=1.33"), ("dpo", "undesirable_weight=2"), ("simpo", "reference=precompute"),
+    ("orpo", "reference=model"),
+])
+def test_a_preference_key_the_objective_does_not_read_is_refused(objective, key):
+    """A setting that would change nothing (a TRL user's SimPO label smoothing) is named, not silently dropped."""
+    from trainforge.config import ConfigError, load_config
+
+    name = key.split("=")[0]
+    with pytest.raises(ConfigError, match=f"preference.{name}: .* has no effect on train.objective {objective}"):
+        load_config(None, [f"train.objective={objective}", f"preference.{key}"])
+
+
+def test_preference_keys_the_objective_reads_or_leaves_at_their_default_are_accepted():
+    from trainforge.config import load_config
+
+    assert load_config(None, ["train.objective=dpo", "preference.label_smoothing=0.1"]).preference.label_smoothing == 0.1
+    assert load_config(None, ["train.objective=simpo", "preference.simpo_gamma=1.0"]).preference.simpo_gamma == 1.0
+    assert load_config(None, ["train.objective=kto", "preference.desirable_weight=1.33"]).preference.desirable_weight == 1.33
+    assert load_config(None, ["train.objective=ipo", "preference.label_smoothing=0.0", "preference.simpo_gamma=0.5"])
+    assert load_config(None, ["train.objective=orpo", "preference.reference=none"]).preference.reference == "none"

@@ -116,3 +116,25 @@ def test_tied_embeddings_are_counted_once(tmp_path):
     head = 300 * TINY_LLAMA_INIT["hidden_size"] * 4  # fp32 bytes of one vocabulary x hidden matrix
     assert b.parts["weights"] - a.parts["weights"] == head
     assert b.parts["optimizer"] - a.parts["optimizer"] == 2 * head + 4  # two moments, and its fp32 step count
+
+
+def test_a_prepared_seq2seq_cache_is_found_by_the_plan(seq2seq_dirs, tmp_path):
+    """An encoder-decoder's source -> target entry is keyed apart from a decoder-only one: after
+    ``trainforge prepare`` the plan read the decoder-only key and kept saying the data was not prepared."""
+    import json
+
+    from trainforge.data.prepare import prepare_data
+    from trainforge.tools.plan import data_facts
+
+    model_dir = seq2seq_dirs["t5"]
+    path = tmp_path / "s2s.jsonl"
+    path.write_text("".join(json.dumps({"source": f"reverse: alpha beta {i}", "target": f"{i} beta alpha"}) + "\n" for i in range(12)))
+    cfg = RunConfig.model_validate({
+        "model": {"path": str(model_dir), "method": "full"},
+        "data": {"train": str(path), "eval": None, "max_length": SOURCE, "cache_dir": str(tmp_path / "cache")},
+    })
+    tok = load_tokenizer(model_dir)
+    assert not data_facts(cfg, tok)["prepared"]
+    prepare_data(cfg.data, tok, cfg.train.seed, log=lambda *_: None, seq2seq=True)
+    facts = data_facts(cfg, tok)
+    assert facts["prepared"] and facts["train_rows"] == 12

@@ -239,8 +239,7 @@ def lever_savings(
 
 def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
     """Row and token counts of the prepared data (the token cache), when it is prepared."""
-    from ..config import default_cache_dir
-    from ..data.cache import fingerprint
+    from ..data.cache import STATS_FILE, entry_dir, fingerprint, is_complete
     from ..data.prepare import resolve_format
     from ..data.sources import DataError
 
@@ -248,15 +247,15 @@ def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
         return {"prepared": False, "why": "the tokenizer is built from the data at the start of the run"}
     try:
         fmt = resolve_format(cfg.data)
-        key = fingerprint(cfg.data, fmt, tokenizer, cfg.train.seed)
+        # keyed as prepare_data keys it: an encoder-decoder's source -> target entry is another one
+        root = entry_dir(cfg.data, fingerprint(cfg.data, fmt, tokenizer, cfg.train.seed, cfg.model.kind.encoder_decoder))
     except (DataError, OSError, ValueError) as e:
         return {"prepared": False, "error": str(e)}
-    stats_file = (cfg.data.cache_dir or default_cache_dir()) / "data" / key / "stats.json"
-    if not stats_file.is_file():
+    if not is_complete(root):
         return {"prepared": False, "format": fmt, "why": "not in the token cache yet: run `trainforge prepare` for counts"}
     import json
 
-    stats = json.loads(stats_file.read_text())
+    stats = json.loads((root / STATS_FILE).read_text())
     keep = ("format", "train_rows", "train_sequences", "train_tokens", "train_token_squares", "eval_rows", "eval_sequences", "truncated", "lost_token_share")
     return {"prepared": True, **{k: stats[k] for k in keep if k in stats}}
 
