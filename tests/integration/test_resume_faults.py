@@ -140,6 +140,10 @@ def test_nan_streak_exits_3_and_changed_setting_exits_2(tmp_path, finetune_confi
     assert 'Their documents (source, first words): row ' in proc.stderr and 'pc_train.jsonl "' in proc.stderr, show(proc)
     assert "Traceback" not in proc.stderr, show(proc)
     assert [c.step for c in scan_checkpoints(run / "checkpoints")[0]] == [2]
+    # doctor says why it ended (the run used to look killed: an error left no trace in events.jsonl)
+    doctor = run_cli(["doctor", run, "--json"], tmp_path)
+    assert doctor.returncode == 0, show(doctor)
+    assert json.loads(doctor.stdout)["state"].startswith("failed at step 4 (exit code 3): NonFiniteError: training stopped"), show(doctor)
 
     proc = run_cli(["train", config, "--output", run, "--set", "train.micro_batch_size=2"], tmp_path)
     assert proc.returncode == 2, show(proc)

@@ -108,6 +108,10 @@ def open_run(
             try:
                 yield run
                 completed = True
+            except Exception as e:
+                if not isinstance(e, Interrupted):  # a stop by signal records its own event
+                    record_failure(run, e)
+                raise
             finally:
                 run.saver.close()
                 run.cpu_threads.restore()
@@ -379,6 +383,16 @@ def stop_on_signal(run: Run) -> None:
     where = f"checkpoint {step_dir_name(run.step)} saved" if saved else "saving a checkpoint failed (see above)"
     run.metrics.event("stop", run.step, signal=run.stop.name, saved=saved)
     raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; to resume, run the same command with --output {run.out}")
+
+
+def record_failure(run: Run, error: Exception) -> None:
+    """An ``error`` event for ``doctor``: what stopped the run, at which step, with which exit code (without it, a
+    run that raised looked killed). Writing it must not hide the error itself (a full disk)."""
+    try:
+        run.metrics.event("error", run.step, type=type(error).__name__, message=str(error)[:2000],
+                          exit_code=getattr(error, "exit_code", 1))
+    except Exception:  # noqa: BLE001 - the run's own error is the one to report
+        pass
 
 
 def write_report(run: Run) -> None:

@@ -1,7 +1,8 @@
 """``trainforge doctor RUN_DIR``: what happened to a run and what limited it, from its files alone.
 
-It works on a finished run, one stopped by a signal, one still going, and one killed with SIGKILL or
-crashed (no summary.json): the state and the step it reached, the checkpoint a rerun resumes from and
+It works on a finished run, one stopped by a signal, one still going, one that failed with an error (its
+``error`` event: the step, the exit code and the message), and one killed with SIGKILL or crashed (no
+summary.json, no event): the state and the step it reached, the checkpoint a rerun resumes from and
 the steps that costs, the environment it ran in, whether its config still validates, the first time
 estimate against what happened, where the wall time went (``metrics/limits.py``, as at the end of a
 run) and the advice the live advisor gave while it ran.
@@ -56,9 +57,12 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
 def _state(run: RunData, last_step: int) -> str:
     if run.summary is not None:
         return "finished"
-    latest = next((e for e in reversed(run.events) if e.get("event") in ("start", "stop")), None)
+    latest = next((e for e in reversed(run.events) if e.get("event") in ("start", "stop", "error")), None)
     if latest is not None and latest["event"] == "stop" and latest.get("step") == last_step:  # not started again since
         return f"stopped by {latest.get('signal') or 'a signal'}"
+    if latest is not None and latest["event"] == "error":
+        return (f"failed at step {latest.get('step')} (exit code {latest.get('exit_code', 1)}): "
+                f"{latest.get('type', 'error')}: {latest.get('message', '')}")
     lease = read_lease(run.path / LEASE_FILE)
     if isinstance(lease, LeaseInfo) and stale_reason(lease) is None:
         return f"running (process {lease.pid} on {lease.host} holds the run directory)"
