@@ -267,3 +267,28 @@ def test_data_whose_every_row_is_bad_names_the_first_bad_row(tmp_path, tok):
     path.write_text("{not json\n[1, 2]\n")
     with pytest.raises(DataError, match=r"no rows found; every row is bad, first: .*broken\.jsonl:1: malformed JSON"):
         prepare(tmp_path, tok, train=str(path), eval=None)
+
+
+@pytest.mark.parametrize("row,setting", [
+    # databricks-dolly-15k
+    ({"instruction": "When did it start?", "context": "It began in 2000.", "response": "In 2000.", "category": "closed_qa"},
+     "Dolly-style instruction data: set data.fields: {output: response, input: context}"),
+    ({"instruction": "Name a color.", "response": "Blue.", "category": "brainstorming"},
+     "Dolly-style instruction data: set data.fields: {output: response}"),
+    # lvwerra/stack-exchange-paired
+    ({"qid": 1, "question": "Why?", "date": "2010", "metadata": [], "response_j": "Because.", "response_k": "No."},
+     "StackExchange-paired preference pairs: set data.fields: {prompt: question, chosen: response_j, rejected: response_k}"),
+    ({"id": 3, "question": "2+2?", "answer": "4"}, "question/answer data: set data.fields: {prompt: question, completion: answer}"),
+])
+def test_an_unknown_layout_of_a_public_dataset_gets_the_data_fields_that_read_it(tmp_path, tok, row, setting):
+    """Rows no format matches used to get the list of formats only; columns of well-known public layouts now get the
+    data.fields setting that reads them, and with it the same file trains (is prepared) as that format."""
+    from trainforge.data.formats import detect_format
+
+    with pytest.raises(DataError, match="cannot tell the data format") as e:
+        detect_format(Row(row, "x.jsonl:1"), FieldNames())
+    assert f"they look like {setting}." in str(e.value)
+    fields = dict(kv.split(": ") for kv in setting.split("{")[1].rstrip("}").split(", "))
+    write_jsonl(tmp_path / "rows.jsonl", [row] * 4)
+    prepared = prepare(tmp_path, tok, train=str(tmp_path / "rows.jsonl"), eval=None, fields=fields)
+    assert prepared.format in ("alpaca", "prompt_completion", "preference") and len(prepared.train) > 0

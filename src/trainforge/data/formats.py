@@ -89,13 +89,40 @@ def detect_format(row: Row, names: FieldNames) -> str:
             return fmt
     if source_target_keys(row, names) is not None:  # after text: a corpus row may name its "source"
         return "source_target"
+    hint = suggested_fields(row)
     raise DataError(
-        f"{row.where}: cannot tell the data format from fields {sorted(row.data)}; expected "
-        f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' or '{SHAREGPT_FIELD}' (chat), "
+        f"{row.where}: cannot tell the data format from fields {sorted(row.data)}; "
+        + (f"they look like {hint}. The formats read: " if hint else "expected ")
+        + f"'{names.text}' (text), '{names.prompt}'+'{names.completion}', '{names.messages}' or '{SHAREGPT_FIELD}' (chat), "
         f"'{names.instruction}'+'{names.output}' (alpaca) or 'source'+'target' / '{names.input}'+'{names.output}' "
         f"(source_target), '{names.chosen}'+'{names.rejected}' (preference), '{names.completion}'/'{names.messages}'+'{names.label}' "
         "(unpaired); or set data.format / data.fields"
     )
+
+
+# common column names of public datasets -> the data.fields setting that reads them (first match wins)
+FIELD_ALIASES = (
+    ("Dolly-style instruction data", ("instruction", "response"), {"output": "response", "input": "context"}),
+    ("instruction data", ("instruction", "answer"), {"output": "answer", "input": "context"}),
+    ("StackExchange-paired preference pairs", ("response_j", "response_k"),
+     {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}),
+    ("preference pairs", ("chosen_response", "rejected_response"), {"chosen": "chosen_response", "rejected": "rejected_response"}),
+    ("question/answer data", ("question", "answer"), {"prompt": "question", "completion": "answer"}),
+    ("question/response data", ("question", "response"), {"prompt": "question", "completion": "response"}),
+    ("query/response data", ("query", "response"), {"prompt": "query", "completion": "response"}),
+    ("text data", ("content",), {"text": "content"}),
+)
+
+
+def suggested_fields(row: Row) -> str | None:
+    """For a row no format matches: what its columns look like and the ``data.fields`` that reads them, e.g.
+    ``Dolly-style instruction data: set data.fields: {output: response, input: context}``; None if unknown."""
+    for what, needs, fields in FIELD_ALIASES:
+        if fields and all(k in row.data for k in needs):
+            shown = {k: v for k, v in fields.items() if v in row.data or k not in ("input",)}
+            setting = ", ".join(f"{k}: {v}" for k, v in shown.items())
+            return f"{what}: set data.fields: {{{setting}}}"
+    return None
 
 
 def conversational_prompt(row: Row, names: FieldNames) -> bool:
