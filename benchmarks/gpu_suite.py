@@ -44,6 +44,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -356,6 +357,8 @@ def run_trainforge(spec: dict, variant: str) -> dict:
     out = Path(spec["out"])
     config = trainforge_config(spec, variant)
     (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    # a part run again into the same --out (after a timeout, a fix): a fresh run, not "this directory holds a run"
+    shutil.rmtree(out / "run", ignore_errors=True)
     result = train(load_config(out / "config.yaml"), out / "run", ConsoleReporter(Console(quiet=True)))
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     steps, tokens = [], 0

@@ -77,3 +77,28 @@ def test_the_default_allocator_variant_runs_on_the_users_setting_which_trainforg
     ours = suite.variant_env("trainforge", {"PATH": "/bin"})
     prefer_expandable_segments(ours, "2.11.0+cu130")
     assert allocator_settings(ours)["set_by"] == "trainforge"
+
+
+@pytest.mark.slow
+def test_a_part_run_again_into_the_same_folder_measures_trainforge_again(tmp_path):
+    """A part started again with the same --out (the device's call timed out, or after a fix): trainforge's run
+    directory of the first call held a finished run, and train refused it ('already holds a run'), so every
+    trainforge variant of the second call failed. Each call measures a fresh run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_suite"] = suite
+    spec.loader.exec_module(suite)
+    row = suite.parts(tiny=True)[1][0]
+    row.steps = 3
+    work = tmp_path / "work"
+    work.mkdir()
+    run = {"row": suite.asdict(row), "work": str(work), "model_dir": str(work / "model"), "profile_step": 1,
+           "out": str(work / "trainforge")}
+    run["data"] = suite.write_data(work, row)
+    suite.prepare_model(run)
+    Path(run["out"]).mkdir()
+    for _ in range(2):
+        result = suite.run_trainforge(run, "trainforge")
+        assert len(result["steps"]) == 3

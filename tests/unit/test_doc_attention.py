@@ -399,3 +399,29 @@ def test_sliding_windows_on_cuda(impl, tiny_tokenizer_dir):
         model.set_attn_implementation("sdpa")
         alone = one_at_a_time(model, ids).float()
     assert (packed - alone).abs().max() / alone.abs().max() < 2e-2
+
+
+def flash_contract(q, k, v, cu, max_len, scale):
+    """The varlen kernel's contract as torch's flash kernel keeps it: fp16/bf16 only (it raises on fp32)."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+    return reference_varlen(q.float(), k.float(), v.float(), cu, max_len, scale).to(q.dtype)
+
+
+def test_selftest_attention_check_runs_the_varlen_kernel_in_half_precision_only(monkeypatch):
+    """selftest's attention check computes its fp32 reference one document at a time: through the varlen
+    kernel itself that reference handed the flash kernel fp32 queries, which it refuses (the check raised
+    on every sm80+ GPU). The reference runs on stock SDPA; the packed rows still take the kernel."""
+    from trainforge.hardware import PRECISIONS
+    from trainforge.tools.selftest.probes import packed_attention_gap
+
+    calls = []
+
+    def recording(*args):
+        calls.append(args[0].dtype)
+        return flash_contract(*args)
+
+    monkeypatch.setattr(doc_attention, "varlen_kernel", recording)
+    gap, leak = packed_attention_gap(doc_attention.register(VARLEN_NAME), PRECISIONS["bf16"], torch.device("cpu"))
+    assert calls and set(calls) == {torch.bfloat16}
+    assert gap < 0.05 < leak

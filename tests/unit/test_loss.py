@@ -179,3 +179,26 @@ def test_lora_over_a_tokenizer_with_added_tokens_says_their_rows_stay_untrained(
     said.clear()
     build_model(Settings(path=tiny_model_dir, method="full"), tok, seed=0, warn=said.append)
     assert said == []  # a full fine-tune trains the new rows
+
+
+def test_granite_logits_scaling_takes_the_models_own_head():
+    """Granite divides its logits by ``config.logits_scaling`` (8 to 16 in the released checkpoints): the fused
+    head, which computes lm_head(hidden) only, trained those models on unscaled logits (another loss and
+    gradient). Such a model takes its own head; with a scaling of 1 the fused head still serves."""
+    from transformers import AutoModelForCausalLM, GraniteConfig
+
+    from trainforge.data.loader import Batch
+
+    torch.manual_seed(0)
+    config = GraniteConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, logits_scaling=8.0)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    batch = Batch(ids, labels, None, 24, int((labels != -100).sum()), [0, 1])
+    p = PRECISIONS["fp32"]
+    assert fused_head(model) is None
+    torch.testing.assert_close(loss_sum(model, batch, p, fused=True), loss_sum(model, batch, p, fused=False))
+    model.config.logits_scaling = 1.0
+    assert fused_head(model) is not None

@@ -268,6 +268,8 @@ def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     base = _plain_base(model)
     if base is None or getattr(base.config, "final_logit_softcapping", None) or getattr(base.config, "logit_scale", None):
         return None
+    if getattr(base.config, "logits_scaling", 1) not in (None, 1):  # Granite divides its logits by it (HyperCLOVAX multiplies)
+        return None
     get_decoder, get_head = getattr(base, "get_decoder", None), getattr(base, "get_output_embeddings", None)
     if get_decoder is None or get_head is None:
         return None

@@ -97,8 +97,9 @@ def attention_implementations(device: torch.device) -> list[str]:
 
 def packed_attention_gap(impl: str, precision, device: torch.device) -> tuple[float, float]:
     """(gap, leak): max |logits of packed rows - logits of each document alone| / max |reference|,
-    the packed rows under ``precision``, the reference in fp32 one document at a time (for
-    flash-attention, which has no fp32, in its half dtype); ``leak``: the same measure for the
+    the packed rows under ``precision``, the reference in fp32 one document at a time through stock
+    SDPA (for flash-attention in its half dtype): the flash kernels (torch's varlen, flash-attention)
+    refuse fp32, and a single document needs no document kernel; ``leak``: the same measure for the
     rows run without document boundaries, which is what a broken mask would give."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -121,12 +122,14 @@ def packed_attention_gap(impl: str, precision, device: torch.device) -> tuple[fl
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
     ids, pos = ids.to(device), pos.to(device)
     with torch.no_grad():
+        model.set_attn_implementation("sdpa")
         reference = []
         for b, row in enumerate(lengths):
             starts = [sum(row[:i]) for i in range(len(row))]
             docs = [model(input_ids=ids[b : b + 1, s : s + n], use_cache=False).logits.float() for s, n in zip(starts, row)]
             reference.append(torch.cat(docs, dim=1))
         reference = torch.cat(reference)
+        model.set_attn_implementation(impl)
         with precision.autocast(device):
             packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
             leaky = model(input_ids=ids, use_cache=False).logits.float()
