@@ -1,0 +1,43 @@
+"""How a run that ends is written down besides its steps: a stop by signal (a checkpoint, then exit 75), an
+error (an ``error`` event for ``doctor``), and report.html, which every ending gets."""
+
+from __future__ import annotations
+
+from ..checkpoint import step_dir_name
+from .preempt import Interrupted
+from .run import Run
+
+
+def stop_on_signal(run: Run) -> None:
+    """SIGTERM/SIGINT arrived: save the finished step and stop (the CLI exits with code 75)."""
+    run.reporter.stop()
+    saved = run.saver.save_now(run.step, run.state_dict)
+    where = f"checkpoint {step_dir_name(run.step)} saved" if saved else "saving a checkpoint failed (see above)"
+    run.metrics.event("stop", run.step, signal=run.stop.name, saved=saved)
+    raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; to resume, run the same command with --output {run.out}")
+
+
+def record_failure(run: Run, error: Exception) -> None:
+    """An ``error`` event for ``doctor``: what stopped the run, at which step, with which exit code (without it, a
+    run that raised looked killed). Writing it must not hide the error itself (a full disk)."""
+    try:
+        run.metrics.event("error", run.step, type=type(error).__name__, message=str(error)[:2000],
+                          exit_code=getattr(error, "exit_code", 1))
+    except Exception:  # noqa: BLE001 - the run's own error is the one to report
+        pass
+
+
+def write_report(run: Run) -> None:
+    """report.html into the run directory (rank 0, ``log.report``), and to the trackers that keep files.
+    A report that fails is a warning: the run's own files are already written."""
+    if not (run.dist.is_main and run.cfg.log.report):
+        return
+    from ..metrics.report import write_report as render_report
+
+    try:
+        path = render_report([run.out], run.out / "report.html")
+        run.metrics.artifact(path)
+    except Exception as e:  # a report must never hide the run's own outcome (or error)
+        run.reporter.warn(f"report.html not written: {type(e).__name__}: {e}")
+    else:
+        run.reporter.info(f"report: {path}")
