@@ -229,3 +229,15 @@ def test_liger_loss_kept_off_the_fp32_output_gemm_where_torch_refuses_it(monkeyp
     monkeypatch.setattr(kernels, "fp32_out_addmm_in", lambda: torch_takes_it)
     assert kernels.keep_liger_off_fp32_out_addmm() is (not torch_takes_it)
     assert flce._ADDMM_SUPPORTS_OUT_DTYPE is torch_takes_it
+
+
+def test_a_model_that_transforms_its_logits_keeps_its_head_out_of_the_fused_loss(restore_llama_module):
+    """Granite divides its logits by ``logits_scaling``, Gemma 2 soft-caps them: the model's own head takes the loss,
+    so the head is not marked for Liger's fused loss, and the kernels reported do not claim it."""
+    model = tiny()
+    model.config.logits_scaling = 8.0
+    used = kernels.apply_liger(model)
+    assert "fused_linear_cross_entropy" not in used and not getattr(model.lm_head, kernels.LIGER_LOSS, False)
+    assert kernels.transforms_logits(model.config)
+    model.config.logits_scaling = 1.0
+    assert not kernels.transforms_logits(model.config)

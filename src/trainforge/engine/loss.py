@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..data.formats import IGNORE
 from ..hardware import cuda_has_native_bf16, fp32_out_addmm_in
-from ..model.kernels import liger_linear_cross_entropy, uses_liger_loss
+from ..model.kernels import liger_linear_cross_entropy, transforms_logits, uses_liger_loss
 
 CHUNK = 4096  # at most this many target positions per head matmul on GPU: large enough for efficient GEMMs
 LOGITS_CHUNK_BYTES = 256 * 2**20  # ... and at most this much fp32 logits per chunk: at a 128k vocabulary, 4096
@@ -266,9 +266,7 @@ def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     that transform logits (soft-capping, scaling): those take the standard path.
     """
     base = _plain_base(model)
-    if base is None or getattr(base.config, "final_logit_softcapping", None) or getattr(base.config, "logit_scale", None):
-        return None
-    if getattr(base.config, "logits_scaling", 1) not in (None, 1):  # Granite divides its logits by it (HyperCLOVAX multiplies)
+    if base is None or transforms_logits(base.config):
         return None
     get_decoder, get_head = getattr(base, "get_decoder", None), getattr(base, "get_output_embeddings", None)
     if get_decoder is None or get_head is None:

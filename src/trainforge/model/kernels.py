@@ -16,6 +16,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -72,6 +73,15 @@ _TORCH_NAMES: dict[str, dict[str, object]] = {}
 """Per transformers modeling module Liger patched in this process: the names it replaced, as they were."""
 
 
+def transforms_logits(config: Any) -> bool:
+    """The model changes ``lm_head``'s output before its loss: Gemma 2's soft-capping, Cohere's ``logit_scale``,
+    Granite's ``logits_scaling`` (HyperCLOVAX multiplies by it). A fused head (trainforge's or Liger's) would
+    compute another loss, so such models take their own head."""
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return True
+    return getattr(config, "logits_scaling", 1) not in (None, 1)
+
+
 def apply_liger(model: torch.nn.Module, warn: Callable[[str], None] = lambda _: None) -> list[str]:
     """Swap this model's RMSNorm, RoPE and SwiGLU for Liger's (architectures Liger knows), and mark a
     plain linear LM head for Liger's fused linear cross-entropy. Returns the kernels now in use."""
@@ -90,7 +100,7 @@ def apply_liger(model: torch.nn.Module, warn: Callable[[str], None] = lambda _: 
         for name, original in replaced.items():
             saved.setdefault(name, original)  # the first originals win: a later apply's "before" is Liger's
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is torch.nn.Linear:
+    if type(head) is torch.nn.Linear and not transforms_logits(model.config):  # else the model's own head takes the loss
         setattr(head, LIGER_LOSS, True)
         used.append("fused_linear_cross_entropy")
         keep_liger_off_fp32_out_addmm()
