@@ -107,6 +107,12 @@ def _hash_sources(h, specs: list[str]) -> None:
                     h.update(block)
 
 
+def cache_entry(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool = False) -> Path:
+    """Where the token store of these settings lives (``entry_dir`` of its ``fingerprint``): what ``prepare_data``
+    builds and what ``plan`` looks up."""
+    return entry_dir(cfg, fingerprint(cfg, fmt, tokenizer, seed, seq2seq))
+
+
 def entry_dir(cfg: DataSettings, key: str) -> Path:
     """Where the entry ``key`` lives: ``data/KEY`` under ``data.cache_dir`` (or the default cache)."""
     return (cfg.cache_dir or default_cache_dir()) / "data" / key

@@ -45,5 +45,10 @@ def _document(store: TokenStore, sources: Sequence[str], tokenizer, start: int, 
 
 
 def row_describer(store: TokenStore, rows: Sequence[np.ndarray], sources: Sequence[str], tokenizer) -> Callable[[Sequence[int]], str]:
-    """``describe_rows`` bound to one run's training rows: what the engine's messages call."""
-    return lambda indices: describe_rows(store, rows, sources, tokenizer, indices)
+    """``describe_rows`` bound to one run's training rows, as the sentence the engine's messages append
+    (``""`` for no rows)."""
+
+    def sentence(indices: Sequence[int]) -> str:
+        return f" Their documents (source, first words): {describe_rows(store, rows, sources, tokenizer, indices)}." if indices else ""
+
+    return sentence

@@ -82,7 +82,6 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     Encoder-decoder models (T5, BART, ...): source -> target pairs, one per row (the config
     turns packing off for them), batched by ``Seq2SeqCollator``."""
     d = cfg.data
-    check_objective_data(cfg)  # from the first row: refused before the whole dataset is tokenized
     prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=cfg.model.kind.encoder_decoder)
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
@@ -148,6 +147,7 @@ def collator_for(cfg: RunConfig, tokenizer, model: ModelSettings | None = None) 
 def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None) -> dict[str, Any]:
     """``trainforge prepare``: tokenizer, token cache and packing, with the statistics; no model."""
     reporter = reporter or ConsoleReporter()
+    check_objective_data(cfg)  # from the first row: refused before a tokenizer is trained or anything tokenized
     tokenizer = get_tokenizer(cfg, reporter)
     plan = plan_data(cfg, tokenizer, reporter)
     loader = TrainLoader(plan.train_rows, plan.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False)

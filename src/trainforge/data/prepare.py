@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..config import DataSettings
-from .cache import STATS_FILE, entry_dir, fingerprint, is_complete, publish_entry
+from .cache import STATS_FILE, cache_entry, is_complete, publish_entry
 from .formats import Renderer, TokenizedChunk, chat_messages, detect_format, format_fields, tokenize_rendered
 from .preference import PreferenceRenderer
 from .preference import tokenize_pairs as tokenize_preference_pairs
@@ -219,7 +219,7 @@ def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bo
     ``seq2seq``: rows as source -> target pairs for an encoder-decoder model (data/seq2seq.py)."""
     start = time.perf_counter()
     fmt = resolve_format(cfg)
-    root = entry_dir(cfg, fingerprint(cfg, fmt, tokenizer, seed, seq2seq))
+    root = cache_entry(cfg, fmt, tokenizer, seed, seq2seq)
     hit = is_complete(root)
     if hit:
         log(f"data: cache hit, reusing tokens from {root}")

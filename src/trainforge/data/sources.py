@@ -233,7 +233,7 @@ def _is_json_lines(path: Path) -> bool:
 def read_csv(path: Path, bad: BadRows) -> Iterator[Row]:
     """A header row of field names, then one row per record (``file:line`` counts the header as line 1)."""
     with open_data(path, "rt", newline="", encoding="utf-8-sig", errors="strict") as f:
-        reader = csv.DictReader(_bounded_text(f, path))
+        reader = csv.DictReader(_csv_lines(f, path))
         try:
             for row in reader:
                 where = f"{path}:{reader.line_num}"
@@ -247,13 +247,12 @@ def read_csv(path: Path, bad: BadRows) -> Iterator[Row]:
             raise DataError(f"{path}:{reader.line_num}: malformed CSV: {e}") from None
 
 
-def _bounded_text(f: Any, path: Path) -> Iterator[str]:
-    """The lines of a text file, refused at one over ``MAX_LINE_BYTES`` characters (a CSV record cannot be skipped
-    from the middle: where the next one starts is not known)."""
-    limit = textfiles.MAX_LINE_BYTES
-    while line := f.readline(limit + 1):
-        if len(line) > limit and not line.endswith(("\n", "\r")):
-            raise DataError(f"{path}: a line over {limit >> 20} MiB, far more than a training row; the file is damaged")
+def _csv_lines(f: Any, path: Path) -> Iterator[str]:
+    """A CSV file's lines, refused at one over ``MAX_LINE_BYTES`` (a CSV record cannot be skipped from the middle:
+    where the next one starts is not known)."""
+    for line in bounded_lines(f):
+        if line is None:
+            raise DataError(f"{path}: a line over {textfiles.MAX_LINE_BYTES >> 20} MiB, far more than a training row; the file is damaged")
         yield line
 
 

@@ -98,12 +98,15 @@ WHOLE_FILE_SHARE = 8  # a file parsed whole (JSON array, text) takes several tim
 _CHUNK = 1 << 24
 
 
-def bounded_lines(f: IO[bytes]) -> Iterator[bytes | None]:
-    """The lines of a binary file; a line over ``MAX_LINE_BYTES`` is skipped without being held, and gives None
-    (a one-line ``.jsonl.gz`` that decompresses to many gigabytes would otherwise fill the memory)."""
+_LINE_ENDS = (b"\n", "\n", "\r")  # binary files end lines with \n; text files opened with newline="" also with \r
+
+
+def bounded_lines(f: IO[Any]) -> Iterator[Any]:
+    """The lines of a file (bytes or text); a line over ``MAX_LINE_BYTES`` is skipped without being held, and
+    gives None (a one-line ``.jsonl.gz`` that decompresses to many gigabytes would otherwise fill the memory)."""
     while raw := f.readline(MAX_LINE_BYTES + 1):
-        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-            while (rest := f.readline(_CHUNK)) and not rest.endswith(b"\n"):
+        if len(raw) > MAX_LINE_BYTES and raw[-1:] not in _LINE_ENDS:
+            while (rest := f.readline(_CHUNK)) and rest[-1:] not in _LINE_ENDS:
                 pass
             yield None
         else:
@@ -113,14 +116,12 @@ def bounded_lines(f: IO[bytes]) -> Iterator[bytes | None]:
 def whole_file_limit() -> int | None:
     """The most bytes a file parsed whole may hold: the system's available memory over ``WHOLE_FILE_SHARE``
     (None where it is not known)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // WHOLE_FILE_SHARE
-    except OSError:
-        pass
-    return None
+    import torch
+
+    from ..hardware import available_memory_bytes
+
+    available = available_memory_bytes(torch.device("cpu"))
+    return None if available is None else available // WHOLE_FILE_SHARE
 
 
 def read_whole(path: Path) -> tuple[bytes | None, int | None]:

@@ -58,7 +58,7 @@ class Advisor:
         self, capacity: int | None, reprobe: Callable[[], tuple[float, str]] | None = None, judge_mfu: bool = True,
         describe: Callable[[list[int]], str] | None = None,
     ):
-        """``describe``: example indices -> their documents' sources and first words, for a spike's message."""
+        """``describe``: example indices -> a sentence naming their documents' sources and first words (a spike's message)."""
         self.capacity = capacity
         self.describe = describe
         self.reprobe = reprobe
@@ -222,7 +222,7 @@ class Advisor:
 
     def _spike(self, name: str, step: int, value: float, median: float, indices: list[int]) -> Advice:
         shown = ", ".join(map(str, indices[:16])) + (", ..." if len(indices) > 16 else "")
-        documents = f" Their documents (source, first words): {self.describe(indices)}." if self.describe and indices else ""
+        documents = self.describe(indices) if self.describe else ""
         label = "loss" if name == "loss" else "gradient norm"
         return Advice(
             f"{name}_spike",

@@ -51,7 +51,7 @@ class NonFiniteGuard:
         describe: Callable[[list[int]], str] | None = None,
     ):
         """``newest_checkpoint``: asked when the run stops, the checkpoint its message names (None: there is none);
-        ``describe``: example indices -> their documents' sources and first words (``data.examples``)."""
+        ``describe``: example indices -> a sentence naming their documents' sources and first words (``data.examples``)."""
         self.limit = limit
         self.newest_checkpoint = newest_checkpoint
         self.describe = describe
@@ -88,7 +88,7 @@ class NonFiniteGuard:
         steps = [(s, idx) for s, idx in self.recent if step - streak < s <= step]
         listed = "; ".join(f"step {s}: {idx}" for s, idx in steps)
         rows = list(dict.fromkeys(i for _, idx in steps for i in idx))
-        shown = f" Their documents (source, first words): {self.describe(rows)}." if self.describe and rows else ""
+        shown = self.describe(rows) if self.describe else ""
         raise NonFiniteError(
             f"training stopped at step {step}: the loss or gradient norm was not finite for {streak} steps in a row "
             f"(steps {step - streak + 1}-{step}, train.max_skipped_steps={self.limit}); their updates were skipped. "

@@ -239,7 +239,7 @@ def lever_savings(
 
 def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
     """Row and token counts of the prepared data (the token cache), when it is prepared."""
-    from ..data.cache import STATS_FILE, entry_dir, fingerprint, is_complete
+    from ..data.cache import STATS_FILE, cache_entry, is_complete
     from ..data.prepare import resolve_format
     from ..data.sources import DataError
 
@@ -247,8 +247,7 @@ def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
         return {"prepared": False, "why": "the tokenizer is built from the data at the start of the run"}
     try:
         fmt = resolve_format(cfg.data)
-        # keyed as prepare_data keys it: an encoder-decoder's source -> target entry is another one
-        root = entry_dir(cfg.data, fingerprint(cfg.data, fmt, tokenizer, cfg.train.seed, cfg.model.kind.encoder_decoder))
+        root = cache_entry(cfg.data, fmt, tokenizer, cfg.train.seed, cfg.model.kind.encoder_decoder)  # as prepare_data keys it
     except (DataError, OSError, ValueError) as e:
         return {"prepared": False, "error": str(e)}
     if not is_complete(root):
