@@ -7,6 +7,7 @@ compile path (``model/compile.py``)::
 
     python benchmarks/bench_compile.py                   # depths 2, 4, 8; both modes
     python benchmarks/bench_compile.py --depths 2 8 --steps 5 --device cuda
+    python benchmarks/bench_compile.py --lora            # LoRA r16 on every linear layer (frozen base)
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ CHILD = r"""
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from trainforge.model.compile import compile_decoder
-mode, depth, steps, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+mode, depth, steps, device, lora = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=depth,
                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+if lora:
+    from trainforge.config import LoraSettings
+    from trainforge.model.load import apply_lora
+    model = apply_lora(model, LoraSettings(r=16, alpha=32))
 if mode != "eager":
     assert compile_decoder(model, print, regional=(mode == "regional"))
 ids = torch.randint(0, 8192, (8, 512), device=device)
@@ -43,10 +48,10 @@ print(json.dumps({"first_s": first, "step_s": sorted(times)[len(times) // 2]}))
 """
 
 
-def run(mode: str, depth: int, steps: int, device: str) -> dict:
+def run(mode: str, depth: int, steps: int, device: str, lora: bool) -> dict:
     with tempfile.TemporaryDirectory() as cache:  # cold: no inductor/FX graph cache from an earlier run
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-        done = subprocess.run([sys.executable, "-c", CHILD, mode, str(depth), str(steps), device],
+        done = subprocess.run([sys.executable, "-c", CHILD, mode, str(depth), str(steps), device, str(int(lora))],
                               env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{mode} depth {depth} failed:\n{done.stderr[-2000:]}")
@@ -58,11 +63,12 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--steps", type=int, default=5, help="timed steps after the first (the median is reported)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--lora", action="store_true", help="LoRA r16 on every linear layer, the base frozen")
     args = ap.parse_args()
     print("| depth | eager step | whole: compile s | whole: step | regional: compile s | regional: step |")
     print("|---|---|---|---|---|---|")
     for depth in args.depths:
-        r = {mode: run(mode, depth, args.steps, args.device) for mode in ("eager", "whole", "regional")}
+        r = {mode: run(mode, depth, args.steps, args.device, args.lora) for mode in ("eager", "whole", "regional")}
         eager = r["eager"]["step_s"]
         cells = [f"{eager * 1000:.0f} ms"]
         for mode in ("whole", "regional"):

@@ -216,6 +216,47 @@ def test_repeated_layers_of_encoder_decoder_and_lora():
     assert len(layers) == 3 and type(layers[0]).__name__ == "LlamaDecoderLayer"
 
 
+def test_regional_compile_of_lora_compiles_the_layer_once():
+    """Under LoRA the embedding is frozen: without help the first layer's input needs no gradient and
+    dynamo compiles that layer a second time. One graph, and the adapters' gradients match eager."""
+    import torch._dynamo
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from trainforge.config import LoraSettings
+    from trainforge.model.compile import compile_decoder
+    from trainforge.model.load import apply_lora
+
+    def lora_model():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2)
+        return apply_lora(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"), LoraSettings(r=2, alpha=4))
+
+    def grads(model):
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            model.zero_grad()
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    seen = []
+
+    def counting(gm, example_inputs):
+        seen.append(len(gm.graph.nodes))
+        return gm.forward
+
+    eager = grads(lora_model())
+    torch._dynamo.reset()
+    model = lora_model()
+    assert compile_decoder(model, print, backend=counting)
+    compiled = grads(model)
+    torch._dynamo.reset()
+    assert len(seen) == 1
+    assert compiled.keys() == eager.keys()
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, rtol=1e-5, atol=1e-7)
+
+
 def test_an_hour_long_gpu_run_pays_for_a_compile(tmp_path):
     """On CUDA the assumed (regional) compile is ~40 s: an hour of 0.5 s steps compiles after its
     probe steps; a 100-step run (~12 s saved at the assumed 1.3x) stays eager."""
