@@ -257,6 +257,44 @@ def test_regional_compile_of_lora_compiles_the_layer_once():
         torch.testing.assert_close(compiled[name], grad, rtol=1e-5, atol=1e-7)
 
 
+FAMILY_GRAPHS = {  # config class, its extra settings, graphs for 6 layers (one per kind of layer)
+    "Qwen3Config": ({}, 1),
+    "Gemma3TextConfig": ({"sliding_window_pattern": 3}, 1),  # sliding and full layers share a graph
+    "MixtralConfig": ({"num_local_experts": 4}, 1),
+    "Cohere2Config": ({}, 2),  # sliding layers with RoPE, full layers without
+    "SmolLM3Config": ({"pad_token_id": None}, 2),  # every fourth layer without RoPE
+}
+
+
+@pytest.mark.parametrize("config_class", sorted(FAMILY_GRAPHS))
+def test_regional_compile_shares_graphs_across_a_family_layers(config_class):
+    """A layer attribute dynamo guards on (a layer index, say) would compile every layer anew and,
+    past dynamo's recompile limit, run the rest eagerly: real families compile once per kind of layer."""
+    import torch._dynamo
+    import transformers
+
+    from trainforge.model.compile import compile_decoder
+
+    extra, expected = FAMILY_GRAPHS[config_class]
+    config = getattr(transformers, config_class)(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    seen = []
+
+    def counting(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    assert compile_decoder(model, print, backend=counting)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    torch._dynamo.reset()
+    assert len(seen) == expected
+
+
 def test_an_hour_long_gpu_run_pays_for_a_compile(tmp_path):
     """On CUDA the assumed (regional) compile is ~40 s: an hour of 0.5 s steps compiles after its
     probe steps; a 100-step run (~12 s saved at the assumed 1.3x) stays eager."""
