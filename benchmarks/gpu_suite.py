@@ -3,7 +3,11 @@
     python benchmarks/gpu_suite.py --part all --out gpu-results      # on one H100, parts of < 9 minutes
     python benchmarks/gpu_suite.py --part 1 --out gpu-results        # one part per call (the device's limit)
     python benchmarks/gpu_suite.py --table gpu-results               # the README table from the parts' JSON
+    python benchmarks/gpu_suite.py --part first --out gpu-results    # the headline variants of parts 1 and 3, in one call
     python benchmarks/gpu_suite.py --tiny --part all --out /tmp/s    # the same harness on a CPU, in seconds
+
+A session is lent 15 minutes of device time in all: ``benchmarks/gpu_session.sh`` is its one call (the
+CUDA tests, selftest, then ``--part first`` in the time left). Parts 1 to 3 are for sessions with more.
 
 Rows (real shapes, random init from config, nothing downloaded; ``--tiny`` shrinks every shape):
   part 1: Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, 128,256 vocabulary, tied), full fine-tune,
@@ -12,6 +16,8 @@ Rows (real shapes, random init from config, nothing downloaded; ``--tiny`` shrin
           text blocks at 2,048 tokens, then one row of 8,192 tokens;
   part 3: Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, 128,256 vocabulary), LoRA r16 on all
           linear layers, bf16 base built on the device, packed prompt/completion at 2,048 tokens.
+  first:  the baselines and trainforge's defaults of parts 1 and 3 first (Llama-1B: HF, trainforge; 8B LoRA:
+          HF + PEFT, trainforge), then HF + Liger and trainforge compiled on the 1B row, with fewer steps.
 Variants, at the same micro-batch, sequence length, optimizer (AdamW, same lr/schedule) and steps:
   hf:          transformers ``Trainer``, bf16 autocast + SDPA (what a user gets); rows packed the
                ``run_clm.py`` way (documents concatenated, prompts masked in the labels);
@@ -81,25 +87,44 @@ FULL = ["hf", "hf-liger", "trainforge", "trainforge-compiled"]
 DEFAULT_ALLOCATOR = "trainforge-default-allocator"  # trainforge without the expandable segments it asks CUDA for
 
 
-def parts(tiny: bool) -> dict[int, list[Row]]:
-    """The suite's rows by part; ``tiny``: the same rows in shapes a CPU runs in seconds."""
+PARTS = ("1", "2", "3", "first")  # ``--part all`` runs 1 to 3
+
+
+def parts(tiny: bool) -> dict[str, list[Row]]:
+    """The suite's rows by part; ``tiny``: the same rows in shapes a CPU runs in seconds. Rows of one name
+    in a part are one row run in pieces (``first`` measures both baselines before the extra variants)."""
     if tiny:
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+        llama_1b, llama_8b = {**LLAMA_1B, **small}, {**LLAMA_8B, **small}
         return {
-            1: [Row("llama-1b-shape", {**LLAMA_1B, **small}, "full", "sft", 128, 2, 8, FULL + ["trl-packed", DEFAULT_ALLOCATOR])],
-            2: [Row("qwen-0.5b-shape", {**QWEN_05B, **small}, "full", "text", 128, 2, 8, ["hf", "trainforge"]),
-                Row("qwen-0.5b-shape-8k", {**QWEN_05B, **small}, "full", "text", 256, 1, 6, ["hf", "trainforge"])],
-            3: [Row("llama-8b-shape-lora", {**LLAMA_8B, **small}, "lora", "sft", 128, 2, 8,
-                    ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"])],
+            "1": [Row("llama-1b-shape", llama_1b, "full", "sft", 128, 2, 8, FULL + ["trl-packed", DEFAULT_ALLOCATOR])],
+            "2": [Row("qwen-0.5b-shape", {**QWEN_05B, **small}, "full", "text", 128, 2, 8, ["hf", "trainforge"]),
+                  Row("qwen-0.5b-shape-8k", {**QWEN_05B, **small}, "full", "text", 256, 1, 6, ["hf", "trainforge"])],
+            "3": [Row("llama-8b-shape-lora", llama_8b, "lora", "sft", 128, 2, 8,
+                      ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"])],
+            "first": first_part("llama-1b-shape", llama_1b, "llama-8b-shape-lora", llama_8b, seq=128, micro_batches=(2, 2), steps=(8, 6)),
         }
     return {
-        1: [Row("llama-1b", LLAMA_1B, "full", "sft", 2048, 4, 60, FULL + ["trl-packed", "trainforge-fp8-compiled", DEFAULT_ALLOCATOR])],
-        2: [Row("qwen-0.5b", QWEN_05B, "full", "text", 2048, 8, 60, FULL),
-            Row("qwen-0.5b-8k", QWEN_05B, "full", "text", 8192, 2, 30, ["hf", "trainforge"])],
-        3: [Row("llama-8b-lora", LLAMA_8B, "lora", "sft", 2048, 4, 40,
-                ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8-compiled", "trainforge-compiled"])],
+        "1": [Row("llama-1b", LLAMA_1B, "full", "sft", 2048, 4, 60, FULL + ["trl-packed", "trainforge-fp8-compiled", DEFAULT_ALLOCATOR])],
+        "2": [Row("qwen-0.5b", QWEN_05B, "full", "text", 2048, 8, 60, FULL),
+              Row("qwen-0.5b-8k", QWEN_05B, "full", "text", 8192, 2, 30, ["hf", "trainforge"])],
+        "3": [Row("llama-8b-lora", LLAMA_8B, "lora", "sft", 2048, 4, 40,
+                  ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8-compiled", "trainforge-compiled"])],
+                # the 8B row at micro-batch 2: PEFT's LoRA keeps fp32 copies of each adapted layer's input, so
+        # plan puts HF + PEFT at micro-batch 4 near an H100's 80 GiB (a lent machine may be an H100 or an H200)
+        "first": first_part("llama-1b", LLAMA_1B, "llama-8b-lora", LLAMA_8B, seq=2048, micro_batches=(4, 2), steps=(40, 24)),
     }
+
+
+def first_part(full_name: str, full_arch: dict, lora_name: str, lora_arch: dict, seq: int,
+               micro_batches: tuple[int, int], steps: tuple[int, int]) -> list[Row]:
+    """The part one short device call affords, most telling first: each row's baseline and trainforge's
+    defaults, then HF + Liger and trainforge compiled on the full fine-tune (a spent budget skips the tail)."""
+    full = dict(name=full_name, arch=full_arch, method="full", data="sft", seq=seq, micro_batch=micro_batches[0], steps=steps[0])
+    lora = dict(name=lora_name, arch=lora_arch, method="lora", data="sft", seq=seq, micro_batch=micro_batches[1], steps=steps[1])
+    return [Row(**full, variants=["hf", "trainforge"]), Row(**lora, variants=["hf-peft", "trainforge"]),
+            Row(**full, variants=["hf-liger", "trainforge-compiled"])]
 
 
 # ---------------------------------------------------------------- shared assets
@@ -443,16 +468,20 @@ def plan_prediction(spec: dict, hardware: str) -> dict:
 
 
 def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | None, deadline: float,
-            save: Callable[[dict], None]) -> dict:
+            save: Callable[[dict], None], report: dict | None = None) -> dict:
     """Every variant of ``row``, one process each; ``save`` gets the row's report after each variant, so
     a call stopped at the device's limit still returns what finished. A variant that would start after
-    ``deadline`` (perf_counter seconds) is skipped, and the timeout of one that starts is cut to it."""
+    ``deadline`` (perf_counter seconds) is skipped, and the timeout of one that starts is cut to it.
+    ``report``: the report of an earlier piece of the same row, which this piece extends."""
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"
     spec = {"row": asdict(row), "work": str(work), "model_dir": str(model_dir), "profile_step": max(1, min(args.warmup, row.steps - 2))}
     spec["data"] = write_data(work, row)
-    results: dict[str, dict] = {}
-    report = {"row": asdict(row), "results": results}
+    if report is None:
+        report = {"row": asdict(row), "results": {}}
+    else:
+        report["row"]["variants"] += row.variants
+    results: dict[str, dict] = report["results"]
     if not (model_dir / "config.json").is_file():
         launch("prepare", spec, work / "prepare", max(deadline - time.perf_counter(), 1.0))
     for variant in row.variants:
@@ -521,6 +550,16 @@ def add_ratios(results: dict, baseline: str) -> None:
             plan["flag"] = bool((plan["memory_error"] is not None and abs(plan["memory_error"]) > MEMORY_TOL) or abs(plan["speed_error"]) > SPEED_TOL)
 
 
+def gpu_profile_name() -> str:
+    """The plan profile of this machine's GPU (an H200 is lent as often as an H100), h100 without one."""
+    import torch
+
+    from trainforge.profiles import profile_for_gpu_name
+
+    found = profile_for_gpu_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    return found.name if found else "h100"
+
+
 def environment(args: argparse.Namespace) -> dict:
     import importlib.metadata as md
 
@@ -536,7 +575,7 @@ def environment(args: argparse.Namespace) -> dict:
     return {
         "device": device, "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "versions": {n: version(n) for n in ("torch", "transformers", "peft", "trl", "liger-kernel", "trainforge", "triton")},
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "plan_hardware": args.hardware,
     }
 
 
@@ -608,11 +647,15 @@ def main() -> int:
         child(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", help="1, 2, 3 or all (each part stays under 9 minutes on one H100)")
-    ap.add_argument("--out", type=Path, default=Path("gpu-results"), help="folder for part-N.json and the work files")
+    ap.add_argument("--part", default="all", choices=[*PARTS, "all"],
+                    help="1, 2, 3, all (1 to 3; each part stays under 9 minutes on one H100) or first (one short call)")
+    ap.add_argument("--out", type=Path, default=Path("gpu-results"), help="folder for part-N.json")
+    ap.add_argument("--work", type=Path, help="folder for the models, data and runs (default: OUT/work); keep it out "
+                    "of the device's $OUT, whose files travel back")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the harness in seconds")
     ap.add_argument("--warmup", type=int, default=10, help="steps left out of the steady-state figures")
-    ap.add_argument("--hardware", default="h100", help="the plan profile trainforge rows are compared with")
+    ap.add_argument("--hardware", default="auto",
+                    help="the plan profile trainforge rows are compared with (auto: this GPU's, by its name; else h100)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per variant before it is reported as failed")
     ap.add_argument("--budget", type=float, default=530.0,
                     help="seconds per part: variants that would start later are skipped (the device's calls stop at 600 s)")
@@ -626,9 +669,12 @@ def main() -> int:
         args.warmup = min(args.warmup, 2)
     from trainforge.profiles import find_profile
 
+    if args.hardware == "auto":
+        args.hardware = gpu_profile_name()
     peak = None if args.tiny else find_profile(args.hardware).peak_flops("bf16")
     chosen = parts(args.tiny)
-    numbers = sorted(chosen) if args.part == "all" else [int(args.part)]
+    numbers = ["1", "2", "3"] if args.part == "all" else [args.part]
+    work = args.work or args.out / "work"
     reports = []
     args.out.mkdir(parents=True, exist_ok=True)
     for n in numbers:
@@ -644,9 +690,10 @@ def main() -> int:
             tmp.write_text(json.dumps(report, indent=1))
             tmp.replace(args.out / f"part-{n}.json")
 
+        pieces: dict[str, dict] = {}  # row name -> its report, extended by later pieces of the row
         for row in chosen[n]:
             print(f"part {n}: {row.name} ({', '.join(row.variants)})", flush=True)
-            run_row(row, args.out / "work" / row.name, args, peak, deadline, save)
+            pieces[row.name] = run_row(row, work / row.name, args, peak, deadline, save, pieces.get(row.name))
         report["complete"] = True
         save(report["rows"][-1])
         reports.append(report)

@@ -47,16 +47,22 @@ def test_tiny_suite_reports_every_variant(tmp_path):
 
 def test_spent_budget_skips_variants_and_still_writes_the_part(tmp_path):
     """With no budget left, no variant starts: each is reported skipped with the reason, the part's JSON
-    is written all the same, and the table says why."""
+    is written all the same, and the table says why. The short part (``first``) runs its 1B row in two
+    pieces: one row in the report, with every variant of both pieces, and no work files in --out."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SUITE.parents[1] / "src"), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(SUITE), "--tiny", "--part", "3", "--out", str(tmp_path), "--budget", "0"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, str(SUITE), "--tiny", "--part", "first", "--out", str(tmp_path / "out"),
+                           "--work", str(tmp_path / "work"), "--budget", "0"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "part-3.json").read_text())
-    results = report["rows"][0]["results"]
-    assert report["complete"] and set(results) == {"hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"}
-    assert all(r["status"] == "skipped" for r in results.values())
-    assert "budget" in results["trainforge"]["reason"] and "budget" in done.stdout
+    report = json.loads((tmp_path / "out" / "part-first.json").read_text())
+    rows = {row["row"]["name"]: row for row in report["rows"]}
+    assert report["complete"] and list(rows) == ["llama-1b-shape", "llama-8b-shape-lora"]
+    assert list(rows["llama-1b-shape"]["results"]) == ["hf", "trainforge", "hf-liger", "trainforge-compiled"]
+    assert rows["llama-1b-shape"]["row"]["variants"] == ["hf", "trainforge", "hf-liger", "trainforge-compiled"]
+    assert list(rows["llama-8b-shape-lora"]["results"]) == ["hf-peft", "trainforge"]
+    results = [r for row in rows.values() for r in row["results"].values()]
+    assert all(r["status"] == "skipped" for r in results) and "budget" in done.stdout
+    assert "budget" in rows["llama-1b-shape"]["results"]["trainforge-compiled"]["reason"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["part-first.json"]
 
 
 def test_the_default_allocator_variant_runs_on_the_users_setting_which_trainforge_keeps():
@@ -70,7 +76,7 @@ def test_the_default_allocator_variant_runs_on_the_users_setting_which_trainforg
     suite = importlib.util.module_from_spec(spec)
     sys.modules["gpu_suite"] = suite  # its dataclasses look their module up there
     spec.loader.exec_module(suite)
-    assert suite.DEFAULT_ALLOCATOR in suite.parts(tiny=False)[1][0].variants
+    assert suite.DEFAULT_ALLOCATOR in suite.parts(tiny=False)["1"][0].variants
     env = suite.variant_env(suite.DEFAULT_ALLOCATOR, {"PATH": "/bin"})
     prefer_expandable_segments(env, "2.11.0+cu130")
     assert allocator_settings(env)["settings"] == "expandable_segments:False" and allocator_settings(env)["set_by"] == "user"
@@ -90,7 +96,7 @@ def test_a_part_run_again_into_the_same_folder_measures_trainforge_again(tmp_pat
     suite = importlib.util.module_from_spec(spec)
     sys.modules["gpu_suite"] = suite
     spec.loader.exec_module(suite)
-    row = suite.parts(tiny=True)[1][0]
+    row = suite.parts(tiny=True)["1"][0]
     row.steps = 3
     work = tmp_path / "work"
     work.mkdir()
