@@ -25,6 +25,8 @@ def test_quick_selftest_passes_and_prints_the_table(tmp_path):
         assert name in lines and f" {status} " in lines[name], show(proc)
     assert "reference" in lines["fp32-chat-full-fused"] and "%" in lines["bf16-chat-full-fused"]
     assert "FAILED" not in proc.stdout and "passed" in proc.stdout
+    # into a log (not a terminal), each path's line as it ends, before the table: a run cut off still says how far it got
+    assert 0 < proc.stdout.index("  ok fp32-chat-full-fused (") < proc.stdout.index("┏"), show(proc)
 
     report = json.loads(out.read_text())
     assert report["passed"] is True and report["device"].startswith("cpu")

@@ -187,6 +187,8 @@ def run_selftest(device: str = "auto", quick: bool = False, console=None, cache_
 
     def advance(r: Result) -> None:
         progress.update(task, advance=1, description=r.name)
+        if not console.is_terminal:  # a log: one line per path as it ends, so a run cut off by a time limit still says how far it got
+            console.print(f"  {r.status} {r.name} ({r.seconds:.1f}s)" + ("" if r.ok else f": {escape(r.error)}"), soft_wrap=True)
 
     try:
         with progress:
