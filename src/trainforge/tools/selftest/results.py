@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...errors import EXIT_UNEXPECTED, TrainforgeError
+
 
 @dataclass
 class Result:
@@ -32,8 +34,11 @@ class Result:
         self.error = f"{self.error}; {message}" if self.error else message
 
 
-class CheckOutcome(Exception):
-    """How a check ends other than by passing (a control-flow signal inside selftest, never shown to a user as an error)."""
+class CheckOutcome(TrainforgeError):
+    """How a check ends other than by passing: a signal inside selftest, caught there and shown as the
+    check's result (a failed check makes ``selftest`` exit 1)."""
+
+    exit_code = EXIT_UNEXPECTED
 
 
 class CheckFailed(CheckOutcome):
