@@ -7,7 +7,8 @@
 # at the same versions. PyPI's torch 2.11 wheel is the CUDA build (about 5 GB with its CUDA libraries);
 # it runs on a CPU. Then it runs, in that environment:
 #   1. the unit tests;
-#   2. `trainforge selftest` (every CPU path against its reference);
+#   2. `gpu_session.sh` with the suite's tiny shapes (TINY=1): the device call itself, with
+#      `trainforge selftest` (every CPU path against its reference) and `gpu_suite.py --part first`;
 #   3. `gpu_suite.py --tiny`, parts 1 to 3, and the table.
 # About 15 minutes on 2 cores once the environment exists (the first run installs it: a few minutes).
 #
@@ -35,13 +36,14 @@ mkdir -p "$OUT"
 status=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests/unit 2>&1 | tee "$OUT/unit.log" | tail -15
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-"$VENV/bin/python" -m trainforge selftest --out "$OUT/selftest.json" > "$OUT/selftest.log" 2>&1 || status=1
-tail -1 "$OUT/selftest.log"
+TINY=1 OUT="$OUT/session" WORK="$OUT/session-work" PY="$VENV/bin/python" bash benchmarks/gpu_session.sh > "$OUT/session.log" 2>&1 || status=1
+grep -q "selftest: all" "$OUT/session/selftest.log" || status=1
+tail -1 "$OUT/session/selftest.log"
 for part in 1 2 3; do
   PYTHONPATH=src "$VENV/bin/python" benchmarks/gpu_suite.py --tiny --part $part --out "$OUT/gpu" > "$OUT/gpu-part-$part.log" 2>&1 || status=1
 done
 # a variant that failed is a row in the table, not an exit code: look for "failed"
 PYTHONPATH=src "$VENV/bin/python" benchmarks/gpu_suite.py --table "$OUT/gpu" | tee "$OUT/table.md" | grep -E "failed|skipped" || true
-grep -q "| failed" "$OUT/table.md" && status=1
+grep -q "| failed" "$OUT/table.md" "$OUT/session/table.md" && status=1
 echo "device_rehearsal: $([ $status -eq 0 ] && echo passed || echo FAILED); logs in $OUT"
 exit $status
