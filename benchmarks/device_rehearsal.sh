@@ -22,7 +22,11 @@ IMAGE="torch==2.11.0 triton==3.6.0 transformers==5.17.0 tokenizers==0.23.2 accel
 CARRIED="$(cat benchmarks/gpu_carried.txt) peft"
 TESTING="pytest-xdist pyarrow tensorboard matplotlib pyyaml typer rich"
 if [ ! -f "$VENV/.rehearsal-installed" ]; then  # a marker: an interrupted install is redone, not reused
-  PY312=$(command -v python3.12) || { echo "device_rehearsal: needs python3.12 (the image's Python)" >&2; exit 2; }
+  PY312=""  # the first python3.12 that runs (a pyenv shim is on PATH even where 3.12 is not the selected version)
+  for c in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+    "$c" -c "" 2>/dev/null && { PY312=$c; break; }
+  done
+  [ -n "$PY312" ] || { echo "device_rehearsal: needs python3.12 (the image's Python)" >&2; exit 2; }
   # shellcheck disable=SC2086
   PINS=$(.venv/bin/python benchmarks/pins.py $CARRIED) || { echo "device_rehearsal: run make install first" >&2; exit 2; }
   [ -x "$VENV/bin/python" ] || "$PY312" -m venv "$VENV" || exit 2
