@@ -92,6 +92,15 @@ def test_apply_liger_swaps_llama_layers_and_marks_the_head(restore_llama_module)
     assert modeling_llama.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
 
 
+def test_the_kernels_reported_are_the_ones_liger_swaps_in_for_gemma():
+    """Gemma's MLP is GEGLU and Gemma 3 (multimodal) has LayerNorms: Liger swaps them in by default, so they
+    are passed and named like Llama's SwiGLU (they were swapped in unnamed)."""
+    pytest.importorskip("liger_kernel")
+    assert kernels.liger_apply_function("gemma")[1] == ["rms_norm", "rope", "geglu"]
+    assert kernels.liger_apply_function("gemma3")[1] == ["rms_norm", "layer_norm", "rope", "geglu"]
+    assert kernels.liger_apply_function("llama")[1] == ["rms_norm", "rope", "swiglu"]
+
+
 def test_an_architecture_whose_rope_liger_refuses_keeps_its_own(monkeypatch):
     """Liger raises for rope=True on GLM-4 (its default is off there): trainforge follows Liger's defaults,
     and says only the kernels that were swapped in."""

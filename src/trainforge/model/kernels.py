@@ -24,7 +24,9 @@ from ..errors import TrainforgeError
 from ..hardware import fp32_out_addmm_in
 
 LIGER_LOSS = "trainforge_liger_loss"  # attribute set on an LM head whose loss goes through Liger
-LAYER_KERNELS = ("rms_norm", "rope", "swiglu")
+# every layer kernel a Liger apply function takes: Gemma's MLP is GEGLU, Gemma 3's vision tower has
+# LayerNorms, Nemotron-H squares ReLUs; each architecture swaps in those its function defaults on
+LAYER_KERNELS = ("rms_norm", "layer_norm", "rope", "swiglu", "geglu", "relu_squared")
 
 
 class KernelsUnavailable(TrainforgeError, ValueError):
