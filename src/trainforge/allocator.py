@@ -70,6 +70,8 @@ def expandable_segments_in_effect() -> bool | None:
     does not say. Reads the allocator's own settings from a memory snapshot (no history is recorded)."""
     import torch
 
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None  # no allocator has started (a CUDA build on a machine without a GPU still answers the snapshot)
     try:
         settings = torch.cuda.memory._snapshot().get("allocator_settings", {})
     except (AssertionError, AttributeError, RuntimeError, TypeError):  # no CUDA, or a torch without the snapshot
