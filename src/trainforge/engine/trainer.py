@@ -467,9 +467,11 @@ def finish(run: Run) -> RunResult:
         with writing(out / "summary.json"):
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.metrics.summary(summary)
+    # steps, tokens and training time count the whole run; the wall time, this process (a resume's own)
+    this_process = "," if run.resumed_from is None else f"; this process resumed it at step {run.resumed_from}:"
     run.reporter.info(
         f"done: {c.step} steps, {c.tokens_seen:,} tokens in {c.loop_time_s:.1f}s "
-        f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"
+        f"({summary['tokens_per_s']:,.0f} tok/s){this_process} wall time {summary['wall_time_s']:.1f}s"
     )
     run.reporter.info(describe_limits(summary["limits"], summary["wall_time_s"], summary["time"]["train_s"]))
     return RunResult(out, summary, run.model, run.tokenizer)
