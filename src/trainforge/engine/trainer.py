@@ -37,7 +37,7 @@ from .nonfinite import final_weights_check
 from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
-from .ending import record_failure, stop_on_signal, write_report
+from .ending import record_failure, stop_before_first_step, stop_on_signal, write_report
 from .preempt import Interrupted, StopRequest
 from .resume import length_key, refuse_changed_settings
 from .run import Run, RunResult
@@ -173,8 +173,12 @@ def train_loop(run: Run, steps: int | None = None) -> None:
     cfg, c = run.cfg, run.counters
     if run.startup_s is None:
         note_start(run)
-    if c.step == 0 and run.resumed_from is None and not c.eval_before:
-        c.eval_before = run_eval(run, "before training")
+    if c.step == (run.resumed_from or 0):  # no step of this process yet: a stop has nothing new to save
+        stop_before_first_step(run)
+        if c.step == 0 and run.resumed_from is None and not c.eval_before:
+            c.eval_before = run_eval(run, "before training")
+            stop_before_first_step(run)
+    run.stop.stepping = True
     end = run.max_steps if steps is None else min(run.max_steps, c.step + steps)
     run.batches = iter(run.loader)
     first_step, loop_start = c.step, time.perf_counter()
