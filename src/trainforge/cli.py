@@ -449,6 +449,9 @@ def main() -> None:
     # ... and registers enums with torch's pytree in a way torch 2.13 deprecates (transformers imports
     # torchao whenever it is installed): a warning for torchao's authors, not for the user
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    # bitsandbytes (imported by peft for every LoRA run, eval, generate and export) logs on a CPU with AVX512-BF16
+    # that its 4-bit CPU kernel needs the `kernels` package: 'Failed to load ...', on runs that use no 4-bit weight
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     app()
 
 

@@ -168,9 +168,38 @@ def _allowed_keys_hint(schema: type[BaseModel], loc: tuple[str, ...]) -> str:
     elsewhere = _sections_holding(schema, loc[-1]) if len(loc) == 2 else []
     hint = (
         f"; it belongs under {' or '.join(f'{s}.{loc[-1]}' for s in elsewhere)}" if elsewhere else  # train.lr: optim.lr
+        f"; Hugging Face's {loc[-1]} is {HF_NAMES[loc[-1]]} here" if loc[-1] in HF_NAMES else
         f"; did you mean {close[0]!r}?" if close else ""
     )
     return f"{hint}{' ' if hint.endswith('?') else '; '}allowed here: {', '.join(allowed)}"
+
+
+HF_NAMES = {
+    "learning_rate": "optim.lr",
+    "num_train_epochs": "train.epochs",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "per_device_eval_batch_size": "train.micro_batch_size (eval batches are as large)",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_checkpointing": "train.activation_checkpointing",
+    "max_seq_length": "data.max_length",
+    "lr_scheduler_type": "optim.schedule",
+    "adam_beta1": "optim.betas", "adam_beta2": "optim.betas", "adam_epsilon": "optim.eps",
+    "bf16": "train.precision: bf16", "fp16": "train.precision: fp16", "tf32": "train.precision",
+    "torch_compile": "train.compile",
+    "logging_steps": "log.every_steps",
+    "save_steps": "checkpoint.every_steps",
+    "save_total_limit": "checkpoint.keep_last",
+    "eval_steps": "train.eval_every", "eval_strategy": "train.eval_every", "evaluation_strategy": "train.eval_every",
+    "output_dir": "--output DIR on the command line",
+    "model_name_or_path": "model.path (a local directory)",
+    "dataset_text_field": "data.fields.text",
+    "lora_r": "model.lora.r", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
+    "lora_target_modules": "model.lora.target_modules",
+    "loss_type": "train.objective",
+    "report_to": "log.report_to",
+}
+"""HF TrainingArguments / TRL / PEFT spellings a user new to trainforge writes, and the key that means the same
+here: an unknown key of that name says where to write it (``train.learning_rate``: optim.lr)."""
 
 
 def _sections_holding(schema: type[BaseModel], key: str) -> list[str]:

@@ -140,12 +140,26 @@ def _check_model_dir(path: Path, needs_tokenizer: bool, needs_weights: bool = Tr
         missing.append("weights (model.safetensors or pytorch_model.bin)")
     if needs_tokenizer and not hf_dir.has_any(path, TOKENIZER_FILES):
         missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES)}; or set model.tokenizer)")
+    if missing and (path / "config.yaml").is_file() and any((path / p).exists() for p in ("final", "checkpoints", "metrics.jsonl")):
+        raise ValueError(_run_dir_hint(path))
     if missing:
         raise ValueError(
             f"model.path: {path} is not a Hugging Face model directory; it lacks {', '.join(missing)}. "
             "Save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir), or download a hub "
             "snapshot there beforehand (nothing is downloaded at run time)"
         )
+
+
+def _run_dir_hint(run: Path) -> str:
+    """``model.path`` at a trainforge run directory (which generate, eval and export take): where its model is."""
+    final = run / "final"
+    head = f"model.path: {run} is a trainforge run directory, not a model directory; "
+    if hf_dir.has_any(final, (hf_dir.CONFIG,)):
+        return head + f"its model is {final}: set model.path: {final}"
+    if hf_dir.has_any(final, (hf_dir.ADAPTER_CONFIG,)):
+        return head + (f"its final/ is an adapter: merge it into its base first, `trainforge export {run} --merge --out DIR`, "
+                       "and set model.path: DIR")
+    return head + f"it has no final/ model yet (the run has not finished): finish it with the same train command and --output {run}"
 
 
 def _refuse_custom_code(path: Path, key: str) -> None:

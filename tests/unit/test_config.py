@@ -103,6 +103,47 @@ def test_a_key_in_the_wrong_section_names_the_section_that_has_it(tmp_path):
     assert "unknown key; allowed here: " in error_of(["train.zzz=1"])  # neither close nor elsewhere
 
 
+def test_hugging_face_training_argument_names_say_the_key_they_are_here(tmp_path):
+    """An HF user writes TrainingArguments' names (learning_rate, num_train_epochs, per_device_train_batch_size,
+    gradient_accumulation_steps, bf16): they only said "unknown key" with no guess, as no close match exists;
+    the message names the key that means the same, in any section or at the top."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model:\n  init: {architecture: llama, hidden_size: 32}\n"
+        "data:\n  train: builtin:python-stdlib\n"
+        "learning_rate: 0.001\n"
+        "train:\n  max_steps: 3\n  num_train_epochs: 1\n  per_device_train_batch_size: 4\n"
+        "  gradient_accumulation_steps: 2\n  bf16: true\n"
+    )
+    msg = error_of(path=path)
+    assert "  learning_rate: unknown key; Hugging Face's learning_rate is optim.lr here; allowed here: model," in msg
+    assert "train.num_train_epochs: unknown key; Hugging Face's num_train_epochs is train.epochs here;" in msg
+    assert "train.per_device_train_batch_size: unknown key; Hugging Face's per_device_train_batch_size is train.micro_batch_size here;" in msg
+    assert "train.gradient_accumulation_steps: unknown key; Hugging Face's gradient_accumulation_steps is train.grad_accum here;" in msg
+    assert "train.bf16: unknown key; Hugging Face's bf16 is train.precision: bf16 here;" in msg
+    assert "it belongs under optim.lr" in error_of(["train.lr=1e-3"])  # a key of another section still says so
+
+
+def test_a_run_directory_as_model_path_names_its_model(tmp_path, tiny_model_dir):
+    """generate, eval and export take a run directory, so users give one as model.path too: it said 'not a Hugging
+    Face model directory; it lacks config.json ... download a hub snapshot there', about a directory trainforge wrote."""
+    import shutil
+
+    full, lora = tmp_path / "full-run", tmp_path / "lora-run"
+    shutil.copytree(tiny_model_dir, full / "final")
+    (lora / "final").mkdir(parents=True)
+    (lora / "final" / "adapter_config.json").write_text("{}")
+    for run in (full, lora):
+        (run / "config.yaml").write_text("model: {}\n")
+    data = "data.train=builtin:python-stdlib"
+    msg = error_of([f"model.path={full}", data])
+    assert f"model.path: {full} is a trainforge run directory, not a model directory; its model is {full / 'final'}: " \
+           f"set model.path: {full / 'final'}" in msg and "hub snapshot" not in msg
+    msg = error_of([f"model.path={lora}", data])
+    assert f"its final/ is an adapter: merge it into its base first, `trainforge export {lora} --merge --out DIR`" in msg
+    load_config(None, [f"model.path={full / 'final'}", data])  # what it names loads
+
+
 def test_a_bad_entry_of_a_source_list_is_named_alone_with_its_line(tmp_path):
     """data.train as a list of {path, weight}: the entry's own error, at its line, without the union's other
     members ("data.train: Input should be a valid string", "data.train.0.SourceSpec.weight") nor the
@@ -151,6 +192,10 @@ def test_docs_config_reference_is_current():
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert docs.read_text() == config_reference()
+    # the intro's list of sections once lacked preference and preset: it comes from the schema now
+    sections = config_reference().split("Sections: ", 1)[1].split(". ", 1)[0]
+    assert sections == ", ".join(f"`{f.alias or n}`" for n, f in RunConfig.model_fields.items())
+    assert "`preference`" in sections and "`preset`" in sections
 
 
 def test_quickstart_example_is_the_builtin_default():

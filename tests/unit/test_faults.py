@@ -238,3 +238,36 @@ def test_first_signal_sets_the_flag_and_hands_both_signals_back_to_the_os():
         assert stop.requested and stop.name == "SIGINT"
         assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_signal_during_set_up_stops_before_the_model_loads_and_saves_nothing(config, tmp_path, monkeypatch):
+    """Ctrl-C while the data tokenized (minutes on a large corpus) printed 'finishing the current step', then
+    loaded the model, evaluated, saved a checkpoint of step 0 and only then stopped; it stops at the end of the
+    stage, without a checkpoint, and before training a step the same holds for the evaluation before training."""
+    import signal
+
+    from trainforge.engine.preempt import Interrupted, StopRequest
+
+    loads = []
+    monkeypatch.setattr(engine_setup, "build_run_model", lambda *a, **k: loads.append(1))
+    stop = StopRequest()
+    stop.signum = signal.SIGINT  # as the handler leaves it, while the data tokenizes
+    with pytest.raises(Interrupted, match=r"^SIGINT during set-up, before the first step: nothing trained, nothing saved; "
+                                          r"to go on, run the same command with --output "):
+        with trainer.open_run(RunConfig.model_validate(config), tmp_path / "early", quiet()[0], "auto", stop):
+            pass
+    assert not loads and not (tmp_path / "early" / "checkpoints").exists()
+    monkeypatch.undo()
+
+    evaluate = trainer.run_eval
+
+    def signal_while_evaluating(run, label):
+        run.stop.signum = signal.SIGTERM
+        return evaluate(run, label)
+
+    monkeypatch.setattr(trainer, "run_eval", signal_while_evaluating)
+    with pytest.raises(Interrupted, match="^SIGTERM during set-up, before the first step"):
+        train(config, tmp_path / "eval")
+    assert not list((tmp_path / "eval" / "checkpoints").glob("step-*"))
+    events = [e for e in read_metrics(tmp_path / "eval" / "events.jsonl") if e.get("event") == "stop"]
+    assert events and events[-1]["step"] == 0 and events[-1]["saved"] is False

@@ -183,6 +183,21 @@ def test_eval_config_takes_the_runs_data_settings_and_reads_every_row(tmp_path, 
         eval_config(resolve_source(run), "nope.jsonl", [])
 
 
+def test_an_empty_eval_file_is_named_as_the_data_given(tiny_model_dir, tmp_path):
+    """``eval --data empty.jsonl`` said "data.train='empty.jsonl': no rows found", a key the user never set."""
+    import io
+
+    from rich.console import Console
+
+    from trainforge.metrics.console import ConsoleReporter
+    from trainforge.tools.evaluate import evaluate_model
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match=rf"^--data {empty}: no rows found$"):
+        evaluate_model(tiny_model_dir, str(empty), [], ConsoleReporter(Console(file=io.StringIO())))
+
+
 def test_a_prompt_past_the_models_positions_keeps_its_end_and_a_stop_request_ends_the_sample(tiny_model_dir):
     """A 120 KB log.sample_prompt once sampled for 93 s past the model's positions and ignored SIGTERM."""
     from transformers import AutoModelForCausalLM

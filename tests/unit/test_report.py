@@ -69,7 +69,9 @@ def test_one_run_report_has_every_plot_inlined_and_its_numbers(tmp_path):
     assert not re.search(r'(src|href)="(?!data:)', page) and "<script" not in page
 
     table = page.split('<table class="summary">')[1].split("</table>")[0]
-    for cell in ("finished", "12", "12,000", "950", "10.0%", "1.00 GiB", "3.1000 (5.5000 before training)", "fp32", "1:15"):
+    # the wall time is the resumed process's (train time counts the whole run): a resume once read train 0:24, wall 0:15
+    for cell in ("finished", "12", "12,000", "950", "10.0%", "1.00 GiB", "3.1000 (5.5000 before training)", "fp32", "1:00",
+                 "1:15 (the process resumed at step 8)"):
         assert f"<td>{cell}</td>" in table, cell
     events = page.split('<table class="events">')[1].split("</table>")[0]
     for row in ("<td>4</td><td>checkpoint</td><td>paused 0.25s</td>",

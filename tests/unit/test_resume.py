@@ -8,6 +8,7 @@ import copy
 import errno
 import io
 import json
+import re
 import shutil
 import struct
 import zipfile
@@ -449,6 +450,18 @@ def test_the_same_command_on_a_finished_run_trains_and_rewrites_nothing(config, 
     assert result.summary["steps"] == 6 and {p: p.stat().st_mtime_ns for p in before} == before
     # the final evaluation, written after the last checkpoint, was once cut off as if a crash had left it
     assert "records written after" not in log and (reference / "metrics.jsonl").read_text() == metrics
+
+
+def test_the_end_line_of_a_resumed_run_says_its_wall_time_is_this_process_alone(config, reference, tmp_path):
+    """The steps, tokens and training seconds of the end line count the whole run, the wall time only this process:
+    after a resume it read 'done: 3000 steps, 682,196 tokens in 24.0s (...), wall time 14.8s', training longer than
+    the wall; it names the step this process resumed at."""
+    run = Path(shutil.copytree(reference, tmp_path / "run"))
+    _, log = train(config, tmp_path / "fresh")
+    assert re.search(r"done: 6 steps, [\d,]+ tokens in [\d.]+s \([\d,]+ tok/s\), wall time [\d.]+s", log)
+    _, log = train(config, run, resume=str(run / "checkpoints" / "step-00000002"))
+    assert re.search(r"done: 6 steps, [\d,]+ tokens in [\d.]+s \([\d,]+ tok/s\); this process resumed it at step 2: "
+                     r"wall time [\d.]+s", log)
 
 
 def test_resume_never_refuses_a_directory_holding_a_run(config, reference):

@@ -17,6 +17,14 @@ def stop_on_signal(run: Run) -> None:
     raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; to resume, run the same command with --output {run.out}")
 
 
+def stop_before_first_step(run: Run) -> None:
+    """SIGTERM/SIGINT arrived before this process trained a step: stop without a checkpoint (it would hold the
+    starting weights, or the checkpoint just resumed); exit 75 all the same, the same command goes on."""
+    if run.stop.requested and not run.dist.enabled:  # under torchrun the ranks agree on a stop at the first step
+        run.metrics.event("stop", run.step, signal=run.stop.name, saved=False)
+        run.stop.stop_before_training(run.out)
+
+
 def record_failure(run: Run, error: Exception) -> None:
     """An ``error`` event for ``doctor``: what stopped the run, at which step, with which exit code (without it, a
     run that raised looked killed). Writing it must not hide the error itself (a full disk)."""

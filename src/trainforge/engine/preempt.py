@@ -30,6 +30,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.stepping = False  # set by the training loop: before it, a signal has no step to finish nor to save
         self._previous: dict[int, object] = {}
 
     @property
@@ -45,11 +46,18 @@ class StopRequest:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_DFL)
         # os.write, not the console: a handler can interrupt a print that holds the console's lock
-        os.write(
-            2,
-            f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint "
-            "(send it again to stop at once, without saving)\n".encode(),
-        )
+        doing = ("finishing the current step, then saving a checkpoint (send it again to stop at once, without saving)"
+                 if self.stepping else "stopping at the end of this stage of set-up, before any step: nothing to save "
+                 "(send it again to stop at once)")
+        os.write(2, f"\n{signal.Signals(signum).name}: {doing}\n".encode())
+
+    def stop_before_training(self, out: object, distributed: bool = False) -> None:
+        """A signal during set-up: stop at this stage's end rather than tokenize, load, evaluate and save
+        on (a checkpoint of step 0, or of the step just resumed, holds nothing new). ``distributed``: not here;
+        the ranks agree on a stop at the first step (one rank stopping alone would leave the others in a collective)."""
+        if self.requested and not distributed:
+            raise Interrupted(f"{self.name} during set-up, before the first step: nothing trained, nothing saved; "
+                              f"to go on, run the same command with --output {out}")
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there

@@ -110,6 +110,7 @@ def setup(
             with writing(out / "config.yaml"):
                 (out / "config.yaml").write_text(cfg.anchored().to_yaml())  # a resumed run's, once the checkpoint is checked
     laps("data")
+    (stop or StopRequest()).stop_before_training(out, ctx.enabled)  # a signal while tokenizing: no model, eval nor checkpoint
     reporter.info(f"output: {out}")
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     laps("fit")
@@ -131,6 +132,7 @@ def setup(
     if objective.reference == "precompute":  # the starting weights' log-probabilities, once, from the cache after that
         attach_reference(cfg, data, model, precision, device, ctx, reporter.info)
     laps("model")
+    (stop or StopRequest()).stop_before_training(out, ctx.enabled)
     rough = estimate_memory(model, loader.batch_size, cfg.row_tokens(), precision)
     warning = memory_warning(rough, available_memory_bytes(device), device)
     if warning:

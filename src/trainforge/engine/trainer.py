@@ -37,7 +37,7 @@ from .nonfinite import final_weights_check
 from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
-from .ending import record_failure, stop_on_signal, write_report
+from .ending import record_failure, stop_before_first_step, stop_on_signal, write_report
 from .preempt import Interrupted, StopRequest
 from .resume import length_key, refuse_changed_settings
 from .run import Run, RunResult
@@ -173,8 +173,12 @@ def train_loop(run: Run, steps: int | None = None) -> None:
     cfg, c = run.cfg, run.counters
     if run.startup_s is None:
         note_start(run)
-    if c.step == 0 and run.resumed_from is None and not c.eval_before:
-        c.eval_before = run_eval(run, "before training")
+    if c.step == (run.resumed_from or 0):  # no step of this process yet: a stop has nothing new to save
+        stop_before_first_step(run)
+        if c.step == 0 and run.resumed_from is None and not c.eval_before:
+            c.eval_before = run_eval(run, "before training")
+            stop_before_first_step(run)
+    run.stop.stepping = True
     end = run.max_steps if steps is None else min(run.max_steps, c.step + steps)
     run.batches = iter(run.loader)
     first_step, loop_start = c.step, time.perf_counter()
@@ -467,9 +471,11 @@ def finish(run: Run) -> RunResult:
         with writing(out / "summary.json"):
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
         run.metrics.summary(summary)
+    # steps, tokens and training time count the whole run; the wall time, this process (a resume's own)
+    this_process = "," if run.resumed_from is None else f"; this process resumed it at step {run.resumed_from}:"
     run.reporter.info(
         f"done: {c.step} steps, {c.tokens_seen:,} tokens in {c.loop_time_s:.1f}s "
-        f"({summary['tokens_per_s']:,.0f} tok/s), wall time {summary['wall_time_s']:.1f}s"
+        f"({summary['tokens_per_s']:,.0f} tok/s){this_process} wall time {summary['wall_time_s']:.1f}s"
     )
     run.reporter.info(describe_limits(summary["limits"], summary["wall_time_s"], summary["time"]["train_s"]))
     return RunResult(out, summary, run.model, run.tokenizer)

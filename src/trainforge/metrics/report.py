@@ -79,7 +79,9 @@ def _summary_rows(run: RunData) -> dict[str, str]:
         "steps": _fmt(s.get("steps")),
         "tokens": _fmt(s.get("tokens")),
         "train time": _fmt(s.get("train_time_s"), "time"),
-        "wall time": _fmt(s.get("wall_time_s"), "time"),
+        # the process that wrote summary.json: a resume's own, while train time counts the whole run
+        "wall time": _fmt(s.get("wall_time_s"), "time")
+        + (f" (the process resumed at step {s['resumed_from_step']})" if s.get("resumed_from_step") is not None else ""),
         "tokens/s": _fmt(s.get("tokens_per_s")),
         "MFU": _fmt(s.get("mfu"), "pct"),
         "peak memory": _fmt(s.get("peak_memory_bytes"), "gib"),

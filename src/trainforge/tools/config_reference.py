@@ -13,7 +13,7 @@ from ..config import RunConfig
 INTRO = """# Configuration reference
 
 Generated from the schema by `trainforge config --reference`; a test keeps this file equal
-to that output. Sections: `model`, `data`, `train`, `optim`, `checkpoint`, `log`. Unknown
+to that output. Sections: {sections}. Unknown
 keys and invalid values stop a run before any work (exit code 2) with the key, the value
 and what is allowed. Override any key on the command line with
 `--set section.key=value` (values are read as YAML: `--set optim.lr=1e-4`,
@@ -60,7 +60,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
 
 
 def config_reference() -> str:
-    out = [INTRO]
+    out = [INTRO.format(sections=", ".join(f"`{f.alias or n}`" for n, f in RunConfig.model_fields.items()))]
     for section, field in RunConfig.model_fields.items():
         if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):  # a top-level key (preset)
             out.append(f"\n## `{section}`\n\n| key | type | default | meaning |\n|---|---|---|---|")

@@ -27,6 +27,7 @@ from ..config_errors import format_errors
 from ..data.loader import eval_batches
 from ..data.plan import collator_for, lost_tokens_warning, rows_for
 from ..data.prepare import prepare_data
+from ..data.sources import DataError
 from ..engine.evaluate import evaluate
 from ..hardware import PRECISIONS, Precision, configure_backends, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
@@ -97,7 +98,10 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
 
     tokenizer = load_source_tokenizer(src)
     d = cfg.data
-    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=src.encoder_decoder)
+    try:
+        prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=src.encoder_decoder)
+    except DataError as e:  # an empty --data: it said "data.train='test.jsonl': no rows found", a key never given
+        raise DataError(str(e).replace(f"data.train={d.train!r}:", f"--data {data}:", 1)) from None
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
     store = prepared.train  # the file is read as the one training source: every row, in order
