@@ -1,4 +1,4 @@
-"""Assistant-only loss masks under the real chat templates of nine model families.
+"""Assistant-only loss masks under the real chat templates of ten model families.
 
 The templates in ``tests/fixtures/chat_templates`` are the ``chat_template`` texts shipped in
 the families' Hugging Face ``tokenizer_config.json`` files (``families.json`` says where each
@@ -23,6 +23,9 @@ that is the same whether another message follows or the conversation ends there:
                                    the template writes before its content, ``<think>\\n\\n</think>\\n\\n`` when empty)
 * gpt-oss:   ``<|end|>``, or ``<|return|>`` for the last turn (the token the model emits to stop; the two share
              nothing, so the special token after the content is the marker), after ``<|channel|>final<|message|>``
+* Command R7B: ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`` after ``<|START_RESPONSE|>`` + content (the template writes
+             the assistant header after the last message even without a generation prompt; the
+             ``<|START_OF_TURN_TOKEN|>`` that every header starts with belongs to the next turn, never learned)
 
 The tokenizer isolates every whitespace and punctuation character before BPE, so no token
 straddles a template/content boundary and every learned run decodes to exactly the expected
@@ -67,6 +70,8 @@ EXPECT = {
     "zephyr": {"header": "<|assistant|>\n", "eot": "</s>\n", "trim": False},
     "qwen3": {"header": "<|im_start|>assistant\n", "eot": "<|im_end|>\n", "trim": False, "lead_last": EMPTY_THINK},
     "gpt-oss": {"header": "<|start|>assistant", "eot": "<|end|>", "trim": False, "lead": FINAL_CHANNEL, "eot_last": "<|return|>"},
+    "command-r7b": {"header": "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", "eot": "<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+                    "trim": False, "lead": "<|START_RESPONSE|>"},
 }
 
 SYSTEM = "You are a terse geography tutor."
@@ -88,6 +93,8 @@ EXPECTED_BASIC = {
     "qwen3": ["  Paris is the capital of France.\n<|im_end|>\n", "<think>\n\n</think>\n\nRome \u2014 or Roma, in Italian.<|im_end|>\n"],
     "gpt-oss": ["<|channel|>final<|message|>  Paris is the capital of France.\n<|end|>",
                 "<|channel|>final<|message|>Rome \u2014 or Roma, in Italian.<|return|>"],
+    "command-r7b": ["<|START_RESPONSE|>  Paris is the capital of France.\n<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+                    "<|START_RESPONSE|>Rome \u2014 or Roma, in Italian.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
 }
 
 

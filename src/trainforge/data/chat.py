@@ -16,7 +16,8 @@ channel), the reasoning and content, tool calls the template writes from ``tool_
 end-of-turn marker: the template text after the turn that is the same whether another message
 follows or the conversation ends there (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s>``,
 ``<end_of_turn>\\n``, ``<|end|>\\n``), or the special token that starts it where the two differ
-(gpt-oss's ``<|end|>`` / ``<|return|>``). Headers, and system, user and tool turns, are never learned.
+(gpt-oss's ``<|end|>`` / ``<|return|>``), and never the token that starts a turn (Command R7B writes the next
+header after every turn, even the last). Headers, and system, user and tool turns, are never learned.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ SHAREGPT_FIELD = "conversations"
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _PLACEHOLDER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 _CACHE_SIZE = 4096
+_PEEK = 256  # characters of a text that hold its first token, special tokens included
 _NEXT_USER = {"role": "user", "content": ""}  # a turn after the last, to see where the last one ends
 
 
@@ -291,7 +293,35 @@ class ChatLocator:
         else:
             full = self._skeleton(messages, where)
             rest = alt[start:] if alt.startswith(full[:start]) else ""
-        return self._shared_tokens(after, _PLACEHOLDER.split(rest, 1)[0]) or self._special_start(after)
+        marker = self._shared_tokens(after, _PLACEHOLDER.split(rest, 1)[0]) or self._special_start(after)
+        return self._before_opener(marker, messages, i, where)
+
+    def _before_opener(self, marker: str, messages: list[dict[str, Any]], i: int, where: str) -> str:
+        """``marker`` up to the first token that starts a turn of this template, if it holds one.
+
+        Command R7B writes the assistant header after the last message whether or not a generation prompt is
+        asked for, so what a turn's continuations share runs into the next header's
+        ``<|START_OF_TURN_TOKEN|>``: the next turn's, never this one's. The tokens that start turns are the
+        one the text starts with (after the template's BOS) and the one assistant message i's generation
+        prompt starts with.
+        """
+        if not marker:
+            return marker
+        openers = {self._special_start(self._unbosed(self._skeleton(messages, where))[:_PEEK])}
+        try:
+            bare = self._skeleton(messages[:i], where)
+            prompt = self._skeleton(messages[:i], where, generation_prompt=True)
+        except DataError:  # a template that renders no conversation without message i (or a lone prompt)
+            bare = prompt = ""
+        if prompt.startswith(bare):
+            openers.add(self._special_start(prompt[len(bare) :][:_PEEK]))
+        cuts = [marker.find(t) for t in openers if t and t in marker]
+        return marker[: min(cuts)] if cuts else marker
+
+    def _unbosed(self, text: str) -> str:
+        """``text`` without the BOS token a template writes first."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return text[len(bos) :] if isinstance(bos, str) and bos and text.startswith(bos) else text
 
     def _special_start(self, text: str) -> str:
         """The special token ``text`` starts with, or ``""``."""
