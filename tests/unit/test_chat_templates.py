@@ -1,4 +1,4 @@
-"""Assistant-only loss masks under the real chat templates of ten model families.
+"""Assistant-only loss masks under the real chat templates of eleven model families.
 
 The templates in ``tests/fixtures/chat_templates`` are the ``chat_template`` texts shipped in
 the families' Hugging Face ``tokenizer_config.json`` files (``families.json`` says where each
@@ -26,6 +26,7 @@ that is the same whether another message follows or the conversation ends there:
 * Command R7B: ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`` after ``<|START_RESPONSE|>`` + content (the template writes
              the assistant header after the last message even without a generation prompt; the
              ``<|START_OF_TURN_TOKEN|>`` that every header starts with belongs to the next turn, never learned)
+* Granite 3.3: ``<|end_of_text|>\n`` (``'<|start_of_role|>' + role + '<|end_of_role|>' + content + '<|end_of_text|>\n'``)
 
 The tokenizer isolates every whitespace and punctuation character before BPE, so no token
 straddles a template/content boundary and every learned run decodes to exactly the expected
@@ -72,6 +73,7 @@ EXPECT = {
     "gpt-oss": {"header": "<|start|>assistant", "eot": "<|end|>", "trim": False, "lead": FINAL_CHANNEL, "eot_last": "<|return|>"},
     "command-r7b": {"header": "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", "eot": "<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
                     "trim": False, "lead": "<|START_RESPONSE|>"},
+    "granite3.3": {"header": "<|start_of_role|>assistant<|end_of_role|>", "eot": "<|end_of_text|>\n", "trim": False},
 }
 
 SYSTEM = "You are a terse geography tutor."
@@ -95,6 +97,7 @@ EXPECTED_BASIC = {
                 "<|channel|>final<|message|>Rome \u2014 or Roma, in Italian.<|return|>"],
     "command-r7b": ["<|START_RESPONSE|>  Paris is the capital of France.\n<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
                     "<|START_RESPONSE|>Rome \u2014 or Roma, in Italian.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
+    "granite3.3": ["  Paris is the capital of France.\n<|end_of_text|>\n", "Rome \u2014 or Roma, in Italian.<|end_of_text|>\n"],
 }
 
 
@@ -213,7 +216,7 @@ def render_and_mask(family: str, messages: list[dict[str, str]]):
 
 
 def _undated(text: str) -> str:
-    return re.sub(r"(Today Date|Current date): [^\n]*", r"\1: -", text)
+    return re.sub(r"(Today Date|Current date|Today's Date): [^\n]*", r"\1: -", text)
 
 
 def check_learned_exactly(family: str, messages: list[dict[str, str]], expected: list[str]) -> None:

@@ -215,10 +215,35 @@ class ChatLocator:
         self._structures.clear()  # memoized for this row's messages only
         skeleton = self._skeleton(messages, where)
         to_text = _walk(messages, skeleton, text, where, self.reasoning)
-        return [
-            tuple(to_text(x) for x in self._turn(messages, i, skeleton, where))
-            for i, m in enumerate(messages) if m["role"] == "assistant"
-        ]
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                self._calls_end(messages, i, skeleton, where)
+                spans.append(tuple(to_text(x) for x in self._turn(messages, i, skeleton, where)))
+        return spans
+
+    def _calls_end(self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str, force: int | None = None) -> int | None:
+        """Where the text the template writes from assistant message i's ``tool_calls`` ends in ``skeleton`` (the
+        end of what differs from the render without them); None when it has none. DataError when the template
+        does not write them (Granite 3.3's writes only contents): the turn would be learned without its call."""
+        if not messages[i].get("tool_calls"):
+            return None
+        without = {k: v for k, v in messages[i].items() if k != "tool_calls"}
+        try:
+            bare = self._skeleton([*messages[:i], without, *messages[i + 1 :]], where, force=force)
+        except DataError:  # the template wants the calls (a tool result refers to them): it writes them
+            return None
+        if bare == skeleton:
+            raise DataError(
+                f"{where}: message {i} (assistant) has tool_calls, but the chat template does not write them (it "
+                "renders the conversation the same without them; Granite 3.3's, and trainforge's default ChatML one, write "
+                "only contents), so the turn would be learned without its call; set data.chat_template to a template that renders tool_calls, or write each call "
+                "into the message's content in the model's own tool-call format (Granite 3.3: '<|tool_call|>' "
+                "followed by a JSON list of the calls)"
+            )
+        a = len(os.path.commonprefix([skeleton, bare]))
+        b = len(os.path.commonprefix([skeleton[::-1], bare[::-1]]))
+        return len(skeleton) - min(b, len(skeleton) - a, len(bare) - a)
 
     def _turn(self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str, force: int | None = None) -> tuple[int, int]:
         """``[start, end)`` of assistant message i's turn in ``skeleton``.
