@@ -1,4 +1,4 @@
-"""Assistant-only loss masks under the real chat templates of nine model families.
+"""Assistant-only loss masks under the real chat templates of twelve model families.
 
 The templates in ``tests/fixtures/chat_templates`` are the ``chat_template`` texts shipped in
 the families' Hugging Face ``tokenizer_config.json`` files (``families.json`` says where each
@@ -23,6 +23,12 @@ that is the same whether another message follows or the conversation ends there:
                                    the template writes before its content, ``<think>\\n\\n</think>\\n\\n`` when empty)
 * gpt-oss:   ``<|end|>``, or ``<|return|>`` for the last turn (the token the model emits to stop; the two share
              nothing, so the special token after the content is the marker), after ``<|channel|>final<|message|>``
+* Command R7B: ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>`` after ``<|START_RESPONSE|>`` + content (the template writes
+             the assistant header after the last message even without a generation prompt; the
+             ``<|START_OF_TURN_TOKEN|>`` that every header starts with belongs to the next turn, never learned)
+* Granite 3.3: ``<|end_of_text|>\n`` (``'<|start_of_role|>' + role + '<|end_of_role|>' + content + '<|end_of_text|>\n'``)
+* Nemotron Nano v2: ``\n<SPECIAL_12>\n`` after the stripped content (a last turn is written after the generation
+             prompt ``<SPECIAL_11>Assistant\n<think>\n``, whose ``<think>\n`` is prompt, not learned)
 
 The tokenizer isolates every whitespace and punctuation character before BPE, so no token
 straddles a template/content boundary and every learned run decodes to exactly the expected
@@ -67,6 +73,10 @@ EXPECT = {
     "zephyr": {"header": "<|assistant|>\n", "eot": "</s>\n", "trim": False},
     "qwen3": {"header": "<|im_start|>assistant\n", "eot": "<|im_end|>\n", "trim": False, "lead_last": EMPTY_THINK},
     "gpt-oss": {"header": "<|start|>assistant", "eot": "<|end|>", "trim": False, "lead": FINAL_CHANNEL, "eot_last": "<|return|>"},
+    "command-r7b": {"header": "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>", "eot": "<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+                    "trim": False, "lead": "<|START_RESPONSE|>"},
+    "granite3.3": {"header": "<|start_of_role|>assistant<|end_of_role|>", "eot": "<|end_of_text|>\n", "trim": False},
+    "nemotron-nano-v2": {"header": "<SPECIAL_11>Assistant\n", "eot": "\n<SPECIAL_12>\n", "trim": True, "prompt_last": "<think>\n"},
 }
 
 SYSTEM = "You are a terse geography tutor."
@@ -88,6 +98,10 @@ EXPECTED_BASIC = {
     "qwen3": ["  Paris is the capital of France.\n<|im_end|>\n", "<think>\n\n</think>\n\nRome \u2014 or Roma, in Italian.<|im_end|>\n"],
     "gpt-oss": ["<|channel|>final<|message|>  Paris is the capital of France.\n<|end|>",
                 "<|channel|>final<|message|>Rome \u2014 or Roma, in Italian.<|return|>"],
+    "command-r7b": ["<|START_RESPONSE|>  Paris is the capital of France.\n<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+                    "<|START_RESPONSE|>Rome \u2014 or Roma, in Italian.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
+    "granite3.3": ["  Paris is the capital of France.\n<|end_of_text|>\n", "Rome \u2014 or Roma, in Italian.<|end_of_text|>\n"],
+    "nemotron-nano-v2": ["Paris is the capital of France.\n<SPECIAL_12>\n", "Rome \u2014 or Roma, in Italian.\n<SPECIAL_12>\n"],
 }
 
 
@@ -206,7 +220,7 @@ def render_and_mask(family: str, messages: list[dict[str, str]]):
 
 
 def _undated(text: str) -> str:
-    return re.sub(r"(Today Date|Current date): [^\n]*", r"\1: -", text)
+    return re.sub(r"(Today Date|Current date|Today's Date): [^\n]*", r"\1: -", text)
 
 
 def check_learned_exactly(family: str, messages: list[dict[str, str]], expected: list[str]) -> None:
@@ -225,9 +239,11 @@ def check_learned_exactly(family: str, messages: list[dict[str, str]], expected:
     assert learned == expected, f"{family}: learned {learned!r}\nrendered: {rendered.text!r}"
     # the same ids as the expected strings encoded on their own ...
     assert [ids[a:b].tolist() for a, b in spans] == [encode(tok, s) for s in expected]
-    # ... each right after the template's assistant header (so not an identical string elsewhere)
-    header = EXPECT[family]["header"]
-    for a, _ in spans:
+    # ... each right after the template's assistant header (so not an identical string elsewhere), or its
+    # generation prompt for a last turn the template writes after one (Nemotron's '<think>\n')
+    for k, (a, _) in enumerate(spans):
+        last = k == len(spans) - 1 and messages[-1]["role"] == "assistant"
+        header = EXPECT[family]["header"] + (EXPECT[family].get("prompt_last", "") if last else "")
         assert decode(tok, ids[:a]).endswith(header), f"{family}: learned run at token {a} does not follow {header!r}"
 
 

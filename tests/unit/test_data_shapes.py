@@ -90,7 +90,7 @@ def test_sharegpt_roles_map_to_template_roles(tok, source, role):
 
 
 def test_tool_results_use_the_templates_tool_role_or_user():
-    from trainforge.data.chat import tool_role_of
+    from trainforge.data.chat_messages import tool_role_of
 
     assert tool_role_of("{% if message['role'] == 'tool' %}", default_template=False) == "tool"
     assert tool_role_of('{% elif message.role == "ipython" %}', default_template=False) == "ipython"

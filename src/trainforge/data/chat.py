@@ -1,14 +1,12 @@
-"""Chat rows -> one rendered conversation plus the character spans of the assistant turns.
+"""Chat messages -> one rendered conversation plus the character spans of the assistant turns.
 
-Messages come as OpenAI-style ``{"role", "content"}`` or ShareGPT-style ``{"from", "value"}``
-objects; content may be a string or a list of ``{"type": "text", "text": ...}`` parts. The
-conversation is rendered once with the real chat template. To find the assistant turns in it,
-the same conversation is also rendered with every non-empty content (and reasoning trace) replaced
-by a unique placeholder (a "skeleton"): the skeleton shows which template text surrounds each
-message, and walking the real text along it gives each content's exact character range. Nothing
-is searched for by string, so a user turn that quotes a template marker cannot move a mask, and
-templates that append EOS or a newline only at the very end (Phi-3) work, because no rendered
-prefix has to be a prefix of the whole.
+The messages (normalized by ``chat_messages``) are rendered once with the real chat template. To find
+the assistant turns in it, the same conversation is also rendered with every non-empty content (and
+reasoning trace) replaced by a unique placeholder (a "skeleton"): the skeleton shows which template
+text surrounds each message, and walking the real text along it gives each content's exact character
+range. Nothing is searched for by string, so a user turn that quotes a template marker cannot move a
+mask, and templates that append EOS or a newline only at the very end (Phi-3) work, because no
+rendered prefix has to be a prefix of the whole.
 
 The learned span of an assistant turn is what the model writes after the turn's header (the
 generation prompt): template text before the content (Qwen3's think block, gpt-oss's final
@@ -16,7 +14,11 @@ channel), the reasoning and content, tool calls the template writes from ``tool_
 end-of-turn marker: the template text after the turn that is the same whether another message
 follows or the conversation ends there (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s>``,
 ``<end_of_turn>\\n``, ``<|end|>\\n``), or the special token that starts it where the two differ
-(gpt-oss's ``<|end|>`` / ``<|return|>``). Headers, and system, user and tool turns, are never learned.
+(gpt-oss's ``<|end|>`` / ``<|return|>``); never the token that starts a turn (Command R7B writes the
+next header after every turn, even the last). A template that writes a message differently when it
+ends the conversation (Nemotron) is compared with the conversation continued instead. Headers, and
+system, user and tool turns, are never learned. A turn's ``tool_calls`` must be in its span: a
+template that does not write them, or writes them apart from the turn, is refused for that row.
 """
 
 from __future__ import annotations
@@ -29,109 +31,19 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .sources import DataError, Row
-
-# ShareGPT / FastChat / Axolotl / LLaMA-Factory role names -> the roles chat templates know
-ROLE_ALIASES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "function_call": "assistant",  # the model's own tool call: learned like any assistant output
-    "system": "system",
-}
-TOOL_ROLES = ("tool", "observation", "function", "ipython")  # tool results: mapped to the template's tool role
-SHAREGPT_FIELD = "conversations"
+from .chat_messages import REASONING, THINK_CLOSE, THINK_OPEN, reasoning_field, split_reasoning
+from .sources import DataError
 
 # Private-use code points: no template filter (trim, escaping) touches them, no real text has them.
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _PLACEHOLDER = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 _CACHE_SIZE = 4096
+_PEEK = 256  # characters of a text that hold its first token, special tokens included
 _NEXT_USER = {"role": "user", "content": ""}  # a turn after the last, to see where the last one ends
 
 
 def placeholder(i: int) -> str:
     return f"{_OPEN}{i}{_CLOSE}"
-
-
-def tool_role_of(template: str, default_template: bool) -> str:
-    """The role a template renders tool results under: ``tool``, Llama 3.1's ``ipython``, else ``user``."""
-    if default_template or re.search(r"""["']tool["']""", template):
-        return "tool"
-    if re.search(r"""["']ipython["']""", template):
-        return "ipython"
-    return "user"
-
-
-def conversation(row: Row, field: str, tool_role: str) -> list[dict[str, Any]]:
-    """The row's messages as ``{"role", "content", ...}`` dicts with roles normalized; DataError when malformed."""
-    key = field if field in row.data else SHAREGPT_FIELD if SHAREGPT_FIELD in row.data else field
-    raw = row.data.get(key)
-    if not isinstance(raw, list) or not raw:
-        raise DataError(f"{row.where}: field {key!r} must be a non-empty list of {{role, content}} (or ShareGPT {{from, value}}) objects")
-    messages = []
-    for i, m in enumerate(raw):
-        role = m.get("role", m.get("from")) if isinstance(m, dict) else None
-        content = m.get("content", m.get("value")) if isinstance(m, dict) else None
-        if content is None and isinstance(m, dict) and m.get("tool_calls"):
-            content = ""  # an assistant turn that only calls tools: the template renders the calls
-        if not isinstance(role, str) or content is None:
-            raise DataError(f"{row.where}: {key}[{i}] must be an object with string 'role' and 'content' (or ShareGPT 'from' and 'value')")
-        role = ROLE_ALIASES.get(role.lower(), tool_role if role.lower() in TOOL_ROLES else role)
-        out = {k: v for k, v in m.items() if k not in ("from", "value")}
-        out["role"], out["content"] = role, _text_of(content, row.where, f"{key}[{i}]")
-        messages.append(out)
-    system = row.data.get("system")  # LLaMA-Factory's ShareGPT layout keeps the system prompt beside the turns
-    if isinstance(system, str) and system.strip() and not any(m["role"] == "system" for m in messages):
-        messages.insert(0, {"role": "system", "content": system})
-    return messages
-
-
-def _text_of(content: Any, where: str, name: str) -> str:
-    """A string content, or the text parts of a list of ``{"type": "text", "text"}`` parts, joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise DataError(
-                    f"{where}: {name}.content[{j}] is a {kind!r} part; only {{\"type\": \"text\", \"text\": ...}} parts "
-                    "are supported (text-only training)"
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise DataError(f"{where}: {name}.content must be a string or a list of text parts, got {type(content).__name__}")
-
-
-REASONING = "reasoning_content"  # an assistant message's reasoning, the field Qwen3-style templates read
-THINKING = "thinking"  # ... the field gpt-oss's template reads (its analysis channel)
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def reasoning_field(template: str) -> str | None:
-    """The message field a template writes reasoning from: ``reasoning_content`` (Qwen3, GLM), ``thinking``
-    (gpt-oss), or None (the template has no place for it)."""
-    if REASONING in template:
-        return REASONING
-    return THINKING if re.search(r"\bthinking\b", template) else None  # not Qwen3's enable_thinking
-
-
-def split_reasoning(message: dict[str, Any], field: str = REASONING) -> dict[str, Any]:
-    """An assistant message whose content carries its reasoning inline (``<think>R</think>A``, as reasoning
-    datasets store it) as ``field`` R and ``content`` A, for a template that reads the field: Qwen3's renders
-    the same text either way (it strips the same newlines), and the two parts become separate slots of the
-    skeleton."""
-    content = message["content"]
-    if message["role"] != "assistant" or THINK_CLOSE not in content or isinstance(message.get(field), str):
-        return message
-    reasoning = content.split(THINK_CLOSE)[0].split(THINK_OPEN)[-1].strip("\n")
-    return {**message, field: reasoning, "content": content.split(THINK_CLOSE)[-1].lstrip("\n")}
 
 
 def _slot(i: int, reasoning: bool = False) -> int:
@@ -154,6 +66,7 @@ class ChatLocator:
         # skeleton renders depend only on the conversation's structure (roles, non-content fields, empty contents)
         self._skeletons: OrderedDict[tuple, str] = OrderedDict()
         self._markers: dict[tuple[str, str], str] = {}  # (text after a turn, alternative) -> end marker
+        self._opener_memo: dict[tuple[str, str], set[str]] = {}  # (text start, generation prompt) -> turn openers
         self._structures: dict[int, tuple[dict[str, Any], str]] = {}
 
     def prepared(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -218,40 +131,101 @@ class ChatLocator:
             for i, m in enumerate(messages) if m["role"] == "assistant"
         ]
 
-    def _turn(self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str, force: int | None = None) -> tuple[int, int]:
+    def _turn(self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str) -> tuple[int, int]:
         """``[start, end)`` of assistant message i's turn in ``skeleton``.
 
-        With a slot (its content or reasoning written): from the template text after the generation prompt
-        (``_lead``) to the end marker after its last slot. Without one, an empty content the template writes
-        once it has one (Qwen's tool-call turns) is located in the skeleton that gives it its placeholder
-        and carried back; a content the template does not write (Llama 3's tool-call turns) spans from the
-        generation prompt to the end marker."""
-        found = [(skeleton.index(placeholder(k)), k) for k in (_slot(i, True), _slot(i)) if placeholder(k) in skeleton]
-        if found:
-            first, last = min(found)[0], max(found)
-            last_end = last[0] + len(placeholder(last[1]))
-            start = first - len(self._lead(messages, i, skeleton, first, where))
-            after = _PLACEHOLDER.split(skeleton[last_end:], 1)[0]
-            return start, last_end + len(self._end_marker(messages, i, last[1], after, where, force))
-        if force is None:
-            forced = self._skeleton(messages, where, force=i)
-            if placeholder(_slot(i)) in forced:
+        With a slot (its content or reasoning written): ``_slot_turn``. Without one, an empty content the
+        template writes once it has one (Qwen's tool-call turns) is located in the skeleton that gives it its
+        placeholder and carried back; a content the template does not write (Llama 3's tool-call turns), or
+        writes only in another form (Nemotron's last message), spans from the turn's start (``_bare_start``)
+        to the end marker. A turn with ``tool_calls`` must hold the text the template writes from them."""
+        need = self._calls_end(messages, i, skeleton, where)
+        span = self._slot_turn(messages, i, skeleton, where, None, need)
+        if span is not None:
+            return span
+        forced = self._skeleton(messages, where, force=i)
+        if placeholder(_slot(i)) in forced:
+            try:
+                span = self._slot_turn(messages, i, forced, where, i, self._calls_end(messages, i, forced, where, i))
+            except DataError:  # the forced render writes the turn in another form: located without it below
+                span = None
+            if span is not None:
                 to_skeleton = _align(forced, skeleton)
-                start, end = (to_skeleton(x) for x in self._turn(messages, i, forced, where, force=i))
-                if start is None or end is None:
-                    raise _rewritten(where, f"message {i} (assistant)", messages)
-                return start, end
-        try:
-            prompt = self._skeleton(messages[:i], where, generation_prompt=True)
-        except DataError:
-            prompt = None
-        if prompt is None or not skeleton.startswith(prompt):
+                start, end = (to_skeleton(x) for x in span)
+                if start is not None and end is not None:
+                    return start, end
+        start = self._bare_start(messages, i, skeleton, where)
+        if start is None:
             raise _rewritten(where, f"message {i} (assistant)", messages)
-        start = len(prompt)
-        marker = self._end_marker(messages, i, None, _PLACEHOLDER.split(skeleton[start:], 1)[0], where, None, start)
-        if not marker.strip():
+        after = _PLACEHOLDER.split(skeleton[start:], 1)[0]
+        marker = self._end_marker(messages, i, skeleton[:start], None, after, where, None, need)
+        if marker is None and need is not None:
+            raise _calls_apart(where, i, i == len(messages) - 1)
+        if not marker or not marker.strip():
             raise _rewritten(where, f"message {i} (assistant)", messages)
         return start, start + len(marker)
+
+    def _slot_turn(
+        self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str, force: int | None, need: int | None,
+    ) -> tuple[int, int] | None:
+        """``[start, end)`` of assistant message i's turn from its slots in ``skeleton``: from the template text
+        after the generation prompt (``_lead``) to the end marker after its last slot; None without a slot."""
+        found = [(skeleton.index(placeholder(k)), k) for k in (_slot(i, True), _slot(i)) if placeholder(k) in skeleton]
+        if not found:
+            return None
+        first, last = min(found)[0], max(found)
+        last_end = last[0] + len(placeholder(last[1]))
+        start = first - len(self._lead(messages, i, skeleton, first, where))
+        after = _PLACEHOLDER.split(skeleton[last_end:], 1)[0]
+        marker = self._end_marker(messages, i, skeleton[: last[0]], last[1], after, where, force, need)
+        if marker is None and need is not None:
+            raise _calls_apart(where, i, i == len(messages) - 1)
+        if marker is None:
+            raise _rewritten(where, f"message {i} (assistant)", messages)
+        return start, last_end + len(marker)
+
+    def _calls_end(
+        self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str, force: int | None = None,
+    ) -> int | None:
+        """Where the text the template writes from assistant message i's ``tool_calls`` ends in ``skeleton``: the
+        end of what differs from the render without them (for a message a user turn is put after, so that no
+        later message that refers to the calls differs too); None when it has none or that cannot be told.
+        DataError when the template does not write them (Granite 3.3's writes only contents)."""
+        if not messages[i].get("tool_calls"):
+            return None
+        without = [*messages[:i], {k: v for k, v in messages[i].items() if k != "tool_calls"}, *messages[i + 1 :]]
+        try:
+            with_calls, bare = skeleton, self._skeleton(without, where, force=force)
+            if with_calls != bare and i < len(messages) - 1:
+                with_calls = self._skeleton([*messages[: i + 1], _NEXT_USER], where, force=force)
+                bare = self._skeleton([*without[: i + 1], _NEXT_USER], where, force=force)
+        except DataError:  # the template wants the calls (a tool result refers to them), or no user turn after them
+            return None
+        if with_calls == bare:
+            raise _calls_unwritten(where, i)
+        a = len(os.path.commonprefix([with_calls, bare]))
+        b = len(os.path.commonprefix([with_calls[::-1], bare[::-1]]))
+        end = len(with_calls) - min(b, len(with_calls) - a, len(bare) - a)
+        return end if end <= len(os.path.commonprefix([with_calls, skeleton])) else None
+
+    def _bare_start(self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str) -> int | None:
+        """Where assistant message i's turn starts in ``skeleton`` when no slot of its own marks it: after the
+        generation prompt, or, where the template writes the turn without the prompt's end, after the header it
+        writes before an assistant content a user turn follows (Nemotron writes a last message's calls after
+        ``<SPECIAL_11>Assistant\\n``, its generation prompt adds ``<think>\\n``). None when neither leads to it."""
+        try:
+            prompt = self._skeleton(messages[:i], where, generation_prompt=True)
+            if skeleton.startswith(prompt):
+                return len(prompt)
+            bare = self._skeleton(messages[:i], where)
+            alt = self._skeleton([*messages[: i + 1], _NEXT_USER], where, force=i)
+        except DataError:
+            return None
+        content = placeholder(_slot(i))
+        header = alt[len(bare) : alt.find(content)]
+        if content in alt and alt.startswith(bare) and header.strip() and skeleton.startswith(bare + header):
+            return len(bare) + len(header)
+        return None
 
     def _lead(self, messages: list[dict[str, Any]], i: int, skeleton: str, first: int, where: str) -> str:
         """Template text the model writes before assistant message i's first slot (at ``first``): what follows
@@ -267,31 +241,98 @@ class ChatLocator:
         return lead if skeleton.startswith(prompt) and lead.strip() and not _PLACEHOLDER.search(lead) else ""
 
     def _end_marker(
-        self, messages: list[dict[str, Any]], i: int, slot: int | None, after: str, where: str,
-        force: int | None, start: int | None = None,
-    ) -> str:
-        """The part of ``after`` (template text following assistant message i's last slot, or from ``start``
-        for a turn without one) that closes the turn.
+        self, messages: list[dict[str, Any]], i: int, head: str, slot: int | None, after: str, where: str,
+        force: int | None, need: int | None,
+    ) -> str | None:
+        """The part of ``after`` (template text following assistant message i's last slot, or its start for a
+        turn without one; ``head``: the skeleton before that) that closes the turn; None when none can be told.
 
         It is the common prefix of what follows here and what follows when the conversation continues
-        differently: ended right after message i, or, for the last message, continued by a user turn. Where
-        the two share nothing, a special token that starts ``after`` closes the turn: gpt-oss ends a last turn
-        with ``<|return|>`` and any other with ``<|end|>``, and the model must learn to write both.
+        differently: ended right after message i, or continued by a user turn (for the last message, and where
+        the ended conversation writes message i otherwise), up to the token that starts that turn. A
+        continuation counts where it writes the conversation as here up to ``head`` and the slot: Nemotron
+        writes a conversation's last message in another form, after the loop. Where the two share nothing, a
+        special token that starts ``after`` closes the turn: gpt-oss ends a last turn with ``<|return|>`` and
+        any other with ``<|end|>``, and the model must learn to write both. A last turn that no continuation
+        writes the same way ends where the text does. The marker reaches ``need`` (where the text the template
+        writes from the turn's tool calls ends), and holds no token that starts a turn (``_before_opener``).
         """
-        if i < len(messages) - 1:
-            other = messages[: i + 1]
-        else:
-            other = [*messages, _NEXT_USER]
+        key = head + (placeholder(slot) if slot is not None else "")
+        reach = 0 if need is None else need - len(key)
+
+        def continued(other: list[dict[str, Any]], strict: bool = True) -> tuple[str, bool] | None:
+            """The marker the conversation ``other`` gives, and whether it was cut before a turn's start; None
+            where it is not rendered, or (``strict``) writes the conversation otherwise up to the slot."""
+            try:
+                alt = self._skeleton(other, where, force=force)
+            except DataError:
+                return None
+            if alt.startswith(key):
+                rest = alt[len(key) :]
+            elif strict:
+                return None
+            else:  # as before the forms were compared: what follows the slot wherever it is
+                rest = alt.split(placeholder(slot), 1)[1] if slot is not None and placeholder(slot) in alt else ""
+            shared = self._shared_tokens(after, _PLACEHOLDER.split(rest, 1)[0]) or self._special_start(after)
+            marker = self._before_opener(shared, messages, i, where)
+            return marker, marker != shared
+
+        def candidates():
+            if i == len(messages) - 1:
+                user = continued([*messages, _NEXT_USER])
+                yield user[0] if user else None
+                yield self._before_opener(after, messages, i, where, stopped=True)
+                return
+            ended = continued(messages[: i + 1])
+            yield ended[0] if ended else None
+            user = continued([*messages[: i + 1], _NEXT_USER])
+            yield user[0] if user and user[1] else None  # a user turn after a user turn shares its header
+            loose = continued(messages[: i + 1], strict=False)
+            yield loose[0] if loose else ""
+
+        return next((m for m in candidates() if m is not None and len(m) >= reach), None)
+
+    def _before_opener(
+        self, marker: str, messages: list[dict[str, Any]], i: int, where: str, stopped: bool = False,
+    ) -> str:
+        """``marker`` up to the first token that starts a turn of this template, if it holds one (``stopped``:
+        one after the EOS, where the model has stopped writing).
+
+        Command R7B writes the assistant header after the last message whether or not a generation prompt is
+        asked for, so what a turn's continuations share runs into the next header's
+        ``<|START_OF_TURN_TOKEN|>``: the next turn's, never this one's. The tokens that start turns are the
+        one the text starts with (after the template's BOS) and the one assistant message i's generation
+        prompt starts with. A turn start before the EOS is the model's own: gpt-oss writes a call after an
+        analysis message as ``<|end|><|start|>assistant to=...``, all of it one reply.
+        """
+        eos = getattr(self.tokenizer, "eos_token", None)
+        if not marker or (stopped and not (isinstance(eos, str) and eos and eos in marker)):
+            return marker
+        openers = self._openers(messages, i, where)
+        since = marker.find(eos) + len(eos) if stopped else 0
+        cuts = [marker.find(t, since) for t in openers if t in marker[since:]]
+        return marker[: min(cuts)] if cuts else marker
+
+    def _openers(self, messages: list[dict[str, Any]], i: int, where: str) -> set[str]:
+        """The special tokens that start a turn: the text's first (after the template's BOS) and the first of
+        assistant message i's generation prompt (what it adds to the conversation before message i)."""
         try:
-            alt = self._skeleton(other, where, force=force)
-        except DataError:  # the template refuses the variant: the turn ends where the text says
-            return after if i == len(messages) - 1 else ""
-        if slot is not None:
-            rest = alt.split(placeholder(slot), 1)[1] if placeholder(slot) in alt else ""
-        else:
-            full = self._skeleton(messages, where)
-            rest = alt[start:] if alt.startswith(full[:start]) else ""
-        return self._shared_tokens(after, _PLACEHOLDER.split(rest, 1)[0]) or self._special_start(after)
+            bare = self._skeleton(messages[:i], where)
+            prompt = self._skeleton(messages[:i], where, generation_prompt=True)
+        except DataError:  # a template that renders no conversation without message i (or a lone prompt)
+            bare = prompt = ""
+        tail = prompt[len(bare) :] if prompt.startswith(bare) else ""
+        key = (self._unbosed(self._skeleton(messages, where))[:_PEEK], tail[:_PEEK])
+        if key not in self._opener_memo:
+            if len(self._opener_memo) > _CACHE_SIZE:
+                self._opener_memo.clear()
+            self._opener_memo[key] = {t for t in map(self._special_start, key) if t}
+        return self._opener_memo[key]
+
+    def _unbosed(self, text: str) -> str:
+        """``text`` without the BOS token a template writes first."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return text[len(bos) :] if isinstance(bos, str) and bos and text.startswith(bos) else text
 
     def _special_start(self, text: str) -> str:
         """The special token ``text`` starts with, or ``""``."""
@@ -379,4 +420,25 @@ def _rewritten(where: str, what: str, messages: list[dict[str, Any]]) -> DataErr
         f"{where}: the chat template changes {what} while rendering (it does more than place or trim message "
         "contents), so the assistant turns cannot be located in the text; set data.chat_template to a template "
         "that writes contents as given, or set data.train_on_prompt: true to learn every token"
+    )
+
+
+def _calls_unwritten(where: str, i: int) -> DataError:
+    return DataError(
+        f"{where}: message {i} (assistant) has tool_calls, but the chat template does not write them (it writes the "
+        "turn the same without them; Granite 3.3's, and trainforge's default ChatML one, write only contents), so "
+        "the turn would be learned without its call; set data.chat_template to a template that renders tool_calls, "
+        "or write each call into the message's content in the model's own tool-call format (Granite 3.3: "
+        "'<|tool_call|>' followed by a JSON list of the calls)"
+    )
+
+
+def _calls_apart(where: str, i: int, last: bool) -> DataError:
+    fix = ("end the row with the tool's result (add the tool message after the call) so that the template writes "
+           "content and call in one turn, leave the content empty (null), or " if last else "")
+    return DataError(
+        f"{where}: message {i} (assistant): the chat template writes its tool_calls apart from the turn that holds "
+        "its content (NVIDIA Nemotron Nano v2's writes a conversation's last message as two assistant turns, the "
+        "content closed by <SPECIAL_12> before the calls), so learning it would teach the model to stop before "
+        f"calling; {fix}set data.chat_template to a template that writes them together"
     )

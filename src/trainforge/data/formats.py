@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..config import FieldNames
-from .chat import SHAREGPT_FIELD, ChatLocator, conversation, tool_role_of
+from .chat import ChatLocator
+from .chat_messages import SHAREGPT_FIELD, conversation, tool_role_of
 from .sources import DataError, Row
 
 IGNORE = -100

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..config import FieldNames
-from .chat import conversation
+from .chat_messages import conversation
 from .formats import Rendered, Renderer, TokenizedChunk, tokenize_rendered
 from .sources import DataError, Row
 
