@@ -80,16 +80,56 @@ def test_granite_tool_call_written_in_the_content_is_learned():
     assert learned("granite3.3", messages)[1] == [call + "<|end_of_text|>\n"]
 
 
-@pytest.mark.parametrize("family", ["default", "mistral", "mixtral", "gemma2", "phi3", "zephyr"])
+@pytest.mark.parametrize("family", ["mistral", "mixtral", "gemma2", "phi3", "zephyr"])
 def test_other_templates_that_write_no_tool_calls_are_refused_the_same_way(family):
-    """trainforge's ChatML default (a tokenizer without a template) and the fixtures' older templates write only
-    contents: a tool-call row learned an empty reply under them; it is refused the same way."""
+    """The fixtures' older templates write only contents: a tool-call row learned an empty reply under them; it
+    is refused the same way."""
+    tok = tokenizer_for(family)
+    with pytest.raises(DataError, match=r"message 1 \(assistant\) has tool_calls, but the chat template does not write them"):
+        Renderer("chat", FieldNames(), tok)(Row({"messages": LAST_CALL}, WHERE))
+
+
+# ---------------------------------------------------------------- trainforge's ChatML default writes tool calls
+
+OLD_DEFAULT = (  # the default before it wrote tool calls: rows without calls must render byte for byte as under it
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def default_learned(messages: list[dict], template: str | None = None) -> tuple[str, list[str]]:
     from trainforge.data.formats import DEFAULT_CHAT_TEMPLATE
 
-    tok = tokenizer_for("qwen2.5" if family == "default" else family)
-    renderer = Renderer("chat", FieldNames(), tok, chat_template=DEFAULT_CHAT_TEMPLATE if family == "default" else None)
-    with pytest.raises(DataError, match=r"message 1 \(assistant\) has tool_calls, but the chat template does not write them"):
-        renderer(Row({"messages": LAST_CALL}, WHERE))
+    tok = tokenizer_for("qwen2.5")
+    rendered = Renderer("chat", FieldNames(), tok, chat_template=template or DEFAULT_CHAT_TEMPLATE)(Row({"messages": messages}, WHERE))
+    chunk = tokenize_rendered([rendered], tok, max_length=8192, too_long="truncate", special_tokens=False)
+    return rendered.text, [decode(tok, chunk.ids[a:b]) for a, b in runs(chunk.learn)]
+
+
+def test_the_default_template_writes_tool_calls_hermes_style_and_learns_them():
+    """A tokenizer without a template trains on trainforge's ChatML default, which wrote only contents: a tool-call
+    row was refused (before that, learned an empty reply). It writes each call as Hermes and Qwen2.5 do,
+    '<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>', after the content; both call layouts (OpenAI's,
+    with the arguments as a JSON string, and HF's, a dict) write the same text, and the call turn is learned whole."""
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text, runs_ = default_learned(tool_conversation(None))
+    assert "<|im_start|>assistant\n" + call + "<|im_end|>\n<|im_start|>tool\n" in text
+    assert runs_ == [call + "<|im_end|>\n", "It is sunny.<|im_end|>\n"]
+    hf_layout = [LAST_CALL[0], {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}]}]
+    assert default_learned(hf_layout)[1] == [call + "<|im_end|>\n"]
+    with_content = default_learned(tool_conversation("Checking."))[1]
+    assert with_content[0] == "Checking.\n" + call + "<|im_end|>\n"
+
+
+def test_the_default_template_renders_rows_without_calls_as_before():
+    """Writing calls changed nothing else: existing chat data renders, and is learned, exactly as before."""
+    rows = [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+         {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}],
+    ]
+    for messages in rows:
+        assert default_learned(messages) == default_learned(messages, OLD_DEFAULT)
 
 
 # ---------------------------------------------------------------- Nemotron Nano v2: a last message is written apart

@@ -24,9 +24,18 @@ FORMATS = ("text", "prompt_completion", "chat", "alpaca", "source_target")
 SOURCE_TARGET = ("source", "target")  # {"source", "target"} rows; {"input", "output"} (data.fields names) read alike
 
 # Used when the tokenizer has no chat template: ChatML-style turns. The assistant's turn,
-# including its closing "<|im_end|>", is what gets learned.
+# including its closing "<|im_end|>", is what gets learned. Tool calls (OpenAI's layout, or HF's
+# with the function's fields at the top) are written as Hermes and Qwen2.5 write them, one
+# <tool_call> JSON object each after the content; a row without calls renders as it always did.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}"
+    "{% if m['content'] %}{{ m['content'] }}\n{% endif %}"
+    "{% for call in m['tool_calls'] %}{% set f = call['function'] if call['function'] is defined else call %}"
+    "<tool_call>\n{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}}\n</tool_call>"
+    "{% if not loop.last %}\n{% endif %}{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # Alpaca rows become a prompt/completion pair with this prompt.
