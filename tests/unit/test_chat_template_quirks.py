@@ -199,3 +199,18 @@ def test_gpt_oss_analysis_then_call_ending_the_row_is_learned_whole():
     never the call; now all of it is, the way the thinking test learns analysis and final message together."""
     messages = [LAST_CALL[0], {**LAST_CALL[1], "content": "Checking."}]
     assert learned("gpt-oss", messages)[1] == ["<|channel|>analysis<|message|>Checking.<|end|><|start|>assistant" + GPT_OSS_CALL]
+
+
+# ---------------------------------------------------------------- templates that write today's date
+
+@pytest.mark.parametrize("family,written", [("llama3", "Today Date: 26 Jul 2024\n"), ("gpt-oss", "Current date: 2024-07-26\n")])
+def test_templates_that_write_todays_date_write_a_fixed_one(family, written):
+    """Llama 3.1+ and gpt-oss write the day's date (transformers' strftime_now) into every row's system text: tokens
+    made on another day (a cache rebuilt on another node, a resume) differed from the checkpoint's. The rows are
+    written at one fixed date, Llama 3.1's own fallback; the template a run saves in final/ is the model's, unchanged."""
+    from datetime import datetime
+
+    text, runs_ = learned(family, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])
+    assert written in text and datetime.now().strftime("%Y-%m-%d") not in text
+    assert runs_ and "Hello!" in runs_[-1]
+    assert "macro strftime_now" not in tokenizer_for(family).chat_template

@@ -57,11 +57,22 @@ def _variants(text: str) -> dict[str, None]:
     return dict.fromkeys((text, text.strip(), text.strip("\n"), text.lstrip("\n")))
 
 
+# Templates that write today's date (Llama 3.1+, gpt-oss, Granite 3.3, Mistral Small 3) would make the tokens
+# depend on the day they were made: a cache rebuilt on another day or node would differ from the checkpoint's,
+# and eval from training. A macro of the same name shadows transformers' clock (a function cannot be passed:
+# transformers turns template arguments into plain data) and writes Llama 3.1's own fallback, 26 Jul 2024.
+TRAINING_DATE = (("%Y", "2024"), ("%y", "24"), ("%m", "07"), ("%B", "July"), ("%b", "Jul"), ("%d", "26"), ("%e", "26"),
+                 ("%A", "Friday"), ("%a", "Fri"), ("%H", "00"), ("%M", "00"), ("%S", "00"))
+FIXED_DATE_MACRO = ("{% macro strftime_now(format) %}{{ format"
+                    + "".join(f" | replace('{code}', '{value}')" for code, value in TRAINING_DATE) + " }}{% endmacro %}")
+
+
 class ChatLocator:
     """Renders conversations with one template and locates the assistant turns in the text."""
 
     def __init__(self, tokenizer, template: str):
         self.tokenizer, self.template = tokenizer, template
+        self.rendered_template = FIXED_DATE_MACRO + template if "strftime_now" in template else template
         self.reasoning = reasoning_field(template)  # where the template writes a trace from (a slot of its own)
         # skeleton renders depend only on the conversation's structure (roles, non-content fields, empty contents)
         self._skeletons: OrderedDict[tuple, str] = OrderedDict()
@@ -79,7 +90,7 @@ class ChatLocator:
         the assistant turn to come (an encoder-decoder's source)."""
         try:
             return self.tokenizer.apply_chat_template(
-                self.prepared(messages), chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
+                self.prepared(messages), chat_template=self.rendered_template, tokenize=False, add_generation_prompt=generation_prompt
             )
         except Exception as e:  # jinja's raise_exception (e.g. roles must alternate) and template bugs
             raise DataError(f"{where}: the chat template cannot render this conversation: {e}") from None
