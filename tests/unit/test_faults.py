@@ -271,3 +271,31 @@ def test_a_signal_during_set_up_stops_before_the_model_loads_and_saves_nothing(c
     assert not list((tmp_path / "eval" / "checkpoints").glob("step-*"))
     events = [e for e in read_metrics(tmp_path / "eval" / "events.jsonl") if e.get("event") == "stop"]
     assert events and events[-1]["step"] == 0 and events[-1]["saved"] is False
+
+
+def test_a_signal_while_tokenizing_stops_at_the_next_chunk_and_caches_nothing(config, tmp_path, monkeypatch):
+    """Ctrl-C while a large corpus tokenized still tokenized all of it (minutes) before stopping at the end of the
+    stage: the build checks the stop between chunks, stops at the next one and leaves no cache entry behind."""
+    import signal
+
+    import trainforge.data.prepare as prepare
+    from trainforge.engine.preempt import Interrupted, StopRequest
+
+    chunks = prepare._chunks
+    monkeypatch.setattr(prepare, "_chunks", lambda rows: chunks(rows, 2))  # many chunks from the fixture's rows
+    cfg = RunConfig.model_validate({**config, "data": {**config["data"], "cache_dir": str(tmp_path / "cache"), "num_workers": 1}})
+    stop, tokenized = StopRequest(), []
+    chunk = prepare._tokenize_chunk
+
+    def tokenize(rows):
+        tokenized.append(len(rows))
+        if len(tokenized) == 2:
+            stop.signum = signal.SIGINT  # as the handler leaves it, mid-build
+        return chunk(rows)
+
+    monkeypatch.setattr(prepare, "_tokenize_chunk", tokenize)
+    with pytest.raises(Interrupted, match="^SIGINT during set-up, before the first step"):
+        with trainer.open_run(cfg, tmp_path / "run", quiet()[0], "auto", stop):
+            pass
+    assert len(tokenized) == 2  # the third chunk was never started
+    assert not [p for p in (tmp_path / "cache").rglob("stats.json")]  # no complete entry: the next run builds it anew

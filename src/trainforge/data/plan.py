@@ -76,13 +76,15 @@ class DataPlan:
     eval_collate: RowCollator | Seq2SeqCollator | None
 
 
-def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = False) -> DataPlan:
-    """Tokenize (or reuse the cache), mix sources by weight, pack into rows.
+def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = False,
+              between_chunks: Callable[[], None] | None = None) -> DataPlan:
+    """Tokenize (or reuse the cache), mix sources by weight, pack into rows. ``between_chunks``: see prepare_data.
 
     Encoder-decoder models (T5, BART, ...): source -> target pairs, one per row (the config
     turns packing off for them), batched by ``Seq2SeqCollator``."""
     d = cfg.data
-    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=cfg.model.kind.encoder_decoder)
+    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=cfg.model.kind.encoder_decoder,
+                            between_chunks=between_chunks)
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
     collator = collator_for(cfg, tokenizer)

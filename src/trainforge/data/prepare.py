@@ -12,7 +12,7 @@ import multiprocessing
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
@@ -117,7 +117,8 @@ class ChunkTokenizer:
     ``max_target_length``: rows become source -> target pairs (encoder-decoder), ``max_length`` the source's limit."""
 
     def __init__(
-        self, renderer: Renderer, tokenizer, max_length: int, too_long: str, workers: int, max_target_length: int | None = None
+        self, renderer: Renderer, tokenizer, max_length: int, too_long: str, workers: int, max_target_length: int | None = None,
+        between_chunks: Callable[[], None] | None = None,
     ):
         _WORKER.update(
             renderer=renderer,
@@ -128,6 +129,7 @@ class ChunkTokenizer:
             special_tokens=renderer.fmt != "chat",  # chat templates carry their own special tokens
         )
         self.workers, self.seq2seq = workers, max_target_length is not None
+        self.between_chunks = between_chunks or (lambda: None)  # may raise to stop (a signal): checked per chunk
         self.pool: ProcessPoolExecutor | None = None
         if workers > 1:
             # fork: workers inherit the loaded tokenizer instead of re-importing transformers (seconds each)
@@ -136,10 +138,13 @@ class ChunkTokenizer:
 
     def map(self, chunks: Iterator[list[Row]]) -> Iterator[tuple[TokenizedChunk, list[str]]]:
         if self.pool is None:
-            yield from (_tokenize_chunk(c) for c in chunks)
+            for c in chunks:
+                self.between_chunks()
+                yield _tokenize_chunk(c)
             return
         pending: deque[Future] = deque()
         for c in chunks:
+            self.between_chunks()
             pending.append(self.pool.submit(_tokenize_chunk, c))
             if len(pending) >= 2 * self.workers:  # bounded in-flight work: bounded memory
                 yield pending.popleft().result()
@@ -214,9 +219,11 @@ def _write_store(path: Path, rows_by_source: Iterator[Iterator[Row]], tok: Chunk
     return counts
 
 
-def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bool = False) -> PreparedData:
+def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bool = False,
+                 between_chunks: Callable[[], None] | None = None) -> PreparedData:
     """Token stores for train and eval: from the cache when the fingerprint matches, else built.
-    ``seq2seq``: rows as source -> target pairs for an encoder-decoder model (data/seq2seq.py)."""
+    ``seq2seq``: rows as source -> target pairs for an encoder-decoder model (data/seq2seq.py).
+    ``between_chunks``: called before each chunk is tokenized; what it raises stops the build (nothing is cached)."""
     start = time.perf_counter()
     fmt = resolve_format(cfg)
     root = cache_entry(cfg, fmt, tokenizer, seed, seq2seq)
@@ -225,7 +232,7 @@ def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bo
         log(f"data: cache hit, reusing tokens from {root}")
     else:
         log(f"data: tokenizing into {root}")
-        if not publish_entry(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp, seq2seq)):
+        if not publish_entry(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp, seq2seq, between_chunks)):
             log(f"data: another process finished {root.name} first; using its tokens (the same ones)")
     stats = json.loads((root / STATS_FILE).read_text())
     stats["prepare_s"] = time.perf_counter() - start
@@ -234,7 +241,8 @@ def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bo
     return PreparedData(TokenStore(root / "train"), eval_store, fmt, stats, root, hit)
 
 
-def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq: bool = False) -> None:
+def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq: bool = False,
+           between_chunks: Callable[[], None] | None = None) -> None:
     bad = BadRows(cfg.on_bad_row)
     renderer = Renderer(fmt, cfg.fields, tokenizer, cfg.chat_template, cfg.train_on_prompt)
     too_long = cfg.too_long_for(fmt)
@@ -244,7 +252,7 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
             "give prompt/completion, source/target, input/output, alpaca or chat rows"
         )
     workers = cfg.num_workers or os.cpu_count() or 1
-    tok = ChunkTokenizer(renderer, tokenizer, cfg.max_length, too_long, workers, cfg.target_limit() if seq2seq else None)
+    tok = ChunkTokenizer(renderer, tokenizer, cfg.max_length, too_long, workers, cfg.target_limit() if seq2seq else None, between_chunks)
     vocab = len(tokenizer)
     n_sources = len(cfg.sources())
     kind = holdout_kind(cfg.eval, too_long)

@@ -103,7 +103,8 @@ def setup(
         check_positions(cfg.model, cfg.data.max_length, reporter.warn)  # a row past a learned position table fails mid-step
         refuse_what_cannot_fit(cfg, tokenizer, precision, device, ctx)  # before the data and the model cost anything
         laps("fit_check")
-        data = plan_data(cfg, tokenizer, reporter, pin=device.type == "cuda")  # bad data fails before the run dir exists
+        halt = (stop or StopRequest()).stop_before_training  # a signal stops tokenizing at the next chunk; bad data fails before the run dir
+        data = plan_data(cfg, tokenizer, reporter, device.type == "cuda", lambda: halt(output_dir, ctx.enabled))
         out = Path(output_dir)
         resume_plan = choose_checkpoint(out, cfg, resume, reporter)
         if resume_plan is None and ctx.is_main:
