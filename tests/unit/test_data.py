@@ -365,3 +365,17 @@ def test_files_of_two_formats_in_one_list_are_named_as_such(tmp_path, tok):
     alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "say", "output": "hi"}])
     with pytest.raises(DataError, match=r"alpaca\.jsonl:1: this row is alpaca data .* but the run reads chat .*one run reads one format"):
         prepare(tmp_path, tok, train=[str(chat), str(alpaca)], eval=None)
+
+
+def test_the_data_line_writes_counts_as_numbers_are_read():
+    """'299999 split into blocks' and 'eval 1 rows': counts with thousands separators, one row singular."""
+    from types import SimpleNamespace
+
+    from trainforge.data.plan import describe_data
+
+    stats = {"format": "text", "train_rows": 1200, "train_sequences": 300000, "train_tokens": 2_000_000,
+             "split": 299999, "eval_rows": 1}
+    plan = SimpleNamespace(prepared=SimpleNamespace(stats=stats), collate=SimpleNamespace(packed=True, concat=False),
+                           train_rows=[0] * 5000)
+    line = describe_data(plan, 0.98)
+    assert "299,999 split into blocks" in line and "eval 1 row;" in line and "5,000 packed rows" in line

@@ -443,4 +443,8 @@ def test_prepare_reports_source_target_rows(t5_dir, reverse_data, tmp_path):
     buf = io.StringIO()
     stats = prepare_only(cfg, ConsoleReporter(Console(file=buf, width=300)))
     assert stats["encoder_decoder"] and 0 < stats["row_efficiency"] < 1
-    assert "source -> target rows" in buf.getvalue()
+    assert "source -> target rows" in buf.getvalue() and "(prepared in " in buf.getvalue()
+    again = io.StringIO()
+    prepare_only(cfg, ConsoleReporter(Console(file=again, width=300)))
+    assert "(reused)" in again.getvalue()  # a cache hit said 'prepared in 0.0s'
+

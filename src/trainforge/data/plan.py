@@ -156,7 +156,8 @@ def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None) -> dic
     efficiency = loader.padding_efficiency()
     reporter.info(describe_data(plan, efficiency))
     stats = {**plan.prepared.stats, "rows": len(plan.train_rows), "row_efficiency": efficiency}
-    reporter.info(f"cache: {plan.prepared.cache_path} (prepared in {stats['prepare_s']:.1f}s)")
+    how = "reused" if plan.prepared.cache_hit else f"prepared in {stats['prepare_s']:.1f}s"
+    reporter.info(f"cache: {plan.prepared.cache_path} ({how})")
     return stats
 
 
@@ -190,7 +191,7 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
     if s.get("encoder_decoder"):
         mode = "source -> target"
     notes = [
-        f"{s[k]} {label}"
+        f"{s[k]:,} {label}"
         for k, label in (
             ("truncated", "source truncated" if s.get("encoder_decoder") else "truncated"),
             ("target_truncated", "target truncated"),
@@ -208,7 +209,7 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
         f"({s['train_tokens']:,} tokens)" + {"preference": " in pairs", "unpaired": " with their KL samples"}.get(s["format"], "")
         + f" -> {len(plan.train_rows):,} {mode} rows, "
         f"{efficiency:.1%} of row capacity is real tokens; "
-        + (f"eval {s['eval_sequences']:,} blocks held out" if s.get("eval_holdout") == "blocks" else f"eval {s['eval_rows']:,} rows")
+        + (f"eval {s['eval_sequences']:,} blocks held out" if s.get("eval_holdout") == "blocks" else f"eval {s['eval_rows']:,} row{'' if s['eval_rows'] == 1 else 's'}")
         + ("; " + ", ".join(notes) if notes else "")
         + (f"\n  bad rows, first: {'; '.join(s['bad_row_examples'])}" if s.get("bad_row_examples") else "")
     )
