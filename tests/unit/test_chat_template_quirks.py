@@ -214,3 +214,13 @@ def test_templates_that_write_todays_date_write_a_fixed_one(family, written):
     assert written in text and datetime.now().strftime("%Y-%m-%d") not in text
     assert runs_ and "Hello!" in runs_[-1]
     assert "macro strftime_now" not in tokenizer_for(family).chat_template
+
+
+def test_a_system_turn_gemma_refuses_says_what_to_do():
+    """Gemma 2's template raises 'System role not supported': the refusal says where to put the system text."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    with pytest.raises(DataError) as err:
+        learned("gemma2", messages)
+    message = str(err.value)
+    assert WHERE in message and "System role not supported" in message
+    assert "first user message" in message and "data.chat_template" in message

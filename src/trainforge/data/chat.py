@@ -93,7 +93,11 @@ class ChatLocator:
                 self.prepared(messages), chat_template=self.rendered_template, tokenize=False, add_generation_prompt=generation_prompt
             )
         except Exception as e:  # jinja's raise_exception (e.g. roles must alternate) and template bugs
-            raise DataError(f"{where}: the chat template cannot render this conversation: {e}") from None
+            hint = ""
+            if "system" in str(e).lower() and any(m.get("role") == "system" for m in messages):  # Gemma, Mistral v0.1
+                hint = ("; this template takes no system message: put its text at the start of the first user message, "
+                        "or set data.chat_template to a template that has a system role")
+            raise DataError(f"{where}: the chat template cannot render this conversation: {e}{hint}") from None
 
     def _skeleton(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False, force: int | None = None) -> str:
         """The conversation rendered with placeholders for contents and reasoning (cached by structure).
