@@ -54,6 +54,8 @@ def test_nproc_exits_with_the_workers_code_and_prints_a_shared_error_once(tmp_pa
     proc = run_cli(["train", config, "--output", tmp_path / "run", "--nproc", 2, "--set", f"data.train={bad}"], tmp_path)
     assert proc.returncode == 2, show(proc)
     assert proc.stderr.count("bad.jsonl:2") == 1, show(proc)  # rank 0 prints it; rank 1 exits quietly
+    # torchrun's report is one line naming the rank, not its ChildFailedError traceback below the error
+    assert "Traceback" not in proc.stderr and "failed first, exit code 2" in proc.stderr, show(proc)
 
     # a loss that blows up: every rank stops alike on the non-finite guard, exit code 3, said once
     proc = run_cli(
