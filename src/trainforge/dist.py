@@ -32,6 +32,12 @@ class DistError(TrainforgeError, RuntimeError):
     """A distributed setting that cannot work (the CLI exits with code 2)."""
 
 
+def peer_failure(e: BaseException) -> bool:
+    """A collective that failed because another rank died, hung or closed its connections."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("connection closed by peer", "connection reset by peer"))
+
+
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
