@@ -79,7 +79,7 @@ def train(
         args = [*([str(config)] if config else []), *(["--preset", preset] if preset else []), *(a for s in set_ or [] for a in ("--set", s))]
         raise typer.Exit(launch(nproc, [*args, "--output", str(output), "--resume", resume]))
 
-    from .dist import launched_by_torchrun
+    from .dist import launched_by_torchrun, peer_failure
     from .engine.oom import OutOfMemory
     from .engine.trainer import train as run_training
 
@@ -99,7 +99,7 @@ def train(
                 time.sleep(QUIET_RANK_GRACE_S)
             _fail_with(e, quiet=quiet)
         except Exception as e:
-            if not (worker and _peer_failure(e)):
+            if not (worker and peer_failure(e)):
                 raise
             # not this rank's fault: one line here, the failing rank shows its own error (and torchrun names it)
             _fail(f"rank {os.environ.get('RANK')}: stopping because another process of the job failed ({type(e).__name__})", 1)
@@ -127,14 +127,6 @@ def _end_worker(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _peer_failure(e: BaseException) -> bool:
-    """A collective that failed because another rank died, hung or closed its connections."""
-    import torch.distributed as dist
-
-    text = str(e).lower()
-    return isinstance(e, dist.DistError) or any(w in text for w in ("connection closed by peer", "connection reset by peer"))
 
 
 @app.command()

@@ -25,10 +25,17 @@ import torch.distributed as dist
 from .errors import TrainforgeError
 
 MODES = ("ddp", "fsdp")
+PATIENT_TIMEOUT_S = 7 * 24 * 3600.0  # rank 0's work before the others go on (tokenizing): unbounded in practice
 
 
 class DistError(TrainforgeError, RuntimeError):
     """A distributed setting that cannot work (the CLI exits with code 2)."""
+
+
+def peer_failure(e: BaseException) -> bool:
+    """A collective that failed because another rank died, hung or closed its connections."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(w in text for w in ("connection closed by peer", "connection reset by peer"))
 
 
 def launched_by_torchrun() -> bool:
@@ -44,6 +51,7 @@ class DistContext:
     world_size: int = 1
     local_world_size: int = 1
     mode: str = "none"  # none (one process) | ddp | fsdp: chosen by ``choose_mode`` once the model is built
+    patient_group: Any = None  # gloo, without the job's collective timeout: ``main_first``'s wait (set by init_distributed)
 
     @property
     def enabled(self) -> bool:
@@ -83,14 +91,22 @@ class DistContext:
 
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first (builds a cache, creates a directory), the others after it."""
+        """Rank 0 runs the block first (builds a cache, creates a directory), the others after it.
+
+        The others wait on ``patient_group``, not under ``train.dist_timeout_s``: tokenizing a large corpus
+        or computing reference log-probabilities can take rank 0 hours, and a waiting rank timed out at 600 s
+        and ended the job. A rank 0 that dies still ends the wait at once (gloo sees its connection close)."""
         if not self.is_main:
-            self.barrier()
+            self._patient_barrier()
         try:
             yield
         finally:
             if self.is_main:
-                self.barrier()
+                self._patient_barrier()
+
+    def _patient_barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.patient_group)
 
     def step_totals(self, n_targets: int, n_tokens: int, stop: bool, time_due: bool, device: torch.device) -> tuple[int, int, bool, bool]:
         """One tiny all-reduce per step: target and input tokens of all ranks, and whether any rank
@@ -183,6 +199,8 @@ def init_distributed(device_type: str, timeout_s: float) -> DistContext:
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    # every rank creates it, in the same order; on CPU with no timeout of its own, so gloo and NCCL jobs alike
+    ctx.patient_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(timeout_s, PATIENT_TIMEOUT_S)))
     return ctx
 
 

@@ -112,6 +112,9 @@ def test_killed_rank_resumes_exactly_and_needs_the_same_world_size(two_proc, tmp
     assert proc.returncode != 0, show(proc)
     assert time.monotonic() - t0 < FAILURE_BOUND_S, show(proc)
     assert [c.step for c in scan_checkpoints(run / "checkpoints")[0]] == [3]
+    # rank 0 only saw its peer go: events.jsonl (and doctor) say so, not gloo's "connection closed" as its own error
+    errors = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "error"]
+    assert errors[-1]["type"] == "PeerFailure" and "another process of the job" in errors[-1]["message"], errors
 
     # another world size: refused with a message, before any step
     with pytest.raises(ResumeError, match="written by 2 process"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from integration_helpers import root_conftest, run_cli, show
+from integration_helpers import cli_command, root_conftest, run_cli, show
 from safetensors.torch import load_file
 from test_distributed import dist_config, final_weights, one_process_run, records
 
@@ -54,6 +54,8 @@ def test_nproc_exits_with_the_workers_code_and_prints_a_shared_error_once(tmp_pa
     proc = run_cli(["train", config, "--output", tmp_path / "run", "--nproc", 2, "--set", f"data.train={bad}"], tmp_path)
     assert proc.returncode == 2, show(proc)
     assert proc.stderr.count("bad.jsonl:2") == 1, show(proc)  # rank 0 prints it; rank 1 exits quietly
+    # torchrun's report is one line naming the rank, not its ChildFailedError traceback below the error
+    assert "Traceback" not in proc.stderr and "failed first, exit code 2" in proc.stderr, show(proc)
 
     # a loss that blows up: every rank stops alike on the non-finite guard, exit code 3, said once
     proc = run_cli(
@@ -80,7 +82,7 @@ def test_sigterm_to_nproc_saves_and_exits_75(tmp_path, tiny_tokenizer_dir, toy_d
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=END_BOUND_S)
     assert proc.returncode == 75, f"{proc.returncode}\n{out}\n{err}"
-    assert err.count("stopped:") == 1, err
+    assert err.count("stopped:") == 1 and err.count("SIGTERM: finishing the current step") == 1, err  # rank 0's, once
     assert "Traceback" not in err and "SignalException" not in err, err  # torchrun's own, after the workers' line
     assert scan_checkpoints(run / "checkpoints")[0], "no checkpoint saved on SIGTERM"
 
@@ -140,3 +142,22 @@ def test_two_nodes_train_like_one_process_and_resume_after_a_node_dies(tmp_path,
     for name, value in expected.items():
         assert torch.equal(got[name], value), f"weight {name} differs after the resume"
     assert records(run) == records(tmp_path / "two")
+
+
+def test_ranks_wait_for_rank_0_tokenizing_longer_than_the_collective_timeout(tmp_path, tiny_tokenizer_dir, toy_data_dir):
+    """The others wait while rank 0 tokenizes (main_first): a large corpus takes hours, and the wait once failed
+    at train.dist_timeout_s (600 s), ending the job with a gloo traceback before any step."""
+    config = quick_config(tmp_path, tiny_tokenizer_dir, toy_data_dir, dist_timeout_s=2)
+    pause = tmp_path / "go"
+    args = ["train", config, "--output", tmp_path / "run", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    argv, env = cli_command(args, faults={"rank": 0, "pause_in_build": str(pause)}, nproc=2)
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + END_BOUND_S
+    while not Path(f"{pause}.paused").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(4)  # rank 0 still building: twice the collective timeout
+    pause.touch()
+    out, err = proc.communicate(timeout=END_BOUND_S)
+    assert proc.returncode == 0, f"{proc.returncode}\n{out}\n{err}"
+    assert (tmp_path / "run" / "summary.json").is_file()

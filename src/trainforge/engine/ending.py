@@ -4,6 +4,7 @@ error (an ``error`` event for ``doctor``), and report.html, which every ending g
 from __future__ import annotations
 
 from ..checkpoint import step_dir_name
+from ..dist import peer_failure
 from .preempt import Interrupted
 from .run import Run
 
@@ -28,9 +29,12 @@ def stop_before_first_step(run: Run) -> None:
 def record_failure(run: Run, error: Exception) -> None:
     """An ``error`` event for ``doctor``: what stopped the run, at which step, with which exit code (without it, a
     run that raised looked killed). Writing it must not hide the error itself (a full disk)."""
+    kind, message = type(error).__name__, str(error)
+    if run.dist.enabled and peer_failure(error):  # this rank only saw a peer go: say so, not gloo's socket text
+        kind, message = "PeerFailure", (f"another process of the job failed or died first; its own output, or the "
+                                        f"launcher's line naming it, says why (this rank saw: {kind}: {message})")
     try:
-        run.metrics.event("error", run.step, type=type(error).__name__, message=str(error)[:2000],
-                          exit_code=getattr(error, "exit_code", 1))
+        run.metrics.event("error", run.step, type=kind, message=message[:2000], exit_code=getattr(error, "exit_code", 1))
     except Exception:  # noqa: BLE001 - the run's own error is the one to report
         pass
 

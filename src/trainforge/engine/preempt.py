@@ -49,7 +49,8 @@ class StopRequest:
         doing = ("finishing the current step, then saving a checkpoint (send it again to stop at once, without saving)"
                  if self.stepping else "stopping at the end of this stage of set-up, before any step: nothing to save "
                  "(send it again to stop at once)")
-        os.write(2, f"\n{signal.Signals(signum).name}: {doing}\n".encode())
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the signal: rank 0 says it, once
+            os.write(2, f"\n{signal.Signals(signum).name}: {doing}\n".encode())
 
     def stop_before_training(self, out: object, distributed: bool = False) -> None:
         """A signal during set-up: stop at this stage's end rather than tokenize, load, evaluate and save
