@@ -82,6 +82,25 @@ def test_anthropic_hh_implicit_prompt_is_the_shared_prefix_cut_at_a_word():
     assert got_r.spans == [(len(prompt), len(rejected))]
 
 
+def test_a_prompt_both_sides_already_begin_with_is_written_once():
+    """A prompt column beside full texts (HH with its prompt split out, but chosen/rejected left whole) or
+    full conversations (UltraFeedback's lists beside a prompt list): the prompt was written twice, its second
+    copy learned as part of each reply."""
+    tok, r = renderer()
+    prompt = "\n\nHuman: Can you help me bake bread?\n\nAssistant:"
+    chosen, rejected = r.pair(Row({"prompt": prompt, "chosen": prompt + " Sure, flour.", "rejected": prompt + " No."}, WHERE))
+    assert chosen.text == prompt + " Sure, flour." and rejected.text == prompt + " No."
+    assert learned_text(tok, chosen).startswith(" Sure, flour.") and "Human" not in learned_text(tok, chosen)
+    question = [user("Write a haiku about rain.")]
+    row = Row({"prompt": question, "chosen": question + [assistant("Soft rain")], "rejected": question + [assistant("Wet.")]}, WHERE)
+    chosen, rejected = r.pair(row)
+    assert chosen.text.count("haiku") == 1 and rejected.text.count("haiku") == 1
+    assert learned_text(tok, chosen) == "Soft rain<|im_end|>\n" and learned_text(tok, rejected) == "Wet.<|im_end|>\n"
+    # TRL's explicit layout, replies only, is read as before
+    chosen, _ = r.pair(Row({"prompt": question, "chosen": [assistant("Soft rain")], "rejected": [assistant("Wet.")]}, WHERE))
+    assert chosen.text.count("haiku") == 1 and learned_text(tok, chosen) == "Soft rain<|im_end|>\n"
+
+
 def test_orca_dpo_pairs_read_their_prompt_under_its_data_fields_name():
     """Intel/orca_dpo_pairs: {system, question, chosen, rejected}; data.fields.prompt names the question."""
     tok = tokenizer_for("qwen2.5")
