@@ -282,3 +282,14 @@ def test_preference_keys_the_objective_reads_or_leaves_at_their_default_are_acce
     assert load_config(None, ["train.objective=kto", "preference.desirable_weight=1.33"]).preference.desirable_weight == 1.33
     assert load_config(None, ["train.objective=ipo", "preference.label_smoothing=0.0", "preference.simpo_gamma=0.5"])
     assert load_config(None, ["train.objective=orpo", "preference.reference=none"]).preference.reference == "none"
+
+
+def test_kto_reward_accuracy_is_0_while_the_policy_is_its_reference(tmp_path):
+    """Before the first step every reward equals the reference point (beta x KL = 0): no example is on the side its
+    label asks for. It counted a tie as right for undesirable examples, so a run began at the share of undesirable
+    examples in its eval batches (100% on one of them), not at 0 as DPO does."""
+    policy = tiny_llama()
+    objective = PairObjective("kto", PreferenceSettings(beta=0.1), "model", copy.deepcopy(policy).requires_grad_(False))
+    metrics: dict = {}
+    forward_backward(policy, kto_batches(tmp_path, False), FP32, torch.device("cpu"), objective=objective, metrics=metrics)
+    assert int(metrics[PAIR_COUNT]) == len(KTO) and float(metrics["reward_accuracy"]) == 0.0

@@ -109,8 +109,9 @@ class PairObjective:
                 sums = {
                     "rewards_desirable": (rewards * good).sum(), COUNT + "rewards_desirable": good.sum().float(),
                     "rewards_undesirable": (rewards * ~good).sum(), COUNT + "rewards_undesirable": (~good).sum().float(),
-                    # the sign of reward - beta x KL against the label: what KTO learns to get right
-                    "reward_accuracy": ((rewards > s.beta * kl) == good).float().sum(),
+                    # the sign of reward - beta x KL against the label: what KTO learns to get right (a tie is on
+                    # neither side: before the first step every reward is the reference point, the accuracy 0, as DPO's)
+                    "reward_accuracy": torch.where(good, rewards > s.beta * kl, rewards < s.beta * kl).float().sum(),
                     "kl": kl * len(losses), "logps": p.chosen.detach().sum(), PAIRS: torch.tensor(float(len(losses)), device=ref.device),
                 }
                 _add(metrics, sums)
