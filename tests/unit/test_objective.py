@@ -179,6 +179,11 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
         rows_for(load_config(None), SimpleNamespace(format="unpaired"))
     with pytest.raises(DataError, match="train.objective=kto needs unpaired rows"):
         rows_for(load_config(None, ["train.objective=kto"]), pairs)
+    # the other kind of preference rows: the objective is the fix, not a data.fields rename
+    with pytest.raises(DataError, match=r"holds preference rows .*: set train.objective to dpo, ipo, orpo or simpo$"):
+        rows_for(load_config(None, ["train.objective=kto"]), pairs)
+    with pytest.raises(DataError, match=r"holds unpaired rows .*: set train.objective to kto$"):
+        rows_for(load_config(None, ["train.objective=dpo"]), SimpleNamespace(format="unpaired"))
     # {prompt, completion, label: 1} rows are prompt/completion data: the message says why, and how to find the row
     with pytest.raises(DataError, match=r"is prompt_completion data \(told apart by a 'label' of true or false, not 1/0"):
         rows_for(load_config(None, ["train.objective=kto"]), SimpleNamespace(format="prompt_completion"))

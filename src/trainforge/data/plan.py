@@ -114,6 +114,10 @@ def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
     if wanted is None:
         fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
         raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to {fix}")
+    if held is not None:  # the other kind of preference rows: the objective is what to change
+        fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
+        raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} "
+                        f"holds {held} rows ({layouts[held]}): set train.objective to {fix}")
     told = (f" (told apart by a {n.label!r} of true or false, not 1/0 or a string: set data.format: unpaired to have "
             "each row's label checked)" if wanted == "unpaired" else "")
     other = (" (other column names: map them with data.fields, e.g. "
