@@ -244,3 +244,19 @@ def test_bad_rows_are_counted_under_skip_and_kto_labels_reach_the_store_and_batc
         assert batch.desirable.tolist() == want and batch.n_documents == 2 * len(want)
     else:
         assert store.desirable is None
+
+
+def test_the_data_line_counts_cut_sides_and_dropped_pairs_in_their_units():
+    """A pair too long for its row is cut on both sides (two sequences) and, with nothing left to learn, dropped
+    whole (one pair): the line said '32 truncated, 16 dropped' of 180 rows, as if 48 rows were touched."""
+    from types import SimpleNamespace
+
+    from trainforge.data.plan import describe_data
+
+    stats = {"format": "preference", "train_rows": 180, "train_sequences": 328, "train_tokens": 3232, "eval_rows": 20,
+             "truncated": 32, "dropped_masked": 16}
+    plan = SimpleNamespace(prepared=SimpleNamespace(stats=stats), collate=SimpleNamespace(packed=True, concat=False),
+                           train_rows=[0] * 26)
+    assert describe_data(plan, 0.97).endswith("eval 20 rows; 32 sides truncated, 16 pairs dropped with nothing to learn")
+    stats["format"] = "prompt_completion"
+    assert describe_data(plan, 0.97).endswith("eval 20 rows; 32 truncated, 16 dropped with nothing to learn")

@@ -193,15 +193,17 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
     mode = {True: "packed", False: "unpacked", "concat": "concatenated"}[plan.collate.packed or ("concat" if plan.collate.concat else False)]
     if s.get("encoder_decoder"):
         mode = "source -> target"
+    # a pair is counted in sequences where it is cut (each side) and in pairs where it is dropped (whole)
+    unit = {"preference": ("sides ", "pairs "), "unpaired": ("sequences ", "examples ")}.get(s["format"], ("", ""))
     notes = [
         f"{s[k]} {label}"
         for k, label in (
-            ("truncated", "source truncated" if s.get("encoder_decoder") else "truncated"),
+            ("truncated", "source truncated" if s.get("encoder_decoder") else unit[0] + "truncated"),
             ("target_truncated", "target truncated"),
             ("split", "split into blocks"),
             ("dropped_too_long", "dropped for a too-long source" if s.get("encoder_decoder") else "dropped as too long"),
             ("target_dropped_too_long", "dropped for a too-long target"),
-            ("dropped_masked", "dropped with nothing to learn"),
+            ("dropped_masked", unit[1] + "dropped with nothing to learn"),
             ("bad_rows", "bad rows skipped"),
             ("eval_overlap_dropped", "dropped as duplicates of eval rows"),
         )
