@@ -12,6 +12,7 @@ import torch
 from conftest import make_store
 from test_preference import PAIRS, TOL, paper_losses, reference_logps, tiny_llama
 
+from trainforge.config import RunConfig
 from trainforge.config_preference import PreferenceSettings
 from trainforge.data.loader import RowCollator
 from trainforge.data.packing import pair_rows
@@ -184,6 +185,15 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
         rows_for(load_config(None, ["train.objective=kto"]), pairs)
     with pytest.raises(DataError, match=r"holds unpaired rows .*: set train.objective to kto$"):
         rows_for(load_config(None, ["train.objective=dpo"]), SimpleNamespace(format="unpaired"))
+    # an encoder-decoder: the objective the message named was refused in turn ("dpo is for decoder-only models");
+    # it says so, and how to learn the chosen replies as targets
+    t5 = RunConfig.model_validate({"model": {"init": {"architecture": "t5", "d_model": 32}},
+                                   "data": {"train": "builtin:python-function-pairs", "max_length": 16}})
+    with pytest.raises(DataError, match=r"this model is an encoder-decoder .*data.fields: \{completion: chosen\}") as e:
+        rows_for(t5, pairs)
+    assert "set train.objective" not in str(e.value)
+    with pytest.raises(DataError, match=r"holds unpaired rows .*this model is an encoder-decoder \(source -> target rows\)$"):
+        rows_for(t5, SimpleNamespace(format="unpaired"))
     # {prompt, completion, label: 1} rows are prompt/completion data: the message says why, and how to find the row
     with pytest.raises(DataError, match=r"is prompt_completion data \(told apart by a 'label' of true or false, not 1/0"):
         rows_for(load_config(None, ["train.objective=kto"]), SimpleNamespace(format="prompt_completion"))

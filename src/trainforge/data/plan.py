@@ -113,6 +113,12 @@ def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
                "unpaired": f"{{{n.prompt}, {n.completion}, {n.label}}} or {{{n.messages}, {n.label}}}"}
     if wanted is None:
         fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
+        if cfg.model.kind.encoder_decoder:  # setting the objective would be refused: none trains an encoder-decoder
+            fix = ("; to learn the chosen replies as targets: data.format: prompt_completion and data.fields: "
+                   f"{{completion: {n.chosen}}} (string pairs), or data.format: chat and data.fields: {{messages: {n.chosen}}} "
+                   "(full conversations, as UltraFeedback's)" if held == "preference" else "")
+            raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): the preference objectives train "
+                            f"decoder-only models here, and this model is an encoder-decoder (source -> target rows){fix}")
         raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to {fix}")
     if held is not None:  # the other kind of preference rows: the objective is what to change
         fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
