@@ -308,3 +308,22 @@ def test_kto_reward_accuracy_is_0_while_the_policy_is_its_reference(tmp_path):
     metrics: dict = {}
     forward_backward(policy, kto_batches(tmp_path, False), FP32, torch.device("cpu"), objective=objective, metrics=metrics)
     assert int(metrics[PAIR_COUNT]) == len(KTO) and float(metrics["reward_accuracy"]) == 0.0
+
+
+def test_the_kto_line_counts_each_label_and_says_the_weights_that_balance_them():
+    """TRL's KTOTrainer warns when desirable_weight x desirable / (undesirable_weight x undesirable) is outside the
+    paper's 1 to 4/3; a run on 160 desirable and 20 undesirable examples said nothing of it."""
+    from trainforge.engine.objective import describe_objective
+
+    def line(good: int, bad: int, **weights) -> str:
+        labels = np.repeat(np.asarray([True] * good + [False] * bad), 2)  # two sequences an example
+        return describe_objective(PairObjective("kto", PreferenceSettings(**weights), "adapters"), labels)
+
+    assert line(100, 100).endswith("; train examples: 100 desirable, 100 undesirable")
+    assert line(160, 20).endswith("; train examples: 160 desirable, 20 undesirable (weighted 8.00 to 1; the KTO paper keeps "
+                                  "this within 1 to 4/3: set preference.desirable_weight to 0.12-0.17, or "
+                                  "preference.undesirable_weight to 6.00-8.00)")
+    assert line(160, 20, undesirable_weight=7.0).endswith("160 desirable, 20 undesirable")
+    assert line(50, 0).endswith("(one label only: the KTO paper trains on both)")
+    dpo = describe_objective(PairObjective("dpo", PreferenceSettings(), "adapters"))
+    assert dpo == "objective: dpo (beta 0.1), reference: the same model with its LoRA adapters off"
