@@ -279,6 +279,13 @@ def test_data_whose_every_row_is_bad_names_the_first_bad_row(tmp_path, tok):
     ({"qid": 1, "question": "Why?", "date": "2010", "metadata": [], "response_j": "Because.", "response_k": "No."},
      "StackExchange-paired preference pairs: set data.fields: {prompt: question, chosen: response_j, rejected: response_k}"),
     ({"id": 3, "question": "2+2?", "answer": "4"}, "question/answer data: set data.fields: {prompt: question, completion: answer}"),
+    # summarization sets for encoder-decoders (docs/data.md names the CNN/DailyMail rename; the error did not)
+    ({"article": "A long story.", "highlights": "Short.", "id": "0a1b"},
+     "CNN/DailyMail-style summarization data: set data.fields: {prompt: article, completion: highlights}"),
+    ({"document": "A long story.", "summary": "Short.", "id": "1"},
+     "XSum-style summarization data: set data.fields: {prompt: document, completion: summary}"),
+    ({"id": "13818513", "dialogue": "Amanda: I baked cookies.", "summary": "Amanda baked cookies."},
+     "SAMSum-style summarization data: set data.fields: {prompt: dialogue, completion: summary}"),
 ])
 def test_an_unknown_layout_of_a_public_dataset_gets_the_data_fields_that_read_it(tmp_path, tok, row, setting):
     """Rows no format matches used to get the list of formats only; columns of well-known public layouts now get the

@@ -12,6 +12,7 @@ import torch
 from conftest import make_store
 from test_preference import PAIRS, TOL, paper_losses, reference_logps, tiny_llama
 
+from trainforge.config import RunConfig
 from trainforge.config_preference import PreferenceSettings
 from trainforge.data.loader import RowCollator
 from trainforge.data.packing import pair_rows
@@ -179,6 +180,20 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
         rows_for(load_config(None), SimpleNamespace(format="unpaired"))
     with pytest.raises(DataError, match="train.objective=kto needs unpaired rows"):
         rows_for(load_config(None, ["train.objective=kto"]), pairs)
+    # the other kind of preference rows: the objective is the fix, not a data.fields rename
+    with pytest.raises(DataError, match=r"holds preference rows .*: set train.objective to dpo, ipo, orpo or simpo$"):
+        rows_for(load_config(None, ["train.objective=kto"]), pairs)
+    with pytest.raises(DataError, match=r"holds unpaired rows .*: set train.objective to kto$"):
+        rows_for(load_config(None, ["train.objective=dpo"]), SimpleNamespace(format="unpaired"))
+    # an encoder-decoder: the objective the message named was refused in turn ("dpo is for decoder-only models");
+    # it says so, and how to learn the chosen replies as targets
+    t5 = RunConfig.model_validate({"model": {"init": {"architecture": "t5", "d_model": 32}},
+                                   "data": {"train": "builtin:python-function-pairs", "max_length": 16}})
+    with pytest.raises(DataError, match=r"this model is an encoder-decoder .*data.fields: \{completion: chosen\}") as e:
+        rows_for(t5, pairs)
+    assert "set train.objective" not in str(e.value)
+    with pytest.raises(DataError, match=r"holds unpaired rows .*this model is an encoder-decoder \(source -> target rows\)$"):
+        rows_for(t5, SimpleNamespace(format="unpaired"))
     # {prompt, completion, label: 1} rows are prompt/completion data: the message says why, and how to find the row
     with pytest.raises(DataError, match=r"is prompt_completion data \(told apart by a 'label' of true or false, not 1/0"):
         rows_for(load_config(None, ["train.objective=kto"]), SimpleNamespace(format="prompt_completion"))
@@ -282,3 +297,33 @@ def test_preference_keys_the_objective_reads_or_leaves_at_their_default_are_acce
     assert load_config(None, ["train.objective=kto", "preference.desirable_weight=1.33"]).preference.desirable_weight == 1.33
     assert load_config(None, ["train.objective=ipo", "preference.label_smoothing=0.0", "preference.simpo_gamma=0.5"])
     assert load_config(None, ["train.objective=orpo", "preference.reference=none"]).preference.reference == "none"
+
+
+def test_kto_reward_accuracy_is_0_while_the_policy_is_its_reference(tmp_path):
+    """Before the first step every reward equals the reference point (beta x KL = 0): no example is on the side its
+    label asks for. It counted a tie as right for undesirable examples, so a run began at the share of undesirable
+    examples in its eval batches (100% on one of them), not at 0 as DPO does."""
+    policy = tiny_llama()
+    objective = PairObjective("kto", PreferenceSettings(beta=0.1), "model", copy.deepcopy(policy).requires_grad_(False))
+    metrics: dict = {}
+    forward_backward(policy, kto_batches(tmp_path, False), FP32, torch.device("cpu"), objective=objective, metrics=metrics)
+    assert int(metrics[PAIR_COUNT]) == len(KTO) and float(metrics["reward_accuracy"]) == 0.0
+
+
+def test_the_kto_line_counts_each_label_and_says_the_weights_that_balance_them():
+    """TRL's KTOTrainer warns when desirable_weight x desirable / (undesirable_weight x undesirable) is outside the
+    paper's 1 to 4/3; a run on 160 desirable and 20 undesirable examples said nothing of it."""
+    from trainforge.engine.objective import describe_objective
+
+    def line(good: int, bad: int, **weights) -> str:
+        labels = np.repeat(np.asarray([True] * good + [False] * bad), 2)  # two sequences an example
+        return describe_objective(PairObjective("kto", PreferenceSettings(**weights), "adapters"), labels)
+
+    assert line(100, 100).endswith("; train examples: 100 desirable, 100 undesirable")
+    assert line(160, 20).endswith("; train examples: 160 desirable, 20 undesirable (weighted 8.00 to 1; the KTO paper keeps "
+                                  "this within 1 to 4/3: set preference.desirable_weight to 0.12-0.17, or "
+                                  "preference.undesirable_weight to 6.00-8.00)")
+    assert line(160, 20, undesirable_weight=7.0).endswith("160 desirable, 20 undesirable")
+    assert line(50, 0).endswith("(one label only: the KTO paper trains on both)")
+    dpo = describe_objective(PairObjective("dpo", PreferenceSettings(), "adapters"))
+    assert dpo == "objective: dpo (beta 0.1), reference: the same model with its LoRA adapters off"

@@ -82,6 +82,25 @@ def test_anthropic_hh_implicit_prompt_is_the_shared_prefix_cut_at_a_word():
     assert got_r.spans == [(len(prompt), len(rejected))]
 
 
+def test_a_prompt_both_sides_already_begin_with_is_written_once():
+    """A prompt column beside full texts (HH with its prompt split out, but chosen/rejected left whole) or
+    full conversations (UltraFeedback's lists beside a prompt list): the prompt was written twice, its second
+    copy learned as part of each reply."""
+    tok, r = renderer()
+    prompt = "\n\nHuman: Can you help me bake bread?\n\nAssistant:"
+    chosen, rejected = r.pair(Row({"prompt": prompt, "chosen": prompt + " Sure, flour.", "rejected": prompt + " No."}, WHERE))
+    assert chosen.text == prompt + " Sure, flour." and rejected.text == prompt + " No."
+    assert learned_text(tok, chosen).startswith(" Sure, flour.") and "Human" not in learned_text(tok, chosen)
+    question = [user("Write a haiku about rain.")]
+    row = Row({"prompt": question, "chosen": question + [assistant("Soft rain")], "rejected": question + [assistant("Wet.")]}, WHERE)
+    chosen, rejected = r.pair(row)
+    assert chosen.text.count("haiku") == 1 and rejected.text.count("haiku") == 1
+    assert learned_text(tok, chosen) == "Soft rain<|im_end|>\n" and learned_text(tok, rejected) == "Wet.<|im_end|>\n"
+    # TRL's explicit layout, replies only, is read as before
+    chosen, _ = r.pair(Row({"prompt": question, "chosen": [assistant("Soft rain")], "rejected": [assistant("Wet.")]}, WHERE))
+    assert chosen.text.count("haiku") == 1 and learned_text(tok, chosen) == "Soft rain<|im_end|>\n"
+
+
 def test_orca_dpo_pairs_read_their_prompt_under_its_data_fields_name():
     """Intel/orca_dpo_pairs: {system, question, chosen, rejected}; data.fields.prompt names the question."""
     tok = tokenizer_for("qwen2.5")
@@ -225,3 +244,19 @@ def test_bad_rows_are_counted_under_skip_and_kto_labels_reach_the_store_and_batc
         assert batch.desirable.tolist() == want and batch.n_documents == 2 * len(want)
     else:
         assert store.desirable is None
+
+
+def test_the_data_line_counts_cut_sides_and_dropped_pairs_in_their_units():
+    """A pair too long for its row is cut on both sides (two sequences) and, with nothing left to learn, dropped
+    whole (one pair): the line said '32 truncated, 16 dropped' of 180 rows, as if 48 rows were touched."""
+    from types import SimpleNamespace
+
+    from trainforge.data.plan import describe_data
+
+    stats = {"format": "preference", "train_rows": 180, "train_sequences": 328, "train_tokens": 3232, "eval_rows": 20,
+             "truncated": 32, "dropped_masked": 16}
+    plan = SimpleNamespace(prepared=SimpleNamespace(stats=stats), collate=SimpleNamespace(packed=True, concat=False),
+                           train_rows=[0] * 26)
+    assert describe_data(plan, 0.97).endswith("eval 20 rows; 32 sides truncated, 16 pairs dropped with nothing to learn")
+    stats["format"] = "prompt_completion"
+    assert describe_data(plan, 0.97).endswith("eval 20 rows; 32 truncated, 16 dropped with nothing to learn")

@@ -145,3 +145,21 @@ def test_not_a_run_directory_is_named(tmp_path):
         write_report([tmp_path])
     with pytest.raises(ReportError, match="no such directory"):
         write_report([tmp_path / "missing"])
+
+
+def test_a_kto_runs_rewards_panel_plots_its_desirable_and_undesirable_rewards(tmp_path):
+    """KTO logs rewards_desirable and rewards_undesirable, not chosen/rejected: its report's Rewards panel said
+    'not measured in this run'."""
+    from trainforge.metrics.report_charts import PREFERENCE_PANELS
+
+    run = make_run(tmp_path / "kto")
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        if "loss" in r:
+            r.update(rewards_desirable=0.01 * r["step"], rewards_undesirable=-0.01 * r["step"], reward_accuracy=0.6, kl=0.0)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rewards = dict((title, fn) for title, _, _, fn, _ in PREFERENCE_PANELS)["Rewards"]
+    series = rewards(load_run(run), 0, False)
+    assert [s.label for s in series] == ["desirable", "undesirable"]
+    assert series[0].y == [0.01 * s for s in range(2, 13, 2)] and series[1].y[-1] == pytest.approx(-0.12)
+    assert 'alt="Rewards"' in write_report([run]).read_text()

@@ -93,6 +93,23 @@ def test_a_prompt_longer_than_the_runs_sources_is_cut_as_training_cut_them(bart_
     assert "data.max_length=48" in out.getvalue() and "cut to its first 47 tokens and EOS" in out.getvalue()
 
 
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_generate_writes_no_more_than_the_decoders_learned_positions_hold(kind, t5_dir, bart_dir):
+    """BART's decoder positions are a learned table (64 in the tiny model, 1,024 in bart-large): --max-new-tokens past
+    it (or a model that never writes EOS under the default 128) stopped with an IndexError traceback, exit 1.
+    T5's relative positions have no such limit."""
+    import io
+
+    from trainforge.tools.generate import run_generate
+
+    out, pieces = io.StringIO(), []
+    reporter = ConsoleReporter(Console(file=out, width=400))
+    model_dir = {"t5": t5_dir, "bart": bart_dir}[kind]
+    run_generate(model_dir, "reverse: alpha beta", None, 100, 0.0, 0, "cpu", "fp32", pieces.append, reporter)
+    said = "the decoder has 64 positions (max_position_embeddings), its start token takes one: writing at most 63"
+    assert (said in out.getvalue()) == (kind == "bart"), out.getvalue()
+
+
 def _logits(model, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.eval()(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits.float()

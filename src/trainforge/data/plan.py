@@ -113,7 +113,17 @@ def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
                "unpaired": f"{{{n.prompt}, {n.completion}, {n.label}}} or {{{n.messages}, {n.label}}}"}
     if wanted is None:
         fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
+        if cfg.model.kind.encoder_decoder:  # setting the objective would be refused: none trains an encoder-decoder
+            fix = ("; to learn the chosen replies as targets: data.format: prompt_completion and data.fields: "
+                   f"{{completion: {n.chosen}}} (string pairs), or data.format: chat and data.fields: {{messages: {n.chosen}}} "
+                   "(full conversations, as UltraFeedback's)" if held == "preference" else "")
+            raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): the preference objectives train "
+                            f"decoder-only models here, and this model is an encoder-decoder (source -> target rows){fix}")
         raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to {fix}")
+    if held is not None:  # the other kind of preference rows: the objective is what to change
+        fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
+        raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} "
+                        f"holds {held} rows ({layouts[held]}): set train.objective to {fix}")
     told = (f" (told apart by a {n.label!r} of true or false, not 1/0 or a string: set data.format: unpaired to have "
             "each row's label checked)" if wanted == "unpaired" else "")
     other = (" (other column names: map them with data.fields, e.g. "
@@ -190,15 +200,17 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
     mode = {True: "packed", False: "unpacked", "concat": "concatenated"}[plan.collate.packed or ("concat" if plan.collate.concat else False)]
     if s.get("encoder_decoder"):
         mode = "source -> target"
+    # a pair is counted in sequences where it is cut (each side) and in pairs where it is dropped (whole)
+    unit = {"preference": ("sides ", "pairs "), "unpaired": ("sequences ", "examples ")}.get(s["format"], ("", ""))
     notes = [
         f"{s[k]:,} {label}"
         for k, label in (
-            ("truncated", "source truncated" if s.get("encoder_decoder") else "truncated"),
+            ("truncated", "source truncated" if s.get("encoder_decoder") else unit[0] + "truncated"),
             ("target_truncated", "target truncated"),
             ("split", "split into blocks"),
             ("dropped_too_long", "dropped for a too-long source" if s.get("encoder_decoder") else "dropped as too long"),
             ("target_dropped_too_long", "dropped for a too-long target"),
-            ("dropped_masked", "dropped with nothing to learn"),
+            ("dropped_masked", unit[1] + "dropped with nothing to learn"),
             ("bad_rows", "bad rows skipped"),
             ("eval_overlap_dropped", "dropped as duplicates of eval rows"),
         )

@@ -6,6 +6,7 @@ Paired rows (DPO, IPO, ORPO, SimPO) in the layouts people have:
 - the implicit-prompt layout ``{"chosen": full, "rejected": full}`` (Anthropic HH as strings: the prompt
   is the shared prefix, cut at a word boundary; UltraFeedback-binarized as message lists: the prompt is
   the shared leading messages, and a ``prompt`` string beside them is the same question, not read).
+  A prompt that both sides already begin with (full texts or conversations beside their prompt) is written once.
 Unpaired rows (KTO): TRL's ``{"prompt", "completion", "label"}`` and LLaMA-Factory's ``{"messages", "label"}``
 (the last assistant turn is the completion).
 
@@ -61,6 +62,9 @@ class PreferenceRenderer:
                     raise self._no_prompt(row)
             elif not isinstance(prompt, str):
                 raise DataError(f"{row.where}: {self.names.prompt!r} must be a string when chosen and rejected are strings")
+            elif prompt.strip() and chosen.startswith(prompt) and rejected.startswith(prompt):
+                # full texts beside their prompt (HH with a prompt column): the prompt is written once, not twice
+                chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]
             _check_sides(row.where, chosen, rejected, n)
             return _text(prompt, chosen, row.where), _text(prompt, rejected, row.where)
         raise DataError(
@@ -98,6 +102,10 @@ class PreferenceRenderer:
         prompt = row.data.get(names.prompt)
         if isinstance(prompt, list):  # TRL conversational: the prompt's messages, then each side's reply
             prompt_msgs = self._messages(row, names.prompt)
+            k = len(prompt_msgs)
+            if k and chosen_msgs[:k] == prompt_msgs and rejected_msgs[:k] == prompt_msgs:
+                # full conversations beside their prompt (UltraFeedback's lists with a prompt list): the prompt once
+                chosen_msgs, rejected_msgs = chosen_msgs[k:], rejected_msgs[k:]
         else:  # implicit: the shared leading messages are the prompt (a prompt string beside them repeats it)
             n = 0
             while n < min(len(chosen_msgs), len(rejected_msgs)) and chosen_msgs[n] == rejected_msgs[n]:

@@ -109,8 +109,9 @@ class PairObjective:
                 sums = {
                     "rewards_desirable": (rewards * good).sum(), COUNT + "rewards_desirable": good.sum().float(),
                     "rewards_undesirable": (rewards * ~good).sum(), COUNT + "rewards_undesirable": (~good).sum().float(),
-                    # the sign of reward - beta x KL against the label: what KTO learns to get right
-                    "reward_accuracy": ((rewards > s.beta * kl) == good).float().sum(),
+                    # the sign of reward - beta x KL against the label: what KTO learns to get right (a tie is on
+                    # neither side: before the first step every reward is the reference point, the accuracy 0, as DPO's)
+                    "reward_accuracy": torch.where(good, rewards > s.beta * kl, rewards < s.beta * kl).float().sum(),
                     "kl": kl * len(losses), "logps": p.chosen.detach().sum(), PAIRS: torch.tensor(float(len(losses)), device=ref.device),
                 }
                 _add(metrics, sums)
@@ -152,8 +153,10 @@ def build_objective(cfg, model: torch.nn.Module) -> TokenObjective | PairObjecti
     return PairObjective(name, cfg.preference, reference, frozen)
 
 
-def describe_objective(objective: PairObjective) -> str:
-    """The console line saying what a preference run optimizes and what its reference is."""
+def describe_objective(objective: PairObjective, desirable=None) -> str:
+    """The console line saying what a preference run optimizes and what its reference is; for KTO, with
+    ``desirable`` (the train store's label per sequence, two sequences an example), how many of each and
+    the weights that balance them when these do not."""
     s = objective.s
     knobs = {"dpo": f"beta {s.beta}" + (f", label smoothing {s.label_smoothing}" if s.label_smoothing else ""),
              "kto": f"beta {s.beta}, weights {s.desirable_weight} desirable / {s.undesirable_weight} undesirable",
@@ -161,7 +164,25 @@ def describe_objective(objective: PairObjective) -> str:
     reference = {"adapters": "the same model with its LoRA adapters off", "model": "a frozen copy of the starting weights",
                  "precompute": "the starting weights' log-probabilities, precomputed once",
                  "none": "none" + (" (reference-free)" if objective.name not in REFERENCE_FREE else "")}
-    return f"objective: {objective.name} ({knobs[objective.name]}), reference: {reference[objective.reference]}"
+    line = f"objective: {objective.name} ({knobs[objective.name]}), reference: {reference[objective.reference]}"
+    return line + (kto_balance(s, desirable) if objective.name == "kto" and desirable is not None else "")
+
+
+def kto_balance(s, desirable) -> str:
+    """The train examples of each label, and, when desirable_weight x desirable / (undesirable_weight x undesirable)
+    is outside 1 to 4/3 (the KTO paper's range, which TRL's KTOTrainer warns about), weights that bring it there."""
+    good = int(desirable.sum()) // 2
+    bad = len(desirable) // 2 - good
+    line = f"; train examples: {good:,} desirable, {bad:,} undesirable"
+    if not good or not bad:
+        return line + " (one label only: the KTO paper trains on both)"
+    ratio = s.desirable_weight * good / (s.undesirable_weight * bad)
+    if 1.0 <= ratio <= 4 / 3:
+        return line
+    lo, hi = s.undesirable_weight * bad / good, s.undesirable_weight * bad * 4 / (3 * good)
+    return (line + f" (weighted {ratio:.2f} to 1; the KTO paper keeps this within 1 to 4/3: set preference.desirable_weight "
+            f"to {lo:.2f}-{hi:.2f}, or preference.undesirable_weight to {s.desirable_weight * good * 3 / (4 * bad):.2f}-"
+            f"{s.desirable_weight * good / bad:.2f})")
 
 
 def mean_metrics(sums: dict[str, torch.Tensor], prefix: str = "", reduce=None) -> dict[str, float]:

@@ -129,7 +129,7 @@ def setup(
     model = build_run_model(cfg, tokenizer, precision, device, reporter)
     objective = build_objective(cfg, model)  # before any checkpoint loads: a frozen reference is the starting weights
     if objective.unit == "pair":
-        reporter.info(describe_objective(objective))
+        reporter.info(describe_objective(objective, data.prepared.train.desirable))
     if objective.reference == "precompute":  # the starting weights' log-probabilities, once, from the cache after that
         attach_reference(cfg, data, model, precision, device, ctx, reporter.info)
     laps("model")

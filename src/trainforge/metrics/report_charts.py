@@ -85,11 +85,15 @@ def _metric(key: str, label: str, scale: float = 1.0, extra: tuple[str, str] | N
 
 
 def _rewards(run: RunData, i: int, several: bool) -> list[Series]:
-    """A preference run's implicit rewards of chosen and rejected (train), and the eval margin."""
+    """A preference run's implicit rewards of chosen and rejected (KTO: of desirable and undesirable examples)
+    (train), and the eval margin of pairs."""
     color = RUN_COLORS[i % len(RUN_COLORS)]
     prefix = f"{run.name}: " if several else ""
     out = []
-    for key, label, style in (("rewards_chosen", "chosen", "-"), ("rewards_rejected", "rejected", ":")):
+    kto = any("rewards_desirable" in r for r in run.train)
+    sides = (("rewards_desirable", "desirable"), ("rewards_undesirable", "undesirable")) if kto else (
+        ("rewards_chosen", "chosen"), ("rewards_rejected", "rejected"))
+    for (key, label), style in zip(sides, ("-", ":")):
         xs, ys = _train_series(run, key)
         out.append(Series(prefix + label, xs, ys, {"color": color, "lw": 1.5, "ls": style}))
     evals = [r for r in run.evals if "eval_reward_margin" in r]
@@ -113,10 +117,11 @@ def _accuracy(run: RunData, i: int, several: bool) -> list[Series]:
 
 
 CAPTIONS = {
-    "Reward accuracy": "preference runs: the share of pairs whose chosen reply gets the higher implicit reward (train: "
-    "the pairs since the previous record; eval: the eval pairs)",
+    "Reward accuracy": "preference runs: the share of pairs whose chosen reply gets the higher implicit reward (KTO: of "
+    "examples whose reward is on the side of beta x KL their label asks for) (train: the pairs since the previous "
+    "record; eval: the eval pairs)",
     "Rewards": "preference runs: mean implicit reward (beta x log-ratio against the reference) of chosen and rejected, "
-    "and the eval margin between them",
+    "and the eval margin between them (KTO: of desirable and undesirable examples)",
     "Loss against steps": "train: mean loss of the steps since the previous record; eval: loss on the eval set",
     "Loss against tokens": "the same against real (non-padding) tokens trained, for runs of different batch sizes",
     "Learning rate": "at each logged step, after warmup and schedule",
@@ -141,7 +146,7 @@ PANELS: list[tuple[str, str, str, PanelFn, float | None]] = [
 ]
 
 
-# shown only when a run of the report trained a preference objective (train.objective: dpo, ipo, orpo, simpo)
+# shown only when a run of the report trained a preference objective (train.objective: dpo, ipo, orpo, simpo, kto)
 PREFERENCE_PANELS: list[tuple[str, str, str, PanelFn, float | None]] = [
     ("Reward accuracy", "% of pairs", "step", _accuracy, None),
     ("Rewards", "reward", "step", _rewards, None),

@@ -15,6 +15,7 @@ the decoder starting from the model's start token), and the loss averages over t
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,12 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
     store = prepared.train  # the file is read as the one training source: every row, in order
     pairs = prepared.format in ("preference", "unpaired")
     cfg = with_objective(cfg, prepared.format)  # preference data: the run's objective, else dpo or kto; other data: sft
-    rows = rows_for(cfg, prepared)(store, np.arange(len(store)))
+    try:
+        rows = rows_for(cfg, prepared)(store, np.arange(len(store)))
+    except DataError as e:  # a kto run on pairs (or a pair objective on kto rows): --set train.objective=... scores them
+        fix = "kto" if prepared.format == "unpaired" else "dpo"
+        message = str(e).replace(f"data.train={d.train!r}", f"--data {data}", 1)
+        raise DataError(re.sub(r"set train\.objective to .*$", f"score them with --set train.objective={fix}", message)) from None
     # an adapter's decoder starts where its base's does (the adapter directory has no config.json)
     collate = collator_for(cfg, tokenizer, cfg.model.model_copy(update={"path": src.base or src.weights}))(store)
     batches = eval_batches(rows, collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)

@@ -143,6 +143,7 @@ def run_generate(
     if src.encoder_decoder:
         input_ids = encoder_source(src, tokenizer, text, templated, reporter)
         stop = None  # the decoder learned the reply and its EOS; no end-of-turn marker to stop at
+        max_new_tokens = decoder_room(model, max_new_tokens, reporter)
     else:
         input_ids, cut = fit_context(
             prompt_ids(tokenizer, text, encoder_decoder=False, templated=templated), context_room(model, max_new_tokens)
@@ -156,6 +157,20 @@ def run_generate(
         model, tokenizer, input_ids, max_new_tokens, temperature, seed, write=write,
         autocast=prec.autocast(dev), stop_strings=stop, stop_ids=stop_ids,
     )
+
+
+def decoder_room(model, max_new_tokens: int, reporter: ConsoleReporter) -> int:
+    """``max_new_tokens``, at most what an encoder-decoder's learned decoder positions hold after its start token
+    (BART's max_position_embeddings; past it the position table is indexed out of range). T5's relative
+    positions declare none: no limit."""
+    from ..model.load import positions_in
+
+    positions, learned = positions_in(model.config.to_dict())
+    if positions is None or not learned or max_new_tokens < positions:
+        return max_new_tokens
+    reporter.warn(f"--max-new-tokens {max_new_tokens}: the decoder has {positions} positions (max_position_embeddings), "
+                  f"its start token takes one: writing at most {positions - 1}")
+    return positions - 1
 
 
 def encoder_source(src: ModelSource, tokenizer, text: str, templated: bool, reporter: ConsoleReporter) -> torch.Tensor:
