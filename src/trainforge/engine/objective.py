@@ -24,6 +24,7 @@ from .step import TokenObjective
 
 PAIRS = "pairs"  # the key of a metrics dict that counts the pairs its sums are over
 COUNT = "n:"  # a metrics key "n:NAME" counts what the sum NAME is over, where that is not every pair
+TIE = 1e-6  # a KTO reward this close to the reference point (beta x KL) is on neither side of it
 
 
 class PairObjective:
@@ -110,8 +111,9 @@ class PairObjective:
                     "rewards_desirable": (rewards * good).sum(), COUNT + "rewards_desirable": good.sum().float(),
                     "rewards_undesirable": (rewards * ~good).sum(), COUNT + "rewards_undesirable": (~good).sum().float(),
                     # the sign of reward - beta x KL against the label: what KTO learns to get right (a tie is on
-                    # neither side: before the first step every reward is the reference point, the accuracy 0, as DPO's)
-                    "reward_accuracy": torch.where(good, rewards > s.beta * kl, rewards < s.beta * kl).float().sum(),
+                    # neither side: before the first step every reward is the reference point, the accuracy 0, as DPO's;
+                    # "tie" within TIE: the KL all-reduced over ranks differs from one process's in its last bits)
+                    "reward_accuracy": torch.where(good, rewards - s.beta * kl > TIE, rewards - s.beta * kl < -TIE).float().sum(),
                     "kl": kl * len(losses), "logps": p.chosen.detach().sum(), PAIRS: torch.tensor(float(len(losses)), device=ref.device),
                 }
                 _add(metrics, sums)
