@@ -246,3 +246,16 @@ def _read_json(file: str, version: tuple[int, int, int] | None) -> dict[str, Any
     except (OSError, ValueError, RecursionError):  # _json_problem says what is wrong, where it matters
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def readable_like_config(folder: Path) -> None:
+    """Give a saved model's files the permissions of the directory's JSON files. transformers 5 writes
+    ``*.safetensors`` through a private temporary file (mode 0600), so on a shared machine nobody else could
+    read the weights beside a world-readable config.json; the JSON files were written under the user's umask."""
+    reference = next((folder / name for name in (CONFIG, ADAPTER_CONFIG) if (folder / name).is_file()), None)
+    if reference is None:
+        return
+    mode = stat.S_IMODE(reference.stat().st_mode)
+    for path in folder.iterdir():
+        if path.is_file() and path.suffix == ".safetensors" and stat.S_IMODE(path.stat().st_mode) != mode:
+            path.chmod(mode)

@@ -153,6 +153,7 @@ def test_a_full_model_exports_as_a_plain_directory_in_the_asked_dtype(tmp_path, 
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     for (name, a), (_, b) in zip(model.named_parameters(), original.named_parameters()):
         assert torch.equal(a, b.to(torch.bfloat16)), name
+    assert {p.stat().st_mode & 0o777 for p in out.glob("*.safetensors")} == {(out / "config.json").stat().st_mode & 0o777}
 
 
 def test_refusals_name_the_problem(tmp_path, tiny_model_dir):

@@ -87,6 +87,9 @@ def test_final_dir_reloads_to_the_trained_model(finetune_config, tmp_path, metho
     assert summary["steps"] == 8 and summary["trainable_parameters"] <= summary["parameters"]
     if method == "lora":
         assert summary["trainable_parameters"] < summary["parameters"] / 2
+    # the weights are as readable as config.json (transformers 5 wrote them 0600: nobody else on the machine could load them)
+    config_mode = (final / ("adapter_config.json" if method == "lora" else "config.json")).stat().st_mode & 0o777
+    assert {p.stat().st_mode & 0o777 for p in final.glob("*.safetensors")} == {config_mode}
 
 
 def test_lora_trains_only_adapters(finetune_config, tmp_path, tiny_model_dir):

@@ -20,6 +20,7 @@ from ..allocator import allocator_settings, expandable_segments_in_effect
 from ..checkpoint import atomic_write_dir
 from ..config import RunConfig
 from ..data.formats import trained_chat_template
+from ..hf_dir import readable_like_config
 from ..data.loader import Batch
 from ..data.prompt import sample_prompt
 from ..dist import init_distributed, shutdown
@@ -401,6 +402,7 @@ def finish(run: Run) -> RunResult:
     def write_final(tmp: Path) -> None:
         run.model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
         run.tokenizer.save_pretrained(tmp)
+        readable_like_config(tmp)  # transformers writes the weights 0600
 
     final_dir = out / "final"
     if run.dist.is_main:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..atomic import atomic_write_dir
+from ..hf_dir import readable_like_config
 from ..metrics.console import ConsoleReporter
 from ..model.load import auto_model_class
 from ..model.resolve import ModelSource, ModelSourceError, load_source_tokenizer, resolve_source
@@ -107,6 +108,7 @@ def _save_plain(model: torch.nn.Module, tokenizer, out: Path, dtype: torch.dtype
 
         GenerationConfig.from_model_config(model.config).save_pretrained(out)
     tokenizer.save_pretrained(out)
+    readable_like_config(out)
     return _dtype_name(dtype)
 
 
