@@ -107,13 +107,14 @@ class PairObjective:
         if metrics is not None:
             with torch.no_grad():
                 rewards = s.beta * (p.chosen.detach() - ref)
+                margin = rewards - s.beta * kl  # above 0: on the desirable side of the reference point
                 sums = {
                     "rewards_desirable": (rewards * good).sum(), COUNT + "rewards_desirable": good.sum().float(),
                     "rewards_undesirable": (rewards * ~good).sum(), COUNT + "rewards_undesirable": (~good).sum().float(),
                     # the sign of reward - beta x KL against the label: what KTO learns to get right (a tie is on
                     # neither side: before the first step every reward is the reference point, the accuracy 0, as DPO's;
                     # "tie" within TIE: the KL all-reduced over ranks differs from one process's in its last bits)
-                    "reward_accuracy": torch.where(good, rewards - s.beta * kl > TIE, rewards - s.beta * kl < -TIE).float().sum(),
+                    "reward_accuracy": torch.where(good, margin > TIE, margin < -TIE).float().sum(),
                     "kl": kl * len(losses), "logps": p.chosen.detach().sum(), PAIRS: torch.tensor(float(len(losses)), device=ref.device),
                 }
                 _add(metrics, sums)

@@ -84,7 +84,7 @@ def setup(
 
     started_at = time.perf_counter()
     laps = Laps(started_at)
-    ctx = ctx or DistContext()
+    ctx, stop = ctx or DistContext(), stop or StopRequest()
     if cfg.log.report_to:
         require_trackers(cfg.log.report_to)  # a tracker asked for but not installed fails before any work
     if cfg.train.micro_batch_size != "auto":  # a contradiction fails before any work (auto resolves below)
@@ -103,15 +103,15 @@ def setup(
         check_positions(cfg.model, cfg.data.max_length, reporter.warn)  # a row past a learned position table fails mid-step
         refuse_what_cannot_fit(cfg, tokenizer, precision, device, ctx)  # before the data and the model cost anything
         laps("fit_check")
-        halt = (stop or StopRequest()).stop_before_training  # a signal stops tokenizing at the next chunk; bad data fails before the run dir
-        data = plan_data(cfg, tokenizer, reporter, device.type == "cuda", lambda: halt(output_dir, ctx.enabled))
+        # a signal stops tokenizing at the next chunk; bad data fails before the run dir exists
+        data = plan_data(cfg, tokenizer, reporter, device.type == "cuda", lambda: stop.stop_before_training(output_dir, ctx.enabled))
         out = Path(output_dir)
         resume_plan = choose_checkpoint(out, cfg, resume, reporter)
         if resume_plan is None and ctx.is_main:
             with writing(out / "config.yaml"):
                 (out / "config.yaml").write_text(cfg.anchored().to_yaml())  # a resumed run's, once the checkpoint is checked
     laps("data")
-    (stop or StopRequest()).stop_before_training(out, ctx.enabled)  # a signal while tokenizing: no model, eval nor checkpoint
+    stop.stop_before_training(out, ctx.enabled)  # a signal while tokenizing: no model, eval nor checkpoint
     reporter.info(f"output: {out}")
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     laps("fit")
@@ -133,7 +133,7 @@ def setup(
     if objective.reference == "precompute":  # the starting weights' log-probabilities, once, from the cache after that
         attach_reference(cfg, data, model, precision, device, ctx, reporter.info)
     laps("model")
-    (stop or StopRequest()).stop_before_training(out, ctx.enabled)
+    stop.stop_before_training(out, ctx.enabled)
     rough = estimate_memory(model, loader.batch_size, cfg.row_tokens(), precision)
     warning = memory_warning(rough, available_memory_bytes(device), device)
     if warning:
@@ -187,7 +187,7 @@ def setup(
         saver=saver,
         guard=NonFiniteGuard(cfg.train.max_skipped_steps, device, newest_checkpoint=saver.newest_complete, describe=describe),
         window=LogWindow.on(device),
-        stop=stop or StopRequest(),
+        stop=stop,
         dist=ctx,
         sync=ctx.no_sync(train_model),
         facts=run_facts(cfg, model, precision, device, ctx, why, data.prepared.format, data_stats, fit, reporter, objective),

@@ -20,10 +20,10 @@ from ..allocator import allocator_settings, expandable_segments_in_effect
 from ..checkpoint import atomic_write_dir
 from ..config import RunConfig
 from ..data.formats import trained_chat_template
-from ..hf_dir import readable_like_config
 from ..data.loader import Batch
 from ..data.prompt import sample_prompt
 from ..dist import init_distributed, shutdown
+from ..hf_dir import readable_like_config
 from ..hardware import describe, peak_memory_bytes, pick_device
 from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepProfile, describe_split
