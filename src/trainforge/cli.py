@@ -193,9 +193,9 @@ def selftest(
     from .hardware import describe, pick_device
     from .tools.selftest import results_json, run_selftest
 
-    with user_errors():  # --device cuda without CUDA
+    with user_errors():  # --device cuda without CUDA; a SIGTERM/SIGINT stops it (exit 75)
         resolved = pick_device(device)
-    results = run_selftest(str(resolved), quick)
+        results = run_selftest(str(resolved), quick)
     if out:
         out.write_text(json.dumps(results_json(results, describe(resolved)), indent=2))
     if not all(r.ok for r in results):
@@ -432,7 +432,8 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT, label: str = "error", quiet:
     raise typer.Exit(code)
 
 
-def main() -> None:
+def quiet_library_logs() -> None:
+    """Raise the level of library loggers whose warnings are noise for a trainforge user (each says why)."""
     import logging
 
     # torchao (optim.name: adamw_4bit, offload; imported by peft too) logs, on every import, each CUDA
@@ -444,6 +445,29 @@ def main() -> None:
     # bitsandbytes (imported by peft for every LoRA run, eval, generate and export) logs on a CPU with AVX512-BF16
     # that its 4-bit CPU kernel needs the `kernels` package: 'Failed to load ...', on runs that use no 4-bit weight
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # On a GPU (seen on an H200, liger-kernel 0.8.5, torch 2.11), every run with Liger's kernels logged that its
+    # optional CuTe DSL backend is not installed (Liger uses its Triton kernels then), and every compiled one
+    # logged 46 tracebacks (3,800 lines): torch cannot parse Liger's RMSNorm kernel to find what it writes and
+    # assumes it writes every input. Neither changes the numbers (selftest passed there); neither is the user's to
+    # act on. That one comes through dynamo's own logger: only its message is dropped, dynamo's other warnings stay
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
+    dynamo = logging.getLogger("torch._dynamo")
+    if not any(isinstance(f, _DropMessages) for f in dynamo.filters):
+        dynamo.addFilter(_DropMessages("Encountered an exception in identify_mutated_tensors"))
+
+
+class _DropMessages:
+    """A logging filter that drops the records whose message starts with one of ``starts``."""
+
+    def __init__(self, *starts: str) -> None:
+        self.starts = starts
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def main() -> None:
+    quiet_library_logs()
     app()
 
 

@@ -48,6 +48,18 @@ def test_a_failing_path_is_named_with_its_error_and_exits_1(tmp_path):
     assert "FAILED" in proc.stdout.splitlines()[-1]
 
 
+def test_a_signal_stops_the_whole_selftest(tmp_path):
+    """SIGTERM (a job's time limit, ``timeout``) or Ctrl-C in a path's training stops selftest there with exit 75,
+    as it stops a run. Before, only that path stopped (its run saved a checkpoint and raised) and the matrix went
+    on: a GPU session's ``timeout 100`` on the CUDA matrix test did not end it."""
+    SelfTest("cpu", workdir=tmp_path / "assets").assets  # built fault-free and cached for the CLI
+    proc = run_cli(["selftest", "--quick"], tmp_path, timeout=300, faults={"signal_in_step": [2, "SIGTERM"]})
+    assert proc.returncode == 75, show(proc)
+    assert "selftest stopped by SIGTERM after 0 of " in proc.stderr, show(proc)
+    assert "nothing was saved: run it again" in proc.stderr
+    assert "bf16-" not in proc.stdout and "--output" not in proc.stderr, show(proc)  # no path after it ran; no resume advice
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA on a machine without it")
 def test_cuda_on_a_machine_without_it_is_bad_input(tmp_path):
     proc = run_cli(["selftest", "--device", "cuda"], tmp_path)

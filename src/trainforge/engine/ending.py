@@ -15,7 +15,8 @@ def stop_on_signal(run: Run) -> None:
     saved = run.saver.save_now(run.step, run.state_dict)
     where = f"checkpoint {step_dir_name(run.step)} saved" if saved else "saving a checkpoint failed (see above)"
     run.metrics.event("stop", run.step, signal=run.stop.name, saved=saved)
-    raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; to resume, run the same command with --output {run.out}")
+    raise Interrupted(f"{run.stop.name} at step {run.step}: {where}; to resume, run the same command with --output {run.out}",
+                      run.stop.name)
 
 
 def stop_before_first_step(run: Run) -> None:

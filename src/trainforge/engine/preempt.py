@@ -18,6 +18,10 @@ class Interrupted(TrainforgeError):
     exit_code = EXIT_INTERRUPTED
     label = "stopped"
 
+    def __init__(self, message: str, signal_name: str = "") -> None:
+        super().__init__(message)
+        self.signal_name = signal_name  # "SIGTERM" or "SIGINT": a tool running several runs stops all of them on it
+
 
 class StopRequest:
     """Context manager that turns the first SIGTERM/SIGINT into a flag the training loop checks.
@@ -58,7 +62,7 @@ class StopRequest:
         the ranks agree on a stop at the first step (one rank stopping alone would leave the others in a collective)."""
         if self.requested and not distributed:
             raise Interrupted(f"{self.name} during set-up, before the first step: nothing trained, nothing saved; "
-                              f"to go on, run the same command with --output {out}")
+                              f"to go on, run the same command with --output {out}", self.name)
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there

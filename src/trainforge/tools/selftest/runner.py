@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...engine.preempt import Interrupted
 from ...hardware import cuda_has_native_bf16
 from .assets import Assets, build_assets
 from .cases import CHECKS, PRECISIONS, STEPS, Case, plan
@@ -87,11 +88,14 @@ class SelfTest(TrainingCases, Checks):
             torch.set_num_threads(before)
 
     def _attempt(self, result: Result, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` into ``result``: a failure is recorded, never raised (the matrix goes on)."""
+        """Run ``fn`` into ``result``: a failure is recorded, never raised (the matrix goes on); a stop by
+        SIGTERM/SIGINT is raised (it stops the whole selftest, not just the path it arrived in)."""
         t = time.perf_counter()
         try:
             with self._threads():
                 return fn()
+        except Interrupted:
+            raise
         except Skip as e:
             result.status, result.detail = "skipped", str(e)
         except CheckFailed as e:
@@ -193,6 +197,13 @@ def run_selftest(device: str = "auto", quick: bool = False, console=None, cache_
     try:
         with progress:
             results = st.run(cases, checks, advance)
+    except Interrupted as e:  # the path it arrived in saved a checkpoint in the temporary workdir: nothing to resume
+        finished = list(st.results.values())
+        if finished:
+            console.print(render_table(finished))
+        raise Interrupted(f"selftest stopped by {e.signal_name or 'a signal'} after {len(finished)} of "
+                          f"{len(cases) + len(checks)} paths and checks; nothing was saved: run it again to check every path",
+                          e.signal_name) from None
     finally:
         st.close()
     console.print(render_table(results))
