@@ -492,8 +492,10 @@ def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | 
             save(report)
             continue
         t = time.perf_counter()
-        raw = launch(variant, spec, work / variant, left)
+        raw = launch(variant, spec, work / variant, left, args.reuse)
         results[variant] = raw if raw.get("status") == "failed" else summarize(raw, args.warmup, peak_flops)
+        if raw.get("reused"):
+            results[variant]["reused"] = True  # measured by an earlier call (--reuse)
         results[variant]["job_s"] = time.perf_counter() - t
         if variant == "trainforge" and results[variant]["status"] == "ok":
             try:
@@ -514,10 +516,15 @@ def variant_env(variant: str, base: dict[str, str] | os._Environ) -> dict[str, s
     return env
 
 
-def launch(variant: str, spec: dict, out: Path, timeout: float) -> dict:
+def launch(variant: str, spec: dict, out: Path, timeout: float, reuse: bool = False) -> dict:
+    """Run ``variant`` in its own process and return its raw result. ``reuse``: a result this folder holds from
+    the same spec (an earlier call on the same warm device) is returned without running again."""
     out.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(out)}
     spec_path, result_path = out / "spec.json", out / "result.json"
+    if reuse and result_path.is_file() and spec_path.is_file() and json.loads(spec_path.read_text()) == spec:
+        return {**json.loads(result_path.read_text()), "reused": True}
+    result_path.unlink(missing_ok=True)  # a run that fails must not return the result of an earlier one
     spec_path.write_text(json.dumps(spec))
     env = variant_env(variant, os.environ)
     try:
@@ -659,6 +666,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per variant before it is reported as failed")
     ap.add_argument("--budget", type=float, default=530.0,
                     help="seconds per part: variants that would start later are skipped (the device's calls stop at 600 s)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take a variant's result from --work when an earlier call ran it with the same spec (a second "
+                    "call on the same warm device goes on where the first stopped)")
     ap.add_argument("--table", type=Path, help="print the markdown table of the part-*.json files in this folder and exit")
     args = ap.parse_args()
     if args.table:

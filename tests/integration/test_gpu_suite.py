@@ -108,3 +108,34 @@ def test_a_part_run_again_into_the_same_folder_measures_trainforge_again(tmp_pat
     for _ in range(2):
         result = suite.run_trainforge(run, "trainforge")
         assert len(result["steps"]) == 3
+
+
+def test_reuse_takes_a_finished_variant_and_a_failed_run_never_returns_an_old_result(tmp_path, monkeypatch):
+    """A second device call (`--reuse`) takes what the first finished with the same spec, without running it; a
+    changed spec runs again. Without --reuse, a variant that fails reports the failure, not the result.json an
+    earlier call left in its folder (launch only checked that the file existed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite_reuse", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite_reuse", suite)  # its dataclasses look their module up
+    spec.loader.exec_module(suite)
+    out = tmp_path / "trainforge"
+    calls = []
+
+    def child(argv, **kwargs):
+        calls.append(argv)
+        if len(calls) == 1:  # the first call's run: it writes its result
+            Path(argv[-1]).write_text(json.dumps({"status": "ok", "tokens_per_s": 5.0}))
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        return subprocess.CompletedProcess(argv, 1, "", "CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(suite.subprocess, "run", child)
+    run_spec = {"row": {"name": "r"}, "work": str(tmp_path)}
+    assert suite.launch("trainforge", run_spec, out, 10.0) == {"status": "ok", "tokens_per_s": 5.0}
+    assert suite.launch("trainforge", run_spec, out, 10.0, reuse=True) == {"status": "ok", "tokens_per_s": 5.0, "reused": True}
+    assert len(calls) == 1
+    changed = suite.launch("trainforge", {**run_spec, "row": {"name": "r", "steps": 3}}, out, 10.0, reuse=True)
+    assert changed["status"] == "failed" and "illegal memory access" in changed["reason"] and len(calls) == 2
+    again = suite.launch("trainforge", run_spec, out, 10.0)
+    assert again["status"] == "failed" and len(calls) == 3
