@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .config_base import MAX_STEPS, MAX_TOKENS, Section
 from .config_errors import ConfigError, clip, format_errors, key_lines, shown
@@ -192,6 +192,30 @@ class DataSettings(Section):
     def too_long_for(self, fmt: str) -> str:
         """The too-long policy for data of format ``fmt``: the set one, else split for text, truncate otherwise."""
         return self.too_long or ("split" if fmt == "text" else "truncate")
+
+    # how the user gave the sources and sets the objective, where a tool builds these settings itself
+    _named_as: str | None = PrivateAttr(default=None)
+    _objective_hint: str | None = PrivateAttr(default=None)
+
+    def source_label(self) -> str:
+        """The training sources as the user gave them, for messages: ``data.train='x.jsonl'``, or what
+        ``named_as`` set (``trainforge eval``'s ``--data x.jsonl``: a key the user never wrote)."""
+        return self._named_as or f"data.train={self.train!r}"
+
+    def objective_hint(self, *objectives: str) -> str:
+        """What to do when the data want another objective: ``set train.objective to dpo, ipo or simpo``, or
+        ``named_as``'s hint with the first of ``objectives``."""
+        if self._objective_hint:
+            return self._objective_hint.format(objectives[0])
+        listed = objectives[0] if len(objectives) == 1 else ", ".join(objectives[:-1]) + " or " + objectives[-1]
+        return f"set train.objective to {listed}"
+
+    def named_as(self, label: str, objective_hint: str | None = None) -> "DataSettings":
+        """A copy whose messages name the sources ``label``; ``objective_hint``: a format string for
+        ``objective_hint`` (``{}``: the objective), as the tool sets it."""
+        copy = self.model_copy()
+        copy._named_as, copy._objective_hint = label, objective_hint
+        return copy
 
     def sources(self) -> list[SourceSpec]:
         """The training sources as specs with weights."""

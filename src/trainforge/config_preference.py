@@ -11,6 +11,8 @@ from .config_base import Section
 
 OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto")
 """``train.objective`` values: next-token cross-entropy, then the preference objectives (engine/preference.py)."""
+OBJECTIVES_FOR_DATA = {"preference": tuple(o for o in OBJECTIVES if o not in ("sft", "kto")), "unpaired": ("kto",)}
+"""The objectives that train on each kind of preference data (pairs; KTO's labelled rows)."""
 REFERENCE_FREE = ("orpo", "simpo")
 """Objectives that compare the policy with itself: no reference model runs."""
 READ_BY = {"label_smoothing": ("dpo",), "simpo_gamma": ("simpo",), "desirable_weight": ("kto",), "undesirable_weight": ("kto",)}

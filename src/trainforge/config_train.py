@@ -30,7 +30,8 @@ class TrainSettings(Section):
     grad_accum: int = Field(1, gt=0, le=MAX_ROWS, description="micro-batches per optimizer step")
     global_batch_size: int | None = Field(
         None, gt=0, le=MAX_ROWS * 16, description="rows per optimizer step over all processes; sets grad_accum to "
-        "global_batch_size / (micro_batch_size x processes), which must divide it",
+        "global_batch_size / (micro_batch_size x processes), which must divide it; a checkpoint then resumes on "
+        "another number of processes (DDP)",
     )
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="auto: bf16 where native, fp16 + loss scaling on older GPUs, else fp32"

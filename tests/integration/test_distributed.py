@@ -102,7 +102,7 @@ def test_two_processes_train_like_one_with_the_same_global_batch(two_proc, tmp_p
     assert summary["tokens"] == json.loads((run1 / "summary.json").read_text())["tokens"]
 
 
-def test_killed_rank_resumes_exactly_and_needs_the_same_world_size(two_proc, tmp_path):
+def test_killed_rank_resumes_exactly_and_needs_the_same_world_size(two_proc, tmp_path, monkeypatch):
     config, reference = two_proc
     run = tmp_path / "run"
 
@@ -116,8 +116,11 @@ def test_killed_rank_resumes_exactly_and_needs_the_same_world_size(two_proc, tmp
     errors = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "error"]
     assert errors[-1]["type"] == "PeerFailure" and "another process of the job" in errors[-1]["message"], errors
 
-    # another world size: refused with a message, before any step
-    with pytest.raises(ResumeError, match="written by 2 process"):
+    # another world size: refused with a message, before the model loads (an 8B model's minutes)
+    import trainforge.engine.setup as setup_module
+
+    monkeypatch.setattr(setup_module, "build_run_model", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+    with pytest.raises(ResumeError, match=r"written by 2 process.*set train\.global_batch_size to the checkpoint's global batch \(8 rows\)"):
         from rich.console import Console
 
         from trainforge.engine.trainer import train
@@ -141,6 +144,38 @@ def test_killed_rank_resumes_exactly_and_needs_the_same_world_size(two_proc, tmp
     assert records(run) == records(reference)
 
 
+def test_preempted_on_two_processes_a_run_continues_on_one_with_the_same_global_batch(
+    two_proc, tmp_path, tiny_tokenizer_dir, toy_data_dir
+):
+    """A job preempted on 8 GPUs comes back on 4: with train.global_batch_size the accumulation follows the
+    processes (2 x 2 x 2 rows a step, then 2 x 4 x 1), each step trains the same rows, and the run ends as the
+    uninterrupted two-process run does. Before, any other process count was refused."""
+    _, reference = two_proc
+    cfg = dist_config(tiny_tokenizer_dir, toy_data_dir, 2)
+    del cfg["train"]["grad_accum"]
+    cfg["train"]["global_batch_size"] = 8
+    # the batches eval_max_batches: auto chose for 2 processes (at these tiny sizes it rounds to one batch per process)
+    cfg["train"]["eval_max_batches"] = 2
+    config = write_config(tmp_path / "elastic.yaml", cfg)
+    run = tmp_path / "run"
+    proc = run_cli(["train", config, "--output", run], tmp_path, faults={"rank": 1, "signal_in_step": [5, "SIGKILL"]}, nproc=2)
+    assert proc.returncode != 0, show(proc)
+    assert [c.step for c in scan_checkpoints(run / "checkpoints")[0]] == [3]
+
+    proc = run_cli(["train", config, "--output", run], tmp_path)  # one process
+    assert proc.returncode == 0, show(proc)
+    assert "written by 2 process(es), continued on 1: micro-batch 2 x accumulation 4 x 1" in proc.stdout, show(proc)
+    assert_close_records(records(run), records(reference))
+    assert_close_weights(final_weights(run), final_weights(reference))
+    saved = torch.load(run / "checkpoints" / "step-00000006" / "state.pt")
+    assert saved["grad_accum"] == 4 and "rng_ranks" not in saved
+    # 8 rows on 3 processes of micro-batch 2: 6 rows a pass do not divide them
+    from trainforge.engine.resume import resumed_grad_accum
+
+    with pytest.raises(ResumeError, match="on 3 processes: 6 rows per pass do not divide it"):
+        resumed_grad_accum(saved, 3)
+
+
 def test_fsdp2_trains_like_ddp_and_resumes_from_sharded_checkpoints(two_proc, tmp_path):
     config, reference = two_proc
     run = tmp_path / "fsdp"
@@ -149,6 +184,9 @@ def test_fsdp2_trains_like_ddp_and_resumes_from_sharded_checkpoints(two_proc, tm
     assert proc.returncode != 0, show(proc)
     (step3,) = scan_checkpoints(run / "checkpoints")[0]
     assert (step3.path / "sharded" / ".metadata").is_file() and step3.meta["distributed"] == "fsdp"
+    # sharded state is bound to its processes, whatever the global batch: refused before anything loads
+    proc = run_cli(["train", config, "--output", run], tmp_path)  # one process
+    assert proc.returncode == 2 and "FSDP's sharded state resumes on the processes that wrote it" in proc.stderr, show(proc)
 
     proc = run_cli(fsdp, tmp_path, nproc=2)
     assert proc.returncode == 0, show(proc)

@@ -185,6 +185,12 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
         rows_for(load_config(None, ["train.objective=kto"]), pairs)
     with pytest.raises(DataError, match=r"holds unpaired rows .*: set train.objective to kto$"):
         rows_for(load_config(None, ["train.objective=dpo"]), SimpleNamespace(format="unpaired"))
+    # a tool that builds the data settings itself (eval's --data) names the sources and the fix as the user gives them
+    cfg = load_config(None, ["train.objective=kto"])
+    cfg = cfg.model_copy(update={"data": cfg.data.named_as("--data pairs.jsonl", "score them with --set train.objective={}")})
+    with pytest.raises(DataError, match=r"but --data pairs\.jsonl holds preference rows .*: score them with --set train\.objective=dpo$"):
+        rows_for(cfg, pairs)
+    assert "data.train" not in cfg.data.source_label() and "data.train=" in load_config(None).data.source_label()
     # an encoder-decoder: the objective the message named was refused in turn ("dpo is for decoder-only models");
     # it says so, and how to learn the chosen replies as targets
     t5 = RunConfig.model_validate({"model": {"init": {"architecture": "t5", "d_model": 32}},

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..atomic import atomic_write_text
 from ..config import ModelSettings, RunConfig, default_cache_dir
+from ..config_preference import OBJECTIVES_FOR_DATA
 from ..metrics.console import ConsoleReporter
 from ..model.tokenizer import bpe_tokenizer_from_json, build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
 from .cache import built_tokenizer_key
@@ -112,23 +113,21 @@ def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
     layouts = {"preference": f"{{{n.prompt}, {n.chosen}, {n.rejected}}} or {{{n.chosen}, {n.rejected}}}",
                "unpaired": f"{{{n.prompt}, {n.completion}, {n.label}}} or {{{n.messages}, {n.label}}}"}
     if wanted is None:
-        fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
         if cfg.model.kind.encoder_decoder:  # setting the objective would be refused: none trains an encoder-decoder
             fix = ("; to learn the chosen replies as targets: data.format: prompt_completion and data.fields: "
                    f"{{completion: {n.chosen}}} (string pairs), or data.format: chat and data.fields: {{messages: {n.chosen}}} "
                    "(full conversations, as UltraFeedback's)" if held == "preference" else "")
-            raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): the preference objectives train "
+            raise DataError(f"{d.source_label()} holds {held} rows ({layouts[held]}): the preference objectives train "
                             f"decoder-only models here, and this model is an encoder-decoder (source -> target rows){fix}")
-        raise DataError(f"data.train={d.train!r} holds {held} rows ({layouts[held]}): set train.objective to {fix}")
+        raise DataError(f"{d.source_label()} holds {held} rows ({layouts[held]}): {d.objective_hint(*OBJECTIVES_FOR_DATA[held])}")
     if held is not None:  # the other kind of preference rows: the objective is what to change
-        fix = "kto" if held == "unpaired" else "dpo, ipo, orpo or simpo"
-        raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} "
-                        f"holds {held} rows ({layouts[held]}): set train.objective to {fix}")
+        raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but {d.source_label()} "
+                        f"holds {held} rows ({layouts[held]}): {d.objective_hint(*OBJECTIVES_FOR_DATA[held])}")
     told = (f" (told apart by a {n.label!r} of true or false, not 1/0 or a string: set data.format: unpaired to have "
             "each row's label checked)" if wanted == "unpaired" else "")
     other = (" (other column names: map them with data.fields, e.g. "
              "data.fields: {prompt: question, chosen: response_j, rejected: response_k})" if wanted == "preference" else "")
-    raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but data.train={d.train!r} "
+    raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but {d.source_label()} "
                     f"is {fmt} data{told}{other}")
 
 

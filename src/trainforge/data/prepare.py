@@ -57,7 +57,7 @@ def resolve_format(cfg: DataSettings) -> str:
     bad = BadRows("skip")
     first = next(train_rows(cfg, bad), None)
     if first is None:
-        raise DataError(f"data.train={cfg.train!r}: no rows found" + (f"; every row is bad, first: {bad.first[0]}" if bad.count else ""))
+        raise DataError(f"{cfg.source_label()}: no rows found" + (f"; every row is bad, first: {bad.first[0]}" if bad.count else ""))
     return detect_format(first[1], cfg.fields)
 
 
@@ -248,7 +248,7 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
     too_long = cfg.too_long_for(fmt)
     if seq2seq and fmt == "text":
         raise DataError(
-            f"data.train={cfg.train!r}: text rows have no source -> target pairs for an encoder-decoder model; "
+            f"{cfg.source_label()}: text rows have no source -> target pairs for an encoder-decoder model; "
             "give prompt/completion, source/target, input/output, alpaca or chat rows"
         )
     workers = cfg.num_workers or os.cpu_count() or 1

@@ -99,25 +99,54 @@ def checkpoint_meta(
     }
 
 
-def check_world(info: CheckpointInfo, world_size: int, mode: str) -> None:
-    """The same number of processes (and the same format) as the run that wrote the checkpoint.
+def check_world(info: CheckpointInfo, world_size: int, cfg: RunConfig, mode: str | None = None) -> None:
+    """The number of processes (and, given ``mode``, the format) of the run that wrote the checkpoint, or another
+    number where the global batch stays the same.
 
-    The global batch is micro_batch_size x grad_accum x processes, so another world size would
-    change the optimization mid-run; the data position itself is global and would carry over.
+    The global batch is micro_batch_size x grad_accum x processes, so another number of processes changes the
+    optimization mid-run unless ``train.global_batch_size`` holds it: then grad_accum follows the processes
+    (``resumed_grad_accum``), each step trains the same rows in the same order (the data position counts global
+    rows), and the run continues on 4 GPUs where it was preempted on 8. FSDP shards are bound to their processes.
     """
     saved_world, saved_mode = info.meta.get("world_size", 1), info.meta.get("distributed", "none")
     if saved_world != world_size:
-        raise ResumeError(
-            f"cannot resume from {info.path}: it was written by {saved_world} process(es), this run has {world_size}. "
-            f"The global batch (micro_batch_size x grad_accum x processes) would change mid-run: resume with "
-            f"{saved_world} process(es) (torchrun --nproc_per_node / trainforge train --nproc), "
-            "or start a new run (another --output)"
-        )
-    if saved_world > 1 and (saved_mode == "fsdp") != (mode == "fsdp"):
+        if "fsdp" in (saved_mode, mode):
+            raise ResumeError(
+                f"cannot resume from {info.path}: it was written by {saved_world} process(es), this run has {world_size}, "
+                f"and FSDP's sharded state resumes on the processes that wrote it: resume with {saved_world} "
+                "process(es), or start a new run (another --output)"
+            )
+        if cfg.train.global_batch_size is None:
+            fixed = info.meta.get("fixed", {})
+            batch = fixed.get("train.micro_batch_size"), fixed.get("train.grad_accum")
+            rows = f" ({batch[0] * batch[1] * saved_world} rows)" if all(isinstance(b, int) for b in batch) else ""
+            raise ResumeError(
+                f"cannot resume from {info.path}: it was written by {saved_world} process(es), this run has {world_size}. "
+                f"The global batch (micro_batch_size x grad_accum x processes) would change mid-run: resume with "
+                f"{saved_world} process(es) (torchrun --nproc_per_node / trainforge train --nproc), set "
+                f"train.global_batch_size to the checkpoint's global batch{rows} to keep it on {world_size}, "
+                "or start a new run (another --output)"
+            )
+    if mode is not None and saved_world > 1 and (saved_mode == "fsdp") != (mode == "fsdp"):
         raise ResumeError(
             f"cannot resume from {info.path}: it holds {saved_mode} state and this run uses {mode}; "
             f"set train.distributed: {saved_mode} to resume it"
         )
+
+
+def resumed_grad_accum(state: dict[str, Any], world_size: int) -> int:
+    """The accumulation that keeps a checkpoint's global batch on ``world_size`` processes at its micro-batch
+    (the one after any out-of-memory back-off); ``ResumeError`` where none does."""
+    saved_world = len(state.get("rng_ranks") or [None])  # one random state per process that wrote it
+    micro, accum = state["micro_batch_size"], state["grad_accum"]
+    rows = micro * accum * saved_world
+    if rows % (micro * world_size):
+        raise ResumeError(
+            f"cannot resume a global batch of {rows} rows (micro-batch {micro} x accumulation {accum} x {saved_world} "
+            f"process(es)) on {world_size} processes: {micro * world_size} rows per pass do not divide it; resume on "
+            f"a number of processes that divides {rows // micro}"
+        )
+    return rows // (micro * world_size)
 
 
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -154,7 +183,7 @@ def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
         )
 
 
-def refuse_changed_settings(out: Path, cfg: RunConfig, resume: str) -> None:
+def refuse_changed_settings(out: Path, cfg: RunConfig, resume: str, world_size: int = 1) -> None:
     """Before the data is tokenized and the model loaded: a rerun (``--resume auto``) whose bound settings differ
     from its newest checkpoint's is refused now, as ``choose_checkpoint`` refuses it later (a changed
     ``data.max_length`` once tokenized a whole corpus again before the refusal)."""
@@ -162,14 +191,19 @@ def refuse_changed_settings(out: Path, cfg: RunConfig, resume: str) -> None:
         complete, _ = scan_checkpoints(out / CHECKPOINTS)
         if complete:
             check_settings(complete[-1], cfg)
+            check_world(complete[-1], world_size, cfg)
 
 
 # ---------------------------------------------------------------- choosing the checkpoint
 
 
-def choose_checkpoint(out: Path, cfg: RunConfig, resume: str, reporter: ConsoleReporter) -> ResumePlan | None:
+def choose_checkpoint(
+    out: Path, cfg: RunConfig, resume: str, reporter: ConsoleReporter, world_size: int = 1
+) -> ResumePlan | None:
     """The checkpoint to continue from (``resume``: auto|never|PATH), loaded; None for a fresh run.
-    Refuses an output directory that holds another run (runlock.probe_run_dir)."""
+    Refuses an output directory that holds another run (runlock.probe_run_dir), and a checkpoint written by
+    another number of processes before its state is read (an 8B run's optimizer state is tens of GB) and
+    before the model loads."""
     holds_run = probe_run_dir(out)
     if resume == "never":
         if holds_run:
@@ -192,7 +226,10 @@ def choose_checkpoint(out: Path, cfg: RunConfig, resume: str, reporter: ConsoleR
                 f"{out} already holds another run; resuming {candidates[0].path} into it would mix the two runs' "
                 "metrics: choose a new --output"
             )
-    return _load_first(candidates, cfg, same_run, reporter) if candidates else None
+    if not candidates:
+        return None
+    check_world(candidates[0], world_size, cfg)
+    return _load_first(candidates, cfg, same_run, reporter)
 
 
 def _newest_first(root: Path, reporter: ConsoleReporter, recover: bool = False) -> list[CheckpointInfo]:
@@ -267,7 +304,8 @@ def check_fits_run(plan: ResumePlan, run: Run) -> None:
         raise ResumeError(
             f"{run_length(run)} is below the step of {info.path} ({info.step}); give train.max_steps of at least {info.step}"
         )
-    check_world(info, run.dist.world_size, run.dist.mode)
+    check_world(info, run.dist.world_size, run.cfg, run.dist.mode)
+    resumed_grad_accum(state, run.dist.world_size)
     if run.dist.mode != "fsdp":
         expected = set(trainable_state(run.model))
         if set(state["model"]) != expected:
@@ -320,7 +358,13 @@ def resume_note(plan: ResumePlan, run: Run) -> str:
         notes.append(
             f"the learning-rate schedule keeps its {c.schedule_steps}-step horizon ({run_length(run)} now)"
         )
-    if run.grad_accum != run.cfg.train.grad_accum:
+    saved_world = info.meta.get("world_size", 1)
+    if saved_world != run.dist.world_size:
+        notes.append(
+            f"written by {saved_world} process(es), continued on {run.dist.world_size}: micro-batch {run.loader.batch_size} "
+            f"x accumulation {run.grad_accum} x {run.dist.world_size}, the same global batch"
+        )
+    elif run.grad_accum != run.cfg.train.grad_accum:
         notes.append(
             f"micro-batch {run.loader.batch_size} x accumulation {run.grad_accum}, as chosen after running out of memory"
         )

@@ -136,11 +136,16 @@ class Run:
             part.load_state_dict(state[name])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
-        self.loader.batch_size, self.grad_accum = state["micro_batch_size"], state["grad_accum"]
+        # on another number of processes (resume.check_world allows it where train.global_batch_size holds the global
+        # batch, and resumed_grad_accum checked that it divides), the accumulation that keeps it: the same rows a step
+        saved_world = len(state.get("rng_ranks") or [None])
+        self.loader.batch_size = state["micro_batch_size"]
+        self.grad_accum = state["grad_accum"] * saved_world // self.dist.world_size
         self.counters.load_state_dict(state["counters"])
         self.resumed_from = self.counters.step
         c = self.counters
         self.earlier = {
             "loop_time_s": c.loop_time_s, "data_wait_s": c.data_wait_s, "eval_s": c.eval_s, "skipped": float(self.guard.total)
         }
-        restore_rng(state["rng_ranks"][self.dist.rank] if "rng_ranks" in state else state["rng"])
+        ranks = state.get("rng_ranks") or [state["rng"]]  # more processes than wrote it: the others repeat the first's
+        restore_rng(ranks[self.dist.rank % len(ranks)])

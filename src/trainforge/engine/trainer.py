@@ -105,7 +105,7 @@ def open_run(
         with (contextlib.nullcontext(stop) if stop is not None else StopRequest()) as stop, hold_run_dir(
             output_dir, ctx, reporter, lambda: stop.requested, cfg.train.dist_timeout_s * 0.9 if ctx.enabled else None
         ):
-            refuse_changed_settings(output_dir, cfg, resume)  # before the data is tokenized and the model loaded
+            refuse_changed_settings(output_dir, cfg, resume, ctx.world_size)  # before the data is tokenized and the model loaded
             run = setup(cfg, output_dir, reporter, resume, stop, ctx)
             try:
                 yield run

@@ -15,7 +15,6 @@ the decoder starting from the model's start token), and the loss averages over t
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 from typing import Any
 
@@ -98,22 +97,16 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
     reporter.info(f"model: {src.describe()} | {device} | precision {precision.name} ({why})")
 
     tokenizer = load_source_tokenizer(src)
+    # the data layer's messages name the file as given here, not as data.train (a key the user never wrote)
+    cfg = cfg.model_copy(update={"data": cfg.data.named_as(f"--data {data}", "score them with --set train.objective={}")})
     d = cfg.data
-    try:
-        prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=src.encoder_decoder)
-    except DataError as e:  # an empty --data: it said "data.train='test.jsonl': no rows found", a key never given
-        raise DataError(str(e).replace(f"data.train={d.train!r}:", f"--data {data}:", 1)) from None
+    prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=src.encoder_decoder)
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
     store = prepared.train  # the file is read as the one training source: every row, in order
     pairs = prepared.format in ("preference", "unpaired")
     cfg = with_objective(cfg, prepared.format)  # preference data: the run's objective, else dpo or kto; other data: sft
-    try:
-        rows = rows_for(cfg, prepared)(store, np.arange(len(store)))
-    except DataError as e:  # a kto run on pairs (or a pair objective on kto rows): --set train.objective=... scores them
-        fix = "kto" if prepared.format == "unpaired" else "dpo"
-        message = str(e).replace(f"data.train={d.train!r}", f"--data {data}", 1)
-        raise DataError(re.sub(r"set train\.objective to .*$", f"score them with --set train.objective={fix}", message)) from None
+    rows = rows_for(cfg, prepared)(store, np.arange(len(store)))  # a kto run's eval on pairs: names --set train.objective
     # an adapter's decoder starts where its base's does (the adapter directory has no config.json)
     collate = collator_for(cfg, tokenizer, cfg.model.model_copy(update={"path": src.base or src.weights}))(store)
     batches = eval_batches(rows, collate, cfg.train.micro_batch_size, cfg.train.eval_max_batches)
