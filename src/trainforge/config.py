@@ -101,7 +101,7 @@ class DataSettings(Section):
         "auto",
         description="auto: from the fields of the first row; source_target: {source, target} or {input, output} "
         "rows (a prompt and its completion); preference: chosen/rejected pairs (train.objective dpo, ipo, orpo, simpo); unpaired: completions with a "
-        "true/false label (train.objective kto)",
+        "true/false label (train.objective kto), or pairs read as a desirable chosen and an undesirable rejected example",
     )
     fields: FieldNames = Field(default_factory=FieldNames)
     chat_template: str | None = Field(

@@ -181,14 +181,15 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
     with pytest.raises(DataError, match="train.objective=kto needs unpaired rows"):
         rows_for(load_config(None, ["train.objective=kto"]), pairs)
     # the other kind of preference rows: the objective is the fix, not a data.fields rename
-    with pytest.raises(DataError, match=r"holds preference rows .*: set train.objective to dpo, ipo, orpo or simpo$"):
+    with pytest.raises(DataError, match=r"holds preference rows .*: set train.objective to dpo, ipo, orpo or simpo; or, "
+                       r"for KTO on the pairs, data.format: unpaired \(each chosen reply a desirable example"):
         rows_for(load_config(None, ["train.objective=kto"]), pairs)
     with pytest.raises(DataError, match=r"holds unpaired rows .*: set train.objective to kto$"):
         rows_for(load_config(None, ["train.objective=dpo"]), SimpleNamespace(format="unpaired"))
     # a tool that builds the data settings itself (eval's --data) names the sources and the fix as the user gives them
     cfg = load_config(None, ["train.objective=kto"])
     cfg = cfg.model_copy(update={"data": cfg.data.named_as("--data pairs.jsonl", "score them with --set train.objective={}")})
-    with pytest.raises(DataError, match=r"but --data pairs\.jsonl holds preference rows .*: score them with --set train\.objective=dpo$"):
+    with pytest.raises(DataError, match=r"but --data pairs\.jsonl holds preference rows .*: score them with --set train\.objective=dpo;"):
         rows_for(cfg, pairs)
     assert "data.train" not in cfg.data.source_label() and "data.train=" in load_config(None).data.source_label()
     # an encoder-decoder: the objective the message named was refused in turn ("dpo is for decoder-only models");

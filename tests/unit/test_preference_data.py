@@ -246,6 +246,56 @@ def test_bad_rows_are_counted_under_skip_and_kto_labels_reach_the_store_and_batc
         assert store.desirable is None
 
 
+def test_kto_on_pairs_under_data_format_unpaired_splits_each_pair_into_two_labelled_examples(tmp_path, tiny_tokenizer_dir):
+    """KTO on a DPO dataset (TRL's KTOTrainer reads pairs so): with data.format: unpaired each pair is its chosen reply,
+    desirable, and its rejected one, undesirable, after the pair's prompt; each with a KL sample. With format auto
+    the refusal says so. Before, every pair was a bad row ('label' must be true or false)."""
+    import json
+
+    from conftest import toy_preference_pairs
+    from rich.console import Console
+
+    from trainforge.config import RunConfig
+    from trainforge.data.plan import check_objective_data, plan_data
+    from trainforge.metrics.console import ConsoleReporter
+    from trainforge.model.tokenizer import load_tokenizer
+
+    pairs = toy_preference_pairs(6)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in pairs))
+
+    def config(fmt: str) -> RunConfig:
+        return RunConfig.model_validate({
+            "model": {"init": {"architecture": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 4}, "tokenizer": str(tiny_tokenizer_dir)},
+            "data": {"train": str(path), "eval": None, "max_length": 128, "cache_dir": str(tmp_path / "c"), "format": fmt},
+            "train": {"objective": "kto"},
+        })
+
+    with pytest.raises(DataError, match="or, for KTO on the pairs, data.format: unpaired"):
+        check_objective_data(config("auto"))
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    plan = plan_data(config("unpaired"), tok, ConsoleReporter(Console(quiet=True)))
+    store = plan.prepared.train
+    assert plan.prepared.stats.get("bad_rows", 0) == 0 and len(store) == 2 * 2 * len(pairs)  # each example with its KL sample
+    assert store.desirable.tolist() == [True, True, False, False] * len(pairs)
+
+    def learned(i: int) -> str:  # the reply and its end of text
+        a, b = store.offsets[i], store.offsets[i + 1]
+        text = tok.decode(store.ids[a:b][store.learn[a:b].astype(bool)])
+        assert text.endswith(tok.eos_token)
+        return text[: -len(tok.eos_token)]
+
+    def whole(i: int) -> str:
+        return tok.decode(store.ids[store.offsets[i] : store.offsets[i + 1]])
+
+    first = pairs[0]
+    assert learned(0).strip() == first["chosen"].strip() and learned(2).strip() == first["rejected"].strip()
+    assert whole(0).startswith(first["prompt"]) and whole(2).startswith(first["prompt"])
+    # the chosen example's KL sample: its prompt with the next example's completion (the same pair's rejected reply)
+    assert learned(1).strip() == first["rejected"].strip() and whole(1).startswith(first["prompt"])
+
+
 def test_the_data_line_counts_cut_sides_and_dropped_pairs_in_their_units():
     """A pair too long for its row is cut on both sides (two sequences) and, with nothing left to learn, dropped
     whole (one pair): the line said '32 truncated, 16 dropped' of 180 rows, as if 48 rows were touched."""

@@ -72,7 +72,8 @@ def format_fields(fmt: str, names: FieldNames) -> tuple[str, ...]:
         "alpaca": (names.instruction, names.output),
         "source_target": (*SOURCE_TARGET, names.input, names.output),  # either pair (see source_target_keys)
         "preference": (names.prompt, names.chosen, names.rejected),  # data/preference.py reads each layout
-        "unpaired": (names.prompt, names.completion, names.messages),
+        # KTO's labelled rows, or pairs split into a desirable and an undesirable example (data/preference.py)
+        "unpaired": (names.prompt, names.completion, names.messages, names.chosen, names.rejected),
     }[fmt]
 
 

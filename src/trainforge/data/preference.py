@@ -8,7 +8,8 @@ Paired rows (DPO, IPO, ORPO, SimPO) in the layouts people have:
   the shared leading messages, and a ``prompt`` string beside them is the same question, not read).
   A prompt that both sides already begin with (full texts or conversations beside their prompt) is written once.
 Unpaired rows (KTO): TRL's ``{"prompt", "completion", "label"}`` and LLaMA-Factory's ``{"messages", "label"}``
-(the last assistant turn is the completion).
+(the last assistant turn is the completion); under ``data.format: unpaired``, a pair in any of the layouts above is
+two examples, its chosen reply desirable and its rejected one not.
 
 Each side is rendered as SFT renders a row (the real chat template; offset-exact spans): only the reply
 is learned, never the prompt nor earlier assistant turns. Bad rows (identical sides, an empty side, a
@@ -71,6 +72,15 @@ class PreferenceRenderer:
             f"{row.where}: {n.chosen!r} and {n.rejected!r} must both be strings or both be message lists, got "
             f"{type(chosen).__name__} and {type(rejected).__name__}"
         )
+
+    def examples(self, row: Row) -> list[tuple[Rendered, bool]]:
+        """The KTO examples of a row of ``data.format: unpaired``: its one labelled completion, or, of a preference
+        pair, the chosen reply as a desirable example and the rejected one as an undesirable example (as TRL's
+        KTOTrainer reads paired data), each after the pair's prompt."""
+        if self.names.chosen in row.data and self.names.rejected in row.data and self.names.label not in row.data:
+            chosen, rejected = self.pair(row)
+            return [(chosen, True), (rejected, False)]
+        return [self.unpaired(row)]
 
     def unpaired(self, row: Row) -> tuple[Rendered, bool]:
         """(the completion after its prompt, whether it is desirable) of a KTO row."""

@@ -91,15 +91,16 @@ def _tokenize_chunk(rows: list[Row]) -> tuple[TokenizedChunk, list[str]]:
     fmt = w["renderer"].fmt
     if seq2seq:
         render = w["renderer"].pair
-    elif fmt in ("preference", "unpaired"):  # a pair of replies, or a KTO completion with its label
+    elif fmt in ("preference", "unpaired"):  # a pair of replies, or KTO completions with their labels
         preference = PreferenceRenderer(w["renderer"])
-        render = preference.pair if fmt == "preference" else preference.unpaired
+        render = preference.pair if fmt == "preference" else preference.examples
     else:
         render = w["renderer"]
     rendered, bad = [], []
     for row in rows:
         try:
-            rendered.append(render(row))
+            item = render(row)
+            rendered.extend(item) if fmt == "unpaired" else rendered.append(item)  # a split pair is two KTO examples
         except DataError as e:
             bad.append(str(e))
     if fmt == "preference":  # each pair as two sequences, chosen then rejected (packing.pair_rows keeps them together)
