@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 
-from integration_helpers import root_conftest, run_cli, show
+import pytest
+from integration_helpers import cli_command, root_conftest, run_cli, show
 
 write_config = root_conftest().write_config
 
@@ -29,3 +34,47 @@ def test_bench_sweep_writes_json(tmp_path, finetune_config):
     # the same global batch over the same rows: the same loss, whatever the micro-batch
     assert abs(results[0]["loss"] - results[1]["loss"]) < 1e-4
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_bench_leaves_no_run_directories_behind(tmp_path, finetune_config):
+    """Each variant is a whole run (final/ weights included: GBs for a real model); bench kept them all in
+    /tmp/trainforge-bench-* for good."""
+    config = write_config(tmp_path / "run.yaml", finetune_config)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv, env = cli_command(["bench", config, "--steps", "2", "--warmup", "1", "--synthetic"])
+    proc = subprocess.run(argv, cwd=tmp_path, env={**env, "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, show(proc)
+    assert not list(tmp.glob("trainforge-bench-*")), show(proc)
+
+
+@pytest.mark.parametrize("to_group", [False, True], ids=["sigterm-to-bench", "ctrl-c-to-its-group"])
+def test_a_signal_stops_the_whole_bench(tmp_path, finetune_config, to_group):
+    """SIGTERM to bench (a job's time limit) or Ctrl-C (SIGINT to bench and its variant's process) stops it with exit 75:
+    the variant running is killed, the next never starts, the run directories are removed. Before, SIGTERM killed
+    bench alone and its variant ran on; Ctrl-C stopped the variant (saving a checkpoint in the temporary directory)
+    and bench went on with the next."""
+    config = write_config(tmp_path / "run.yaml", finetune_config)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv, env = cli_command(["bench", config, "--steps", "100000", "--warmup", "1", "--synthetic", "--sweep",
+                             "train.micro_batch_size=2,4"])
+    proc = subprocess.Popen(argv, cwd=tmp_path, env={**env, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp.glob("trainforge-bench-*/v0/metrics.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the first variant's run has started
+    assert proc.poll() is None, proc.communicate()
+    if to_group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    shown_output = f"stdout:\n{out}\nstderr:\n{err}"
+    name = "SIGINT" if to_group else "SIGTERM"
+    assert proc.returncode == 75, shown_output
+    assert f"bench stopped by {name} after 0 of 2 variants" in err and "saving a checkpoint" not in err, shown_output
+    assert not list(tmp.glob("trainforge-bench-*")), shown_output
+    # the variant's process (multiprocessing's spawn_main) is gone; its resource tracker may take a moment to follow
+    variant = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout
+    assert not variant, f"a variant's process runs on: {variant}"

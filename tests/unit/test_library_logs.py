@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from trainforge.cli import quiet_library_logs
+from trainforge.library_logs import quiet_library_logs
 
 
 class _Kept(logging.Handler):

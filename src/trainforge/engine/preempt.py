@@ -32,9 +32,11 @@ class StopRequest:
     visible partial one behind.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, doing: str | None = None) -> None:
+        """``doing``: what the process does on the first signal, for its message (default: a run's own words)."""
         self.signum: int | None = None
         self.stepping = False  # set by the training loop: before it, a signal has no step to finish nor to save
+        self.doing = doing
         self._previous: dict[int, object] = {}
 
     @property
@@ -50,9 +52,10 @@ class StopRequest:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_DFL)
         # os.write, not the console: a handler can interrupt a print that holds the console's lock
-        doing = ("finishing the current step, then saving a checkpoint (send it again to stop at once, without saving)"
-                 if self.stepping else "stopping at the end of this stage of set-up, before any step: nothing to save "
-                 "(send it again to stop at once)")
+        doing = self.doing or (
+            "finishing the current step, then saving a checkpoint (send it again to stop at once, without saving)"
+            if self.stepping else "stopping at the end of this stage of set-up, before any step: nothing to save "
+            "(send it again to stop at once)")
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the signal: rank 0 says it, once
             os.write(2, f"\n{signal.Signals(signum).name}: {doing}\n".encode())
 

@@ -11,13 +11,17 @@ from __future__ import annotations
 import itertools
 import json
 import multiprocessing
+import queue as queue_module
 import random
+import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, RunConfig, load_config, parse_override
 from ..config_errors import shown
+from ..engine.preempt import STOP_SIGNALS, Interrupted, StopRequest
 
 BATCH_KEY = "train.micro_batch_size"
 
@@ -84,6 +88,9 @@ def bench_overrides(warmup: int, steps: int, workdir: Path, synthetic: bool) -> 
 def run_variant(config_path: str | None, overrides: list[str], warmup: int, out_dir: str, queue) -> None:
     """In a child process: set up the run, train ``warmup`` steps, then the measured steps."""
     try:
+        from ..library_logs import quiet_library_logs
+
+        quiet_library_logs()  # a spawned process starts with the libraries' own logging, not the CLI's
         from rich.console import Console
 
         from ..engine.trainer import open_run, train_loop
@@ -91,7 +98,11 @@ def run_variant(config_path: str | None, overrides: list[str], warmup: int, out_
         from ..metrics.tracker import read_metrics
 
         cfg = load_config(config_path, overrides)
-        with open_run(cfg, Path(out_dir), ConsoleReporter(Console(quiet=True)), resume="never") as run:
+        # the parent answers SIGTERM/SIGINT for the whole bench (it kills this process): a run here neither
+        # handles them (a StopRequest never entered installs no handler) nor dies of a Ctrl-C meant for the parent
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        with open_run(cfg, Path(out_dir), ConsoleReporter(Console(quiet=True)), resume="never", stop=StopRequest()) as run:
             train_loop(run, warmup)  # warm-up: compile, allocator, caches; logged at its last step and discarded
             train_loop(run)  # the measured steps: one log record spans exactly them
         rec = [r for r in read_metrics(run.out / "metrics.jsonl") if "loss" in r][-1]
@@ -101,21 +112,49 @@ def run_variant(config_path: str | None, overrides: list[str], warmup: int, out_
 
 
 def bench(config_path: str | None, overrides: list[str], sweeps: list[str], steps: int, warmup: int, synthetic: bool) -> list[dict]:
-    """Run every variant in its own process; returns one result dict per variant."""
+    """Run every variant in its own process; returns one result dict per variant. SIGTERM/SIGINT stops the
+    variant running and the ones after it (``Interrupted``); the runs' directories are removed either way."""
     base = load_config(config_path, overrides)
+    chosen = variants(base, parse_sweep(sweeps))
     workdir = Path(tempfile.mkdtemp(prefix="trainforge-bench-"))
-    fixed = bench_overrides(warmup, steps, workdir, synthetic)
     results = []
     ctx = multiprocessing.get_context("spawn")  # a fresh process per variant: its own peak memory, no state carried over
-    for i, (label, extra) in enumerate(variants(base, parse_sweep(sweeps))):
-        load_config(config_path, [*overrides, *extra, *fixed])  # fail fast on a bad variant, before running any
-        queue = ctx.Queue()
-        proc = ctx.Process(target=run_variant, args=(config_path, [*overrides, *extra, *fixed], warmup, str(workdir / f"v{i}"), queue))
-        proc.start()
-        result = queue.get()
-        proc.join()
-        results.append({"variant": label, "overrides": extra, **result})
+    try:
+        fixed = bench_overrides(warmup, steps, workdir, synthetic)
+        with StopRequest("stopping the benchmark (its variant's steps are cut short: nothing measured)") as stop:
+            for i, (label, extra) in enumerate(chosen):
+                load_config(config_path, [*overrides, *extra, *fixed])  # fail fast on a bad variant, before running any
+                queue = ctx.Queue()
+                proc = ctx.Process(target=run_variant, args=(config_path, [*overrides, *extra, *fixed], warmup, str(workdir / f"v{i}"), queue))
+                proc.start()
+                result = wait_for_variant(proc, queue, stop)
+                if result is None:
+                    raise Interrupted(f"bench stopped by {stop.name} after {len(results)} of {len(chosen)} variants "
+                                      "(a variant cut short measures nothing): run it again", stop.name)
+                results.append({"variant": label, "overrides": extra, **result})
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # each variant's run directory: a large model's final/ weights included
     return results
+
+
+def wait_for_variant(proc, queue, stop: StopRequest) -> dict | None:
+    """The result ``proc`` puts on ``queue``; None once ``stop`` is requested (the variant is killed: its steps
+    are cut short, so it measures nothing); an error result when the process ends without one (killed)."""
+    while True:
+        try:
+            result = queue.get(timeout=0.2)
+            proc.join()
+            return result
+        except queue_module.Empty:
+            if stop.requested:
+                proc.kill()
+                proc.join()
+                return None
+            if not proc.is_alive():  # its result may have reached the pipe as it ended: one last look
+                try:
+                    return queue.get(timeout=1.0)
+                except queue_module.Empty:
+                    return {"error": f"the variant's process ended without a result (exit code {proc.exitcode})"}
 
 
 def render(results: list[dict], console) -> None:
