@@ -249,7 +249,8 @@ def plan(
     with user_errors(ValueError):  # an unknown --hardware profile is a ValueError
         result = make_plan(cfg, hardware, nproc)
     if measure:
-        result["measured"] = run_measure(str(config) if config else None, set_ or [], result, measure_steps)
+        with user_errors():  # SIGTERM/SIGINT stops the measurement (exit 75)
+            result["measured"] = run_measure(str(config) if config else None, set_ or [], result, measure_steps)
     if json_out:
         typer.echo(json.dumps(result, indent=2, default=str))
     else:

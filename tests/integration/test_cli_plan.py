@@ -108,3 +108,30 @@ def test_train_resolves_auto_settings_and_says_why(tmp_path):
     assert summary["activation_checkpointing"] is False and summary["activation_checkpointing_reason"].startswith("off")
     assert summary["predicted_peak_memory_bytes"] <= 0.9 * float(cap) * 2**30
     assert "micro_batch_size auto ->" in r.stdout
+
+
+def test_a_signal_stops_plan_measure_and_leaves_nothing_behind(tmp_path):
+    """SIGTERM during `plan --measure`: exit 75 at once, the measuring process killed, its run directory removed.
+    Before, the measuring process went on alone (its temporary run directory kept) and plan died of the signal."""
+    import signal
+    import subprocess
+    import time
+
+    from integration_helpers import cli_command
+
+    cfg = tiny_config(tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv, env = cli_command(["plan", cfg, "--measure", "--measure-steps", "100000"])
+    proc = subprocess.Popen(argv, cwd=tmp_path, env={**env, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp.glob("trainforge-plan-*/run/metrics.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the measuring run has started
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75 and "plan --measure stopped by SIGTERM: nothing measured" in err, (out, err)
+    assert not list(tmp.glob("trainforge-plan-*")), (out, err)
+    left = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout
+    assert not left, f"the measuring process runs on: {left}"

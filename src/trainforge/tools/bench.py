@@ -85,12 +85,23 @@ def bench_overrides(warmup: int, steps: int, workdir: Path, synthetic: bool) -> 
     return fixed
 
 
+def as_measuring_child() -> StopRequest:
+    """Set up a process that ``bench`` or ``plan --measure`` started to measure a run: the library log noise
+    dropped as in the CLI (a spawned process starts without that), SIGTERM/SIGINT ignored. The parent answers
+    them for the whole command and kills this process: a run here neither stops on them (the StopRequest
+    returned is never entered, so it installs no handler) nor dies of a Ctrl-C meant for the parent."""
+    from ..library_logs import quiet_library_logs
+
+    quiet_library_logs()
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    return StopRequest()
+
+
 def run_variant(config_path: str | None, overrides: list[str], warmup: int, out_dir: str, queue) -> None:
     """In a child process: set up the run, train ``warmup`` steps, then the measured steps."""
     try:
-        from ..library_logs import quiet_library_logs
-
-        quiet_library_logs()  # a spawned process starts with the libraries' own logging, not the CLI's
+        stop = as_measuring_child()
         from rich.console import Console
 
         from ..engine.trainer import open_run, train_loop
@@ -98,11 +109,7 @@ def run_variant(config_path: str | None, overrides: list[str], warmup: int, out_
         from ..metrics.tracker import read_metrics
 
         cfg = load_config(config_path, overrides)
-        # the parent answers SIGTERM/SIGINT for the whole bench (it kills this process): a run here neither
-        # handles them (a StopRequest never entered installs no handler) nor dies of a Ctrl-C meant for the parent
-        for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
-        with open_run(cfg, Path(out_dir), ConsoleReporter(Console(quiet=True)), resume="never", stop=StopRequest()) as run:
+        with open_run(cfg, Path(out_dir), ConsoleReporter(Console(quiet=True)), resume="never", stop=stop) as run:
             train_loop(run, warmup)  # warm-up: compile, allocator, caches; logged at its last step and discarded
             train_loop(run)  # the measured steps: one log record spans exactly them
         rec = [r for r in read_metrics(run.out / "metrics.jsonl") if "loss" in r][-1]

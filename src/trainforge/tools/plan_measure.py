@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
+from ..engine.preempt import Interrupted, StopRequest
 from ..profiles import GIB
+from .bench import as_measuring_child, bench_overrides, wait_for_variant
 
 
 def measure(
@@ -29,23 +31,29 @@ def measure(
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     workdir = tempfile.mkdtemp(prefix="trainforge-plan-")
-    proc = ctx.Process(target=_measure_child, args=(config_path, [*overrides, *settings], steps, warmup, workdir, queue))
-    proc.start()
-    result = queue.get()
-    proc.join()
-    shutil.rmtree(workdir, ignore_errors=True)
+    try:
+        proc = ctx.Process(target=_measure_child, args=(config_path, [*overrides, *settings], steps, warmup, workdir, queue))
+        with StopRequest("stopping the measurement (its steps are cut short: nothing measured)") as stop:
+            proc.start()
+            result = wait_for_variant(proc, queue, stop)
+        if result is None:
+            raise Interrupted(f"plan --measure stopped by {stop.name}: nothing measured; run it again", stop.name)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
 def _measure_child(config_path: str | None, overrides: list[str], steps: int, warmup: int, workdir: str, queue) -> None:
     try:
-        queue.put(measure_steps(config_path, overrides, steps, warmup, Path(workdir)))
+        queue.put(measure_steps(config_path, overrides, steps, warmup, Path(workdir), as_measuring_child()))
     except BaseException as e:  # the parent reports it
         queue.put({"error": f"{type(e).__name__}: {e}"})
 
 
-def measure_steps(config_path: str | None, overrides: list[str], steps: int, warmup: int, workdir: Path) -> dict[str, Any]:
-    """In this process: one traced steady-state step on the longest rows, then timed steps."""
+def measure_steps(
+    config_path: str | None, overrides: list[str], steps: int, warmup: int, workdir: Path, stop: StopRequest | None = None
+) -> dict[str, Any]:
+    """In this process: one traced steady-state step on the longest rows, then timed steps (``stop``: see open_run)."""
     from rich.console import Console
 
     from ..config import load_config
@@ -54,10 +62,9 @@ def measure_steps(config_path: str | None, overrides: list[str], steps: int, war
     from ..hardware import peak_memory_bytes
     from ..metrics.console import ConsoleReporter
     from ..metrics.tracker import read_metrics
-    from .bench import bench_overrides
 
     cfg = load_config(config_path, [*overrides, *bench_overrides(warmup, steps, workdir, False), "log.report_to=[]"])
-    with open_run(cfg, workdir / "run", ConsoleReporter(Console(quiet=True)), resume="never") as run:
+    with open_run(cfg, workdir / "run", ConsoleReporter(Console(quiet=True)), resume="never", stop=stop) as run:
         rewind_data(run, longest_first=True)
         probe_step(run)  # creates the optimizer state: the traced step is a steady-state one
         rewind_data(run)
