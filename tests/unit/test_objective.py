@@ -191,6 +191,12 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
     cfg = cfg.model_copy(update={"data": cfg.data.named_as("--data pairs.jsonl", "score them with --set train.objective={}")})
     with pytest.raises(DataError, match=r"but --data pairs\.jsonl holds preference rows .*: score them with --set train\.objective=dpo;"):
         rows_for(cfg, pairs)
+    # ... and the KTO alternative as a --set too, not as a config key ('data.format: unpaired' is no eval option)
+    cfg = cfg.model_copy(update={"data": cfg.data.named_as("--data pairs.jsonl", "score them with --set train.objective={}",
+                                                           "--set {}={}")})
+    with pytest.raises(DataError, match=r"; or, for KTO on the pairs, --set data\.format=unpaired \(") as e:
+        rows_for(cfg, pairs)
+    assert "data.format:" not in str(e.value)
     assert "data.train" not in cfg.data.source_label() and "data.train=" in load_config(None).data.source_label()
     # an encoder-decoder: the objective the message named was refused in turn ("dpo is for decoder-only models");
     # it says so, and how to learn the chosen replies as targets
