@@ -374,3 +374,10 @@ def test_the_data_line_counts_cut_sides_and_dropped_pairs_in_their_units():
     assert describe_data(plan, 0.97).endswith("eval 20 rows; 32 sides truncated, 16 pairs dropped with nothing to learn")
     stats["format"] = "prompt_completion"
     assert describe_data(plan, 0.97).endswith("eval 20 rows; 32 truncated, 16 dropped with nothing to learn")
+    # KTO on pairs: 285 pairs are 570 examples, of which 556 dropped; the line read '285 train rows -> 28 sequences ...
+    # 556 examples dropped', more examples dropped than rows
+    stats.update(format="unpaired", train_rows=285, train_sequences=28, truncated=1140, dropped_masked=556)
+    line = describe_data(plan, 0.97)
+    assert "285 train rows (570 examples) -> 28 sequences" in line and line.endswith("556 examples dropped with nothing to learn")
+    stats.update(train_rows=14 + 556)  # labelled rows: one example each, said once
+    assert "570 train rows -> 28 sequences" in describe_data(plan, 0.97)

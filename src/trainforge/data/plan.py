@@ -218,7 +218,7 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
         if s.get(k)
     ]
     return (
-        f"data: {s['format']}, {s['train_rows']:,} train rows -> {s['train_sequences']:,} sequences "
+        f"data: {s['format']}, {s['train_rows']:,} train rows{_examples(s)} -> {s['train_sequences']:,} sequences "
         f"({s['train_tokens']:,} tokens)" + {"preference": " in pairs", "unpaired": " with their KL samples"}.get(s["format"], "")
         + f" -> {len(plan.train_rows):,} {mode} rows, "
         f"{efficiency:.1%} of row capacity is real tokens; "
@@ -226,3 +226,11 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
         + ("; " + ", ".join(notes) if notes else "")
         + (f"\n  bad rows, first: {'; '.join(s['bad_row_examples'])}" if s.get("bad_row_examples") else "")
     )
+
+
+def _examples(s: dict) -> str:
+    """`` (570 examples)`` where KTO's examples are not the rows (pairs split in two, bad rows skipped)."""
+    if s["format"] != "unpaired":
+        return ""
+    examples = s["train_sequences"] // 2 + s.get("dropped_masked", 0)  # stored with its KL sample, or dropped whole
+    return f" ({examples:,} examples)" if examples != s["train_rows"] else ""
