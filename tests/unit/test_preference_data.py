@@ -351,6 +351,18 @@ def test_kto_on_pairs_learns_each_reply_after_one_prompt_and_takes_kl_samples_fr
             assert prompt(i + 1) == prompt(i) and reply_of.get(learned(i + 1)) not in (None, q)
 
 
+def test_a_pair_with_a_label_under_data_format_unpaired_says_what_it_is():
+    """A pair that also holds a 'label' was read as a labelled completion: "'prompt' and 'completion' must both be
+    strings or both be message lists", about a field the row never had."""
+    _, r = renderer()
+    with pytest.raises(DataError) as e:
+        r.examples(Row({"prompt": "q", "chosen": " a", "rejected": " b", "label": True}, WHERE))
+    assert str(e.value).startswith(f"{WHERE}: a pair ('chosen', 'rejected') with a 'label'") and "data.fields.label" in str(e.value)
+    # a labelled completion with other columns named chosen and rejected is still the labelled completion
+    (rendered, good), = r.examples(Row({"prompt": "q", "completion": " a", "label": False, "chosen": 1, "rejected": 0}, WHERE))
+    assert rendered.text == "q a" and good is False
+
+
 def test_a_kl_sample_takes_the_completion_of_the_next_example_with_another_prompt():
     from trainforge.data.preference import kl_partners
 

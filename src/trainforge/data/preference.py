@@ -77,9 +77,17 @@ class PreferenceRenderer:
         """The KTO examples of a row of ``data.format: unpaired``: its one labelled completion, or, of a preference
         pair, the chosen reply as a desirable example and the rejected one as an undesirable example (as TRL's
         KTOTrainer reads paired data), each after the pair's prompt."""
-        if self.names.chosen in row.data and self.names.rejected in row.data and self.names.label not in row.data:
-            chosen, rejected = self.pair(row)
-            return [(chosen, True), (rejected, False)]
+        n = self.names
+        if n.chosen in row.data and n.rejected in row.data:
+            if n.label not in row.data:
+                chosen, rejected = self.pair(row)
+                return [(chosen, True), (rejected, False)]
+            if n.completion not in row.data and n.messages not in row.data:
+                raise DataError(
+                    f"{row.where}: a pair ({n.chosen!r}, {n.rejected!r}) with a {n.label!r}: a row of data.format: unpaired "
+                    f"is a labelled completion ({n.completion!r} or {n.messages!r}) or a pair, split into a desirable and "
+                    f"an undesirable example; drop the {n.label!r} field, or name another with data.fields.label"
+                )
         return [self.unpaired(row)]
 
     def unpaired(self, row: Row) -> tuple[Rendered, bool]:
