@@ -196,6 +196,7 @@ class DataSettings(Section):
     # how the user gave the sources and sets the objective, where a tool builds these settings itself
     _named_as: str | None = PrivateAttr(default=None)
     _objective_hint: str | None = PrivateAttr(default=None)
+    _setting_form: str | None = PrivateAttr(default=None)
 
     def source_label(self) -> str:
         """The training sources as the user gave them, for messages: ``data.train='x.jsonl'``, or what
@@ -210,11 +211,17 @@ class DataSettings(Section):
         listed = objectives[0] if len(objectives) == 1 else ", ".join(objectives[:-1]) + " or " + objectives[-1]
         return f"set train.objective to {listed}"
 
-    def named_as(self, label: str, objective_hint: str | None = None) -> "DataSettings":
+    def setting(self, key: str, value: str) -> str:
+        """A setting to change, for messages: ``data.format: unpaired``, or in ``named_as``'s form
+        (``trainforge eval``: ``--set data.format=unpaired``)."""
+        return (self._setting_form or "{}: {}").format(key, value)
+
+    def named_as(self, label: str, objective_hint: str | None = None, setting_form: str | None = None) -> "DataSettings":
         """A copy whose messages name the sources ``label``; ``objective_hint``: a format string for
-        ``objective_hint`` (``{}``: the objective), as the tool sets it."""
+        ``objective_hint`` (``{}``: the objective), as the tool sets it; ``setting_form``: one for ``setting``
+        (``{}``: the key, then the value)."""
         copy = self.model_copy()
-        copy._named_as, copy._objective_hint = label, objective_hint
+        copy._named_as, copy._objective_hint, copy._setting_form = label, objective_hint, setting_form
         return copy
 
     def sources(self) -> list[SourceSpec]:

@@ -57,7 +57,10 @@ def check_objective(cfg: Any) -> None:
         raise ValueError(f"train.objective: {objective} is for decoder-only models here; this model is an encoder-decoder")
     rows = "unpaired" if objective == "kto" else "preference"
     if cfg.data.format not in ("auto", rows):
-        raise ValueError(f"data.format: train.objective {objective} reads {rows} rows; set data.format: {rows} or auto")
+        fix = (f"for KTO on pairs set data.format: unpaired (each chosen reply a desirable example, each rejected one an "
+               "undesirable one; auto refuses pairs under kto)" if objective == "kto" and cfg.data.format == "preference"
+               else f"set data.format: {rows} or auto")
+        raise ValueError(f"data.format: train.objective {objective} reads {rows} rows; {fix}")
     _check_unread(objective, cfg.preference)
     if objective == "kto" and cfg.preference.reference == "none":
         raise ValueError("preference.reference: kto compares each completion with the reference; use auto or model")

@@ -109,7 +109,8 @@ def test_preference_run_learns_the_known_preference_and_final_loads(tmp_path, ti
         assert figures["loss"] == pytest.approx(summary["eval_loss"], rel=1e-4)
     if objective == "kto" and method == "lora":  # a kto run on pairs: eval says how to score them, in eval's terms
         proc = run_cli(["eval", run, "--data", toy_data_dir / "pref_eval.jsonl"], tmp_path)
-        assert proc.returncode == 2 and "data.train" not in proc.stderr and "data.format" not in proc.stderr, show(proc)
+        assert proc.returncode == 2 and "data.train" not in proc.stderr and "data.format:" not in proc.stderr, show(proc)
         assert "score them with --set train.objective=dpo" in proc.stderr, show(proc)
+        assert "for KTO on the pairs, --set data.format=unpaired" in proc.stderr, show(proc)
         proc = run_cli(["eval", run, "--data", toy_data_dir / "pref_eval.jsonl", "--set", "train.objective=dpo", "--json"], tmp_path)
         assert proc.returncode == 0 and json.loads(proc.stdout[proc.stdout.index("{"):])["objective"] == "dpo", show(proc)

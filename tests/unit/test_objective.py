@@ -169,8 +169,11 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
         load_config(None, ["train.objective=cpo"])
     with pytest.raises(ConfigError, match="preference.reference: kto compares"):
         load_config(None, ["train.objective=kto", "preference.reference=none"])
-    with pytest.raises(ConfigError, match="data.format: train.objective kto reads unpaired rows"):
+    # pairs named as such: auto would refuse them under kto too, so the message names unpaired alone (it said 'or auto')
+    with pytest.raises(ConfigError, match=r"data.format: train.objective kto reads unpaired rows; for KTO on pairs set "
+                       r"data.format: unpaired \(each chosen reply a desirable example") as e:
         load_config(None, ["train.objective=kto", "data.format=preference"])
+    assert "or auto" not in str(e.value)
     pairs, text = SimpleNamespace(format="preference"), SimpleNamespace(format="text")
     with pytest.raises(DataError, match="set train.objective to dpo"):
         rows_for(load_config(None), pairs)
@@ -191,6 +194,12 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
     cfg = cfg.model_copy(update={"data": cfg.data.named_as("--data pairs.jsonl", "score them with --set train.objective={}")})
     with pytest.raises(DataError, match=r"but --data pairs\.jsonl holds preference rows .*: score them with --set train\.objective=dpo;"):
         rows_for(cfg, pairs)
+    # ... and the KTO alternative as a --set too, not as a config key ('data.format: unpaired' is no eval option)
+    cfg = cfg.model_copy(update={"data": cfg.data.named_as("--data pairs.jsonl", "score them with --set train.objective={}",
+                                                           "--set {}={}")})
+    with pytest.raises(DataError, match=r"; or, for KTO on the pairs, --set data\.format=unpaired \(") as e:
+        rows_for(cfg, pairs)
+    assert "data.format:" not in str(e.value)
     assert "data.train" not in cfg.data.source_label() and "data.train=" in load_config(None).data.source_label()
     # an encoder-decoder: the objective the message named was refused in turn ("dpo is for decoder-only models");
     # it says so, and how to learn the chosen replies as targets

@@ -292,8 +292,84 @@ def test_kto_on_pairs_under_data_format_unpaired_splits_each_pair_into_two_label
     first = pairs[0]
     assert learned(0).strip() == first["chosen"].strip() and learned(2).strip() == first["rejected"].strip()
     assert whole(0).startswith(first["prompt"]) and whole(2).startswith(first["prompt"])
-    # the chosen example's KL sample: its prompt with the next example's completion (the same pair's rejected reply)
-    assert learned(1).strip() == first["rejected"].strip() and whole(1).startswith(first["prompt"])
+    # the chosen example's KL sample: its prompt with the next pair's chosen reply (another prompt's), not its own rejected one
+    assert learned(1).strip() == pairs[1]["chosen"].strip() and whole(1).startswith(first["prompt"])
+
+
+Q1, Q2, Q3 = "Capital of France?", "Capital of Italy?", "Capital of Spain?"
+REPLIES = {Q1: ("Paris.", "Lyon."), Q2: ("Rome.", "Milan."), Q3: ("Madrid.", "Seville.")}
+
+
+def _pair_layout(layout: str, q: str) -> dict:
+    """The pair (q, its chosen and rejected reply) in one of the layouts people have."""
+    c, r = REPLIES[q]
+    hh = f"\n\nHuman: {q}\n\nAssistant:"
+    return {
+        "trl": {"prompt": q, "chosen": " " + c, "rejected": " " + r},
+        "trl_conversational": {"prompt": [user(q)], "chosen": [assistant(c)], "rejected": [assistant(r)]},
+        "hh": {"chosen": f"{hh} {c}", "rejected": f"{hh} {r}"},
+        "ultrafeedback": {"chosen": [user(q), assistant(c)], "rejected": [user(q), assistant(r)]},
+        "ultrafeedback_prompt": {"prompt": q, "chosen": [user(q), assistant(c)], "rejected": [user(q), assistant(r)],
+                                 "score_chosen": 8.0},
+        "stack_exchange": {"qid": 1, "question": q, "response_j": " " + c, "response_k": " " + r},
+        "orca": {"system": "", "question": q, "chosen": " " + c, "rejected": " " + r},
+    }[layout]
+
+
+LAYOUT_FIELDS = {"stack_exchange": FieldNames(prompt="question", chosen="response_j", rejected="response_k"),
+                 "orca": FieldNames(prompt="question")}
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3"])
+@pytest.mark.parametrize("layout", ["trl", "trl_conversational", "hh", "ultrafeedback", "ultrafeedback_prompt",
+                                    "stack_exchange", "orca"])
+def test_kto_on_pairs_learns_each_reply_after_one_prompt_and_takes_kl_samples_from_other_prompts(layout, family):
+    """Each pair is two examples after the same prompt, each learning its reply (and end of turn) only; a KL sample
+    is mismatched: its prompt with another prompt's completion. The chosen example's KL sample took its own pair's
+    rejected reply (a matched completion: the same prompt), biasing the reference point towards the rejected replies."""
+    from trainforge.data.preference import tokenize_unpaired
+
+    tok = tokenizer_for(family)
+    r = PreferenceRenderer(Renderer("unpaired", LAYOUT_FIELDS.get(layout, FieldNames()), tok))
+    questions = [Q1, Q2, Q3]
+    items = [x for k, q in enumerate(questions) for x in r.examples(Row(_pair_layout(layout, q), f"p.jsonl:{k + 1}"))]
+    assert [good for _, good in items] == [True, False] * 3
+    chunk = tokenize_unpaired(items, tok, 4096)
+    starts = np.concatenate([[0], np.cumsum(chunk.lengths)])
+    seqs = [(chunk.ids[a:b], chunk.learn[a:b].astype(bool)) for a, b in zip(starts[:-1], starts[1:])]
+    prompt = lambda k: decode(tok, seqs[k][0][: int(np.argmax(seqs[k][1]))])  # noqa: E731
+    learned = lambda k: decode(tok, seqs[k][0][seqs[k][1]])  # noqa: E731
+    eot = EXPECT[family]["eot"] if layout in ("trl_conversational", "ultrafeedback", "ultrafeedback_prompt") else tok.eos_token
+    text = layout in ("trl", "hh", "stack_exchange", "orca")
+    reply_of = {(" " if text else "") + reply + eot: q for q in questions for reply in REPLIES[q]}
+    for k, q in enumerate(questions):
+        example, rejected = 4 * k, 4 * k + 2  # each example is followed by its KL sample
+        assert prompt(example) == prompt(rejected) and q in prompt(example) and prompt(example).count(q) == 1
+        assert [reply_of.get(learned(example)), reply_of.get(learned(rejected))] == [q, q]
+        assert learned(example) != learned(rejected)
+        for i in (example, rejected):  # the KL sample: the same prompt, another question's reply
+            assert prompt(i + 1) == prompt(i) and reply_of.get(learned(i + 1)) not in (None, q)
+
+
+def test_a_pair_with_a_label_under_data_format_unpaired_says_what_it_is():
+    """A pair that also holds a 'label' was read as a labelled completion: "'prompt' and 'completion' must both be
+    strings or both be message lists", about a field the row never had."""
+    _, r = renderer()
+    with pytest.raises(DataError) as e:
+        r.examples(Row({"prompt": "q", "chosen": " a", "rejected": " b", "label": True}, WHERE))
+    assert str(e.value).startswith(f"{WHERE}: a pair ('chosen', 'rejected') with a 'label'") and "data.fields.label" in str(e.value)
+    # a labelled completion with other columns named chosen and rejected is still the labelled completion
+    (rendered, good), = r.examples(Row({"prompt": "q", "completion": " a", "label": False, "chosen": 1, "rejected": 0}, WHERE))
+    assert rendered.text == "q a" and good is False
+
+
+def test_a_kl_sample_takes_the_completion_of_the_next_example_with_another_prompt():
+    from trainforge.data.preference import kl_partners
+
+    assert kl_partners(["a", "b", "c"]) == [1, 2, 0]  # labelled rows of distinct prompts: the next one, as before
+    assert kl_partners(["a", "a", "b", "b"]) == [2, 2, 0, 0]  # split pairs: the next pair's
+    assert kl_partners(["a", "b", "a", "a"]) == [1, 2, 1, 1]  # around the end, past a first run of the same prompt
+    assert kl_partners(["a", "a"]) == [1, 0] and kl_partners(["a"]) == [0]  # one prompt only: nothing else to take
 
 
 def test_the_data_line_counts_cut_sides_and_dropped_pairs_in_their_units():
@@ -310,3 +386,10 @@ def test_the_data_line_counts_cut_sides_and_dropped_pairs_in_their_units():
     assert describe_data(plan, 0.97).endswith("eval 20 rows; 32 sides truncated, 16 pairs dropped with nothing to learn")
     stats["format"] = "prompt_completion"
     assert describe_data(plan, 0.97).endswith("eval 20 rows; 32 truncated, 16 dropped with nothing to learn")
+    # KTO on pairs: 285 pairs are 570 examples, of which 556 dropped; the line read '285 train rows -> 28 sequences ...
+    # 556 examples dropped', more examples dropped than rows
+    stats.update(format="unpaired", train_rows=285, train_sequences=28, truncated=1140, dropped_masked=556)
+    line = describe_data(plan, 0.97)
+    assert "285 train rows (570 examples) -> 28 sequences" in line and line.endswith("556 examples dropped with nothing to learn")
+    stats.update(train_rows=14 + 556)  # labelled rows: one example each, said once
+    assert "570 train rows -> 28 sequences" in describe_data(plan, 0.97)

@@ -121,12 +121,12 @@ def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
                             f"decoder-only models here, and this model is an encoder-decoder (source -> target rows){fix}")
         raise DataError(f"{d.source_label()} holds {held} rows ({layouts[held]}): {d.objective_hint(*OBJECTIVES_FOR_DATA[held])}")
     if held is not None:  # the other kind of preference rows: the objective is what to change
-        split = ("; or, for KTO on the pairs, data.format: unpaired (each chosen reply a desirable example, each rejected "
-                 "one an undesirable one, as TRL's KTOTrainer reads pairs)" if held == "preference" else "")
+        split = (f"; or, for KTO on the pairs, {d.setting('data.format', 'unpaired')} (each chosen reply a desirable "
+                 "example, each rejected one an undesirable one, as TRL's KTOTrainer reads pairs)" if held == "preference" else "")
         raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but {d.source_label()} "
                         f"holds {held} rows ({layouts[held]}): {d.objective_hint(*OBJECTIVES_FOR_DATA[held])}{split}")
-    told = (f" (told apart by a {n.label!r} of true or false, not 1/0 or a string: set data.format: unpaired to have "
-            "each row's label checked)" if wanted == "unpaired" else "")
+    told = (f" (told apart by a {n.label!r} of true or false, not 1/0 or a string: set {d.setting('data.format', 'unpaired')} "
+            "to have each row's label checked)" if wanted == "unpaired" else "")
     other = (" (other column names: map them with data.fields, e.g. "
              "data.fields: {prompt: question, chosen: response_j, rejected: response_k})" if wanted == "preference" else "")
     raise DataError(f"train.objective={objective} needs {wanted} rows ({layouts[wanted]}), but {d.source_label()} "
@@ -218,7 +218,7 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
         if s.get(k)
     ]
     return (
-        f"data: {s['format']}, {s['train_rows']:,} train rows -> {s['train_sequences']:,} sequences "
+        f"data: {s['format']}, {s['train_rows']:,} train rows{_examples(s)} -> {s['train_sequences']:,} sequences "
         f"({s['train_tokens']:,} tokens)" + {"preference": " in pairs", "unpaired": " with their KL samples"}.get(s["format"], "")
         + f" -> {len(plan.train_rows):,} {mode} rows, "
         f"{efficiency:.1%} of row capacity is real tokens; "
@@ -227,3 +227,10 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
         + (f"\n  bad rows, first: {'; '.join(s['bad_row_examples'])}" if s.get("bad_row_examples") else "")
     )
 
+
+def _examples(s: dict) -> str:
+    """`` (570 examples)`` where KTO's examples are not the rows (pairs split in two, bad rows skipped)."""
+    if s["format"] != "unpaired":
+        return ""
+    examples = s["train_sequences"] // 2 + s.get("dropped_masked", 0)  # stored with its KL sample, or dropped whole
+    return f" ({examples:,} examples)" if examples != s["train_rows"] else ""

@@ -77,9 +77,17 @@ class PreferenceRenderer:
         """The KTO examples of a row of ``data.format: unpaired``: its one labelled completion, or, of a preference
         pair, the chosen reply as a desirable example and the rejected one as an undesirable example (as TRL's
         KTOTrainer reads paired data), each after the pair's prompt."""
-        if self.names.chosen in row.data and self.names.rejected in row.data and self.names.label not in row.data:
-            chosen, rejected = self.pair(row)
-            return [(chosen, True), (rejected, False)]
+        n = self.names
+        if n.chosen in row.data and n.rejected in row.data:
+            if n.label not in row.data:
+                chosen, rejected = self.pair(row)
+                return [(chosen, True), (rejected, False)]
+            if n.completion not in row.data and n.messages not in row.data:
+                raise DataError(
+                    f"{row.where}: a pair ({n.chosen!r}, {n.rejected!r}) with a {n.label!r}: a row of data.format: unpaired "
+                    f"is a labelled completion ({n.completion!r} or {n.messages!r}) or a pair, split into a desirable and "
+                    f"an undesirable example; drop the {n.label!r} field, or name another with data.fields.label"
+                )
         return [self.unpaired(row)]
 
     def unpaired(self, row: Row) -> tuple[Rendered, bool]:
@@ -220,9 +228,30 @@ def kl_sample(example: Rendered, other: Rendered) -> Rendered:
     return Rendered(text, [(start, start + o_end - o_start)], other.add_eos, example.where)
 
 
+def kl_partners(prompts: list[str]) -> list[int]:
+    """Per example, the example whose completion its KL sample takes: the next one (cyclically) with another
+    prompt, so the sample is mismatched (a split pair's two examples, or rows of one prompt, sit side by side);
+    the next one only where every example has the same prompt."""
+    n = len(prompts)
+    run_end = [n] * n  # the first index after i with another prompt, or n
+    for i in range(n - 2, -1, -1):
+        run_end[i] = run_end[i + 1] if prompts[i + 1] == prompts[i] else i + 1
+    out = []
+    for i in range(n):
+        if run_end[i] < n:
+            out.append(run_end[i])
+        elif prompts[0] != prompts[i]:
+            out.append(0)
+        else:  # the last run has the first run's prompt: past the first run, or the next one if that is all
+            out.append(run_end[0] if run_end[0] < n else (i + 1) % n)
+    return out
+
+
 def tokenize_unpaired(items: list[tuple[Rendered, bool]], tokenizer, max_length: int) -> TokenizedChunk:
-    """KTO examples as pairs of sequences: the example, then its KL sample (its prompt with the next example's
-    completion, cyclically within the chunk), with each example's label (``tokenize_pairs``)."""
+    """KTO examples as pairs of sequences: the example, then its KL sample (its prompt with the completion of the
+    next example with another prompt, cyclically within the chunk: ``kl_partners``), with each example's label
+    (``tokenize_pairs``)."""
     rendered = [r for r, _ in items]
-    pairs = [(r, kl_sample(r, rendered[(i + 1) % len(rendered)])) for i, r in enumerate(rendered)]
+    partners = kl_partners([r.text[: r.spans[0][0]] for r in rendered])
+    pairs = [(r, kl_sample(r, rendered[j])) for r, j in zip(rendered, partners)]
     return tokenize_pairs(pairs, tokenizer, max_length, [label for _, label in items])

@@ -98,7 +98,7 @@ def evaluate_model(source: str | Path, data: str, overrides: list[str], reporter
 
     tokenizer = load_source_tokenizer(src)
     # the data layer's messages name the file as given here, not as data.train (a key the user never wrote)
-    cfg = cfg.model_copy(update={"data": cfg.data.named_as(f"--data {data}", "score them with --set train.objective={}")})
+    cfg = cfg.model_copy(update={"data": cfg.data.named_as(f"--data {data}", "score them with --set train.objective={}", "--set {}={}")})
     d = cfg.data
     prepared = prepare_data(d, tokenizer, cfg.train.seed, log=reporter.info, seq2seq=src.encoder_decoder)
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
