@@ -22,6 +22,7 @@ from .sources import BUILTIN_ROWS_VERSION, BUILTIN_SOURCES, source_files
 
 STORE_VERSION = 1  # bump when the store layout or tokenization rules change
 SEQ2SEQ_VERSION = 1  # source -> target stores of encoder-decoder models (data/seq2seq.py): a key of their own
+KL_SAMPLE_VERSION = 2  # KTO's KL samples (data/preference.py kl_partners; 2: never a completion of the same prompt)
 PREFERENCE_VERSION = 3  # pairs tokenized as two sequences (data/preference.py): bump when that changes (3: a prompt both sides begin with is written once)
 # too_long: split stores mark split continuations (continues.npy) from version 2 on; a key of its
 # own, so the stores (and checkpoints' store keys) of every other setting stay valid
@@ -66,6 +67,8 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool
     key = {"v": STORE_VERSION, "format": fmt, "seed": seed, "settings": settings}
     if fmt in ("preference", "unpaired"):
         key["preference_v"] = PREFERENCE_VERSION
+    if fmt == "unpaired":
+        key["kl_v"] = KL_SAMPLE_VERSION
     if seq2seq:
         key["seq2seq"] = {"v": SEQ2SEQ_VERSION, "max_target_length": cfg.target_limit()}
     if settings["too_long"] == "split":
