@@ -176,6 +176,57 @@ def test_preempted_on_two_processes_a_run_continues_on_one_with_the_same_global_
         resumed_grad_accum(saved, 3)
 
 
+def fake_back_off(step_dir: Path, micro_batch_size: int, grad_accum: int) -> None:
+    """Make a checkpoint's state say the run backed off to ``micro_batch_size`` x ``grad_accum`` after running out of
+    memory (as on a GPU; a CPU run never does), its checksum rewritten to match."""
+    from trainforge.checkpoint import file_checksum
+
+    state = torch.load(step_dir / "state.pt", weights_only=False)
+    state.update(micro_batch_size=micro_batch_size, grad_accum=grad_accum)
+    torch.save(state, step_dir / "state.pt")
+    meta = json.loads((step_dir / "meta.json").read_text())
+    record = meta["files"]["state.pt"]
+    record.update({k: file_checksum(step_dir / "state.pt") for k in record if k != "bytes"}, bytes=(step_dir / "state.pt").stat().st_size)
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_run_backed_off_after_out_of_memory_continues_on_more_processes_at_its_smaller_micro_batch(
+    two_proc, tmp_path, tiny_tokenizer_dir, toy_data_dir
+):
+    """Micro-batch 8 x 1 on one GPU backed off to 2 x 4; on 2 processes 8 x 2 rows a pass do not divide the global
+    batch of 8, 2 x 2 do: the run continues there at its backed-off micro-batch and trains the 2-process run's steps.
+    Before, setup refused the configured micro-batch (a ConfigError to change train.micro_batch_size, which the
+    checkpoint binds); and auto, which keeps the checkpoint's micro-batch, got the same advice."""
+    _, reference = two_proc
+    cfg = dist_config(tiny_tokenizer_dir, toy_data_dir, 8)
+    del cfg["train"]["grad_accum"]
+    cfg["train"].update(global_batch_size=8, eval_max_batches=2)
+    config = write_config(tmp_path / "elastic.yaml", cfg)
+    run = tmp_path / "run"
+    proc = run_cli(["train", config, "--output", run], tmp_path, faults={"signal_in_step": [5, "SIGKILL"]})
+    assert proc.returncode != 0, show(proc)
+    fake_back_off(run / "checkpoints" / "step-00000003", 2, 4)
+
+    proc = run_cli(["train", config, "--output", run, "--nproc", 2], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert "written by 1 process(es), continued on 2: micro-batch 2 x accumulation 2 x 2" in proc.stdout, show(proc)
+    trained = lambda r: [x for x in records(r) if "loss" in x]  # noqa: E731 (eval batches follow the configured micro-batch)
+    assert_close_records(trained(run), trained(reference))
+    assert_close_weights(final_weights(run), final_weights(reference))
+    # its checkpoints resume on these processes too, and say why the micro-batch is smaller than configured
+    proc = run_cli(["train", config, "--output", run, "--nproc", 2, "--set", "train.max_steps=7"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert "micro-batch 2 x accumulation 2, as chosen after running out of memory" in proc.stdout, show(proc)
+
+    # micro_batch_size auto kept the checkpoint's 8: on 2 processes it cannot divide the 8 rows, and the refusal says so
+    auto = write_config(tmp_path / "auto.yaml", {**cfg, "train": {**cfg["train"], "micro_batch_size": "auto"}})
+    proc = run_cli(["train", auto, "--output", tmp_path / "auto", "--set", "train.max_steps=3"], tmp_path)
+    assert proc.returncode == 0 and "micro_batch_size auto -> 8" in proc.stdout, show(proc)
+    proc = run_cli(["train", auto, "--output", tmp_path / "auto", "--nproc", 2], tmp_path)
+    assert proc.returncode == 2, show(proc)
+    assert "cannot resume a global batch of 8 rows (micro-batch 8 x accumulation 1 x 1 process(es)) on 2 processes" in proc.stderr, show(proc)
+
+
 def test_fsdp2_trains_like_ddp_and_resumes_from_sharded_checkpoints(two_proc, tmp_path):
     config, reference = two_proc
     run = tmp_path / "fsdp"

@@ -30,7 +30,7 @@ from ..checkpoint import (
     scan_checkpoints,
     verify_checkpoint,
 )
-from ..config import RunConfig, resolve_grad_accum
+from ..config import RunConfig, TrainSettings, resolve_grad_accum
 from ..errors import TrainforgeError
 from ..metrics.console import ConsoleReporter
 from ..metrics.sink import flat_config
@@ -149,6 +149,25 @@ def resumed_grad_accum(state: dict[str, Any], world_size: int) -> int:
     return rows // (micro * world_size)
 
 
+def bound_grad_accum(t: TrainSettings, world_size: int) -> int:
+    """The grad_accum a checkpoint binds (``fixed_settings``): ``resolve_grad_accum``'s at the configured micro-batch;
+    where that micro-batch x processes does not divide ``global_batch_size`` (an out-of-memory back-off's smaller
+    micro-batch resumed on more processes), the global batch in configured micro-batches, as every resume derives it
+    alike (the run's own accumulation is ``resumed_grad_accum``'s)."""
+    g = t.global_batch_size
+    if g is not None and isinstance(t.micro_batch_size, int) and g % (t.micro_batch_size * world_size):
+        return max(1, g // t.micro_batch_size)
+    return resolve_grad_accum(t, world_size)
+
+
+def resumes_a_checkpoint(out: Path, resume: str) -> bool:
+    """Whether this run will continue a checkpoint (``resume``: a path, or auto where ``out`` holds a complete one);
+    reads meta.json files only."""
+    if resume == "never":
+        return False
+    return resume != "auto" or bool(scan_checkpoints(out / CHECKPOINTS)[0])
+
+
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     # keys only one side has came or went with a trainforge version: their default is the old behaviour
     shared = sorted(saved.keys() & now.keys())
@@ -165,7 +184,7 @@ def resolved_against(info: CheckpointInfo, cfg: RunConfig) -> dict[str, Any]:
     if t.micro_batch_size == "auto" and isinstance(saved_micro, int):
         t = t.model_copy(update={"micro_batch_size": saved_micro})
     if t.global_batch_size is not None and t.micro_batch_size != "auto":
-        t = t.model_copy(update={"grad_accum": resolve_grad_accum(t, int(info.meta.get("world_size", 1)))})
+        t = t.model_copy(update={"grad_accum": bound_grad_accum(t, int(info.meta.get("world_size", 1)))})
     return fixed_settings(cfg.model_copy(update={"train": t}))
 
 
@@ -364,7 +383,7 @@ def resume_note(plan: ResumePlan, run: Run) -> str:
             f"written by {saved_world} process(es), continued on {run.dist.world_size}: micro-batch {run.loader.batch_size} "
             f"x accumulation {run.grad_accum} x {run.dist.world_size}, the same global batch"
         )
-    elif run.grad_accum != run.cfg.train.grad_accum:
+    elif run.loader.batch_size != run.cfg.train.micro_batch_size:
         notes.append(
             f"micro-batch {run.loader.batch_size} x accumulation {run.grad_accum}, as chosen after running out of memory"
         )

@@ -56,7 +56,18 @@ from .reference import attach_reference
 from .oom import OutOfMemory
 from .optim import build_optimizer, check_optimizer, describe_optimizer
 from .preempt import StopRequest
-from .resume import CHECKPOINTS, ResumePlan, check_fits_run, checkpoint_meta, choose_checkpoint, records_to_keep, resume_note
+from .resume import (
+    CHECKPOINTS,
+    ResumePlan,
+    bound_grad_accum,
+    check_fits_run,
+    checkpoint_meta,
+    choose_checkpoint,
+    records_to_keep,
+    resume_note,
+    resumed_grad_accum,
+    resumes_a_checkpoint,
+)
 from .run import Run, RunFacts
 from .saver import Checkpointer
 from .schedule import build_scheduler
@@ -88,7 +99,8 @@ def setup(
     if cfg.log.report_to:
         require_trackers(cfg.log.report_to)  # a tracker asked for but not installed fails before any work
     if cfg.train.micro_batch_size != "auto":  # a contradiction fails before any work (auto resolves below)
-        resolve_grad_accum(cfg.train, ctx.world_size)
+        # a checkpoint's micro-batch (maybe an out-of-memory back-off's) decides whether it divides: resumed_grad_accum
+        (bound_grad_accum if resumes_a_checkpoint(Path(output_dir), resume) else resolve_grad_accum)(cfg.train, ctx.world_size)
     hf_logging.disable_progress_bar()  # weight-loading and shard bars are noise next to our own log
     seed_everything(cfg.train.seed)
     device, precision, why, cpu_threads = choose_device_and_precision(cfg, ctx, reporter)
@@ -115,12 +127,9 @@ def setup(
     reporter.info(f"output: {out}")
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     laps("fit")
-    # train.global_batch_size fixes the rows per step whatever the process count: grad_accum follows
-    accum = resolve_grad_accum(cfg.train, ctx.world_size)
-    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})})
+    cfg, micro, accum = batch_layout(cfg, ctx.world_size, resume_plan)
     loader = TrainLoader(
-        data.train_rows, data.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False,
-        rank=ctx.rank, world_size=ctx.world_size,
+        data.train_rows, data.collate, micro, cfg.train.seed, cfg.data.packing is False, rank=ctx.rank, world_size=ctx.world_size,
     )
     efficiency = loader.padding_efficiency()
     reporter.info(describe_data(data, efficiency))
@@ -138,12 +147,12 @@ def setup(
     warning = memory_warning(rough, available_memory_bytes(device), device)
     if warning:
         reporter.warn(warning)
-    train_model = wrap_for_ranks(ctx, cfg, model, loader, rough, device, reporter)
+    train_model = wrap_for_ranks(ctx, cfg, model, loader, accum, rough, device, reporter)
     check_optimizer(cfg.optim, device.type, ctx.mode if ctx.mode != "none" else None)
     optimizer = build_optimizer(model, cfg.optim, device)
     if cfg.optim.name != "adamw" or cfg.optim.offload != "none":
         reporter.info(f"optimizer: {describe_optimizer(cfg.optim)}")
-    max_steps = resolve_max_steps(cfg.train, loader.batches_per_epoch)
+    max_steps = resolve_max_steps(cfg.train.model_copy(update={"grad_accum": accum}), loader.batches_per_epoch)
     if cfg.train.eval_every == "auto":  # ten evaluations over the run
         every = max(1, max_steps // 10)
         reporter.info(f"eval_every auto -> {every} (ten evaluations over {max_steps} steps)")
@@ -176,7 +185,7 @@ def setup(
         scaler=torch.amp.GradScaler(device.type) if precision.needs_grad_scaler else None,
         loader=loader,
         eval_set=build_eval_set(cfg, data, max_steps, ctx.world_size, reporter),
-        grad_accum=cfg.train.grad_accum,
+        grad_accum=accum,
         cpu_threads=cpu_threads,
         compile_auto=CompileAuto(
             cfg.train.compile, compile_key(compile_shape(cfg, model, precision, device, ctx)),
@@ -418,6 +427,20 @@ def open_metrics(cfg: RunConfig, out: Path, resume_plan: ResumePlan | None, repo
     return MetricsLog(out / "metrics.jsonl", sinks, writing)  # a full disk: RunDirWriteError naming the file
 
 
+def batch_layout(cfg: RunConfig, world_size: int, resume_plan: ResumePlan | None) -> tuple[RunConfig, int, int]:
+    """(cfg with the grad_accum its checkpoints bind, micro-batch, accumulation) of this run. ``train.global_batch_size``
+    fixes the rows per step whatever the process count: grad_accum follows. A resumed run's come from its checkpoint's
+    state (after any out-of-memory back-off): on other processes its micro-batch may divide the global batch where the
+    configured one does not."""
+    if resume_plan is None or cfg.train.global_batch_size is None:
+        accum = resolve_grad_accum(cfg.train, world_size)
+        micro, run_accum = cfg.train.micro_batch_size, accum
+    else:
+        accum = bound_grad_accum(cfg.train, world_size)
+        micro, run_accum = resume_plan.state["micro_batch_size"], resumed_grad_accum(resume_plan.state, world_size)
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})}), micro, run_accum
+
+
 def fit_to_machine(
     cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx: DistContext, reporter: ConsoleReporter,
     resume_plan: Any = None,
@@ -478,7 +501,7 @@ def compile_shape(cfg: RunConfig, model: torch.nn.Module, precision: Precision, 
 
 
 def wrap_for_ranks(
-    ctx: DistContext, cfg: RunConfig, model: torch.nn.Module, loader: TrainLoader, est: MemoryEstimate,
+    ctx: DistContext, cfg: RunConfig, model: torch.nn.Module, loader: TrainLoader, accum: int, est: MemoryEstimate,
     device: torch.device, reporter: ConsoleReporter,
 ) -> torch.nn.Module:
     """Choose DDP or FSDP2 (``train.distributed``) from the model state's size in ``est``, and wrap; alone, the model itself."""
@@ -488,10 +511,10 @@ def wrap_for_ranks(
     ctx.mode, why = choose_mode(  # the same inputs on every rank: all ranks choose alike
         cfg.train.distributed, est.weights + est.grads + est.optimizer, min(known) if known else None, ctx.local_world_size
     )
-    g = loader.batch_size * cfg.train.grad_accum * ctx.world_size
+    g = loader.batch_size * accum * ctx.world_size
     reporter.info(
         f"data parallel: {ctx.mode} over {ctx.world_size} processes ({why}); global batch {g} rows = "
-        f"micro-batch {loader.batch_size} x accumulation {cfg.train.grad_accum} x {ctx.world_size} processes"
+        f"micro-batch {loader.batch_size} x accumulation {accum} x {ctx.world_size} processes"
     )
     wrapped = ctx.wrap(model, device)
     if ctx.rank:
