@@ -41,7 +41,11 @@ def evaluate(
     n, metrics, scratch = 0, {}, {}  # scratch: the metrics of repeated batches, not counted
     pairs = objective is not None and objective.unit == "pair"
     rounds = -(-len(batches) // ctx.world_size)
-    for i in range(ctx.rank, rounds * ctx.world_size, ctx.world_size):
+    mine = range(ctx.rank, rounds * ctx.world_size, ctx.world_size)
+    if pairs:  # KTO: the reference point over the whole evaluation (every batch, every process), as a step's
+        objective.begin_step(model, [batches[i % len(batches)] for i in mine], precision, device, fused,
+                             counted=[i < len(batches) for i in mine])
+    for i in mine:
         batch, counted = batches[i % len(batches)].to(device), i < len(batches)
         if pairs:
             summed = objective.loss_sum(model, batch, precision, fused, metrics if counted else scratch).double()

@@ -39,25 +39,34 @@ class PairObjective:
     def __init__(self, name: str, settings: Any, reference: str, reference_model: torch.nn.Module | None = None):
         self.name, self.s, self.reference, self.reference_model = name, settings, reference, reference_model
         self.prepared: list[tuple[torch.Tensor, torch.Tensor]] = []  # kto: the step's reference log-probabilities
+        self.prepared_policy: list[pref.PairLogps] = []  # kto, evaluating: the policy's, computed once
         self.kl: torch.Tensor | None = None  # kto: the step's reference point
 
-    def begin_step(self, model: torch.nn.Module, micro_batches, precision: Precision, device: torch.device, fused: bool = True) -> None:
+    def begin_step(self, model: torch.nn.Module, micro_batches, precision: Precision, device: torch.device, fused: bool = True,
+                   counted: list[bool] | None = None) -> None:
         """KTO: the step's reference point before any of its losses, from every micro-batch of every process (so
         accumulation and data parallelism give one large batch's): KL(policy || reference) estimated on the KL
         samples, mean log-ratio clamped at 0, no gradient. The reference log-probabilities it needs are kept
-        for the micro-batches' losses. Other objectives need nothing before a step."""
+        for the micro-batches' losses. Other objectives need nothing before a step.
+
+        An evaluation begins alike over all its batches (``counted``: which of them count; a process short of one
+        repeats a batch), so its reference point does not depend on the micro-batch or the process count; the
+        policy's log-probabilities are kept too, as nothing trains between this and the losses."""
         if self.name != "kto":
             return
         model = _unwrapped(model)
         fused = fused and fused_head(model) is not None
-        self.prepared, total = [], torch.zeros(2, device=device)
+        self.prepared, self.prepared_policy, total = [], [], torch.zeros(2, device=device)
         with torch.no_grad():
-            for mb in micro_batches:
+            for k, mb in enumerate(micro_batches):
                 mb = mb.to(device)
                 policy = pref.batch_pair_logps(model, mb, precision, fused)
                 ref = self._reference(model, mb, precision, fused)
                 self.prepared.append(ref)
-                total += torch.stack([(policy.rejected - ref[1]).sum(), torch.tensor(float(len(ref[1])), device=device)])
+                if counted is not None:
+                    self.prepared_policy.append(policy)
+                if counted is None or counted[k]:
+                    total += torch.stack([(policy.rejected - ref[1]).sum(), torch.tensor(float(len(ref[1])), device=device)])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(total)
         self.kl = (total[0] / total[1].clamp(min=1)).clamp(min=0)
@@ -80,7 +89,7 @@ class PairObjective:
         # policy and reference through the same head: the fused one, unless the policy's forward cannot take it
         # (a DDP wrapper, LoRA on the head); at the first step the two are then equal to the bit, every reward 0
         fused = fused and fused_head(model) is not None
-        p = pref.batch_pair_logps(model, batch, precision, fused)
+        p = self.prepared_policy.pop(0) if self.prepared_policy else pref.batch_pair_logps(model, batch, precision, fused)
         if self.name == "kto":
             return self._kto_sum(model, batch, precision, fused, p, metrics)
         if self.reference != "none":
@@ -95,7 +104,7 @@ class PairObjective:
 
     def _kto_sum(self, model, batch: Batch, precision: Precision, fused: bool, p: pref.PairLogps, metrics) -> torch.Tensor:
         """KTO's summed per-example loss: ``p.chosen`` the examples, ``p.rejected`` their KL samples. The reference
-        point is the step's (``begin_step``); without one (evaluation) this batch's own estimate."""
+        point is the step's or the evaluation's (``begin_step``); without one, this batch's own estimate."""
         if self.prepared:
             (ref, ref_kl), kl = self.prepared.pop(0), self.kl
         else:

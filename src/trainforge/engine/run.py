@@ -23,7 +23,7 @@ from .compile_auto import CompileAuto
 from .nonfinite import NonFiniteGuard
 from .preempt import StopRequest
 from .saver import Checkpointer
-from .state import Counters, Stateful, TrainedWeights, capture_rng, restore_rng
+from .state import Counters, Stateful, TrainedWeights, capture_rng, rank_seed, restore_rng
 from .step import TokenObjective
 
 
@@ -147,5 +147,7 @@ class Run:
         self.earlier = {
             "loop_time_s": c.loop_time_s, "data_wait_s": c.data_wait_s, "eval_s": c.eval_s, "skipped": float(self.guard.total)
         }
-        ranks = state.get("rng_ranks") or [state["rng"]]  # more processes than wrote it: the others repeat the first's
+        ranks = state.get("rng_ranks") or [state["rng"]]
         restore_rng(ranks[self.dist.rank % len(ranks)])
+        if self.dist.rank >= len(ranks):  # resumed on more processes: its own dropout masks, not another rank's
+            torch.manual_seed(rank_seed(self.cfg.train.seed, self.dist.rank, self.counters.step))

@@ -17,7 +17,7 @@ from ..cpu_threads import CpuThreads
 from ..data.examples import row_describer
 from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import check_objective_data, describe_data, get_tokenizer, plan_data
-from ..dist import DistContext, choose_mode, device_for
+from ..dist import DistContext, device_for
 from ..errors import TrainforgeError
 from ..hardware import (
     PRECISIONS,
@@ -49,7 +49,7 @@ from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run, rough_skeleton_estimate
-from .predict.memory import MemoryEstimate, estimate_memory, memory_refusal, memory_warning
+from .predict.memory import estimate_memory, memory_refusal, memory_warning
 from .nonfinite import NonFiniteGuard
 from .objective import build_objective, describe_objective
 from .reference import attach_reference
@@ -65,9 +65,9 @@ from .resume import (
     choose_checkpoint,
     records_to_keep,
     resume_note,
-    resumed_grad_accum,
     resumes_a_checkpoint,
 )
+from .ranks import batch_layout, wrap_for_ranks
 from .run import Run, RunFacts
 from .saver import Checkpointer
 from .schedule import build_scheduler
@@ -427,20 +427,6 @@ def open_metrics(cfg: RunConfig, out: Path, resume_plan: ResumePlan | None, repo
     return MetricsLog(out / "metrics.jsonl", sinks, writing)  # a full disk: RunDirWriteError naming the file
 
 
-def batch_layout(cfg: RunConfig, world_size: int, resume_plan: ResumePlan | None) -> tuple[RunConfig, int, int]:
-    """(cfg with the grad_accum its checkpoints bind, micro-batch, accumulation) of this run. ``train.global_batch_size``
-    fixes the rows per step whatever the process count: grad_accum follows. A resumed run's come from its checkpoint's
-    state (after any out-of-memory back-off): on other processes its micro-batch may divide the global batch where the
-    configured one does not."""
-    if resume_plan is None or cfg.train.global_batch_size is None:
-        accum = resolve_grad_accum(cfg.train, world_size)
-        micro, run_accum = cfg.train.micro_batch_size, accum
-    else:
-        accum = bound_grad_accum(cfg.train, world_size)
-        micro, run_accum = resume_plan.state["micro_batch_size"], resumed_grad_accum(resume_plan.state, world_size)
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": accum})}), micro, run_accum
-
-
 def fit_to_machine(
     cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx: DistContext, reporter: ConsoleReporter,
     resume_plan: Any = None,
@@ -498,25 +484,3 @@ def compile_shape(cfg: RunConfig, model: torch.nn.Module, precision: Precision, 
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}t",
         "world": [ctx.world_size, ctx.mode],
     }
-
-
-def wrap_for_ranks(
-    ctx: DistContext, cfg: RunConfig, model: torch.nn.Module, loader: TrainLoader, accum: int, est: MemoryEstimate,
-    device: torch.device, reporter: ConsoleReporter,
-) -> torch.nn.Module:
-    """Choose DDP or FSDP2 (``train.distributed``) from the model state's size in ``est``, and wrap; alone, the model itself."""
-    if not ctx.enabled:
-        return model
-    known = [a for a in ctx.all_gather_object(available_memory_bytes(device)) if a is not None]
-    ctx.mode, why = choose_mode(  # the same inputs on every rank: all ranks choose alike
-        cfg.train.distributed, est.weights + est.grads + est.optimizer, min(known) if known else None, ctx.local_world_size
-    )
-    g = loader.batch_size * accum * ctx.world_size
-    reporter.info(
-        f"data parallel: {ctx.mode} over {ctx.world_size} processes ({why}); global batch {g} rows = "
-        f"micro-batch {loader.batch_size} x accumulation {accum} x {ctx.world_size} processes"
-    )
-    wrapped = ctx.wrap(model, device)
-    if ctx.rank:
-        torch.manual_seed(cfg.train.seed + 1_000_003 * ctx.rank)  # own dropout masks per rank; rank 0 keeps its stream
-    return wrapped

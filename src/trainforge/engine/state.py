@@ -81,6 +81,12 @@ class TrainedWeights:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The torch seed of data-parallel process ``rank`` (its own dropout masks), at ``step`` for a process a
+    resumed checkpoint had no random state of (resumed on more processes)."""
+    return seed + 1_000_003 * rank + 7_919 * step
+
+
 def capture_rng() -> dict[str, Any]:
     """Python's, numpy's, torch's and CUDA's generators, as tensors and numbers (checkpoints load weights-only)."""
     np_state = np.random.get_state()
