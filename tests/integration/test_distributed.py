@@ -169,6 +169,10 @@ def test_preempted_on_two_processes_a_run_continues_on_one_with_the_same_global_
     assert_close_weights(final_weights(run), final_weights(reference))
     saved = torch.load(run / "checkpoints" / "step-00000006" / "state.pt")
     assert saved["grad_accum"] == 4 and "rng_ranks" not in saved
+    # the whole run's MFU: steps 1-3 on two processes had twice the peak of steps 4-6 (it took the last stretch's)
+    summary = json.loads((run / "summary.json").read_text())
+    peak_flop_s = saved["counters"]["peak_flop_s"]
+    assert peak_flop_s > 0 and summary["mfu"] == pytest.approx(summary["tokens"] * summary["flops_per_token"] / peak_flop_s)
     # 8 rows on 3 processes of micro-batch 2: 6 rows a pass do not divide them
     from trainforge.engine.resume import resumed_grad_accum
 

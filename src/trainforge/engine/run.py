@@ -142,6 +142,8 @@ class Run:
         self.loader.batch_size = state["micro_batch_size"]
         self.grad_accum = state["grad_accum"] * saved_world // self.dist.world_size
         self.counters.load_state_dict(state["counters"])
+        if "peak_flop_s" not in state["counters"]:  # written before the counter: its seconds at this run's peak
+            self.counters.peak_flop_s = self.counters.loop_time_s * (self.facts.peak_flops or 0.0)
         self.resumed_from = self.counters.step
         c = self.counters
         self.earlier = {

@@ -34,6 +34,9 @@ class Counters:
     tokens_seen: int = 0
     data_wait_s: float = 0.0
     loop_time_s: float = 0.0
+    # the device peak x the loop's seconds, summed as the run goes: the whole run's MFU where a resume changed the
+    # processes or the device (0 where the peak is unknown)
+    peak_flop_s: float = 0.0
     last_train_loss: float | None = None
     eval_before: dict[str, float] = field(default_factory=dict)
     last_eval: dict[str, float] = field(default_factory=dict)

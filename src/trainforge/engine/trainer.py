@@ -227,7 +227,9 @@ def train_loop(run: Run, steps: int | None = None) -> None:
         run.window.add(loss, skipped, step_tokens, indices if cfg.log.example_indices else None, len(indices), wait)
         run.window.add_sums(sums)  # a preference objective's rewards, margins, accuracy (read at the log step)
         now = time.perf_counter()
-        c.loop_time_s, tick = c.loop_time_s + now - tick, now
+        c.loop_time_s += now - tick
+        c.peak_flop_s += (now - tick) * (run.facts.peak_flops or 0.0)  # the whole run's MFU in summary.json
+        tick = now
         step, last = c.step, c.step == run.max_steps
         run.compile_auto.record_step(now - step_start, run.compiled)  # compile: auto learns from measured steps
         if not run.compiled:
@@ -420,7 +422,8 @@ def finish(run: Run) -> RunResult:
         "train_time_s": c.loop_time_s,
         "tokens": c.tokens_seen,
         "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * facts.flops_per_token / facts.peak_flops if facts.peak_flops else None,
+        # over the whole run: a resume on other processes or another device changed the peak part-way
+        "mfu": c.tokens_seen * facts.flops_per_token / c.peak_flop_s if facts.peak_flops and c.peak_flop_s else None,
         "flops_per_token": facts.flops_per_token,
         "compiled": run.compiled,
         "compile": run.compile_auto.measured(),
