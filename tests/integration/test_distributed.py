@@ -173,6 +173,8 @@ def test_preempted_on_two_processes_a_run_continues_on_one_with_the_same_global_
     summary = json.loads((run / "summary.json").read_text())
     peak_flop_s = saved["counters"]["peak_flop_s"]
     assert peak_flop_s > 0 and summary["mfu"] == pytest.approx(summary["tokens"] * summary["flops_per_token"] / peak_flop_s)
+    resumed = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "resume"]
+    assert resumed[-1]["processes"] == 1 and resumed[-1]["checkpoint_processes"] == 2, resumed
     # 8 rows on 3 processes of micro-batch 2: 6 rows a pass do not divide them
     from trainforge.engine.resume import resumed_grad_accum
 

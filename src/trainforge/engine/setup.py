@@ -392,7 +392,8 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
         with writing(run.out / "config.yaml"):
             (run.out / "config.yaml").write_text(run.cfg.anchored().to_yaml())
     run.reporter.info(resume_note(plan, run))
-    run.metrics.event("resume", run.step, checkpoint=plan.checkpoint.path.name)
+    run.metrics.event("resume", run.step, checkpoint=plan.checkpoint.path.name,  # and the processes before and now
+                      processes=run.dist.world_size, checkpoint_processes=plan.checkpoint.meta.get("world_size", 1))
 
 
 def fp16_safe_precision(cfg: RunConfig, precision: Precision, why: str, reporter: ConsoleReporter) -> tuple[Precision, str]:
