@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 
 def quiet_library_logs() -> None:
@@ -26,6 +27,11 @@ def quiet_library_logs() -> None:
     dynamo = logging.getLogger("torch._dynamo")
     if not any(isinstance(f, _DropMessages) for f in dynamo.filters):
         dynamo.addFilter(_DropMessages("Encountered an exception in identify_mutated_tensors"))
+    # ... and compiling Liger's SwiGLU warns that dynamo traces through the lru_cache of a function of the GPU's
+    # architecture and the width (`_should_tile`): the same answer cached or not
+    warnings.filterwarnings(
+        "ignore", message=r"Dynamo detected a call to a `functools\.lru_cache`-wrapped function at 'swiglu\.py", category=UserWarning
+    )
 
 
 class _DropMessages:

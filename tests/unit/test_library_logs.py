@@ -38,3 +38,16 @@ def test_liger_and_triton_wrapper_noise_is_dropped_and_dynamo_keeps_its_other_wa
     assert registry.logger.name == "liger_kernel.backends.registry"
     assert not logging.getLogger("liger_kernel.backends.registry").isEnabledFor(logging.WARNING)
     assert logging.getLogger("liger_kernel.backends.registry").isEnabledFor(logging.ERROR)
+
+
+def test_the_dynamo_warning_about_ligers_cached_swiglu_check_is_dropped_and_others_stay():
+    import warnings
+
+    quiet_library_logs()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        quiet_library_logs()  # its filter goes in front of the "default" above, as in the CLI's process
+        warnings.warn("Dynamo detected a call to a `functools.lru_cache`-wrapped function at 'swiglu.py:34'. Dynamo "
+                      "ignores the cache wrapper", UserWarning)
+        warnings.warn("Dynamo detected a call to a `functools.lru_cache`-wrapped function at 'mine.py:3'.", UserWarning)
+    assert [str(w.message) for w in seen] == ["Dynamo detected a call to a `functools.lru_cache`-wrapped function at 'mine.py:3'."]
