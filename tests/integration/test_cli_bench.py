@@ -48,12 +48,12 @@ def test_bench_leaves_no_run_directories_behind(tmp_path, finetune_config):
     assert not list(tmp.glob("trainforge-bench-*")), show(proc)
 
 
-@pytest.mark.parametrize("to_group", [False, True], ids=["sigterm-to-bench", "ctrl-c-to-its-group"])
-def test_a_signal_stops_the_whole_bench(tmp_path, finetune_config, to_group):
+@pytest.mark.parametrize("how", ["sigterm-to-bench", "ctrl-c-to-its-group", "ctrl-c-twice"])
+def test_a_signal_stops_the_whole_bench(tmp_path, finetune_config, how):
     """SIGTERM to bench (a job's time limit) or Ctrl-C (SIGINT to bench and its variant's process) stops it with exit 75:
     the variant running is killed, the next never starts, the run directories are removed. Before, SIGTERM killed
     bench alone and its variant ran on; Ctrl-C stopped the variant (saving a checkpoint in the temporary directory)
-    and bench went on with the next."""
+    and bench went on with the next. Ctrl-C twice in a moment once killed bench and left its variant training alone."""
     config = write_config(tmp_path / "run.yaml", finetune_config)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -65,16 +65,40 @@ def test_a_signal_stops_the_whole_bench(tmp_path, finetune_config, to_group):
     while not list(tmp.glob("trainforge-bench-*/v0/metrics.jsonl")) and time.monotonic() < deadline:
         time.sleep(0.2)  # the first variant's run has started
     assert proc.poll() is None, proc.communicate()
-    if to_group:
-        os.killpg(proc.pid, signal.SIGINT)
-    else:
+    if how == "sigterm-to-bench":
         proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+        if how == "ctrl-c-twice":
+            time.sleep(0.03)
+            os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     shown_output = f"stdout:\n{out}\nstderr:\n{err}"
-    name = "SIGINT" if to_group else "SIGTERM"
+    name = "SIGTERM" if how == "sigterm-to-bench" else "SIGINT"
     assert proc.returncode == 75, shown_output
     assert f"bench stopped by {name} after 0 of 2 variants" in err and "saving a checkpoint" not in err, shown_output
     assert not list(tmp.glob("trainforge-bench-*")), shown_output
     # the variant's process (multiprocessing's spawn_main) is gone; its resource tracker may take a moment to follow
     variant = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout
     assert not variant, f"a variant's process runs on: {variant}"
+
+
+def test_a_variant_ends_with_its_bench_when_bench_is_killed(tmp_path, finetune_config):
+    """bench killed at once (SIGKILL: no handler, no clean-up): its variant, which ignores SIGTERM and SIGINT for
+    bench to answer them, ends too instead of measuring on alone."""
+    config = write_config(tmp_path / "run.yaml", finetune_config)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv, env = cli_command(["bench", config, "--steps", "100000", "--warmup", "1", "--synthetic"])
+    proc = subprocess.Popen(argv, cwd=tmp_path, env={**env, "TMPDIR": str(tmp)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp.glob("trainforge-bench-*/v0/metrics.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline, left = time.monotonic() + 10, "?"
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout
+    assert not left, f"the variant runs on without bench: {left}"

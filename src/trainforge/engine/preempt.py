@@ -32,11 +32,13 @@ class StopRequest:
     visible partial one behind.
     """
 
-    def __init__(self, doing: str | None = None) -> None:
-        """``doing``: what the process does on the first signal, for its message (default: a run's own words)."""
+    def __init__(self, doing: str | None = None, quick: bool = False) -> None:
+        """``doing``: what the process does on the first signal, for its message (default: a run's own words).
+        ``quick``: the process stops within a moment of any signal (a tool waiting on a child it then kills and
+        cleans up after), so a second signal is taken as the first was, not as "stop at once"."""
         self.signum: int | None = None
         self.stepping = False  # set by the training loop: before it, a signal has no step to finish nor to save
-        self.doing = doing
+        self.doing, self.quick = doing, quick
         self._previous: dict[int, object] = {}
 
     @property
@@ -48,9 +50,12 @@ class StopRequest:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.quick and self.signum is not None:
+            return  # said once; the stop is under way
         self.signum = signum
-        for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_DFL)
+        if not self.quick:
+            for s in STOP_SIGNALS:
+                signal.signal(s, signal.SIG_DFL)
         # os.write, not the console: a handler can interrupt a print that holds the console's lock
         doing = self.doing or (
             "finishing the current step, then saving a checkpoint (send it again to stop at once, without saving)"

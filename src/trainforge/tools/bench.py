@@ -11,11 +11,14 @@ from __future__ import annotations
 import itertools
 import json
 import multiprocessing
+import os
 import queue as queue_module
 import random
 import shutil
 import signal
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +98,21 @@ def as_measuring_child() -> StopRequest:
     quiet_library_logs()
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
+    exit_with_parent()
     return StopRequest()
+
+
+def exit_with_parent(every_s: float = 0.5) -> None:
+    """End this process when the one that started it is gone (killed at once: SIGKILL, or a signal its handler
+    did not take), rather than measure on alone with signals ignored. A daemon thread compares the parent's pid."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def run_variant(config_path: str | None, overrides: list[str], warmup: int, out_dir: str, queue) -> None:
@@ -128,8 +145,11 @@ def bench(config_path: str | None, overrides: list[str], sweeps: list[str], step
     ctx = multiprocessing.get_context("spawn")  # a fresh process per variant: its own peak memory, no state carried over
     try:
         fixed = bench_overrides(warmup, steps, workdir, synthetic)
-        with StopRequest("stopping the benchmark (its variant's steps are cut short: nothing measured)") as stop:
+        with StopRequest("stopping the benchmark (its variant's steps are cut short: nothing measured)", quick=True) as stop:
             for i, (label, extra) in enumerate(chosen):
+                if stop.requested:  # it came as the last variant's result did: the next does not start
+                    raise Interrupted(f"bench stopped by {stop.name} after {len(results)} of {len(chosen)} variants: "
+                                      "run it again", stop.name)
                 load_config(config_path, [*overrides, *extra, *fixed])  # fail fast on a bad variant, before running any
                 queue = ctx.Queue()
                 proc = ctx.Process(target=run_variant, args=(config_path, [*overrides, *extra, *fixed], warmup, str(workdir / f"v{i}"), queue))

@@ -33,7 +33,7 @@ def measure(
     workdir = tempfile.mkdtemp(prefix="trainforge-plan-")
     try:
         proc = ctx.Process(target=_measure_child, args=(config_path, [*overrides, *settings], steps, warmup, workdir, queue))
-        with StopRequest("stopping the measurement (its steps are cut short: nothing measured)") as stop:
+        with StopRequest("stopping the measurement (its steps are cut short: nothing measured)", quick=True) as stop:
             proc.start()
             result = wait_for_variant(proc, queue, stop)
         if result is None:
