@@ -228,3 +228,24 @@ def test_a_preference_step_whose_pairs_are_swapped_fails(selftest, tmp_path, mon
     result = runner.check("preference-fp32")
     assert result.status == "FAILED"
     assert "the training step and the direct implementation differ under fp32" in result.error, result.error
+
+
+def test_a_signal_between_paths_stops_the_run_before_the_next(selftest, tmp_path):
+    """A SIGTERM/SIGINT that lands outside a training run (a check, the assets: no run's handler holds it) is taken
+    by selftest's own and stops it before the next path; before, it killed the process (SIGTERM, exit 143, no table)
+    or raised KeyboardInterrupt past the results."""
+    import signal
+
+    from trainforge.engine.preempt import Interrupted, StopRequest
+
+    stop = StopRequest()
+    fresh = SelfTest("cpu", workdir=tmp_path, assets=selftest.assets)
+    ran = []
+
+    def arrives_during_the_first(result) -> None:
+        ran.append(result.name)
+        stop.signum = signal.SIGTERM  # as its handler sets it
+
+    with pytest.raises(Interrupted, match="SIGTERM between paths") as stopped:
+        fresh.run([], ["nonfinite-guard", "head-grads-fp32"], arrives_during_the_first, stop)
+    assert ran == ["nonfinite-guard"] and stopped.value.signal_name == "SIGTERM"

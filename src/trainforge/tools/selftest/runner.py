@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ...engine.preempt import Interrupted
+from ...engine.preempt import Interrupted, StopRequest
 from ...hardware import cuda_has_native_bf16
 from .assets import Assets, build_assets
 from .cases import CHECKS, PRECISIONS, STEPS, Case, plan
@@ -145,9 +145,13 @@ class SelfTest(TrainingCases, Checks):
 
     # ---------------------------------------------------------------- everything
 
-    def run(self, cases: list[Case], checks: list[str], on_result: Callable[[Result], None] | None = None) -> list[Result]:
-        """Every case, then every check, in order; ``on_result`` sees each result as it comes."""
+    def run(self, cases: list[Case], checks: list[str], on_result: Callable[[Result], None] | None = None,
+            stop: StopRequest | None = None) -> list[Result]:
+        """Every case, then every check, in order; ``on_result`` sees each result as it comes. ``stop``: a signal
+        outside a training run (a check, the assets) stops it before the next item (one inside a run stops the run)."""
         for item in [*cases, *checks]:
+            if stop is not None and stop.requested:
+                raise Interrupted(f"{stop.name} between paths", stop.name)
             seen = set(self.results)
             self.case(item) if isinstance(item, Case) else self.check(item)
             for name in self.results:
@@ -195,8 +199,9 @@ def run_selftest(device: str = "auto", quick: bool = False, console=None, cache_
             console.print(f"  {r.status} {r.name} ({r.seconds:.1f}s)" + ("" if r.ok else f": {escape(r.error)}"), soft_wrap=True)
 
     try:
-        with progress:
-            results = st.run(cases, checks, advance)
+        # a signal while no run holds its own handler (a check, the assets) stops selftest before the next path
+        with progress, StopRequest("stopping selftest after the path it is on (send it again to stop at once)") as stop:
+            results = st.run(cases, checks, advance, stop)
     except Interrupted as e:  # the path it arrived in saved a checkpoint in the temporary workdir: nothing to resume
         finished = list(st.results.values())
         if finished:
