@@ -171,8 +171,12 @@ def test_preempted_on_two_processes_a_run_continues_on_one_with_the_same_global_
     assert saved["grad_accum"] == 4 and "rng_ranks" not in saved
     # the whole run's MFU: steps 1-3 on two processes had twice the peak of steps 4-6 (it took the last stretch's)
     summary = json.loads((run / "summary.json").read_text())
-    peak_flop_s = saved["counters"]["peak_flop_s"]
-    assert peak_flop_s > 0 and summary["mfu"] == pytest.approx(summary["tokens"] * summary["flops_per_token"] / peak_flop_s)
+    first = torch.load(run / "checkpoints" / "step-00000003" / "state.pt")["counters"]
+    last = saved["counters"]
+    two = first["peak_flop_s"] / first["loop_time_s"]
+    one = (last["peak_flop_s"] - first["peak_flop_s"]) / (last["loop_time_s"] - first["loop_time_s"])
+    assert two == pytest.approx(2 * one, rel=1e-6), (two, one)
+    assert summary["mfu"] == pytest.approx(summary["tokens"] * summary["flops_per_token"] / last["peak_flop_s"])
     resumed = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "resume"]
     assert resumed[-1]["processes"] == 1 and resumed[-1]["checkpoint_processes"] == 2, resumed
     # 8 rows on 3 processes of micro-batch 2: 6 rows a pass do not divide them

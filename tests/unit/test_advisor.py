@@ -161,6 +161,9 @@ def test_an_impossible_mfu_reprobes_the_peak(cfg, tmp_path, monkeypatch):
     assert advice[0]["new_peak_flops"] > 1e9 and "measured again" in console
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "mfu" in r]
     assert records[0]["mfu"] > 1 and records[-1]["mfu"] < 1  # divided by the new peak from then on
+    # and so is the whole run's in summary.json (the steps before the probe too: the first peak was wrong all along)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mfu"] < 1
 
 
 def test_a_slowdown_after_warm_up_is_named(cfg, tmp_path, monkeypatch):

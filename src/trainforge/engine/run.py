@@ -147,7 +147,8 @@ class Run:
         self.resumed_from = self.counters.step
         c = self.counters
         self.earlier = {
-            "loop_time_s": c.loop_time_s, "data_wait_s": c.data_wait_s, "eval_s": c.eval_s, "skipped": float(self.guard.total)
+            "loop_time_s": c.loop_time_s, "data_wait_s": c.data_wait_s, "eval_s": c.eval_s, "skipped": float(self.guard.total),
+            "peak_flop_s": c.peak_flop_s,
         }
         ranks = state.get("rng_ranks") or [state["rng"]]
         restore_rng(ranks[self.dist.rank % len(ranks)])

@@ -343,6 +343,9 @@ def advise(run: Run, rec: dict, window_s: float) -> None:
         run.metrics.event("advice", run.step, cause=advice.cause, message=advice.message, **advice.fields)
         if "new_peak_flops" in advice.fields:  # the peak was measured again: MFU divides by it from now on
             run.facts = dataclasses.replace(run.facts, peak_flops=advice.fields["new_peak_flops"])
+            # ... and so does this process's share of the whole run's (the earlier peak was wrong all along)
+            c, before = run.counters, run.earlier
+            c.peak_flop_s = before.get("peak_flop_s", 0.0) + (c.loop_time_s - before.get("loop_time_s", 0.0)) * run.facts.peak_flops
 
 
 def run_environment(run: Run) -> dict[str, object]:
