@@ -536,3 +536,29 @@ def test_doctor_on_a_run_killed_after_resuming_before_its_first_log_step(config,
     d = diagnose(reference)
     assert d["last_step"] == 6 and d["state"].startswith("ended without a summary")
     assert "-" not in render(d).split("logged steps")[0].rsplit("(", 1)[-1]  # no negative count of lost steps
+
+
+def test_another_process_count_is_refused_with_the_fix_that_applies():
+    """Without train.global_batch_size: the checkpoint's global batch to set in place of grad_accum. An FSDP checkpoint:
+    its processes. A DDP checkpoint resumed under FSDP on other processes: train.distributed: ddp (it blamed the
+    checkpoint's shards, which it has none of)."""
+    from pathlib import Path
+
+    from trainforge.checkpoint import CheckpointInfo
+    from trainforge.config import load_config
+    from trainforge.engine.resume import ResumeError, check_world
+
+    def info(world: int, mode: str) -> CheckpointInfo:
+        meta = {"world_size": world, "distributed": mode, "fixed": {"train.micro_batch_size": 2, "train.grad_accum": 2}}
+        return CheckpointInfo(Path("run/checkpoints/step-00000003"), 3, meta)
+
+    plain = load_config(None, ["train.micro_batch_size=2", "train.grad_accum=2"])
+    with pytest.raises(ResumeError, match=r"global batch \(8 rows\) in place of train.grad_accum to keep it on 1"):
+        check_world(info(2, "ddp"), 1, plain)
+    held = load_config(None, ["train.micro_batch_size=2", "train.global_batch_size=8"])
+    check_world(info(2, "ddp"), 1, held)  # the global batch holds: allowed
+    with pytest.raises(ResumeError, match="FSDP's sharded state resumes on the processes that wrote it"):
+        check_world(info(2, "fsdp"), 1, held)
+    fsdp = load_config(None, ["train.micro_batch_size=2", "train.global_batch_size=8", "train.distributed=fsdp"])
+    with pytest.raises(ResumeError, match=r"\(one process's state\) on 2 processes sharded with FSDP: set train.distributed: ddp"):
+        check_world(info(1, "none"), 2, fsdp)

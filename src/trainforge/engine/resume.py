@@ -109,12 +109,19 @@ def check_world(info: CheckpointInfo, world_size: int, cfg: RunConfig, mode: str
     rows), and the run continues on 4 GPUs where it was preempted on 8. FSDP shards are bound to their processes.
     """
     saved_world, saved_mode = info.meta.get("world_size", 1), info.meta.get("distributed", "none")
+    if mode is None and world_size > 1 and cfg.train.distributed == "fsdp":  # before the model loads: as configured
+        mode = "fsdp"
     if saved_world != world_size:
-        if "fsdp" in (saved_mode, mode):
+        if saved_mode == "fsdp":
             raise ResumeError(
                 f"cannot resume from {info.path}: it was written by {saved_world} process(es), this run has {world_size}, "
                 f"and FSDP's sharded state resumes on the processes that wrote it: resume with {saved_world} "
                 "process(es), or start a new run (another --output)"
+            )
+        if mode == "fsdp":
+            raise ResumeError(
+                f"cannot resume from {info.path} ({saved_mode if saved_world > 1 else 'one process'}'s state) on "
+                f"{world_size} processes sharded with FSDP: set train.distributed: ddp to continue it there"
             )
         if cfg.train.global_batch_size is None:
             fixed = info.meta.get("fixed", {})
@@ -124,8 +131,8 @@ def check_world(info: CheckpointInfo, world_size: int, cfg: RunConfig, mode: str
                 f"cannot resume from {info.path}: it was written by {saved_world} process(es), this run has {world_size}. "
                 f"The global batch (micro_batch_size x grad_accum x processes) would change mid-run: resume with "
                 f"{saved_world} process(es) (torchrun --nproc_per_node / trainforge train --nproc), set "
-                f"train.global_batch_size to the checkpoint's global batch{rows} to keep it on {world_size}, "
-                "or start a new run (another --output)"
+                f"train.global_batch_size to the checkpoint's global batch{rows} in place of train.grad_accum to keep "
+                f"it on {world_size}, or start a new run (another --output)"
             )
     if mode is not None and saved_world > 1 and (saved_mode == "fsdp") != (mode == "fsdp"):
         raise ResumeError(
