@@ -51,9 +51,11 @@ cat "$OUT/versions.txt"
 # Each stage is killed 10 s after its time is up (-k): on 2026-11-26 (an H200) `timeout 100` without it sent one
 # SIGTERM to the precision-matrix test, the matrix went on (selftest stopped only the path it arrived in; it stops
 # everything now) and never ended, and the call ran out with neither selftest nor the suite started
-timeout -k 10 60 $PY -m pytest -v -p no:cacheprovider -m gpu tests/unit/test_doc_attention.py tests/unit/test_kernels.py \
-  tests/unit/test_allocator.py > "$OUT/gpu-tests.log" 2>&1
-echo "gpu tests: exit $? ($(tail -1 "$OUT/gpu-tests.log")) at ${SECONDS}s"
+if [ -z "${REUSE:-}" ]; then  # a second call (REUSE=1) goes straight on with the suite
+  timeout -k 10 60 $PY -m pytest -v -p no:cacheprovider -m gpu tests/unit/test_doc_attention.py tests/unit/test_kernels.py \
+    tests/unit/test_allocator.py > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests: exit $? ($(tail -1 "$OUT/gpu-tests.log")) at ${SECONDS}s"
+fi
 
 # the suite's budget is when its last variant may start; one started is cut at the same deadline
 BUDGET=$(( $(left) - SELFTEST_S - 20 ))
@@ -69,7 +71,7 @@ SELFTEST_LEFT=$(( $(left) - 10 ))
 QUICK=""; [ "$SELFTEST_LEFT" -lt "$FULL_SELFTEST_S" ] && QUICK="--quick"
 if [ "$SELFTEST_LEFT" -gt 20 ]; then  # (timeout 0 would mean no limit at all)
   timeout -k 10 "$SELFTEST_LEFT" $PY -m trainforge selftest $QUICK --out "$OUT/selftest.json" > "$OUT/selftest.log" 2>&1
-  echo "selftest $QUICK: exit $? ($(tail -1 "$OUT/selftest.log")) at ${SECONDS}s"
+  echo "selftest${QUICK:+ $QUICK}: exit $? ($(tail -1 "$OUT/selftest.log")) at ${SECONDS}s"
 else
   echo "selftest: skipped, ${SELFTEST_LEFT}s left"
 fi

@@ -533,6 +533,8 @@ def launch(variant: str, spec: dict, out: Path, timeout: float, reuse: bool = Fa
     except subprocess.TimeoutExpired:
         return {"status": "failed", "reason": f"timed out after {timeout:.0f}s"}
     (out / "log.txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:  # a result written before a failure at the end (a CUDA error in teardown) is no result
+        result_path.unlink(missing_ok=True)
     if done.returncode != 0 or not result_path.is_file():
         return {"status": "failed", "reason": (done.stderr.strip().splitlines() or ["exit %d" % done.returncode])[-1][:300]}
     return json.loads(result_path.read_text())
@@ -689,7 +691,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for n in numbers:
         report = {"part": n, "tiny": args.tiny, "environment": environment(args), "rows": [], "complete": False}
-        deadline = time.perf_counter() + args.budget
+        # the first part's budget counts from this process's start, as a caller's time limit does (importing torch
+        # and starting CUDA take seconds before this line)
+        deadline = (T0 if not reports else time.perf_counter()) + args.budget
 
         def save(row_report: dict, report: dict = report, n: int = n) -> None:
             # rewritten after every variant (atomically): what finished survives a call killed at its limit

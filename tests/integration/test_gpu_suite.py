@@ -125,9 +125,9 @@ def test_reuse_takes_a_finished_variant_and_a_failed_run_never_returns_an_old_re
 
     def child(argv, **kwargs):
         calls.append(argv)
-        if len(calls) == 1:  # the first call's run: it writes its result
+        if len(calls) in (1, 4):  # runs that write their result; the fourth then fails at its end
             Path(argv[-1]).write_text(json.dumps({"status": "ok", "tokens_per_s": 5.0}))
-            return subprocess.CompletedProcess(argv, 0, "", "")
+            return subprocess.CompletedProcess(argv, 0 if len(calls) == 1 else 1, "", "CUDA error in teardown")
         return subprocess.CompletedProcess(argv, 1, "", "CUDA error: an illegal memory access")
 
     monkeypatch.setattr(suite.subprocess, "run", child)
@@ -139,3 +139,6 @@ def test_reuse_takes_a_finished_variant_and_a_failed_run_never_returns_an_old_re
     assert changed["status"] == "failed" and "illegal memory access" in changed["reason"] and len(calls) == 2
     again = suite.launch("trainforge", run_spec, out, 10.0)
     assert again["status"] == "failed" and len(calls) == 3
+    # a result written before the process failed is no result, now nor for a later --reuse
+    assert suite.launch("trainforge", run_spec, out, 10.0)["status"] == "failed" and len(calls) == 4
+    assert suite.launch("trainforge", run_spec, out, 10.0, reuse=True)["status"] == "failed" and len(calls) == 5
