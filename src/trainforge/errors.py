@@ -25,8 +25,9 @@ EXIT_CODES: dict[int, str] = {
     EXIT_OUT_OF_MEMORY: "out of memory even at micro-batch 1, or refused before loading the model: "
     "its estimated memory exceeds the device's twice over",
     EXIT_PLAN_ERROR: "plan: a finding is an error (the run as planned would fail; each finding names its fix)",
-    EXIT_INTERRUPTED: "stopped by SIGTERM/SIGINT after saving a checkpoint: run the same command with the same --output "
-    "to resume (the message names the directory) (a second signal stops at once, without saving)",
+    EXIT_INTERRUPTED: "stopped by SIGTERM/SIGINT: a run saves a checkpoint first, and the same command with the same "
+    "--output resumes it (the message names the directory; a second signal stops at once, without saving); selftest, "
+    "bench and plan --measure save nothing: run them again",
 }
 """Exit code -> what it means, for every code trainforge exits with on purpose."""
 
