@@ -147,14 +147,13 @@ def bench(config_path: str | None, overrides: list[str], sweeps: list[str], step
         fixed = bench_overrides(warmup, steps, workdir, synthetic)
         with StopRequest("stopping the benchmark (its variant's steps are cut short: nothing measured)", quick=True) as stop:
             for i, (label, extra) in enumerate(chosen):
-                if stop.requested:  # it came as the last variant's result did: the next does not start
-                    raise Interrupted(f"bench stopped by {stop.name} after {len(results)} of {len(chosen)} variants: "
-                                      "run it again", stop.name)
-                load_config(config_path, [*overrides, *extra, *fixed])  # fail fast on a bad variant, before running any
-                queue = ctx.Queue()
-                proc = ctx.Process(target=run_variant, args=(config_path, [*overrides, *extra, *fixed], warmup, str(workdir / f"v{i}"), queue))
-                proc.start()
-                result = wait_for_variant(proc, queue, stop)
+                result = None
+                if not stop.requested:  # (one that came with the last variant's result: the next does not start)
+                    load_config(config_path, [*overrides, *extra, *fixed])  # fail fast on a bad variant, before running any
+                    queue = ctx.Queue()
+                    proc = ctx.Process(target=run_variant, args=(config_path, [*overrides, *extra, *fixed], warmup, str(workdir / f"v{i}"), queue))
+                    proc.start()
+                    result = wait_for_variant(proc, queue, stop)
                 if result is None:
                     raise Interrupted(f"bench stopped by {stop.name} after {len(results)} of {len(chosen)} variants "
                                       "(a variant cut short measures nothing): run it again", stop.name)
