@@ -31,22 +31,17 @@ from ..checkpoint import (
     verify_checkpoint,
 )
 from ..config import RunConfig, TrainSettings, resolve_grad_accum
-from ..errors import TrainforgeError
 from ..metrics.console import ConsoleReporter
 from ..metrics.sink import flat_config
 from ..runlock import OutputDirError, probe_run_dir
 from .nonfinite import checkpoint_tensors, describe, nonfinite_tensors
-from .state import trainable_state
+from .state import ResumeError, resumed_grad_accum, trainable_state  # ResumeError is raised here and imported from here
 
 if TYPE_CHECKING:
     from .run import Run  # for annotations only: the run module imports nothing of this one
 
 CHECKPOINTS = "checkpoints"
 FIXED_TRAIN_KEYS = ("seed", "micro_batch_size", "grad_accum")
-
-
-class ResumeError(TrainforgeError, RuntimeError):
-    """The checkpoint cannot continue this run (it is unusable, or the run's settings changed)."""
 
 
 @dataclass
@@ -139,21 +134,6 @@ def check_world(info: CheckpointInfo, world_size: int, cfg: RunConfig, mode: str
             f"cannot resume from {info.path}: it holds {saved_mode} state and this run uses {mode}; "
             f"set train.distributed: {saved_mode} to resume it"
         )
-
-
-def resumed_grad_accum(state: dict[str, Any], world_size: int) -> int:
-    """The accumulation that keeps a checkpoint's global batch on ``world_size`` processes at its micro-batch
-    (the one after any out-of-memory back-off); ``ResumeError`` where none does."""
-    saved_world = len(state.get("rng_ranks") or [None])  # one random state per process that wrote it
-    micro, accum = state["micro_batch_size"], state["grad_accum"]
-    rows = micro * accum * saved_world
-    if rows % (micro * world_size):
-        raise ResumeError(
-            f"cannot resume a global batch of {rows} rows (micro-batch {micro} x accumulation {accum} x {saved_world} "
-            f"process(es)) on {world_size} processes: {micro * world_size} rows per pass do not divide it; resume on "
-            f"a number of processes that divides {rows // micro}"
-        )
-    return rows // (micro * world_size)
 
 
 def bound_grad_accum(t: TrainSettings, world_size: int) -> int:

@@ -23,7 +23,7 @@ from .compile_auto import CompileAuto
 from .nonfinite import NonFiniteGuard
 from .preempt import StopRequest
 from .saver import Checkpointer
-from .state import Counters, Stateful, TrainedWeights, capture_rng, rank_seed, restore_rng
+from .state import Counters, Stateful, TrainedWeights, capture_rng, rank_seed, restore_rng, resumed_grad_accum
 from .step import TokenObjective
 
 
@@ -137,10 +137,9 @@ class Run:
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
         # on another number of processes (resume.check_world allows it where train.global_batch_size holds the global
-        # batch, and resumed_grad_accum checked that it divides), the accumulation that keeps it: the same rows a step
-        saved_world = len(state.get("rng_ranks") or [None])
+        # batch), the accumulation that keeps it: the same rows a step
         self.loader.batch_size = state["micro_batch_size"]
-        self.grad_accum = state["grad_accum"] * saved_world // self.dist.world_size
+        self.grad_accum = resumed_grad_accum(state, self.dist.world_size)
         self.counters.load_state_dict(state["counters"])
         if "peak_flop_s" not in state["counters"]:  # written before the counter: its seconds at this run's peak
             self.counters.peak_flop_s = self.counters.loop_time_s * (self.facts.peak_flops or 0.0)

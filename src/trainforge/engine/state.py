@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..errors import TrainforgeError
 from .sharded import load_sharded, sharded_state
 
 
@@ -82,6 +83,25 @@ class TrainedWeights:
             return
         self.model.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+class ResumeError(TrainforgeError, RuntimeError):
+    """The checkpoint cannot continue this run (it is unusable, or the run's settings changed)."""
+
+
+def resumed_grad_accum(state: dict[str, Any], world_size: int) -> int:
+    """The accumulation that keeps a checkpoint's global batch on ``world_size`` processes at its micro-batch
+    (the one after any out-of-memory back-off); ``ResumeError`` where none does."""
+    saved_world = len(state.get("rng_ranks") or [None])  # one random state per process that wrote it
+    micro, accum = state["micro_batch_size"], state["grad_accum"]
+    rows = micro * accum * saved_world
+    if rows % (micro * world_size):
+        raise ResumeError(
+            f"cannot resume a global batch of {rows} rows (micro-batch {micro} x accumulation {accum} x {saved_world} "
+            f"process(es)) on {world_size} processes: {micro * world_size} rows per pass do not divide it; resume on "
+            f"a number of processes that divides {rows // micro}"
+        )
+    return rows // (micro * world_size)
 
 
 def rank_seed(seed: int, rank: int, step: int = 0) -> int:
