@@ -168,3 +168,25 @@ def test_later_field_names_leave_existing_keys_alone_until_renamed(toy_data_dir)
         assert _settings(renamed, set())["fields"] == {**older, name: "other"}
         assert fingerprint(renamed, "preference", tok, 0) != key
         assert built_tokenizer_key(renamed, "preference", 64) != built_tokenizer_key(base, "preference", 64)
+
+
+def test_default_chat_template_is_part_of_a_chat_key(toy_data_dir, monkeypatch):
+    """Chats of a tokenizer without a template render with trainforge's default: a changed default is a
+    different store (no stale tokens from an older one); a tokenizer's own template, or data.chat_template,
+    keys the store instead, and text stores do not depend on it."""
+    import trainforge.data.cache as cache
+    from trainforge.config import DataSettings
+    from trainforge.model.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(["abc"])
+    assert not getattr(tok, "chat_template", None)
+    cfg = DataSettings(train=str(toy_data_dir / "pc_train.jsonl"), eval=None)
+    keys = {fmt: cache.fingerprint(cfg, fmt, tok, 0) for fmt in ("chat", "preference", "text")}
+    monkeypatch.setattr(cache, "DEFAULT_CHAT_TEMPLATE", cache.DEFAULT_CHAT_TEMPLATE + " ")
+    assert cache.fingerprint(cfg, "chat", tok, 0) != keys["chat"]
+    assert cache.fingerprint(cfg, "preference", tok, 0) != keys["preference"]
+    assert cache.fingerprint(cfg, "text", tok, 0) == keys["text"]
+    own = cfg.model_copy(update={"chat_template": "{{ messages }}"})
+    before = cache.fingerprint(own, "chat", tok, 0)
+    monkeypatch.setattr(cache, "DEFAULT_CHAT_TEMPLATE", cache.DEFAULT_CHAT_TEMPLATE + " ")
+    assert cache.fingerprint(own, "chat", tok, 0) == before
