@@ -393,3 +393,33 @@ def test_the_data_line_counts_cut_sides_and_dropped_pairs_in_their_units():
     assert "285 train rows (570 examples) -> 28 sequences" in line and line.endswith("556 examples dropped with nothing to learn")
     stats.update(train_rows=14 + 556)  # labelled rows: one example each, said once
     assert "570 train rows -> 28 sequences" in describe_data(plan, 0.97)
+
+
+def test_hh_string_pairs_split_after_the_last_assistant_marker():
+    """Replies that begin alike (" I think ... 4." / " I think ... 5.") are learned whole: the prompt ends at the
+    last "Assistant:" the two texts share, not at their last shared word (ORPO's NLL, SimPO's and IPO's per-token
+    means and KTO's examples would see only the differing tail)."""
+    head = "\n\nHuman: What is 2+2?\n\nAssistant: Let me see.\n\nHuman: Well?\n\nAssistant:"
+    prompt, c, r = split_shared_prefix(head + " I think the answer is 4.", head + " I think the answer is 5.")
+    assert prompt == head and (c, r) == (" I think the answer is 4.", " I think the answer is 5.")
+    tok, rend = renderer()
+    chosen, _ = rend.pair(Row({"chosen": head + " I think it is 4.", "rejected": head + " I think it is 5."}, WHERE))
+    assert learned_text(tok, chosen).startswith(" I think it is 4.")
+    # no marker: the shared prefix cut at a word, as before
+    assert split_shared_prefix("Q: 2+2? A: it is 4", "Q: 2+2? A: it is 5") == ("Q: 2+2? A: it is", " 4", " 5")
+    with pytest.raises(DataError, match="identical"):  # not "the chosen reply is empty"
+        rend.pair(Row({"chosen": head + " 4.", "rejected": head + " 4."}, WHERE))
+    with pytest.raises(DataError, match="identical"):
+        rend.pair(Row({"chosen": "Q: 4", "rejected": "Q: 4"}, WHERE))
+
+
+def test_a_prompt_string_before_reply_only_lists_is_the_question():
+    """{"prompt": "...", "chosen": [assistant], "rejected": [assistant]}: the question was dropped (the pair
+    rendered as a bare assistant turn); it is a user turn before each reply."""
+    tok, r = renderer()
+    row = Row({"prompt": "What is 3+3?", "chosen": [assistant("6.")], "rejected": [assistant("7.")]}, WHERE)
+    chosen, rejected = r.pair(row)
+    assert "What is 3+3?" in chosen.text and "What is 3+3?" in rejected.text
+    assert learned_text(tok, chosen) == "6.<|im_end|>\n" and learned_text(tok, rejected) == "7.<|im_end|>\n"
+    with pytest.raises(DataError, match="no prompt"):
+        r.pair(Row({"prompt": " ", "chosen": [assistant("6.")], "rejected": [assistant("7.")]}, WHERE))

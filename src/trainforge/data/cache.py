@@ -24,7 +24,7 @@ from .sources import BUILTIN_ROWS_VERSION, BUILTIN_SOURCES, source_files
 STORE_VERSION = 1  # bump when the store layout or tokenization rules change
 SEQ2SEQ_VERSION = 1  # source -> target stores of encoder-decoder models (data/seq2seq.py): a key of their own
 KL_SAMPLE_VERSION = 2  # KTO's KL samples (data/preference.py kl_partners; 2: never a completion of the same prompt)
-PREFERENCE_VERSION = 3  # pairs tokenized as two sequences (data/preference.py): bump when that changes (3: a prompt both sides begin with is written once)
+PREFERENCE_VERSION = 4  # pairs tokenized as two sequences (data/preference.py): bump when that changes (3: a prompt both sides begin with is written once; 4: string pairs split after their last Assistant: marker, a prompt string before reply-only lists)
 # too_long: split stores mark split continuations (continues.npy) from version 2 on; a key of its
 # own, so the stores (and checkpoints' store keys) of every other setting stay valid
 SPLIT_VERSION = 2

@@ -4,8 +4,9 @@ Paired rows (DPO, IPO, ORPO, SimPO) in the layouts people have:
 - TRL's ``{"prompt", "chosen", "rejected"}``, as strings or as message lists (the prompt's messages, then
   each side's reply);
 - the implicit-prompt layout ``{"chosen": full, "rejected": full}`` (Anthropic HH as strings: the prompt
-  is the shared prefix, cut at a word boundary; UltraFeedback-binarized as message lists: the prompt is
-  the shared leading messages, and a ``prompt`` string beside them is the same question, not read).
+  is the shared prefix up to its last ``Assistant:``, else cut at a word boundary; UltraFeedback-binarized as
+  message lists: the prompt is the shared leading messages, and a ``prompt`` string beside them is the same
+  question, not read; beside lists of replies only it is the question, a user turn).
   A prompt that both sides already begin with (full texts or conversations beside their prompt) is written once.
 Unpaired rows (KTO): TRL's ``{"prompt", "completion", "label"}`` and LLaMA-Factory's ``{"messages", "label"}``
 (the last assistant turn is the completion); under ``data.format: unpaired``, a pair in any of the layouts above is
@@ -128,9 +129,11 @@ class PreferenceRenderer:
             n = 0
             while n < min(len(chosen_msgs), len(rejected_msgs)) and chosen_msgs[n] == rejected_msgs[n]:
                 n += 1
-            if n == 0 and prompt is None:
+            if n == 0 and not (isinstance(prompt, str) and prompt.strip()):
                 raise self._no_prompt(row)
             prompt_msgs, chosen_msgs, rejected_msgs = chosen_msgs[:n], chosen_msgs[n:], rejected_msgs[n:]
+            if n == 0:  # a prompt string beside replies only: the question, as a user turn before them
+                prompt_msgs = [{"role": "user", "content": prompt}]
         for side, msgs in ((names.chosen, chosen_msgs), (names.rejected, rejected_msgs)):
             if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
                 raise DataError(f"{row.where}: the {side} side has no assistant reply after the prompt")
@@ -158,16 +161,27 @@ class PreferenceRenderer:
         return Rendered(text, spans[earlier:], False, where)
 
 
+# Where a reply begins in plain-text transcripts: Anthropic HH's turns, Vicuna's, alpaca's response header
+ASSISTANT_MARKERS = ("\n\nAssistant:", "\nAssistant:", "ASSISTANT:", "### Response:")
+
+
 def split_shared_prefix(chosen: str, rejected: str) -> tuple[str, str, str]:
-    """(prompt, chosen reply, rejected reply) of two full texts that share their prompt: the longest common
-    prefix, cut back to before the whitespace that starts the first differing word (a reply keeps its
-    leading space, as byte-level BPE tokenizes it: " Sure" is one token)."""
+    """(prompt, chosen reply, rejected reply) of two full texts that share their prompt.
+
+    The prompt ends after the last assistant marker of the longest common prefix (HH's ``\n\nAssistant:``),
+    so a reply that starts with the same words on both sides (" I think it is 4." / " I think it is 5.") is
+    learned whole, as the sides' NLL, per-token means and KTO examples need; without a marker it is the common
+    prefix cut back to before the whitespace that starts the first differing word. Either way a reply keeps its
+    leading space, as byte-level BPE tokenizes it (" Sure" is one token)."""
     n = 0
     for a, b in zip(chosen, rejected):
         if a != b:
             break
         n += 1
-    if n < min(len(chosen), len(rejected)) or len(chosen) != len(rejected):
+    marked = max((chosen.rfind(m, 0, n) + len(m) for m in ASSISTANT_MARKERS if chosen.rfind(m, 0, n) >= 0), default=0)
+    if marked:
+        n = marked
+    elif n < min(len(chosen), len(rejected)) or len(chosen) != len(rejected):
         while n > 0 and not chosen[n - 1].isspace():
             n -= 1
         while n > 0 and chosen[n - 1].isspace():
@@ -176,11 +190,11 @@ def split_shared_prefix(chosen: str, rejected: str) -> tuple[str, str, str]:
 
 
 def _check_sides(where: str, chosen: str, rejected: str, names: FieldNames) -> None:
+    if chosen == rejected:  # before emptiness: two identical full texts leave two empty replies
+        raise DataError(f"{where}: chosen and rejected are identical: there is no preference to learn")
     for side, text in ((names.chosen, chosen), (names.rejected, rejected)):
         if not text.strip():
             raise DataError(f"{where}: the {side} reply is empty")
-    if chosen == rejected:
-        raise DataError(f"{where}: chosen and rejected are identical: there is no preference to learn")
 
 
 def _text(prompt: str, reply: str, where: str) -> Rendered:

@@ -51,7 +51,7 @@ class BadRows:
 
     def report(self, message: str) -> None:
         if self.policy == "error":
-            raise DataError(message)
+            raise DataError(f"{message} (to skip such rows and count them instead, set data.on_bad_row: skip)")
         self.count += 1
         if len(self.first) < 5:
             self.first.append(message)
