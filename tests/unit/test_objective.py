@@ -183,6 +183,9 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
         rows_for(load_config(None), SimpleNamespace(format="unpaired"))
     with pytest.raises(DataError, match="train.objective=kto needs unpaired rows"):
         rows_for(load_config(None, ["train.objective=kto"]), pairs)
+    with pytest.raises(DataError, match=r"or, for SFT, to learn the chosen replies as targets: data.format: prompt_completion "
+                       r"and data.fields: \{completion: chosen\}.*data.format: chat and data.fields: \{messages: chosen\}"):
+        rows_for(load_config(None), pairs)  # SFT on pairs: the objective, or how to learn the chosen replies
     # the other kind of preference rows: the objective is the fix, not a data.fields rename
     with pytest.raises(DataError, match=r"holds preference rows .*: set train.objective to dpo, ipo, orpo or simpo; or, "
                        r"for KTO on the pairs, data.format: unpaired \(each chosen reply a desirable example"):
