@@ -177,7 +177,7 @@ def test_hub_snapshot_without_a_train_split_names_its_splits(tmp_path):
         rows_of(tmp_path)
     assert str(e.value) == (
         f"{tmp_path}: its files are in the splits test_prefs, train_prefs (as Hugging Face Hub files are named) and "
-        f"none is 'train'; point data.train at one split's files, e.g. '{tmp_path / 'data' / 'test_prefs*'}'"
+        f"none is 'train'; point data.train at one split's files, e.g. '{tmp_path / 'data' / 'train_prefs*'}'"
     )
 
 

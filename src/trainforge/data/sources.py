@@ -109,7 +109,10 @@ def _train_split(root: Path, files: list[Path]) -> list[Path]:
     if len(named) < 2:
         return files
     if TRAIN not in splits:
-        example = splits[named[0]][0].parent / f"{named[0]}*"
+        # the example names a training-like split (UltraChat's train_sft), not the first in the alphabet (test_gen)
+        likely = next((s for s in named if s.startswith(TRAIN)), None) or next(
+            (s for s in named if not s.startswith(("test", "val", "eval", "dev"))), named[0])
+        example = splits[likely][0].parent / f"{likely}*"
         raise DataError(
             f"{root}: its files are in the splits {', '.join(named)} (as Hugging Face Hub files are named) and none is "
             f"'train'; point data.train at one split's files, e.g. '{example}'"
