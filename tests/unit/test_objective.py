@@ -346,3 +346,22 @@ def test_the_kto_line_counts_each_label_and_says_the_weights_that_balance_them()
     assert line(50, 0).endswith("(one label only: the KTO paper trains on both)")
     dpo = describe_objective(PairObjective("dpo", PreferenceSettings(), "adapters"))
     assert dpo == "objective: dpo (beta 0.1), reference: the same model with its LoRA adapters off"
+
+
+def test_eval_of_full_weights_without_a_starting_model_says_what_to_give(tmp_path):
+    """trainforge eval of a plain model directory on pairs: its reference (the model it was tuned from) is unknown,
+    and the error says so, not that "this run" did not load one; a run whose start is gone names that directory."""
+    from pathlib import Path
+
+    from trainforge.config import ConfigError, load_config
+    from trainforge.model.resolve import ModelSource
+    from trainforge.tools.evaluate_preference import eval_objective
+
+    cfg = load_config(None, ["train.objective=dpo"])
+    plain = ModelSource(path=Path("models/chatml"), weights=tmp_path)
+    with pytest.raises(ConfigError, match=r"a model directory does not name \(it is not a trainforge run\); give it with "
+                                          r"--set model.path=DIR \(the model before preference tuning\)"):
+        eval_objective(cfg, plain, torch.device("cpu"), None)
+    gone = ModelSource(path=Path("run"), weights=tmp_path, run_config={"model": {"path": str(tmp_path / "gone")}})
+    with pytest.raises(ConfigError, match=r"gone, which is not a directory now"):
+        eval_objective(cfg, gone, torch.device("cpu"), None)

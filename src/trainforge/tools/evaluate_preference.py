@@ -39,10 +39,15 @@ def eval_objective(cfg: RunConfig, src: ModelSource, device: torch.device, preci
     run_start = ((src.run_config or {}).get("model") or {}).get("path")
     start = start or (Path(run_start) if run_start else None)  # else the directory the run started from
     if start is None or not start.is_dir():
+        if start:
+            why = f" ({start}, which is not a directory now)"
+        elif src.run_config is None:  # a plain model directory: nothing says what it was tuned from
+            why = ", the model it was tuned from, which a model directory does not name (it is not a trainforge run)"
+        else:
+            why = ", which this run did not load from a directory"
         raise ConfigError(
-            f"{src.path}: the reference of full weights is their starting model"
-            + (f" ({start}, which is not a directory now)" if start else ", which this run did not load from a directory")
-            + "; give it with --set model.path=DIR, or score reference-free with --set preference.reference=none"
+            f"{src.path}: the reference of full weights is their starting model{why}; give it with --set model.path=DIR "
+            "(the model before preference tuning), or score reference-free with --set preference.reference=none"
         )
     base = load_model(resolve_source(start), device, precision).eval().requires_grad_(False)
     return PairObjective(objective, cfg.preference, "model", base)
