@@ -153,10 +153,16 @@ def _corpus(family: str) -> list[str]:
 def build_tokenizer(family: str):
     """A byte-level BPE trained on this test's strings, with the family's special tokens as
     single-id special tokens, bos/eos set, and the family's real chat template."""
+    return tokenizer_from(FAMILIES[family], _corpus(family))
+
+
+def tokenizer_from(family: dict, corpus: list[str]):
+    """``build_tokenizer`` for a family described by ``family`` (an entry of ``families.json``, or another file's
+    of the same shape), trained on ``corpus``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    spec = FAMILIES[family]["special_tokens"]
+    spec = family["special_tokens"]
     specials = [t for t in (spec["bos_token"], spec["eos_token"], *spec["additional_special_tokens"]) if t]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence(
@@ -171,7 +177,7 @@ def build_tokenizer(family: str):
     trainer = trainers.BpeTrainer(
         vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    core.train_from_iterator(_corpus(family), trainer=trainer)
+    core.train_from_iterator(corpus, trainer=trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token=spec["bos_token"],
@@ -179,7 +185,7 @@ def build_tokenizer(family: str):
         additional_special_tokens=spec["additional_special_tokens"],
         clean_up_tokenization_spaces=False,
     )
-    tok.chat_template = (FIXTURES / FAMILIES[family]["file"]).read_text()
+    tok.chat_template = (FIXTURES / family["file"]).read_text()
     return tok
 
 
