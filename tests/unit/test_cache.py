@@ -190,3 +190,20 @@ def test_default_chat_template_is_part_of_a_chat_key(toy_data_dir, monkeypatch):
     before = cache.fingerprint(own, "chat", tok, 0)
     monkeypatch.setattr(cache, "DEFAULT_CHAT_TEMPLATE", cache.DEFAULT_CHAT_TEMPLATE + " ")
     assert cache.fingerprint(own, "chat", tok, 0) == before
+
+
+def test_chat_rendering_rules_are_part_of_a_chat_key(toy_data_dir, monkeypatch):
+    """Chat rows render otherwise from CHAT_VERSION 2 on (a row's tools, parsed call arguments, function_call turns,
+    weight 0 turns, refused rows): stores of messages rendered before are stale; text and prompt/completion stores
+    keep their keys."""
+    import trainforge.data.cache as cache
+    from trainforge.config import DataSettings
+    from trainforge.model.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer(["abc"])
+    cfg = DataSettings(train=str(toy_data_dir / "pc_train.jsonl"), eval=None, chat_template="{{ messages }}")
+    formats = ("chat", "preference", "unpaired", "text", "prompt_completion")
+    keys = {fmt: cache.fingerprint(cfg, fmt, tok, 0) for fmt in formats}
+    monkeypatch.setattr(cache, "CHAT_VERSION", cache.CHAT_VERSION + 1)
+    changed = {fmt for fmt in formats if cache.fingerprint(cfg, fmt, tok, 0) != keys[fmt]}
+    assert changed == {"chat", "preference", "unpaired"}

@@ -24,6 +24,10 @@ from .sources import BUILTIN_ROWS_VERSION, BUILTIN_SOURCES, source_files
 STORE_VERSION = 1  # bump when the store layout or tokenization rules change
 SEQ2SEQ_VERSION = 1  # source -> target stores of encoder-decoder models (data/seq2seq.py): a key of their own
 KL_SAMPLE_VERSION = 2  # KTO's KL samples (data/preference.py kl_partners; 2: never a completion of the same prompt)
+# messages rendered with a chat template (chat rows, and preference/KTO rows of messages): a key of its own, so
+# text, prompt/completion and alpaca stores keep theirs (2: a row's tools are rendered, call arguments are JSON
+# objects, function_call turns are calls, weight 0 turns are not learned, rows with dropped messages are refused)
+CHAT_VERSION = 2
 PREFERENCE_VERSION = 4  # pairs tokenized as two sequences (data/preference.py): bump when that changes (3: a prompt both sides begin with is written once; 4: string pairs split after their last Assistant: marker, a prompt string before reply-only lists)
 # too_long: split stores mark split continuations (continues.npy) from version 2 on; a key of its
 # own, so the stores (and checkpoints' store keys) of every other setting stay valid
@@ -70,6 +74,8 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool
         key["preference_v"] = PREFERENCE_VERSION
     if fmt == "unpaired":
         key["kl_v"] = KL_SAMPLE_VERSION
+    if fmt in ("chat", "preference", "unpaired"):
+        key["chat_v"] = CHAT_VERSION
     if fmt in ("chat", "preference", "unpaired") and not cfg.chat_template and not getattr(tokenizer, "chat_template", None):
         # messages render with trainforge's own default template here: an edit of it changes the stored tokens
         key["default_chat_template"] = hashlib.blake2b(DEFAULT_CHAT_TEMPLATE.encode(), digest_size=8).hexdigest()

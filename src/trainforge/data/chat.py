@@ -18,7 +18,9 @@ follows or the conversation ends there (``<|im_end|>\\n``, ``<|eot_id|>``, ``</s
 next header after every turn, even the last). A template that writes a message differently when it
 ends the conversation (Nemotron) is compared with the conversation continued instead. Headers, and
 system, user and tool turns, are never learned. A turn's ``tool_calls`` must be in its span: a
-template that does not write them, or writes them apart from the turn, is refused for that row.
+template that does not write them, or writes them apart from the turn, is refused for that row, as is a
+message with a content the template leaves out (``chat_checks``). The row's tool definitions (``tools``)
+are passed to every render of it, skeletons included.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .chat_messages import REASONING, THINK_CLOSE, THINK_OPEN, reasoning_field, split_reasoning
+from .chat_messages import WEIGHT, reasoning_field, split_reasoning
+from .chat_checks import calls_apart, calls_unwritten, check_roles, dropped_message, rewritten
 from .sources import DataError
 
 # Private-use code points: no template filter (trim, escaping) touches them, no real text has them.
@@ -52,9 +55,12 @@ def _slot(i: int, reasoning: bool = False) -> int:
 
 
 def _variants(text: str) -> dict[str, None]:
-    """How a template may write a content: as given, trimmed (Llama 3, Gemma), or with newlines stripped
-    at its ends (Qwen3's reasoning and the answer after it)."""
-    return dict.fromkeys((text, text.strip(), text.strip("\n"), text.lstrip("\n")))
+    """How a template may write a content: as given, trimmed (Llama 3, Gemma), with newlines stripped at its
+    ends (Qwen3's reasoning and the answer after it), or JSON-escaped (Llama 3.1+ write a tool result as
+    ``content | tojson``). The quotes ``tojson`` adds are around the skeleton's placeholder too, so they are
+    template text: the content's span is what is between them."""
+    escaped = (json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1])
+    return dict.fromkeys((text, text.strip(), text.strip("\n"), text.lstrip("\n"), *escaped))
 
 
 # Templates that write today's date (Llama 3.1+, gpt-oss, Granite 3.3, Mistral Small 3) would make the tokens
@@ -79,24 +85,37 @@ class ChatLocator:
         self._markers: dict[tuple[str, str], str] = {}  # (text after a turn, alternative) -> end marker
         self._opener_memo: dict[tuple[str, str], set[str]] = {}  # (text start, generation prompt) -> turn openers
         self._structures: dict[int, tuple[dict[str, Any], str]] = {}
+        # the tool definitions of the conversation being located: every skeleton of it is rendered with them
+        self._tools: list[dict[str, Any]] | None = None
+        self._tools_key = ""
 
     def prepared(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` as they are rendered: inline reasoning moved to the template's reasoning field where it
-        reads one (``split_reasoning``); unchanged otherwise."""
-        return [split_reasoning(m, self.reasoning) for m in messages] if self.reasoning else messages
+        reads one (``split_reasoning``), a ``weight`` (what is learned, not what is written) left out."""
+        out = [split_reasoning(m, self.reasoning) for m in messages] if self.reasoning else messages
+        if any(WEIGHT in m for m in out):
+            out = [{k: v for k, v in m.items() if k != WEIGHT} for m in out]
+        return out
 
-    def render(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The conversation as the template writes it; ``generation_prompt``: followed by the header of
-        the assistant turn to come (an encoder-decoder's source)."""
+        the assistant turn to come (an encoder-decoder's source); ``tools``: the tool definitions the template
+        writes (the row's ``tools``, ``chat_tools.row_tools``)."""
+        check_roles(messages, self.template, where)
         try:
             return self.tokenizer.apply_chat_template(
-                self.prepared(messages), chat_template=self.rendered_template, tokenize=False, add_generation_prompt=generation_prompt
+                self.prepared(messages), chat_template=self.rendered_template, tokenize=False,
+                add_generation_prompt=generation_prompt, tools=tools,
             )
         except Exception as e:  # jinja's raise_exception (e.g. roles must alternate) and template bugs
             hint = ""
             if "system" in str(e).lower() and any(m.get("role") == "system" for m in messages):  # Gemma, Mistral v0.1
                 hint = ("; this template takes no system message: put its text at the start of the first user message, "
                         "or set data.chat_template to a template that has a system role")
+            elif tools is None and any(m.get("tool_calls") for m in messages):  # Hermes 3's tool_use iterates tools
+                hint = "; this template may need the definitions of the tools the row calls: give them in the row's 'tools' field"
             raise DataError(f"{where}: the chat template cannot render this conversation: {e}{hint}") from None
 
     def _skeleton(self, messages: list[dict[str, Any]], where: str, generation_prompt: bool = False, force: int | None = None) -> str:
@@ -106,10 +125,10 @@ class ChatLocator:
         turn with an empty content, Qwen3 no think block for an empty trace); ``force``: that message's
         content gets its placeholder even when empty."""
         messages = self.prepared(messages)
-        key = (generation_prompt, force, *map(self._structure, messages))
+        key = (self._tools_key, generation_prompt, force, *map(self._structure, messages))
         if key not in self._skeletons:
             marked = [_marked(m, i, i == force, self.reasoning) for i, m in enumerate(messages)]
-            self._skeletons[key] = self.render(marked, where, generation_prompt)
+            self._skeletons[key] = self.render(marked, where, generation_prompt, self._tools)
             if len(self._skeletons) > _CACHE_SIZE:
                 self._skeletons.popitem(last=False)
         self._skeletons.move_to_end(key)
@@ -126,9 +145,12 @@ class ChatLocator:
             ))
         return held[1]
 
-    def locate(self, messages: list[dict[str, Any]], text: str, where: str) -> list[tuple[int, int]]:
-        """Character spans ``[start, end)`` of each assistant turn in ``text``: what the model writes after the
-        turn's header (its reasoning, content and tool calls) and the end-of-turn marker."""
+    def locate(
+        self, messages: list[dict[str, Any]], text: str, where: str, tools: list[dict[str, Any]] | None = None,
+    ) -> list[tuple[int, int]]:
+        """Character spans ``[start, end)`` of each assistant turn in ``text`` (rendered with ``tools``): what the
+        model writes after the turn's header (its reasoning, content and tool calls) and the end-of-turn marker."""
+        self._use_tools(tools)
         try:
             return self._locate(messages, text, where)
         except DataError:
@@ -140,11 +162,29 @@ class ChatLocator:
         messages = self.prepared(messages)
         self._structures.clear()  # memoized for this row's messages only
         skeleton = self._skeleton(messages, where)
+        self._check_written(messages, skeleton, where)
         to_text = _walk(messages, skeleton, text, where, self.reasoning)
         return [
             tuple(to_text(x) for x in self._turn(messages, i, skeleton, where))
             for i, m in enumerate(messages) if m["role"] == "assistant"
         ]
+
+    def written(self, messages: list[dict[str, Any]], where: str, tools: list[dict[str, Any]] | None = None) -> None:
+        """DataError where the template leaves out a message that has a content (``chat_checks.dropped_message``);
+        what ``locate`` checks, for rows learned whole (``data.train_on_prompt``)."""
+        self._use_tools(tools)
+        messages = self.prepared(messages)
+        self._structures.clear()
+        self._check_written(messages, self._skeleton(messages, where), where)
+
+    def _use_tools(self, tools: list[dict[str, Any]] | None) -> None:
+        """Render the skeletons of the conversation about to be located with ``tools`` (and cache them so)."""
+        self._tools, self._tools_key = tools, json.dumps(tools, sort_keys=True, default=str) if tools else ""
+
+    def _check_written(self, messages: list[dict[str, Any]], skeleton: str, where: str) -> None:
+        for i, m in enumerate(messages):
+            if isinstance(m["content"], str) and m["content"].strip() and placeholder(_slot(i)) not in skeleton:
+                raise dropped_message(where, i, messages)
 
     def _turn(self, messages: list[dict[str, Any]], i: int, skeleton: str, where: str) -> tuple[int, int]:
         """``[start, end)`` of assistant message i's turn in ``skeleton``.
@@ -171,13 +211,13 @@ class ChatLocator:
                     return start, end
         start = self._bare_start(messages, i, skeleton, where)
         if start is None:
-            raise _rewritten(where, f"message {i} (assistant)", messages)
+            raise rewritten(where, f"message {i} (assistant)", messages)
         after = _PLACEHOLDER.split(skeleton[start:], 1)[0]
         marker = self._end_marker(messages, i, skeleton[:start], None, after, where, None, need)
         if marker is None and need is not None:
-            raise _calls_apart(where, i, i == len(messages) - 1)
+            raise calls_apart(where, i, i == len(messages) - 1)
         if not marker or not marker.strip():
-            raise _rewritten(where, f"message {i} (assistant)", messages)
+            raise rewritten(where, f"message {i} (assistant)", messages)
         return start, start + len(marker)
 
     def _slot_turn(
@@ -194,9 +234,9 @@ class ChatLocator:
         after = _PLACEHOLDER.split(skeleton[last_end:], 1)[0]
         marker = self._end_marker(messages, i, skeleton[: last[0]], last[1], after, where, force, need)
         if marker is None and need is not None:
-            raise _calls_apart(where, i, i == len(messages) - 1)
+            raise calls_apart(where, i, i == len(messages) - 1)
         if marker is None:
-            raise _rewritten(where, f"message {i} (assistant)", messages)
+            raise rewritten(where, f"message {i} (assistant)", messages)
         return start, last_end + len(marker)
 
     def _calls_end(
@@ -217,7 +257,7 @@ class ChatLocator:
         except DataError:  # the template wants the calls (a tool result refers to them), or no user turn after them
             return None
         if with_calls == bare:
-            raise _calls_unwritten(where, i)
+            raise calls_unwritten(where, i)
         a = len(os.path.commonprefix([with_calls, bare]))
         b = len(os.path.commonprefix([with_calls[::-1], bare[::-1]]))
         end = len(with_calls) - min(b, len(with_calls) - a, len(bare) - a)
@@ -230,8 +270,8 @@ class ChatLocator:
         ``<SPECIAL_11>Assistant\\n``, its generation prompt adds ``<think>\\n``). None when neither leads to it."""
         try:
             prompt = self._skeleton(messages[:i], where, generation_prompt=True)
-            if skeleton.startswith(prompt):
-                return len(prompt)
+            if (end := _continued(prompt, skeleton, _slot(i))) is not None:
+                return end
             bare = self._skeleton(messages[:i], where)
             alt = self._skeleton([*messages[: i + 1], _NEXT_USER], where, force=i)
         except DataError:
@@ -252,8 +292,9 @@ class ChatLocator:
             prompt = self._skeleton(messages[:i], where, generation_prompt=True)
         except DataError:
             return ""
-        lead = skeleton[len(prompt) : first]
-        return lead if skeleton.startswith(prompt) and lead.strip() and not _PLACEHOLDER.search(lead) else ""
+        end = _continued(prompt, skeleton, _slot(i))
+        lead = skeleton[end:first] if end is not None else ""
+        return lead if lead.strip() and not _PLACEHOLDER.search(lead) else ""
 
     def _end_marker(
         self, messages: list[dict[str, Any]], i: int, head: str, slot: int | None, after: str, where: str,
@@ -282,8 +323,8 @@ class ChatLocator:
                 alt = self._skeleton(other, where, force=force)
             except DataError:
                 return None
-            if alt.startswith(key):
-                rest = alt[len(key) :]
+            if (end := _continued(key, alt, _slot(i))) is not None:
+                rest = alt[end:]
             elif strict:
                 return None
             else:  # as before the forms were compared: what follows the slot wherever it is
@@ -392,7 +433,7 @@ def _walk(messages: list[dict[str, Any]], skeleton: str, text: str, where: str, 
     literals = _PLACEHOLDER.split(skeleton)[0::2]  # template text between placeholders
     order = [int(k) for k in _PLACEHOLDER.findall(skeleton)]
     if not text.startswith(literals[0]):
-        raise _rewritten(where, "the text before the first message", messages)
+        raise rewritten(where, "the text before the first message", messages)
     pos, sk, ends = len(literals[0]), len(literals[0]), []  # (skeleton end, text end) of each slot
     for j, k in enumerate(order):
         i, after = k // 2, literals[j + 1]
@@ -402,7 +443,7 @@ def _walk(messages: list[dict[str, Any]], skeleton: str, text: str, where: str, 
             if text.startswith(candidate, pos) and (text[end:] == after if last else text.startswith(after, end)):
                 break
         else:
-            raise _rewritten(where, f"message {i} ({messages[i]['role']})", messages)
+            raise rewritten(where, f"message {i} ({messages[i]['role']})", messages)
         sk += len(placeholder(k))
         ends.append((sk, end))
         pos, sk = end + len(after), sk + len(after)
@@ -414,6 +455,24 @@ def _walk(messages: list[dict[str, Any]], skeleton: str, text: str, where: str, 
     return to_text
 
 
+def _continued(prefix: str, text: str, below: int) -> int | None:
+    """Where ``prefix``, a render of the conversation's beginning, ends in ``text``, a render of more of it: its
+    length where ``text`` starts with it; else, where ``text`` writes the same as ``prefix`` from the last slot
+    below ``below`` (an earlier message's) on, the end of that; None otherwise. Mistral v0.3 writes the tool
+    definitions before the last user message, so a prefix has them in another place than the whole, and the
+    turns after that place are still written alike."""
+    if text.startswith(prefix):
+        return len(prefix)
+    anchors = [m for m in _PLACEHOLDER.finditer(prefix) if int(m.group(1)) < below]
+    if not anchors:
+        return None
+    at = text.find(anchors[-1].group(0))
+    tail = prefix[anchors[-1].end() :]
+    if at < 0 or not text.startswith(tail, at + len(anchors[-1].group(0))):
+        return None
+    return at + len(anchors[-1].group(0)) + len(tail)
+
+
 def _align(src: str, dst: str) -> Callable[[int], int | None]:
     """Map offsets of ``src`` to ``dst``, two renders that differ in one place: offsets up to their common
     beginning and from their common end map; offsets inside the difference map to None."""
@@ -421,39 +480,3 @@ def _align(src: str, dst: str) -> Callable[[int], int | None]:
     b = len(os.path.commonprefix([src[::-1], dst[::-1]]))
     b = min(b, len(src) - a, len(dst) - a)
     return lambda x: x if x <= a else x - len(src) + len(dst) if x >= len(src) - b else None
-
-
-def _rewritten(where: str, what: str, messages: list[dict[str, Any]]) -> DataError:
-    if any(m["role"] == "assistant" and THINK_CLOSE in m["content"] for m in messages):
-        return DataError(
-            f"{where}: the chat template rewrites an assistant message that holds its reasoning ({THINK_OPEN}...{THINK_CLOSE}): "
-            "this template drops or moves reasoning (DeepSeek-R1's and QwQ's drop it from every turn), so it cannot be "
-            "learned with it; set data.chat_template to a template that renders reasoning (one that reads the "
-            f"{REASONING!r} field, as Qwen3's does), or remove the {THINK_OPEN} blocks from the data"
-        )
-    return DataError(
-        f"{where}: the chat template changes {what} while rendering (it does more than place or trim message "
-        "contents), so the assistant turns cannot be located in the text; set data.chat_template to a template "
-        "that writes contents as given, or set data.train_on_prompt: true to learn every token"
-    )
-
-
-def _calls_unwritten(where: str, i: int) -> DataError:
-    return DataError(
-        f"{where}: message {i} (assistant) has tool_calls, but the chat template does not write them (it writes the "
-        "turn the same without them; Granite 3.3's, and trainforge's default ChatML one, write only contents), so "
-        "the turn would be learned without its call; set data.chat_template to a template that renders tool_calls, "
-        "or write each call into the message's content in the model's own tool-call format (Granite 3.3: "
-        "'<|tool_call|>' followed by a JSON list of the calls)"
-    )
-
-
-def _calls_apart(where: str, i: int, last: bool) -> DataError:
-    fix = ("end the row with the tool's result (add the tool message after the call) so that the template writes "
-           "content and call in one turn, leave the content empty (null), or " if last else "")
-    return DataError(
-        f"{where}: message {i} (assistant): the chat template writes its tool_calls apart from the turn that holds "
-        "its content (NVIDIA Nemotron Nano v2's writes a conversation's last message as two assistant turns, the "
-        "content closed by <SPECIAL_12> before the calls), so learning it would teach the model to stop before "
-        f"calling; {fix}set data.chat_template to a template that writes them together"
-    )

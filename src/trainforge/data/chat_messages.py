@@ -2,6 +2,9 @@
 
 OpenAI-style ``{"role", "content"}`` and ShareGPT-style ``{"from", "value"}`` messages become
 ``{"role", "content", ...}`` dicts with the roles chat templates know; a content may be a list of text parts.
+Tool calls get their arguments as JSON objects and ShareGPT's ``function_call`` turns become assistant turns
+that call tools (``chat_tools``); OpenAI's per-message ``weight`` (0: a turn not learned) is checked and kept
+for ``learned_turns`` (the locator leaves it out of the render).
 An assistant content that holds its reasoning inline (``<think>...</think>``) is split into the field a
 template writes reasoning from, where it reads one. ``chat.ChatLocator`` renders and locates the result.
 """
@@ -11,23 +14,26 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .chat_tools import function_call_turn, parsed_calls
 from .sources import DataError, Row
 
 # ShareGPT / FastChat / Axolotl / LLaMA-Factory role names -> the roles chat templates know
 ROLE_ALIASES = {
     "human": "user",
     "user": "user",
+    "prompter": "user",  # OpenAssistant (OASST)
     "gpt": "assistant",
     "assistant": "assistant",
     "model": "assistant",
     "chatgpt": "assistant",
     "bard": "assistant",
     "bing": "assistant",
-    "function_call": "assistant",  # the model's own tool call: learned like any assistant output
+    "function_call": "assistant",  # the model's own tool call (LLaMA-Factory): an assistant turn with tool_calls
     "system": "system",
 }
 TOOL_ROLES = ("tool", "observation", "function", "ipython")  # tool results: mapped to the template's tool role
 SHAREGPT_FIELD = "conversations"
+WEIGHT = "weight"  # OpenAI fine-tuning's per-message weight: 0, an assistant turn that is context, not learned
 
 
 def tool_role_of(template: str, default_template: bool) -> str:
@@ -53,14 +59,35 @@ def conversation(row: Row, field: str, tool_role: str) -> list[dict[str, Any]]:
             content = ""  # an assistant turn that only calls tools: the template renders the calls
         if not isinstance(role, str) or content is None:
             raise DataError(f"{row.where}: {key}[{i}] must be an object with string 'role' and 'content' (or ShareGPT 'from' and 'value')")
+        name = f"{key}[{i}]"
+        call = function_call_turn(content, f"{row.where}: {name}") if role.lower() == "function_call" else None
         role = ROLE_ALIASES.get(role.lower(), tool_role if role.lower() in TOOL_ROLES else role)
         out = {k: v for k, v in m.items() if k not in ("from", "value")}
-        out["role"], out["content"] = role, _text_of(content, row.where, f"{key}[{i}]")
+        out["role"], out["content"] = role, _text_of(content, row.where, name)
+        if call is not None:  # a JSON call: written by the template as the model writes calls, not as text
+            out.update(call)
+        if "tool_calls" in out:
+            out["tool_calls"] = parsed_calls(out["tool_calls"], f"{row.where}: {name}")
+        if WEIGHT in out:
+            out[WEIGHT] = _weight(out[WEIGHT], row.where, name)
         messages.append(out)
     system = row.data.get("system")  # LLaMA-Factory's ShareGPT layout keeps the system prompt beside the turns
     if isinstance(system, str) and system.strip() and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system})
     return messages
+
+
+def _weight(value: Any, where: str, name: str) -> int:
+    """A message's ``weight``: 0 (not learned) or 1 (learned, as without one)."""
+    if isinstance(value, bool) or value not in (0, 1):
+        raise DataError(f"{where}: {name}.weight is {value!r}; it must be 0 (an assistant turn kept as context, not "
+                        "learned) or 1 (learned, as without a weight)")
+    return int(value)
+
+
+def learned_turns(messages: list[dict[str, Any]]) -> list[bool]:
+    """Per assistant message, in order: whether it is learned (its ``weight`` is not 0)."""
+    return [m.get(WEIGHT, 1) != 0 for m in messages if m["role"] == "assistant"]
 
 
 def _text_of(content: Any, where: str, name: str) -> str:

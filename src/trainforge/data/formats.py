@@ -16,7 +16,8 @@ import numpy as np
 
 from ..config import FieldNames
 from .chat import ChatLocator
-from .chat_messages import SHAREGPT_FIELD, conversation, tool_role_of
+from .chat_messages import SHAREGPT_FIELD, conversation, learned_turns, tool_role_of
+from .chat_tools import row_tools
 from .sources import DataError, Row
 
 IGNORE = -100
@@ -249,10 +250,12 @@ class Renderer:
         if self.fmt != "chat":
             return Pair(*self._prompt_completion(row), row.where)
         messages, _ = chat_messages(row, self.names, self.tool_role)
-        last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        learned = [i for i, learn in zip(assistant, learned_turns(messages)) if learn]  # not those of weight 0
+        last = learned[-1] if learned else None
         if last is None:
             return Pair("", None, row.where)
-        source = self.chat.render(messages[:last], row.where, generation_prompt=True)
+        source = self.chat.render(messages[:last], row.where, generation_prompt=True, tools=row_tools(row))
         return Pair(source, messages[last]["content"], row.where, templated=True)
 
     def _pair(self, prompt: str, completion: str, where: str) -> Rendered:
@@ -261,11 +264,16 @@ class Renderer:
 
     def _chat(self, row: Row) -> Rendered:
         messages, prompt = chat_messages(row, self.names, self.tool_role)
-        text = self.chat.render(messages, row.where)
+        tools = row_tools(row)
+        text = self.chat.render(messages, row.where, tools=tools)
         if self.train_on_prompt:
+            self.chat.written(messages, row.where, tools)
             return Rendered(text, None, False, row.where)
+        spans = self.chat.locate(messages, text, row.where, tools)
         earlier = sum(m["role"] == "assistant" for m in messages[:prompt])  # a prompt's assistant turns: context
-        return Rendered(text, self.chat.locate(messages, text, row.where)[earlier:], False, row.where)
+        # and turns of weight 0 (OpenAI's fine-tuning layout)
+        learned = [span for k, (span, learn) in enumerate(zip(spans, learned_turns(messages))) if k >= earlier and learn]
+        return Rendered(text, learned, False, row.where)
 
 
 @dataclass
