@@ -179,21 +179,27 @@ def test_trainer_builds_the_vocab_of_a_text_file(tmp_path):
     assert tok.get_vocab() == build_char_tokenizer([text]).get_vocab()
 
 
-@pytest.mark.parametrize("fmt", ["chat", "alpaca"])
+@pytest.mark.parametrize("fmt", ["chat", "tools", "alpaca"])
 def test_characters_the_rendering_adds_are_in_the_vocab(tmp_path, fmt):
-    """Chat templates and the alpaca prompt add characters the data's fields lack: none is UNK."""
+    """Chat templates and the alpaca prompt add characters the data's fields lack, and a chat row's tool calls and
+    definitions characters its contents lack (Ü, @): none is UNK."""
     from trainforge.data.formats import Renderer
     from trainforge.data.sources import Row
     from trainforge.data.plan import get_tokenizer
 
     if fmt == "chat":
         rows = [{"messages": [{"role": "system", "content": "be"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 4
+    elif fmt == "tools":
+        call = {"type": "function", "function": {"name": "mail", "arguments": {"to": "x@y"}}}
+        tool = {"type": "function", "function": {"name": "mail", "description": "Üse it"}}
+        rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                              {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "yo"}], "tools": [tool]}] * 4
     else:
         rows = [{"instruction": "hi", "input": "x", "output": "yo"}, {"instruction": "hi", "output": "yo"}] * 2
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     cfg = load_config(None, ["model.tokenizer=char", f"data.train={path}", "data.eval=null", "data.too_long=null"])
     tok = get_tokenizer(cfg, _quiet())
-    render = Renderer(fmt, cfg.data.fields, tok)
+    render = Renderer("chat" if fmt == "tools" else fmt, cfg.data.fields, tok)
     for i, row in enumerate(rows):
         text = render(Row(row, f"row {i}")).text
         assert tok.unk_token_id not in tok(text)["input_ids"], text

@@ -176,3 +176,40 @@ def test_sharegpt_function_call_is_a_tool_call_in_the_models_format(value):
 
 def test_sharegpt_function_call_that_is_not_json_stays_text():
     assert learned("qwen2.5", sharegpt("get_weather(city='Paris')"))[1][0] == "get_weather(city='Paris')<|im_end|>\n"
+
+
+def test_preference_pairs_render_the_rows_tools():
+    """A pair of tool-calling replies (TRL's conversational layout with a ``tools`` column): each side is rendered
+    with the definitions, as SFT renders a row; only the judged reply is learned."""
+    from trainforge.data.preference import PreferenceRenderer
+
+    tok = tokenizer("qwen2.5")
+    prompt = [{"role": "user", "content": "Weather in Paris?"}]
+    row = Row({"prompt": prompt, "tools": json.dumps([WEATHER_TOOL]),
+               "chosen": [{"role": "assistant", "content": None, "tool_calls": [call('{"city": "Paris"}')]}],
+               "rejected": [{"role": "assistant", "content": "I cannot know."}]}, WHERE)
+    chosen, rejected = PreferenceRenderer(Renderer("preference", FieldNames(), tok)).pair(row)
+    for side in (chosen, rejected):
+        assert "<tools>\n" + json.dumps(WEATHER_TOOL) + "\n</tools>" in side.text
+    chunk = tokenize_rendered([chosen], tok, max_length=8192, too_long="truncate", special_tokens=False)
+    assert [decode(tok, chunk.ids[a:b]) for a, b in runs(chunk.learn)] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n']
+
+
+@pytest.mark.parametrize("system", [True, False], ids=["with-system", "without"])
+def test_the_default_template_writes_the_rows_tools_in_the_system_turn(system):
+    """A tokenizer without a template renders with trainforge's default: a row's tools go into its system turn (after
+    the system content, or in a system turn of their own), one JSON object per line, never learned; a row without
+    tools renders as before."""
+    from trainforge.model.tokenizer import build_char_tokenizer
+
+    msgs = ([{"role": "system", "content": "Be brief."}] if system else []) + exchange('{"city": "Paris"}')
+    tok = build_char_tokenizer([json.dumps([msgs, WEATHER_TOOL]) + "<|im_start|>system user assistant tool\n</>"])
+    render = Renderer("chat", FieldNames(), tok)
+    with_tools = render(Row({"messages": msgs, "tools": [WEATHER_TOOL]}, WHERE))
+    head = "<|im_start|>system\n" + ("Be brief.\n\n" if system else "") + "<tools>\n" + json.dumps(WEATHER_TOOL) + "\n</tools><|im_end|>\n"
+    assert with_tools.text.startswith(head + "<|im_start|>user\nWeather in Paris?<|im_end|>\n")
+    assert [with_tools.text[a:b] for a, b in with_tools.spans] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n', "It is 21 degrees.<|im_end|>\n"]
+    plain = render(Row({"messages": msgs}, WHERE))
+    assert "<tools>" not in plain.text and plain.text.endswith(with_tools.text[len(head):])

@@ -92,6 +92,7 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool
 
 
 BPE_VERSION = 1  # bump when train_bpe_tokenizer builds differently
+CHAT_TEXTS_VERSION = 2  # what a chat tokenizer trains on (prepare.training_texts; 2: tool calls and definitions too)
 
 
 def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
@@ -102,6 +103,8 @@ def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
     h = hashlib.blake2b(digest_size=16)
     settings = _settings(cfg, {"cache_dir", "num_workers"})
     key = {"v": BPE_VERSION, "tokenizers": tokenizers.__version__, "format": fmt, "vocab": vocab_size, "settings": settings}
+    if fmt == "chat":
+        key["chat_texts_v"] = CHAT_TEXTS_VERSION
     h.update(json.dumps(key, sort_keys=True).encode())
     _hash_sources(h, [s.path for s in cfg.sources()])
     return h.hexdigest()

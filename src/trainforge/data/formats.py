@@ -27,16 +27,21 @@ SOURCE_TARGET = ("source", "target")  # {"source", "target"} rows; {"input", "ou
 # Used when the tokenizer has no chat template: ChatML-style turns. The assistant's turn,
 # including its closing "<|im_end|>", is what gets learned. Tool calls (OpenAI's layout, or HF's
 # with the function's fields at the top) are written as Hermes and Qwen2.5 write them, one
-# <tool_call> JSON object each after the content; a row without calls renders as it always did.
+# <tool_call> JSON object each after the content; a row without calls renders as it always did. A row's tool
+# definitions (``tools``) go into the system turn, after its content, one JSON object per line in <tools>, as
+# Qwen2.5 writes them: the model sees what it may call.
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% set merged = tools and messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}<|im_start|>system\n{% if merged %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if not (merged and loop.first) %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['tool_calls'] is defined and m['tool_calls'] %}"
     "{% if m['content'] %}{{ m['content'] }}\n{% endif %}"
     "{% for call in m['tool_calls'] %}{% set f = call['function'] if call['function'] is defined else call %}"
     "<tool_call>\n{\"name\": {{ f['name'] | tojson }}, \"arguments\": "
     "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}}\n</tool_call>"
     "{% if not loop.last %}\n{% endif %}{% endfor %}"
-    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # Alpaca rows become a prompt/completion pair with this prompt.

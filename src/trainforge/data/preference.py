@@ -27,6 +27,7 @@ import numpy as np
 
 from ..config import FieldNames
 from .chat_messages import conversation
+from .chat_tools import row_tools
 from .formats import Rendered, Renderer, TokenizedChunk, tokenize_rendered
 from .sources import DataError, Row
 
@@ -101,12 +102,12 @@ class PreferenceRenderer:
             last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
             if last is None:
                 raise DataError(f"{row.where}: 'messages' has no assistant turn to judge")
-            return self._render(messages[:last], messages[last : last + 1], row.where), label
+            return self._render(messages[:last], messages[last : last + 1], row), label
         names = self.names
         prompt, completion = row.data.get(names.prompt), row.data.get(names.completion)
         if isinstance(prompt, list) and isinstance(completion, list):
             messages = self._messages(row, names.prompt), self._messages(row, names.completion)
-            return self._render(*messages, row.where), label
+            return self._render(*messages, row), label
         if not (isinstance(prompt, str) and isinstance(completion, str)):
             raise DataError(
                 f"{row.where}: {names.prompt!r} and {names.completion!r} must both be strings or both be message lists"
@@ -135,11 +136,11 @@ class PreferenceRenderer:
             if n == 0:  # a prompt string beside replies only: the question, as a user turn before them
                 prompt_msgs = [{"role": "user", "content": prompt}]
         for side, msgs in ((names.chosen, chosen_msgs), (names.rejected, rejected_msgs)):
-            if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+            if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in msgs):
                 raise DataError(f"{row.where}: the {side} side has no assistant reply after the prompt")
         if chosen_msgs == rejected_msgs:
             raise DataError(f"{row.where}: chosen and rejected are identical: there is no preference to learn")
-        return self._render(prompt_msgs, chosen_msgs, row.where), self._render(prompt_msgs, rejected_msgs, row.where)
+        return self._render(prompt_msgs, chosen_msgs, row), self._render(prompt_msgs, rejected_msgs, row)
 
     def _no_prompt(self, row: Row) -> DataError:
         """A pair without a prompt: no prompt field, and chosen and rejected share no beginning to take as one."""
@@ -152,13 +153,14 @@ class PreferenceRenderer:
     def _messages(self, row: Row, key: str) -> list[dict[str, Any]]:
         return conversation(Row({MESSAGES: row.data[key]}, f"{row.where} ({key})"), MESSAGES, self.tool_role)
 
-    def _render(self, prompt: list[dict[str, Any]], reply: list[dict[str, Any]], where: str) -> Rendered:
-        """The conversation rendered once; learned: the assistant turns of ``reply`` only."""
-        messages = prompt + reply
-        text = self.chat.render(messages, where)
-        spans = self.chat.locate(messages, text, where)
+    def _render(self, prompt: list[dict[str, Any]], reply: list[dict[str, Any]], row: Row) -> Rendered:
+        """The conversation rendered once, with the row's tool definitions; learned: the assistant turns of
+        ``reply`` only (a judged reply is learned whole: a ``weight`` does not apply to it)."""
+        messages, tools = prompt + reply, row_tools(row)
+        text = self.chat.render(messages, row.where, tools=tools)
+        spans = self.chat.locate(messages, text, row.where, tools)
         earlier = sum(m["role"] == "assistant" for m in prompt)  # context, not the reply being judged
-        return Rendered(text, spans[earlier:], False, where)
+        return Rendered(text, spans[earlier:], False, row.where)
 
 
 # Where a reply begins in plain-text transcripts: Anthropic HH's turns, Vicuna's, alpaca's response header

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..config import DataSettings
 from .cache import STATS_FILE, cache_entry, is_complete, publish_entry
+from .chat_tools import row_tools
 from .formats import Renderer, TokenizedChunk, chat_messages, detect_format, format_fields, tokenize_rendered
 from .preference import PreferenceRenderer
 from .preference import tokenize_pairs as tokenize_preference_pairs
@@ -65,9 +66,13 @@ def training_texts(cfg: DataSettings, fmt: str) -> Iterator[str]:
     """The training text, for training a tokenizer on (every string field the format reads)."""
     keys = format_fields(fmt, cfg.fields) + ((cfg.fields.input,) if fmt == "alpaca" else ())
     for _, row in train_rows(cfg, BadRows("skip")):
-        if fmt == "chat":  # the contents of the turns, in either message layout
+        if fmt == "chat":  # the contents of the turns, in either message layout, and the tools they call
             try:
-                yield from (m["content"] for m in chat_messages(row, cfg.fields, "tool")[0])
+                messages = chat_messages(row, cfg.fields, "tool")[0]
+                yield from (m["content"] for m in messages)
+                yield from (json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls"))
+                if tools := row_tools(row):
+                    yield json.dumps(tools, ensure_ascii=False)  # as templates write them (tojson keeps non-ASCII)
             except DataError:
                 pass  # reported with its location when the data is tokenized
             continue
