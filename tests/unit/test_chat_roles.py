@@ -37,7 +37,7 @@ def test_a_role_neither_known_nor_the_templates_is_refused_naming_it(template):
     what is read."""
     tok = tokenizer("qwen2.5")
     row = Row({"messages": chat(("user", "Hi"), ("bot", "Hello!"))}, WHERE)
-    with pytest.raises(DataError, match=rf"{WHERE}: message 1 has role 'bot'.*user, assistant, system.*prompter.*on_bad_row"):
+    with pytest.raises(DataError, match=rf"{WHERE}: message 1 has role 'bot'.*user, assistant, system.*prompter"):
         Renderer("chat", FieldNames(), tok, chat_template=template)(row)
 
 

@@ -310,8 +310,9 @@ def test_loader_epoch_visits_each_row_once_and_restores_position(tmp_path):
 def test_bad_rows_name_file_and_line(tmp_path, tok, content, fragment):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
-    with pytest.raises(DataError, match=fragment.replace(".", r"\.")):
+    with pytest.raises(DataError, match=fragment.replace(".", r"\.")) as e:
         prepare(tmp_path, tok, train=str(path), eval=None)
+    assert str(e.value).endswith("(to skip such rows and count them instead, set data.on_bad_row: skip)")
     skipped = prepare(tmp_path, tok, train=str(path), eval=None, on_bad_row="skip")
     assert skipped.stats["bad_rows"] == 1 and fragment.split(": ", 1)[0] in skipped.stats["bad_row_examples"][0]
 

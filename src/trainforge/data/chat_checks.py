@@ -35,8 +35,7 @@ def check_roles(messages: list[dict[str, Any]], template: str, where: str) -> No
             raise DataError(
                 f"{where}: message {i} has role {role!r}, which is neither a role trainforge reads nor one the chat template "
                 f"names; roles read: user, assistant, system, tool results ({', '.join(TOOL_ROLES)}), their aliases "
-                f"({aliases}), and any role the template names; rename the role in the data, or set data.on_bad_row: skip "
-                "to leave such rows out"
+                f"({aliases}), and any role the template names; rename the role in the data"
             )
 
 
@@ -55,7 +54,7 @@ def dropped_message(where: str, i: int, messages: list[dict[str, Any]]) -> DataE
                "to a template that writes it")
     return DataError(
         f"{where}: message {i} ({role}) has a content that the chat template leaves out of the text, so the row would "
-        f"train without it: {why} (or set data.on_bad_row: skip to leave such rows out)"
+        f"train without it: {why}"
     )
 
 
