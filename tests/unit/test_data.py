@@ -380,3 +380,21 @@ def test_the_data_line_writes_counts_as_numbers_are_read():
                            train_rows=[0] * 5000)
     line = describe_data(plan, 0.98)
     assert "299,999 split into blocks" in line and "eval 1 row;" in line and "5,000 packed rows" in line
+
+
+def test_a_csv_messages_cell_holding_json_is_read_as_the_conversation(tmp_path, tok):
+    """CSV exports (and string columns) store a conversation as JSON text in one cell: it was refused as "must be a
+    non-empty list"; it is parsed, and text that starts like a list but does not parse is said as such."""
+    import csv
+    import json
+
+    messages = [{"role": "user", "content": "hi, there"}, {"role": "assistant", "content": "hello \"you\""}]
+    path = tmp_path / "chat.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["id", "messages"], [1, json.dumps(messages)], [2, json.dumps(messages)]])
+    prepared = prepare(tmp_path, tok, train=str(path), eval=None)
+    assert prepared.format == "chat" and prepared.stats["train_sequences"] == 2
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["id", "messages"], [1, json.dumps(messages)[:-1]]])
+    with pytest.raises(DataError, match=r"chat\.csv:2: field 'messages' holds text that starts like a JSON list but does not parse"):
+        prepare(tmp_path, tok, train=str(path), eval=None)

@@ -11,6 +11,7 @@ template writes reasoning from, where it reads one. ``chat.ChatLocator`` renders
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -49,6 +50,11 @@ def conversation(row: Row, field: str, tool_role: str) -> list[dict[str, Any]]:
     """The row's messages as ``{"role", "content", ...}`` dicts with roles normalized; DataError when malformed."""
     key = field if field in row.data else SHAREGPT_FIELD if SHAREGPT_FIELD in row.data else field
     raw = row.data.get(key)
+    if isinstance(raw, str) and raw.lstrip().startswith("["):  # a CSV cell (or string column) holding the list as JSON
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{row.where}: field {key!r} holds text that starts like a JSON list but does not parse: {e}") from None
     if not isinstance(raw, list) or not raw:
         raise DataError(f"{row.where}: field {key!r} must be a non-empty list of {{role, content}} (or ShareGPT {{from, value}}) objects")
     messages = []
