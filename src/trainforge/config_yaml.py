@@ -4,7 +4,8 @@ PyYAML alone expands aliases without bound (ten anchors of ten references each: 
 once per nesting level (``RecursionError``) and builds ints of any length (``ValueError`` past 4300 digits).
 ``load_yaml`` composes the document, then checks it before anything is built from it: at most
 ``MAX_VALUES`` values counted with every alias expanded (aliases and merge keys of ordinary size still
-work), at most ``MAX_DEPTH`` levels of nesting, no integer of more than ``MAX_INT_DIGITS`` digits. Each
+work), at most ``MAX_DEPTH`` levels of nesting, no integer of more than ``MAX_INT_DIGITS`` digits, no key given
+twice in one mapping (PyYAML would keep the last silently). Each
 refusal names the source, its line and the key. ``read_config_text`` reads a config file: a regular file
 of at most ``MAX_FILE_BYTES`` bytes of UTF-8 text.
 """
@@ -119,8 +120,18 @@ def _check(root: yaml.Node, source: str, lines: bool) -> None:
             for i, item in enumerate(node.value):
                 total += size(item, (*path, str(i)))
         elif isinstance(node, yaml.MappingNode):
+            seen: dict[str, yaml.Node] = {}
             for key_node, value_node in node.value:
                 name = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+                if isinstance(key_node, yaml.ScalarNode) and name != "<<":
+                    # PyYAML keeps the last of two equal keys: a second `train:` section would silently drop the first
+                    if name in seen:
+                        first = f" (first on line {seen[name].start_mark.line + 1})" if lines else ""
+                        raise ConfigError(
+                            f"{where(key_node, (*path, str(name)))}given twice{first}; YAML keeps only the last, "
+                            "so the first would be ignored: merge the two into one"
+                        )
+                    seen[name] = key_node
                 total += size(key_node, path) + size(value_node, (*path, str(name)))
         if total > MAX_VALUES:
             raise ConfigError(

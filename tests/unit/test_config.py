@@ -480,3 +480,21 @@ def test_set_on_one_key_of_a_pair_replaces_the_other_below(tmp_path, tiny_model_
     with pytest.raises(ConfigError, match="exactly one of model.path"):
         load_config(path, ["model.init.architecture=llama"])
     assert load_config(None, ["model.path=null"]).model.init is not None
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `train:` section dropped max_steps of the first, and a run
+    of 4 steps became a whole epoch. Refused, naming the key and both lines; merge keys still override."""
+    from trainforge.config import ConfigError, load_config
+    from trainforge.config_yaml import load_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train: builtin:python-stdlib\ntrain:\n  max_steps: 4\ntrain:\n  seed: 3\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml, line 5: train: given twice \(first on line 3\); YAML keeps only the last"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"line 3: train\.max_steps: given twice \(first on line 2\)"):
+        load_yaml("train:\n  max_steps: 4\n  max_steps: 8\n", "c.yaml")
+    with pytest.raises(ConfigError, match=r"--set train: max_steps: given twice; YAML keeps"):
+        load_config(None, ["train={max_steps: 2, max_steps: 3}"])
+    value, _ = load_yaml("base: &b {lr: 1, wd: 2}\noptim:\n  <<: *b\n  lr: 3\n", "c.yaml")
+    assert value["optim"] == {"lr": 3, "wd": 2}
