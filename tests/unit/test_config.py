@@ -498,3 +498,13 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
         load_config(None, ["train={max_steps: 2, max_steps: 3}"])
     value, _ = load_yaml("base: &b {lr: 1, wd: 2}\noptim:\n  <<: *b\n  lr: 3\n", "c.yaml")
     assert value["optim"] == {"lr": 3, "wd": 2}
+
+
+@pytest.mark.parametrize("key", ["train.max_steps=yes", "optim.lr=true", "train.eval_max_batches=off", "data.max_length=on"])
+def test_a_boolean_for_a_number_is_refused(key):
+    """pydantic took true as 1 for int and float fields, and YAML reads yes/on as true: `max_steps: yes` was one step."""
+    from trainforge.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"{key.split('=')[0]}: (true|false) is a boolean \(YAML reads yes/no/on/off"):
+        load_config(None, [key])
+    assert load_config(None, ["train.compile=true", "data.packing=false"]).train.compile is True  # booleans stay booleans
