@@ -157,18 +157,16 @@ def bench(
     out: Annotated[Optional[Path], typer.Option("--out", help="write the results as JSON here")] = None,
 ) -> None:
     """Measure tokens/s, MFU, peak memory and data wait of the training loop, per variant."""
-    import json
-
     from rich.console import Console
 
     from .tools.bench import bench as run_bench
     from .tools.bench import render
 
+    _check_json_out(out)
     with user_errors():
         results = run_bench(str(config) if config else None, set_ or [], sweep or [], steps, warmup, synthetic)
     render(results, Console())
-    if out:
-        out.write_text(json.dumps(results, indent=2))
+    _write_json_out(out, results)
     if any("error" in r for r in results):
         raise typer.Exit(1)
 
@@ -185,7 +183,6 @@ def selftest(
 ) -> None:
     """Train every path (precision x data x method x head, compiled) a few steps on a tiny model on this
     machine and check it against fp32; run it first on a new machine. Exit code 1 if any path fails."""
-    import json
     import re
 
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
@@ -193,11 +190,11 @@ def selftest(
     from .hardware import describe, pick_device
     from .tools.selftest import results_json, run_selftest
 
+    _check_json_out(out)
     with user_errors():  # --device cuda without CUDA; a SIGTERM/SIGINT stops it (exit 75)
         resolved = pick_device(device)
         results = run_selftest(str(resolved), quick)
-    if out:
-        out.write_text(json.dumps(results_json(results, describe(resolved)), indent=2))
+    _write_json_out(out, results_json(results, describe(resolved)))
     if not all(r.ok for r in results):
         raise typer.Exit(1)
 
@@ -417,6 +414,34 @@ def user_errors(*also: type[Exception]) -> Iterator[None]:
         _fail_with(e)
     except also as e:
         _fail(str(e))
+
+
+def _check_json_out(out: Path | None) -> None:
+    """Before minutes of work: ``--out`` can be written (its directory made, the path not a directory), else exit 2."""
+    if out is None:
+        return
+    if out.is_dir():
+        _fail(f"--out {out} is a directory; give a file path for the JSON (e.g. {out / 'results.json'})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _fail(f"--out {out}: cannot make its directory: {e.strerror or e}")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        _fail(f"--out {out}: not writable here; give a path you can write")
+
+
+def _write_json_out(out: Path | None, results: object) -> None:
+    """``results`` as JSON at ``out`` (whole or not at all); a failure (disk full) names the path, exit 2."""
+    import json
+
+    from .atomic import atomic_write_text
+
+    if out is None:
+        return
+    try:
+        atomic_write_text(out, json.dumps(results, indent=2))
+    except OSError as e:
+        _fail(f"cannot write --out {out}: {e.strerror or e} (the results are in the table above)")
 
 
 def _fail_with(e: TrainforgeError, quiet: bool = False) -> None:

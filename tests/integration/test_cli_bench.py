@@ -102,3 +102,16 @@ def test_a_variant_ends_with_its_bench_when_bench_is_killed(tmp_path, finetune_c
         time.sleep(0.2)
         left = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout
     assert not left, f"the variant runs on without bench: {left}"
+
+
+@pytest.mark.parametrize("command", [["selftest", "--quick"], ["bench", "--steps", "1", "--warmup", "1"]])
+def test_an_out_that_cannot_be_written_is_refused_before_the_work(tmp_path, command):
+    """`--out` into a directory, or below a file, printed a traceback and exit 1 after all the work (exit 1 means a
+    path or variant failed): now exit 2 at once, naming the path."""
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for out, said in ((tmp_path / "adir", "is a directory"), (tmp_path / "afile" / "r.json", "cannot make its directory")):
+        proc = run_cli([*command, "--out", out], tmp_path)
+        assert proc.returncode == 2, show(proc)
+        assert said in proc.stderr and "Traceback" not in proc.stderr, show(proc)
+        assert not proc.stdout.strip(), show(proc)  # refused before any work: no table

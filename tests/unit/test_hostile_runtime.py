@@ -213,5 +213,10 @@ def test_report_to_a_full_disk_is_a_report_error(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "load_run", lambda p: type("R", (), {"name": "r", "path": p})())
     monkeypatch.setattr(report, "render_html", lambda runs: "<html></html>")
     monkeypatch.setattr(report, "atomic_write_text", lambda path, text: (_ for _ in ()).throw(no_space(path)))
-    with pytest.raises(ReportError, match=r"cannot write .*page\.html: No space left on device; .*--out FILE"):
+    with pytest.raises(ReportError, match=r"cannot write .*page\.html: No space left on device; free space there, or write it "
+                                          r"elsewhere with --out FILE"):
+        report.write_report([tmp_path], tmp_path / "page.html")
+    # another refusal is not a full disk: no advice to free space
+    monkeypatch.setattr(report, "atomic_write_text", lambda path, text: (_ for _ in ()).throw(IsADirectoryError(21, "Is a directory")))
+    with pytest.raises(ReportError, match=r"cannot write .*page\.html: Is a directory; write it elsewhere with --out FILE"):
         report.write_report([tmp_path], tmp_path / "page.html")

@@ -7,6 +7,7 @@ events table and each run's config. What it shows of a run is read by ``report_d
 
 from __future__ import annotations
 
+import errno
 import html
 import json
 import math
@@ -270,4 +271,5 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         return atomic_write_text(out, page)  # a browser (or a second writer) never sees half a page
     except OSError as e:  # disk full, read-only, ...: the environment's, said with the path (exit 2)
-        raise ReportError(f"cannot write {out}: {e.strerror or e}; free space there, or write it elsewhere with --out FILE") from e
+        free = "free space there, or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise ReportError(f"cannot write {out}: {e.strerror or e}; {free}write it elsewhere with --out FILE") from e
