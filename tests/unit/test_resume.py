@@ -562,3 +562,35 @@ def test_another_process_count_is_refused_with_the_fix_that_applies():
     fsdp = load_config(None, ["train.micro_batch_size=2", "train.global_batch_size=8", "train.distributed=fsdp"])
     with pytest.raises(ResumeError, match=r"\(one process's state\) on 2 processes sharded with FSDP: set train.distributed: ddp"):
         check_world(info(1, "none"), 2, fsdp)
+
+
+def test_other_base_weights_at_the_same_model_path_are_refused_and_a_moved_base_is_not(tmp_path, tiny_model_dir):
+    """Only the model.path string was compared: a LoRA run resumed on another model copied to the same path went on
+    without a word, and the same directory written another way (relative, absolute) was refused. The checkpoint
+    keeps a fingerprint of the base's weights; the weights decide."""
+    import shutil
+
+    from trainforge.checkpoint import CheckpointInfo
+    from trainforge.config import load_config
+    from trainforge.engine.resume import ResumeError, check_settings, checkpoint_meta
+    from trainforge.model.tokenizer import build_char_tokenizer
+    from trainforge.model.weight_files import weights_fingerprint
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    cfg = load_config(None, [f"model.path={base}", "model.method=lora", f"model.tokenizer={tiny_model_dir}"])
+    meta = checkpoint_meta(cfg, build_char_tokenizer(["ab"]), {})
+    assert meta["model_weights"] == weights_fingerprint(base)
+    info = CheckpointInfo(tmp_path / "run" / "checkpoints" / "step-00000003", 3, meta)
+    check_settings(info, cfg)  # the same
+    moved = tmp_path / "moved"
+    shutil.copytree(base, moved)
+    check_settings(info, cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": moved})}))  # same weights
+    from safetensors.torch import load_file, save_file
+
+    tuned = {k: v + 1e-3 for k, v in load_file(base / "model.safetensors").items()}  # another fine-tune of the same shapes
+    save_file(tuned, base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ResumeError, match=r"the weights at model.path .*base are not those the checkpoint trained from"):
+        check_settings(info, cfg)
+    older = CheckpointInfo(info.path, 3, {k: v for k, v in meta.items() if k != "model_weights"})
+    check_settings(older, cfg)  # a checkpoint without the fingerprint compares the path, as before

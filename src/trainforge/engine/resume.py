@@ -33,6 +33,7 @@ from ..checkpoint import (
 from ..config import RunConfig, TrainSettings, resolve_grad_accum
 from ..metrics.console import ConsoleReporter
 from ..metrics.sink import flat_config
+from ..model.weight_files import weights_fingerprint
 from ..runlock import OutputDirError, probe_run_dir
 from .nonfinite import checkpoint_tensors, describe, nonfinite_tensors
 from .state import ResumeError, resumed_grad_accum, trainable_state  # ResumeError is raised here and imported from here
@@ -84,7 +85,7 @@ def checkpoint_meta(
     and the processes that wrote it (``world_size``, ``mode``: none | ddp | fsdp)."""
     fixed = fixed_settings(cfg)
     digest = hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
-    return {
+    meta = {
         "version": __version__,
         "config_hash": digest,
         "fixed": fixed,
@@ -92,6 +93,15 @@ def checkpoint_meta(
         "world_size": world_size,
         "distributed": mode,
     }
+    if (weights := base_weights(cfg)) is not None:
+        meta["model_weights"] = weights
+    return meta
+
+
+def base_weights(cfg: RunConfig) -> str | None:
+    """The fingerprint of the weights at ``model.path`` (``weights_fingerprint``): what adapters train on and a
+    preference reference compares with; None for a model built from ``model.init`` or named by a hub id."""
+    return weights_fingerprint(Path(cfg.model.path)) if cfg.model.path else None
 
 
 def check_world(info: CheckpointInfo, world_size: int, cfg: RunConfig, mode: str | None = None) -> None:
@@ -176,7 +186,9 @@ def resolved_against(info: CheckpointInfo, cfg: RunConfig) -> dict[str, Any]:
 
 
 def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
-    changed = _differences(info.meta.get("fixed", {}), resolved_against(info, cfg))
+    saved, now = dict(info.meta.get("fixed", {})), resolved_against(info, cfg)
+    weights = [] if "model_weights" not in info.meta else _base_weights_changed(info, cfg, saved, now)
+    changed = weights + _differences(saved, now)
     if cfg.train.global_batch_size is not None:  # the grad_accum the user did not set comes from the batch they did
         changed = [c + f" (derived from train.global_batch_size: {cfg.train.global_batch_size}; the checkpoint's run "
                    "had a global batch of micro_batch_size x grad_accum x processes)" if c.startswith("train.grad_accum:") else c
@@ -187,6 +199,21 @@ def check_settings(info: CheckpointInfo, cfg: RunConfig) -> None:
             + "; ".join(changed)
             + ". Put them back to continue this run, or start a new one with another --output"
         )
+
+
+def _base_weights_changed(info: CheckpointInfo, cfg: RunConfig, saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The base model against the checkpoint's (``model_weights``): other weights at ``model.path`` are a change (the
+    path alone was compared: a LoRA run resumed on another base); the same weights under another spelling of the
+    path (relative, moved) are not, so ``model.path`` leaves the comparison of ``saved`` and ``now``."""
+    current = base_weights(cfg)
+    if current is None:
+        return []
+    saved.pop("model.path", None)
+    now.pop("model.path", None)
+    if current == info.meta["model_weights"]:
+        return []
+    return [f"the weights at model.path {cfg.model.path} are not those the checkpoint trained from (config.json or the "
+            "weight files differ)"]
 
 
 def refuse_changed_settings(out: Path, cfg: RunConfig, resume: str, world_size: int = 1) -> None:

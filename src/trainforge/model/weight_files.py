@@ -55,3 +55,33 @@ def stored_tensors(path: Path) -> list[StoredTensor] | None:
                 numel *= n
             out.append(StoredTensor(name, dtype, numel, end - start))
     return out
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_SAMPLES, _BLOCK = 16, 4096  # blocks read per file by weights_fingerprint
+
+
+def weights_fingerprint(path: Path) -> str | None:
+    """A cheap identity of the weights in the model directory ``path``: ``config.json``, and of every weight file its
+    name, its size and 16 blocks of 4 KiB spread over it (a safetensors header among them). Another checkpoint of the
+    same architecture differs in them; nothing like the gigabytes of the weights is read. None where ``path`` is no
+    directory or holds no weight files."""
+    import hashlib
+
+    if not path.is_dir():
+        return None
+    files = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    config = path / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for file in files:
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            for k in range(_SAMPLES):
+                f.seek(max(0, size - _BLOCK) * k // (_SAMPLES - 1))
+                h.update(f.read(_BLOCK))
+    return h.hexdigest()
