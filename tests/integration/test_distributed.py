@@ -120,7 +120,7 @@ def test_killed_rank_resumes_exactly_and_needs_the_same_world_size(two_proc, tmp
     import trainforge.engine.setup as setup_module
 
     monkeypatch.setattr(setup_module, "build_run_model", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
-    with pytest.raises(ResumeError, match=r"written by 2 process.*set train\.global_batch_size to the checkpoint's global batch \(8 rows\)"):
+    with pytest.raises(ResumeError, match=r"written by 2 process.*set train\.global_batch_size: 8 \(the checkpoint's global batch\)"):
         from rich.console import Console
 
         from trainforge.engine.trainer import train

@@ -553,8 +553,13 @@ def test_another_process_count_is_refused_with_the_fix_that_applies():
         return CheckpointInfo(Path("run/checkpoints/step-00000003"), 3, meta)
 
     plain = load_config(None, ["train.micro_batch_size=2", "train.grad_accum=2"])
-    with pytest.raises(ResumeError, match=r"global batch \(8 rows\) in place of train.grad_accum to keep it on 1"):
+    with pytest.raises(ResumeError, match=r"set train.global_batch_size: 8 \(the checkpoint's global batch\) in place of "
+                                          r"train.grad_accum to keep it on 1"):
         check_world(info(2, "ddp"), 1, plain)
+    # 2 rows x 8 processes cannot make 8 rows: the advice names the counts that can, not one that is refused next
+    with pytest.raises(ResumeError, match=r"set train.global_batch_size: 8 in place of train.grad_accum to resume on 1, 2, 4 "
+                                          r"processes \(where 2 rows x processes divide it\)"):
+        check_world(info(2, "ddp"), 8, plain)
     held = load_config(None, ["train.micro_batch_size=2", "train.global_batch_size=8"])
     check_world(info(2, "ddp"), 1, held)  # the global batch holds: allowed
     with pytest.raises(ResumeError, match="FSDP's sharded state resumes on the processes that wrote it"):

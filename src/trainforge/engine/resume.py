@@ -130,14 +130,22 @@ def check_world(info: CheckpointInfo, world_size: int, cfg: RunConfig, mode: str
             )
         if cfg.train.global_batch_size is None:
             fixed = info.meta.get("fixed", {})
-            batch = fixed.get("train.micro_batch_size"), fixed.get("train.grad_accum")
-            rows = f" ({batch[0] * batch[1] * saved_world} rows)" if all(isinstance(b, int) for b in batch) else ""
+            micro, accum = fixed.get("train.micro_batch_size"), fixed.get("train.grad_accum")
+            hold = (f"set train.global_batch_size to the checkpoint's global batch in place of train.grad_accum to keep "
+                    f"it on {world_size}, ")
+            if isinstance(micro, int) and isinstance(accum, int):
+                # the micro-batch stays the checkpoint's: only counts whose rows per pass divide the global batch hold it
+                rows = micro * accum * saved_world
+                fits = [n for n in range(1, rows // micro + 1) if rows % (micro * n) == 0]
+                hold = (f"set train.global_batch_size: {rows} (the checkpoint's global batch) in place of train.grad_accum to "
+                        f"keep it on {world_size}, " if world_size in fits else
+                        f"set train.global_batch_size: {rows} in place of train.grad_accum to resume on "
+                        f"{', '.join(map(str, fits))} processes (where {micro} rows x processes divide it), ")
             raise ResumeError(
                 f"cannot resume from {info.path}: it was written by {saved_world} process(es), this run has {world_size}. "
                 f"The global batch (micro_batch_size x grad_accum x processes) would change mid-run: resume with "
-                f"{saved_world} process(es) (torchrun --nproc_per_node / trainforge train --nproc), set "
-                f"train.global_batch_size to the checkpoint's global batch{rows} in place of train.grad_accum to keep "
-                f"it on {world_size}, or start a new run (another --output)"
+                f"{saved_world} process(es) (torchrun --nproc_per_node / trainforge train --nproc), {hold}"
+                "or start a new run (another --output)"
             )
     if mode is not None and saved_world > 1 and (saved_mode == "fsdp") != (mode == "fsdp"):
         raise ResumeError(
