@@ -92,7 +92,8 @@ def format_errors(
             msg = "required key is missing"
         given = _lookup(data, loc)
         where = ""
-        if any(loc[:n] in overridden for n in range(1, len(loc) + 1)):  # the key, or one above it, was --set
+        # the key, one above it (train={...}) or one below it (an unknown section, trian.max_steps=3) was --set
+        if any(loc[:n] in overridden for n in range(1, len(loc) + 1)) or any(o[: len(loc)] == loc for o in overridden):
             where = " (from --set)"
         else:
             line = _nearest_line(marks, loc)

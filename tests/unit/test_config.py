@@ -52,6 +52,7 @@ def error_of(overrides=(), path=None) -> str:
 @pytest.mark.parametrize(
     "override, key, fragment",
     [
+        ("trian.max_steps=3", "trian", "did you mean 'train'"),  # an unknown section: its key was --set too
         ("train.max_stepz=3", "train.max_stepz", "did you mean 'max_steps'"),
         ("train.micro_batch_size=eight", "train.micro_batch_size", "'eight'"),
         ("optim.lr=-1", "optim.lr", "greater than 0"),
