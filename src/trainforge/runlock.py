@@ -384,9 +384,18 @@ def probe_run_dir(out: Path) -> bool:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise OutputDirError(f"cannot write to output directory {out}: {e.strerror}") from None
+        raise unwritable_output(out, e) from None
     metrics = out / "metrics.jsonl"
     return metrics.exists() and metrics.stat().st_size > 0
+
+
+def unwritable_output(out: Path, e: OSError) -> OutputDirError:
+    """The error for an output directory that cannot be made or written, naming a file in its way."""
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        what = "is a file" if blocked == out else f"is below {blocked}, which is a file"
+        return OutputDirError(f"--output {out} {what}, not a directory: give a new or empty directory")
+    return OutputDirError(f"cannot write to output directory {out}: {e.strerror}")
 
 
 @contextlib.contextmanager
@@ -412,7 +421,7 @@ def hold_run_dir(
             try:
                 Path(run_dir).mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise OutputDirError(f"cannot write to output directory {run_dir}: {e.strerror}") from None
+                raise unwritable_output(Path(run_dir), e) from None
             lease = RunLease(
                 run_dir, timeout, stopping,
                 info=reporter.info if reporter is not None else print, warn=reporter.warn if reporter is not None else print,

@@ -484,8 +484,10 @@ def test_resume_path_to_an_older_checkpoint_cuts_metrics_back_and_replays_exactl
 def test_unwritable_output_dir_fails_at_start(config, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    with pytest.raises(OutputDirError, match="cannot write to output directory"):
+    with pytest.raises(OutputDirError, match=r"--output .*a-file/run is below .*a-file, which is a file, not a directory"):
         train(config, blocker / "run")
+    with pytest.raises(OutputDirError, match=r"--output .*a-file is a file, not a directory: give a new or empty directory"):
+        train(config, blocker)  # it said "cannot write to output directory a-file: File exists"
 
 
 # ---------------------------------------------------------------- LoRA and background saves
