@@ -404,3 +404,31 @@ def test_rows_past_a_learned_position_table_are_refused_and_past_rotary_ones_war
     said = []
     check_positions(llama, 256, said.append)
     assert "runs past the 128 positions" in said[0] and "rope_scaling" in said[0]
+
+
+def test_a_tokenizer_built_from_the_data_is_found_by_the_plan_once_cached(tmp_path):
+    """A from-scratch model trains its BPE on the data: plan said "data not prepared yet" for every such run, the
+    built-in default included, so a run defined by epochs never got a duration. Once a run (or prepare) cached the
+    tokenizer and the tokens, plan reads both."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from trainforge.data.plan import get_tokenizer
+    from trainforge.data.prepare import prepare_data
+    from trainforge.metrics.console import ConsoleReporter
+    from trainforge.tools.plan import data_facts, plan_tokenizer, run_steps
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(WORDS[i % 7 :] * 3)}) + "\n" for i in range(30)))
+    cfg = config({"model": {"init": {"architecture": "llama"}, "tokenizer_vocab_size": 300},
+                  "data": {"train": str(path), "eval": None, "cache_dir": str(tmp_path / "cache")},
+                  "train": {"max_steps": None, "epochs": 2}}, tmp_path)
+    assert isinstance(plan_tokenizer(cfg), VocabOnly) and not data_facts(cfg, plan_tokenizer(cfg))["prepared"]
+    tok = get_tokenizer(cfg, ConsoleReporter(Console(file=io.StringIO())))
+    prepare_data(cfg.data, tok, seed=cfg.train.seed, log=lambda *_: None)
+    found = plan_tokenizer(cfg)
+    assert not isinstance(found, VocabOnly) and found.get_vocab() == tok.get_vocab()
+    facts = data_facts(cfg, found)
+    assert facts["prepared"] and run_steps(cfg, 1, 1, facts) is not None

@@ -110,6 +110,12 @@ def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
     return h.hexdigest()
 
 
+def built_tokenizer_file(cfg: DataSettings, fmt: str, vocab_size: int) -> Path:
+    """Where the byte-level BPE tokenizer trained on this data is cached (``tokenizers/KEY.json``): the run trains
+    it once, later runs, resumes and ``plan`` load it."""
+    return (cfg.cache_dir or default_cache_dir()) / "tokenizers" / f"{built_tokenizer_key(cfg, fmt, vocab_size)}.json"
+
+
 def _hash_sources(h, specs: list[str]) -> None:
     """Feed the names and bytes of every file the source specs read into ``h`` (and, for a built-in source,
     the version of the code that makes its rows)."""

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write_text
-from ..config import ModelSettings, RunConfig, default_cache_dir
+from ..config import ModelSettings, RunConfig
 from ..config_preference import OBJECTIVES_FOR_DATA
 from ..metrics.console import ConsoleReporter
 from ..model.tokenizer import bpe_tokenizer_from_json, build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
-from .cache import built_tokenizer_key
+from .cache import built_tokenizer_file
 from .formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
 from .loader import RowCollator, TrainLoader
 from .packing import build_rows, pair_rows, weighted_indices
@@ -50,7 +50,7 @@ def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
     t = time.perf_counter()
     fmt = resolve_format(cfg.data)
     # trained once per data and vocabulary size: later runs (and resumes) load the same tokenizer from the cache
-    cached = (cfg.data.cache_dir or default_cache_dir()) / "tokenizers" / f"{built_tokenizer_key(cfg.data, fmt, cfg.model.tokenizer_vocab_size)}.json"
+    cached = built_tokenizer_file(cfg.data, fmt, cfg.model.tokenizer_vocab_size)
     if cached.is_file():
         tok = bpe_tokenizer_from_json(cached.read_text(encoding="utf-8"))
         how = f"loaded from {cached.parent}"

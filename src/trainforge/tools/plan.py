@@ -65,6 +65,18 @@ def plan_tokenizer(cfg: RunConfig):
         from ..model.load import architecture_field
 
         return VocabOnly(architecture_field(cfg.model, "vocab_size") or 0)
+    if cfg.model.tokenizer is None:  # a BPE trained on the data: a run before this one cached it
+        from ..data.cache import built_tokenizer_file
+        from ..data.prepare import resolve_format
+        from ..data.sources import DataError
+        from ..model.tokenizer import bpe_tokenizer_from_json
+
+        try:
+            cached = built_tokenizer_file(cfg.data, resolve_format(cfg.data), cfg.model.tokenizer_vocab_size)
+            if cached.is_file():
+                return bpe_tokenizer_from_json(cached.read_text(encoding="utf-8"))
+        except (DataError, OSError, ValueError):
+            pass  # the data's own errors are data_facts' to report
     return VocabOnly(256 if cfg.model.tokenizer == "char" else cfg.model.tokenizer_vocab_size)
 
 
@@ -244,7 +256,8 @@ def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
     from ..data.sources import DataError
 
     if isinstance(tokenizer, VocabOnly):
-        return {"prepared": False, "why": "the tokenizer is built from the data at the start of the run"}
+        return {"prepared": False, "why": "the tokenizer is built from the data at the start of the run (a first run, or "
+                "`trainforge prepare`, caches it and the token counts for the next plan)"}
     try:
         fmt = resolve_format(cfg.data)
         root = cache_entry(cfg.data, fmt, tokenizer, cfg.train.seed, cfg.model.kind.encoder_decoder)  # as prepare_data keys it
