@@ -126,7 +126,17 @@ def peak_flops(device: torch.device, precision: str, cache_dir: Path | None = No
         if profile is None:
             return 0.0, f"unknown GPU {name!r}: no profile in trainforge/profiles.py, MFU not reported"
         return profile.peak_flops(precision, torch.backends.cuda.matmul.allow_tf32), f"profile {profile.name}"
-    return cpu_matmul_flops(precision, cache_dir), "matmul probe"
+    probed, where = cpu_peak_precision(precision)
+    return cpu_matmul_flops(probed, cache_dir), where
+
+
+def cpu_peak_precision(precision: str) -> tuple[str, str]:
+    """(the precision whose matmul probe is a CPU's peak for ``precision``, where the figure comes from). An emulated
+    precision (fp16 anywhere, bf16 without native support) computes in fp32 underneath: its own probe times the
+    emulation, and dividing by it gave MFUs over 200%; the fp32 probe is what the machine can do."""
+    if emulated_precision(precision, cpu_has_native_bf16()):
+        return "fp32", f"fp32 matmul probe: {precision} is emulated on this CPU"
+    return precision, "matmul probe"
 
 
 BF16_MIN_SPEEDUP = 1.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trainforge.config import LoraSettings, ModelSettings
@@ -81,3 +82,18 @@ def test_a_probe_taken_on_a_busy_machine_is_taken_again_when_quieter(tmp_path, m
     assert hardware.cached_probe("op-overhead", lambda: 9e-6, tmp_path, better=min) == 9e-6
     monkeypatch.setattr(hardware, "load_per_core", lambda: 0.2)
     assert hardware.cached_probe("op-overhead", lambda: 4e-6, tmp_path, better=min) == 4e-6
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_an_emulated_precision_divides_by_the_fp32_peak(tmp_path, monkeypatch, native_bf16):
+    """fp16 on a CPU (and bf16 without native support) computes in fp32 underneath: its own probe timed the emulation
+    (0.00 TFLOP/s) and the run reported MFU 245%. Its peak is the fp32 probe's, and the source says why."""
+    import trainforge.hardware as hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(hardware, "measure_matmul", lambda dtype, *a, **k: {torch.float32: 1e11}.get(dtype, 3e9))
+    cpu = torch.device("cpu")
+    assert hardware.peak_flops(cpu, "fp16", tmp_path) == (1e11, "fp32 matmul probe: fp16 is emulated on this CPU")
+    assert hardware.peak_flops(cpu, "fp32", tmp_path) == (1e11, "matmul probe")
+    bf16 = hardware.peak_flops(cpu, "bf16", tmp_path)
+    assert bf16 == ((3e9, "matmul probe") if native_bf16 else (1e11, "fp32 matmul probe: bf16 is emulated on this CPU"))

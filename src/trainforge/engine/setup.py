@@ -26,6 +26,7 @@ from ..hardware import (
     configure_backends,
     cpu_has_native_bf16,
     cpu_matmul_flops,
+    cpu_peak_precision,
     describe,
     device_memory,
     emulated_precision,
@@ -240,7 +241,8 @@ def peak_reprobe(device: torch.device, precision: Precision, cache_dir: Path | N
     (the run's peak FLOP/s, where from); None on a GPU, whose peak comes from its profile."""
     if device.type != "cpu":
         return None
-    return lambda: (cpu_matmul_flops(precision.name, cache_dir, again=True) * world_size, "matmul probe, measured again")
+    probed, where = cpu_peak_precision(precision.name)
+    return lambda: (cpu_matmul_flops(probed, cache_dir, again=True) * world_size, f"{where}, measured again")
 
 
 def build_eval_set(cfg: RunConfig, data: Any, max_steps: int, world_size: int, reporter: ConsoleReporter) -> list:
