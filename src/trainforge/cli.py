@@ -458,11 +458,34 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT, label: str = "error", quiet:
     raise typer.Exit(code)
 
 
+class _StoppedEarly(BaseException):
+    """SIGTERM/SIGINT where no command's own stop handling runs (before a run installs it, or in a command without
+    one): a BaseException, so no ``except Exception`` on the way swallows it."""
+
+
+def _stop_early(signum: int, frame: object) -> None:
+    import signal
+
+    raise _StoppedEarly(signal.Signals(signum).name)
+
+
 def main() -> None:
+    """The command line. A signal before a command's own handling is installed (imports, config, probes take a few
+    seconds) stops it with exit 75 and a line saying nothing was saved, not a bare 143 or a KeyboardInterrupt."""
+    import signal
+
+    from .errors import EXIT_INTERRUPTED
     from .library_logs import quiet_library_logs
 
-    quiet_library_logs()
-    app()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _stop_early)
+    try:
+        quiet_library_logs()
+        app()
+    except _StoppedEarly as e:
+        err.print(f"[bold red]stopped:[/bold red] {e.args[0]}, before anything was saved; run the same command again",
+                  soft_wrap=True)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":
