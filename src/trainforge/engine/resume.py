@@ -354,23 +354,30 @@ def _load_first(
         check_settings(info, cfg)
         if not has_checksums(info):  # written before checksums existed: sizes checked, bytes cannot be
             reporter.info(f"checkpoint {info.path} records no checksums (an older trainforge wrote it): not verified")
-        reason = verify_checkpoint(info)  # reads each checksummed file once, streaming
-        state = None
-        if reason is None:
-            try:
-                state = load_checkpoint_state(info.path)
-            except Exception as e:  # a damaged file: zip, pickle or I/O errors alike
-                reason = f"it cannot be loaded ({type(e).__name__}: {e})"
-        if state is not None:
-            found = nonfinite_tensors(checkpoint_tensors(state))
-            if found:
-                reason = f"its weights or optimizer state are not finite: {describe(found)}"
-        if reason is not None:
+        reason, state = checkpoint_fault(info)
+        if reason is not None or state is None:
             reporter.warn(f"skipping checkpoint {info.path}: {reason}")
             skipped.append(f"{info.path} ({reason})")
             continue
         return ResumePlan(info, state, same_run)
     raise ResumeError("no checkpoint could be loaded: " + "; ".join(skipped))
+
+
+def checkpoint_fault(info: CheckpointInfo, mmap: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+    """Why a complete checkpoint cannot be resumed (None: it can), and its state when it can: its checksums, then
+    loading ``state.pt``, then finite weights and optimizer state. Resuming and ``doctor`` judge alike with it;
+    ``mmap``: map the file rather than read it into memory (``doctor``: an 8B run's state is tens of GB)."""
+    reason = verify_checkpoint(info)  # reads each checksummed file once, streaming
+    if reason is not None:
+        return reason, None
+    try:
+        state = load_checkpoint_state(info.path, mmap=mmap)
+    except Exception as e:  # a damaged file: zip, pickle or I/O errors alike
+        return f"it cannot be loaded ({type(e).__name__}: {e})", None
+    found = nonfinite_tensors(checkpoint_tensors(state))
+    if found:
+        return f"its weights or optimizer state are not finite: {describe(found)}", None
+    return None, state
 
 
 # ---------------------------------------------------------------- whether it continues this run

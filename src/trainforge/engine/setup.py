@@ -210,6 +210,9 @@ def setup(
         ),
     )
     laps("services")
+    # a signal is in events.jsonl when it comes: a second one (or a SIGKILL) that ends the process before its stop
+    # event is written leaves doctor that much
+    stop.on_signal = lambda name: run.metrics.event("signal", run.step, signal=name)
     if resume_plan is not None:
         continue_from(run, resume_plan)  # last: it restores the random states that building the run consumed
         laps("resume")
