@@ -80,7 +80,7 @@ def test_a_second_signal_is_named_not_taken_for_a_sigkill(reference):
         f.write(json.dumps({"event": "start", "step": 6, "max_steps": 8}) + "\n")
         f.write(json.dumps({"event": "signal", "step": 7, "signal": "SIGTERM"}) + "\n")
     d = diagnose(run)
-    assert d["state"].startswith("SIGTERM came at step 7, then the process ended before saving: a second signal")
+    assert d["state"].startswith("asked to stop by SIGTERM at step 7, then ended before saving (a second signal")
     assert "resumes from step-00000006" in d["rerun"]
 
 

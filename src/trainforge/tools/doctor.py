@@ -89,8 +89,8 @@ def _state(run: RunData, last_step: int) -> str:
     if live:
         return f"running (process {lease.pid} on {lease.host} holds the run directory)"
     if latest is not None and latest["event"] == "signal":  # asked to stop, gone before its stop was recorded
-        return (f"{latest.get('signal', 'a signal')} came at step {latest.get('step')}, then the process ended before "
-                "saving: a second signal (which stops at once) or a SIGKILL after the scheduler's grace period")
+        return (f"asked to stop by {latest.get('signal', 'a signal')} at step {latest.get('step')}, then ended before "
+                "saving (a second signal stops at once; or a SIGKILL after the scheduler's grace period)")
     if not (run.path / "metrics.jsonl").is_file():
         return "ended during set-up (tokenizing or loading the model), before the first step: nothing trained"
     return "ended without a summary: killed (SIGKILL, out of memory, a lost node) or crashed"
