@@ -226,9 +226,10 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [c.path for c in scan_checkpoints(root)[0]]
 
 
-def load_checkpoint_state(path: Path) -> dict[str, Any]:
-    """``state.pt`` of a checkpoint, on the CPU (plain tensors and containers only: no pickled code)."""
-    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+def load_checkpoint_state(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """``state.pt`` of a checkpoint, on the CPU (plain tensors and containers only: no pickled code); ``mmap``:
+    its tensors map the file instead of being read into memory."""
+    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def recover_hidden(root: Path) -> list[str]:

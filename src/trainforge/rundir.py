@@ -53,7 +53,8 @@ def write_error(path: Path, error: OSError) -> RunDirWriteError:
     if complete:
         then = f"then run the same command with --output {run_dir}: it resumes from the newest complete checkpoint, {complete[-1].path}"
     else:
-        then = f"then start again with a new --output ({run_dir} holds no complete checkpoint to resume from)"
+        then = (f"then run the same command with --output {run_dir}: it holds no complete checkpoint to resume from, "
+                "so the run starts again from step 0")
     return RunDirWriteError(
         f"cannot write {path}: {why}"
         + (f"; the disk that holds the run directory {run_dir} is full" if full else "")

@@ -7,6 +7,7 @@ Faults (all optional; steps are 1-based optimizer steps):
   {"signal_in_save": [6, "SIGKILL"]}   send it while step 6's checkpoint is written (state.pt done, meta.json not)
   {"nan_in_steps": [3, 4]}             make the loss of those steps NaN
   {"raise_in_step": [2, "message"]}    raise RuntimeError(message) inside step 2's forward/backward
+  {"signal_in_eval": "SIGTERM"}        send the signal to this process as the first evaluation (before training) starts
   {"rank": 1, ...}                     under torchrun: inject the faults into rank 1 only
   {"pause_in_step": [5, "PATH"]}      inside step 5's forward/backward create PATH.paused, then wait (at
                                        most 10 minutes) for PATH to exist; signals sent meanwhile are handled
@@ -60,6 +61,16 @@ def install(faults: dict) -> None:
         return loss * float("nan") if now["step"] in nan_steps else loss
 
     trainer.forward_backward_adaptive = watched_forward_backward
+
+    eval_signal = faults.get("signal_in_eval")
+    if eval_signal:
+        run_eval = trainer.run_eval
+
+        def signalled_eval(run, label):
+            os.kill(os.getpid(), getattr(signal, eval_signal))
+            return run_eval(run, label)
+
+        trainer.run_eval = signalled_eval
     step_module.loss_sum = poisoned_loss_sum
 
     pause = faults.get("pause_in_build")

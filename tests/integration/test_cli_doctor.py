@@ -1,4 +1,5 @@
-"""`trainforge doctor` through the real CLI: a run killed with SIGKILL, the same run finished, a directory that is no run."""
+"""`trainforge doctor` through the real CLI: a run killed with SIGKILL, the same run finished, a directory that is no run;
+runs stopped or killed before their first checkpoint, which the same command starts again."""
 
 from __future__ import annotations
 
@@ -47,3 +48,35 @@ def test_doctor_on_a_killed_run_names_the_step_the_checkpoint_and_the_limits(tmp
 def test_doctor_refuses_a_directory_that_holds_no_run(tmp_path):
     proc = run_cli(["doctor", tmp_path], tmp_path)
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr, show(proc)
+
+
+def test_a_run_stopped_or_killed_before_its_first_checkpoint_starts_again_with_the_same_command(tmp_path, finetune_config):
+    """SIGTERM during the evaluation before training said 'to go on, run the same command', and that command exited 2
+    (the eval had written metrics.jsonl); a SIGKILL before the first checkpoint left a directory refused forever."""
+    cfg = dict(finetune_config)
+    cfg["train"] = {**cfg["train"], "max_steps": 4}
+    cfg["checkpoint"] = {"every_steps": 2}
+    cfg["log"] = {"every_steps": 1, "report": True}
+    config = write_config(tmp_path / "c.yaml", cfg)
+    run = tmp_path / "t5"
+    proc = run_cli(["train", config, "--output", run], tmp_path, faults={"signal_in_eval": "SIGTERM"})
+    assert proc.returncode == 75 and f"run the same command with --output {run}" in " ".join(proc.stderr.split()), show(proc)
+    d = json.loads(run_cli(["doctor", run, "--json"], tmp_path).stdout)
+    assert d["state"] == "stopped by SIGTERM" and "starts again from step 0" in d["rerun"], d
+
+    proc = run_cli(["train", config, "--output", run], tmp_path)
+    text = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 0 and f"{run}: no checkpoint (stopped before its first one): starting again from step 0" in text, show(proc)
+    assert (run / "attempts" / "1" / "report.html").is_file() and (run / "report.html").is_file()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4] and records[0] == {**records[0], "step": 0}
+    d = json.loads(run_cli(["doctor", run, "--json"], tmp_path).stdout)
+    assert d["state"] == "finished" and d["last_step"] == 4
+
+    killed = tmp_path / "killed"
+    proc = run_cli(["train", config, "--output", killed], tmp_path, faults={"signal_in_step": [2, "SIGKILL"]})
+    assert proc.returncode == -signal.SIGKILL, show(proc)
+    proc = run_cli(["doctor", killed], tmp_path)
+    assert "killed" in proc.stdout and "starts again from step 0" in " ".join(proc.stdout.split()), show(proc)
+    proc = run_cli(["train", config, "--output", killed], tmp_path)
+    assert proc.returncode == 0 and "starting again from step 0" in proc.stdout + proc.stderr, show(proc)

@@ -128,7 +128,7 @@ def test_writing_turns_os_errors_and_their_library_texts_into_one_paragraph(tmp_
         raise no_space(run / "metrics.jsonl")
     assert e.value.exit_code == EXIT_BAD_INPUT
     assert str(e.value).startswith(f"cannot write {run / 'metrics.jsonl'}: No space left on device; the disk that holds")
-    assert "Free space on that disk" in str(e.value) and "start again with a new --output" in str(e.value)
+    assert "Free space on that disk" in str(e.value) and "starts again from step 0" in str(e.value)
     # safetensors says it in its own words
     found = io_error(Exception("Error while serializing: I/O error: No space left on device (os error 28)"))
     assert found.errno == errno.ENOSPC

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 from ..errors import EXIT_INTERRUPTED, TrainforgeError
@@ -39,6 +40,9 @@ class StopRequest:
         self.signum: int | None = None
         self.stepping = False  # set by the training loop: before it, a signal has no step to finish nor to save
         self.doing, self.quick = doing, quick
+        # called with the signal's name when the first one comes (a run records it in events.jsonl: if a second
+        # signal or a SIGKILL ends the process before its stop is saved, ``doctor`` still knows a signal came)
+        self.on_signal: Callable[[str], None] | None = None
         self._previous: dict[int, object] = {}
 
     @property
@@ -63,6 +67,11 @@ class StopRequest:
             "(send it again to stop at once)")
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets the signal: rank 0 says it, once
             os.write(2, f"\n{signal.Signals(signum).name}: {doing}\n".encode())
+        if self.on_signal is not None:
+            try:
+                self.on_signal(self.name)
+            except Exception:  # noqa: BLE001 - a record that fails (a full disk) must not turn the stop into a crash
+                pass
 
     def stop_before_training(self, out: object, distributed: bool = False) -> None:
         """A signal during set-up: stop at this stage's end rather than tokenize, load, evaluate and save

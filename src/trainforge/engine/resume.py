@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ from ..config import RunConfig, TrainSettings, resolve_grad_accum
 from ..metrics.console import ConsoleReporter
 from ..metrics.sink import flat_config
 from ..model.weight_files import weights_fingerprint
-from ..runlock import OutputDirError, probe_run_dir
+from ..runlock import RUN_MARKER, OutputDirError, probe_run_dir
 from .nonfinite import checkpoint_tensors, describe, nonfinite_tensors
 from .state import ResumeError, resumed_grad_accum, trainable_state  # ResumeError is raised here and imported from here
 
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from .run import Run  # for annotations only: the run module imports nothing of this one
 
 CHECKPOINTS = "checkpoints"
+ATTEMPTS = "attempts"  # start_again moves the files of a run that died before its first checkpoint here
+# what a run writes besides checkpoints/ (kept: partial saves are recovered or skipped) and lease.json (ours)
+ATTEMPT_FILES = ("metrics.jsonl", "events.jsonl", "report.html", "config.yaml", "tb", "wandb", "profile")
 FIXED_TRAIN_KEYS = ("seed", "micro_batch_size", "grad_accum")
 
 
@@ -241,7 +245,8 @@ def refuse_changed_settings(out: Path, cfg: RunConfig, resume: str, world_size: 
 def choose_checkpoint(
     out: Path, cfg: RunConfig, resume: str, reporter: ConsoleReporter, world_size: int = 1
 ) -> ResumePlan | None:
-    """The checkpoint to continue from (``resume``: auto|never|PATH), loaded; None for a fresh run.
+    """The checkpoint to continue from (``resume``: auto|never|PATH), loaded; None for a fresh run, or (auto) for
+    a run that ended before its first checkpoint, which starts again (``start_again``).
     Refuses an output directory that holds another run (runlock.probe_run_dir), and a checkpoint written by
     another number of processes before its state is read (an 8B run's optimizer state is tens of GB) and
     before the model loads."""
@@ -255,10 +260,7 @@ def choose_checkpoint(
     elif resume == "auto":
         candidates, same_run = _newest_first(out / CHECKPOINTS, reporter, recover=True), True
         if not candidates and holds_run:
-            raise OutputDirError(
-                f"{out} already holds a run (metrics.jsonl exists) but no complete checkpoint to resume from; "
-                "choose another --output"
-            )
+            start_again(out, reporter)
     else:
         candidates = _checkpoints_at(Path(resume), reporter)
         same_run = candidates[0].path.parent.resolve() == (out / CHECKPOINTS).resolve()
@@ -271,6 +273,48 @@ def choose_checkpoint(
         return None
     check_world(candidates[0], world_size, cfg)
     return _load_first(candidates, cfg, same_run, reporter)
+
+
+def unfinished_without_checkpoint(out: Path) -> str | None:
+    """Why ``out``, a run directory that holds no complete checkpoint, cannot start again from step 0 (None: it can).
+
+    It can when it holds a trainforge run (its ``.trainforge-run`` marker) that did not finish (no summary.json
+    nor final/): stopped or killed before its first checkpoint, nothing of it can be continued. Its settings
+    bind nothing then (no trained state to be incompatible with), so another model, data or optimizer is fine.
+    A live holder never gets here: the run directory's lease refuses it first (runlock.py)."""
+    if not (out / RUN_MARKER).is_file():  # metrics.jsonl without the marker: maybe another tool's directory
+        return (f"{out} already holds a run (metrics.jsonl exists) but no complete checkpoint to resume from, and "
+                f"no {RUN_MARKER} marker to show trainforge wrote it; choose another --output")
+    if (out / "summary.json").is_file() or (out / "final").is_dir():
+        return (f"{out} holds a finished run (summary.json, final/) but no complete checkpoint to train on from; "
+                "choose another --output")
+    return None
+
+
+def start_again(out: Path, reporter: ConsoleReporter) -> Path:
+    """``out`` holds a run stopped or killed before its first checkpoint (``unfinished_without_checkpoint``): move
+    that attempt's files into ``out/attempts/N/`` (metrics.jsonl, events.jsonl, report.html, ...: ``trainforge
+    report`` and ``doctor`` read it there) so the new run starts from step 0 with a log of its own; returns
+    where they went. Moved rather than deleted: they may be all that says why it died (a loss going up, the
+    step it was killed at)."""
+    refused = unfinished_without_checkpoint(out)
+    if refused:
+        raise OutputDirError(refused)
+    n = 1
+    while (out / ATTEMPTS / str(n)).exists():
+        n += 1
+    dest = out / ATTEMPTS / str(n)
+    try:
+        dest.mkdir(parents=True)
+        (dest / RUN_MARKER).write_text("an earlier attempt of a trainforge run, moved aside\n")
+        for name in ATTEMPT_FILES:
+            if (out / name).exists():
+                os.replace(out / name, dest / name)  # one rename each: the same filesystem
+    except OSError as e:
+        raise OutputDirError(f"cannot move the earlier attempt's files of {out} into {dest}: {e}") from None
+    reporter.info(f"{out}: no checkpoint (stopped before its first one): starting again from step 0; "
+                  f"the earlier attempt's files are in {dest}")
+    return dest
 
 
 def _newest_first(root: Path, reporter: ConsoleReporter, recover: bool = False) -> list[CheckpointInfo]:
@@ -310,23 +354,30 @@ def _load_first(
         check_settings(info, cfg)
         if not has_checksums(info):  # written before checksums existed: sizes checked, bytes cannot be
             reporter.info(f"checkpoint {info.path} records no checksums (an older trainforge wrote it): not verified")
-        reason = verify_checkpoint(info)  # reads each checksummed file once, streaming
-        state = None
-        if reason is None:
-            try:
-                state = load_checkpoint_state(info.path)
-            except Exception as e:  # a damaged file: zip, pickle or I/O errors alike
-                reason = f"it cannot be loaded ({type(e).__name__}: {e})"
-        if state is not None:
-            found = nonfinite_tensors(checkpoint_tensors(state))
-            if found:
-                reason = f"its weights or optimizer state are not finite: {describe(found)}"
-        if reason is not None:
+        reason, state = checkpoint_fault(info)
+        if reason is not None or state is None:
             reporter.warn(f"skipping checkpoint {info.path}: {reason}")
             skipped.append(f"{info.path} ({reason})")
             continue
         return ResumePlan(info, state, same_run)
     raise ResumeError("no checkpoint could be loaded: " + "; ".join(skipped))
+
+
+def checkpoint_fault(info: CheckpointInfo, mmap: bool = False) -> tuple[str | None, dict[str, Any] | None]:
+    """Why a complete checkpoint cannot be resumed (None: it can), and its state when it can: its checksums, then
+    loading ``state.pt``, then finite weights and optimizer state. Resuming and ``doctor`` judge alike with it;
+    ``mmap``: map the file rather than read it into memory (``doctor``: an 8B run's state is tens of GB)."""
+    reason = verify_checkpoint(info)  # reads each checksummed file once, streaming
+    if reason is not None:
+        return reason, None
+    try:
+        state = load_checkpoint_state(info.path, mmap=mmap)
+    except Exception as e:  # a damaged file: zip, pickle or I/O errors alike
+        return f"it cannot be loaded ({type(e).__name__}: {e})", None
+    found = nonfinite_tensors(checkpoint_tensors(state))
+    if found:
+        return f"its weights or optimizer state are not finite: {describe(found)}", None
+    return None, state
 
 
 # ---------------------------------------------------------------- whether it continues this run
@@ -354,29 +405,6 @@ def check_fits_run(plan: ResumePlan, run: Run) -> None:
                 f"cannot resume from {info.path}: its weights do not match this model "
                 f"({len(state['model'])} tensors, {len(expected)} expected)"
             )
-
-
-def records_to_keep(out: Path, plan: ResumePlan) -> int:
-    """The metrics.jsonl records of the run at ``plan``'s checkpoint: those written before its save, and, when
-    the run finished at that checkpoint (summary.json of its step and final/ written), the final evaluation
-    written after it, at the same step, which no resumed process writes again."""
-    kept, step = plan.state["counters"]["metrics_records"], plan.checkpoint.step
-    try:
-        finished = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("steps") == step
-        lines = (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()[kept:]
-    except (OSError, ValueError, AttributeError):  # no summary (a killed run), or one that is not ours
-        return kept
-    if not (finished and (out / "final").is_dir()):
-        return kept
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:  # a torn last line
-            break
-        if not (isinstance(record, dict) and record.get("step") == step and "eval_loss" in record):
-            break
-        kept += 1
-    return kept
 
 
 def length_key(cfg: RunConfig) -> str:

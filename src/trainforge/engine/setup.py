@@ -64,7 +64,6 @@ from .resume import (
     check_fits_run,
     checkpoint_meta,
     choose_checkpoint,
-    records_to_keep,
     resume_note,
     resumes_a_checkpoint,
 )
@@ -211,6 +210,9 @@ def setup(
         ),
     )
     laps("services")
+    # a signal is in events.jsonl when it comes: a second one (or a SIGKILL) that ends the process before its stop
+    # event is written leaves doctor that much
+    stop.on_signal = lambda name: run.metrics.event("signal", run.step, signal=name)
     if resume_plan is not None:
         continue_from(run, resume_plan)  # last: it restores the random states that building the run consumed
         laps("resume")
@@ -387,9 +389,11 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
     check_fits_run(plan, run)
     run.load_state_dict(plan.state, plan.checkpoint.path)
     if plan.same_run:
-        dropped = run.metrics.truncate(records_to_keep(run.out, plan))
-        if dropped:
-            run.reporter.info(f"metrics.jsonl: dropped {dropped} records written after {plan.checkpoint.path.name}")
+        later, unreadable = run.metrics.keep_through(plan.checkpoint.step)
+        if later:
+            run.reporter.info(f"metrics.jsonl: dropped {later} records written after {plan.checkpoint.path.name}")
+        if unreadable:
+            run.reporter.warn(f"metrics.jsonl: dropped {unreadable} lines that are not metrics records (torn or foreign)")
     if run.dist.is_main:
         with writing(run.out / "config.yaml"):
             (run.out / "config.yaml").write_text(run.cfg.anchored().to_yaml())

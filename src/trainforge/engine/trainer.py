@@ -226,6 +226,7 @@ def train_loop(run: Run, steps: int | None = None) -> None:
         c.tokens_seen += step_tokens
         run.window.add(loss, skipped, step_tokens, indices if cfg.log.example_indices else None, len(indices), wait)
         run.window.add_sums(sums)  # a preference objective's rewards, margins, accuracy (read at the log step)
+        run.window.note_rates(lr, grad_norm)
         now = time.perf_counter()
         c.loop_time_s += now - tick
         c.peak_flop_s += (now - tick) * (run.facts.peak_flops or 0.0)  # the whole run's MFU in summary.json
@@ -246,7 +247,16 @@ def train_loop(run: Run, steps: int | None = None) -> None:
         paused = time.perf_counter() - paused
         tick += paused  # evaluation and checkpoint pauses are neither training time nor the next window's
         run.window.timed_from += paused
+    log_open_window(run)
     run.reporter.stop()
+
+
+def log_open_window(run: Run) -> None:
+    """A run resumed at its last step between log steps trains nothing: log the window its checkpoint left open."""
+    if run.window.steps and run.step == run.max_steps:  # a loop that ran logged its last step itself
+        w = run.window  # NaN: rates that a checkpoint of an older version did not keep
+        norm = torch.tensor(float("nan")) if w.last_grad_norm is None else w.last_grad_norm
+        log_step(run, float("nan") if w.last_lr is None else w.last_lr, norm, 0.0)
 
 
 def note_start(run: Run) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from ..config_errors import ConfigError
 from ..config_yaml import load_yaml, read_config_text
 from ..errors import TrainforgeError
+from ..runlock import RUN_MARKER
 from .sink import flat_config
 from .tracker import EVENTS_FILE, read_events
 
@@ -70,15 +71,18 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def load_run(path: Path) -> RunData:
-    """A run directory's metrics, events, summary and config."""
+def load_run(path: Path, before_metrics: bool = False) -> RunData:
+    """A run directory's metrics, events, summary and config. ``before_metrics``: a run directory (its
+    ``.trainforge-run`` marker) without metrics.jsonl, a run that ended during set-up, reads as one with no records
+    (``doctor``; a report of it would hold nothing)."""
     path = Path(path)
     metrics = path / "metrics.jsonl"
     if not path.is_dir():
         raise ReportError(f"{path}: no such directory; give a run directory (the --output of trainforge train)")
-    if not metrics.is_file():
+    setup_only = before_metrics and not metrics.is_file() and (path / RUN_MARKER).is_file()
+    if not metrics.is_file() and not setup_only:
         raise ReportError(f"{path}: no metrics.jsonl there; is it a trainforge run directory (the --output of trainforge train)?")
-    records = _read_jsonl(metrics)
+    records = [] if setup_only else _read_jsonl(metrics)
     summary_path, config_path = path / "summary.json", path / "config.yaml"
     try:
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None

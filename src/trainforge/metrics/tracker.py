@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_write_bytes
 from .sink import Sink
 
 # fields measured from the clock or the machine: they differ between identical runs, everything else must not
@@ -25,8 +26,8 @@ EVENTS_FILE = "events.jsonl"
 class MetricsLog:
     """Append-only JSONL writer; each line is complete on disk before training goes on.
 
-    ``records`` counts the complete lines in the file, so a checkpoint can note how far the
-    log had come and a resume can cut it back to exactly that point. Records also go to the
+    ``records`` counts the complete lines in the file; a resume cuts the file back to the records
+    of its checkpoint's step and before (``keep_through``). Records also go to the
     trackers (``sinks.py``: TensorBoard, W&B, MLflow). What happened to the run besides its
     steps (a resume, a checkpoint and the pause it cost, an out-of-memory back-off, a stop on a
     signal) goes to ``events.jsonl`` beside it (``event``): never cut back, it tells the whole story.
@@ -54,22 +55,34 @@ class MetricsLog:
         for sink in self.sinks:
             sink.write(record)
 
-    def truncate(self, records: int) -> int:
-        """Keep the first ``records`` lines (a torn last line goes too); returns how many were dropped."""
+    def keep_through(self, step: int) -> tuple[int, int]:
+        """Keep the records of steps up to ``step`` (a checkpoint's: the resumed run writes the later ones again);
+        returns how many lines were dropped: (records of later steps, lines that are not records).
+
+        By content, not by line count: a count saved with the checkpoint kept the first N lines, so one foreign
+        or torn line before the checkpoint's step kept the garbage and dropped a valid record. Kept: every line
+        that parses as a record of an integer ``step`` <= ``step``, in file order (an eval written after the
+        checkpoint at its own step, as a finished run's final evaluation, is kept too: nothing writes it again).
+        Dropped: later steps and lines that are not records (garbage, a torn last line). Where what is kept is the
+        file's beginning, one truncate cuts the rest; otherwise the kept lines are written to a temporary file
+        that replaces it (atomic), and the append handle is reopened on it."""
         with open(self.path, "rb") as f:
             data = f.read()
-        end, kept = 0, 0
-        while kept < records:
-            nl = data.find(b"\n", end)
-            if nl < 0:
-                break
-            end, kept = nl + 1, kept + 1
-        dropped = _complete_lines(self.path) - kept
+        lines = data.splitlines(keepends=True)
+        steps = [_step_of(line) for line in lines]
+        kept = [line for line, s in zip(lines, steps) if s is not None and s <= step]
+        end = sum(len(line) for line in kept)
         with self.writing(self.path):
             self._file.flush()
-            os.truncate(self.path, end)  # one call: the file is either cut or not
-        self.records = kept
-        return dropped
+            if data[:end] == b"".join(kept):
+                os.truncate(self.path, end)  # one call: the file is either cut or not
+            else:
+                atomic_write_bytes(self.path, b"".join(kept))
+                self._file.close()
+                self._file = open(self.path, "a", encoding="utf-8")
+        self.records = len(kept)
+        unreadable = steps.count(None)
+        return len(lines) - len(kept) - unreadable, unreadable
 
     def event(self, event: str, step: int, **fields: Any) -> None:
         """Append ``{"event": event, "step": step, "time": unix time, **fields}`` to events.jsonl."""
@@ -110,8 +123,8 @@ class NullMetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         pass
 
-    def truncate(self, records: int) -> int:
-        return 0
+    def keep_through(self, step: int) -> tuple[int, int]:
+        return 0, 0
 
     def event(self, event: str, step: int, **fields: Any) -> None:
         pass
@@ -127,6 +140,18 @@ class NullMetricsLog:
 
     def close(self, ok: bool = True) -> None:
         pass
+
+
+def _step_of(line: bytes) -> int | None:
+    """The step of a metrics.jsonl line; None for a line that is not a complete record (garbage, torn, foreign)."""
+    if not line.endswith(b"\n"):
+        return None  # a torn last line, even where what was written of it parses
+    try:
+        record = json.loads(line)
+    except ValueError:  # UnicodeDecodeError too
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def _complete_lines(path: Path) -> int:

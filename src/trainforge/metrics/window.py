@@ -24,6 +24,10 @@ class LogWindow:
     carried_s: float = 0.0  # seconds the window had run before the checkpoint it was resumed from
     timed_from: float = field(default_factory=time.perf_counter)  # when its time on this process began
     sums: dict[str, torch.Tensor] = field(default_factory=dict)  # an objective's metric sums (engine/objective.py)
+    # the last step's learning rate and gradient norm (a device tensor, read at the log step): a run resumed at
+    # its last step logs the window its checkpoint left open with them (engine/trainer.py: log_open_window)
+    last_lr: float | None = None
+    last_grad_norm: torch.Tensor | None = None
 
     @property
     def started(self) -> float:
@@ -53,6 +57,10 @@ class LogWindow:
         if indices is not None:
             self.indices.append(indices)
 
+    def note_rates(self, lr: float, grad_norm: torch.Tensor) -> None:
+        """The step's learning rate and gradient norm (not read from the device here)."""
+        self.last_lr, self.last_grad_norm = lr, grad_norm
+
     def add_sums(self, sums: dict[str, torch.Tensor]) -> None:
         """Add a step's metric sums (device tensors, not read here)."""
         for key, value in sums.items():
@@ -81,6 +89,8 @@ class LogWindow:
             "data_wait_s": self.data_wait_s,
             "elapsed_s": time.perf_counter() - self.started,  # the span so far, carried into a resumed run
             "sums": {k: v.detach().cpu().clone() for k, v in self.sums.items()},
+            "last_lr": self.last_lr,
+            "last_grad_norm": None if self.last_grad_norm is None else float(self.last_grad_norm),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,4 +101,7 @@ class LogWindow:
         self.steps, self.tokens, self.indices = state["steps"], state["tokens"], [list(i) for i in state["indices"]]
         self.rows, self.data_wait_s = state.get("rows", 0), state.get("data_wait_s", 0.0)
         self.carried_s, self.timed_from = state.get("elapsed_s", 0.0), time.perf_counter()
+        grad_norm = state.get("last_grad_norm")  # none in checkpoints of older versions
+        self.last_lr = state.get("last_lr")
+        self.last_grad_norm = None if grad_norm is None else torch.tensor(grad_norm)
         self.sums = {k: v.to(self.loss_sum.device) for k, v in state.get("sums", {}).items()}
