@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from .allocator import prefer_expandable_segments
-from .errors import EXIT_BAD_INPUT, EXIT_PLAN_ERROR, EXIT_UNEXPECTED, TrainforgeError, exit_codes_text
+from .errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PLAN_ERROR, EXIT_UNEXPECTED, TrainforgeError, exit_codes_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 err = Console(stderr=True, highlight=False)
@@ -458,15 +458,15 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT, label: str = "error", quiet:
     raise typer.Exit(code)
 
 
-class _StoppedEarly(BaseException):
-    """SIGTERM/SIGINT where no command's own stop handling runs (before a run installs it, or in a command without
-    one): a BaseException, so no ``except Exception`` on the way swallows it."""
-
-
 def _stop_early(signum: int, frame: object) -> None:
+    """SIGTERM/SIGINT where no command's own stop handling runs (before a run installs it, or in a command without
+    one): exit 75 with a line. SystemExit passes every ``except Exception`` on the way (and click), and unwinds
+    through the ``finally`` blocks that remove temporaries; os.write, not the console: a handler can interrupt a
+    print that holds the console's lock."""
     import signal
 
-    raise _StoppedEarly(signal.Signals(signum).name)
+    os.write(2, f"stopped: {signal.Signals(signum).name}, before anything was saved; run the same command again\n".encode())
+    raise SystemExit(EXIT_INTERRUPTED)
 
 
 def main() -> None:
@@ -474,18 +474,12 @@ def main() -> None:
     seconds) stops it with exit 75 and a line saying nothing was saved, not a bare 143 or a KeyboardInterrupt."""
     import signal
 
-    from .errors import EXIT_INTERRUPTED
     from .library_logs import quiet_library_logs
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, _stop_early)
-    try:
-        quiet_library_logs()
-        app()
-    except _StoppedEarly as e:
-        err.print(f"[bold red]stopped:[/bold red] {e.args[0]}, before anything was saved; run the same command again",
-                  soft_wrap=True)
-        sys.exit(EXIT_INTERRUPTED)
+    quiet_library_logs()
+    app()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_before_a_commands_own_handling_exits_75(monkeypatch, capsys, signum):
+def test_a_signal_before_a_commands_own_handling_exits_75(monkeypatch, capfd, signum):
     """It exited 143 (SIGTERM's default) or with a KeyboardInterrupt traceback in the seconds before `train` installed
     its handler: exit 75 says "stopped, nothing saved, run it again", as the exit-code table promises."""
     import trainforge.cli as cli
@@ -34,5 +34,5 @@ def test_a_signal_before_a_commands_own_handling_exits_75(monkeypatch, capsys, s
         for s, handler in previous.items():
             signal.signal(s, handler)
     assert e.value.code == 75
-    said = capsys.readouterr().err
+    said = capfd.readouterr().err
     assert f"stopped: {signal.Signals(signum).name}, before anything was saved; run the same command again" in said
