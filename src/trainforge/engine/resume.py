@@ -243,10 +243,11 @@ def refuse_changed_settings(out: Path, cfg: RunConfig, resume: str, world_size: 
 
 
 def choose_checkpoint(
-    out: Path, cfg: RunConfig, resume: str, reporter: ConsoleReporter, world_size: int = 1
+    out: Path, cfg: RunConfig, resume: str, reporter: ConsoleReporter, world_size: int = 1, main: bool = True
 ) -> ResumePlan | None:
     """The checkpoint to continue from (``resume``: auto|never|PATH), loaded; None for a fresh run, or (auto) for
-    a run that ended before its first checkpoint, which starts again (``start_again``).
+    a run that ended before its first checkpoint, which starts again (``start_again``, by the ``main`` process only:
+    every rank chooses, one moves the files).
     Refuses an output directory that holds another run (runlock.probe_run_dir), and a checkpoint written by
     another number of processes before its state is read (an 8B run's optimizer state is tens of GB) and
     before the model loads."""
@@ -259,7 +260,7 @@ def choose_checkpoint(
         candidates, same_run = [], False
     elif resume == "auto":
         candidates, same_run = _newest_first(out / CHECKPOINTS, reporter, recover=True), True
-        if not candidates and holds_run:
+        if not candidates and holds_run and main:
             start_again(out, reporter)
     else:
         candidates = _checkpoints_at(Path(resume), reporter)

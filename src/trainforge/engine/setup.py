@@ -118,7 +118,7 @@ def setup(
         # a signal stops tokenizing at the next chunk; bad data fails before the run dir exists
         data = plan_data(cfg, tokenizer, reporter, device.type == "cuda", lambda: stop.stop_before_training(output_dir, ctx.enabled))
         out = Path(output_dir)
-        resume_plan = choose_checkpoint(out, cfg, resume, reporter, ctx.world_size)
+        resume_plan = choose_checkpoint(out, cfg, resume, reporter, ctx.world_size, ctx.is_main)
         if resume_plan is None and ctx.is_main:
             with writing(out / "config.yaml"):
                 (out / "config.yaml").write_text(cfg.anchored().to_yaml())  # a resumed run's, once the checkpoint is checked
