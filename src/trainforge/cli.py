@@ -134,12 +134,16 @@ def prepare(
     config: Annotated[Optional[Path], typer.Argument(help="YAML config; omit for the built-in default")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override a key (repeatable)")] = None,
 ) -> None:
-    """Tokenize, pack and cache the data only; a later `train` with the same data reuses the cache."""
+    """Tokenize, pack and cache the data only; a later `train` with the same data reuses the cache.
+    SIGTERM/SIGINT stops it at the next chunk of rows, nothing cached (exit 75)."""
     from .config import load_config
-    from .data.plan import prepare_only
+    from .data.plan import PREPARE_STOPPING, prepare_only
+    from .engine.preempt import StopRequest
 
     with user_errors():
-        prepare_only(load_config(config, set_ or []))
+        cfg = load_config(config, set_ or [])
+        with StopRequest(PREPARE_STOPPING) as stop:
+            prepare_only(cfg, stop=stop)
 
 
 @app.command()

@@ -16,6 +16,7 @@ import numpy as np
 from ..atomic import atomic_write_text
 from ..config import ModelSettings, RunConfig
 from ..config_preference import OBJECTIVES_FOR_DATA
+from ..engine.preempt import Interrupted, StopRequest
 from ..metrics.console import ConsoleReporter
 from ..model.tokenizer import bpe_tokenizer_from_json, build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
 from .cache import built_tokenizer_file
@@ -160,12 +161,24 @@ def collator_for(cfg: RunConfig, tokenizer, model: ModelSettings | None = None) 
     return lambda store, pin=False: RowCollator(store, tokenizer.pad_token_id, d.packing, d.max_length, pin=pin)
 
 
-def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None) -> dict[str, Any]:
-    """``trainforge prepare``: tokenizer, token cache and packing, with the statistics; no model."""
+PREPARE_STOPPING = "stopping: tokenizing stops at its next chunk of rows and caches nothing (send it again to stop at once)"
+"""What ``trainforge prepare`` says on a first SIGTERM/SIGINT (``StopRequest``'s ``doing``)."""
+
+
+def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None, stop: StopRequest | None = None) -> dict[str, Any]:
+    """``trainforge prepare``: tokenizer, token cache and packing, with the statistics; no model.
+    ``stop``: a signal it caught stops the tokenizing at its next chunk, nothing cached (``Interrupted``)."""
     reporter = reporter or ConsoleReporter()
+
+    def stop_if_asked() -> None:
+        if stop is not None and stop.requested:
+            raise Interrupted(f"{stop.name} while preparing the data: stopped before the token cache entry was "
+                              "complete, nothing of it saved; run the same command again to prepare the data", stop.name)
+
     check_objective_data(cfg)  # from the first row: refused before a tokenizer is trained or anything tokenized
     tokenizer = get_tokenizer(cfg, reporter)
-    plan = plan_data(cfg, tokenizer, reporter)
+    stop_if_asked()
+    plan = plan_data(cfg, tokenizer, reporter, between_chunks=stop_if_asked)
     loader = TrainLoader(plan.train_rows, plan.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False)
     efficiency = loader.padding_efficiency()
     reporter.info(describe_data(plan, efficiency))

@@ -8,12 +8,12 @@ publishing: ``data/cache.py``; which rows or blocks become the eval set: ``data/
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -32,6 +32,7 @@ from .holdout import RowHoldout, holdout_kind, split_off_blocks
 from .sources import BadRows, DataError, Row, iter_source
 from .seq2seq import tokenize_pairs
 from .store import StoreWriter, TokenStore
+from .workers import stop_pool, worker_pool
 
 CHUNK_ROWS = 1024
 
@@ -138,9 +139,10 @@ class ChunkTokenizer:
         self.between_chunks = between_chunks or (lambda: None)  # may raise to stop (a signal): checked per chunk
         self.pool: ProcessPoolExecutor | None = None
         if workers > 1:
-            # fork: workers inherit the loaded tokenizer instead of re-importing transformers (seconds each)
+            # fork: workers inherit the loaded tokenizer instead of re-importing transformers (seconds each);
+            # they leave signals to this process and die with it (data/workers.py)
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # processes, not threads, do the parallel work
-            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+            self.pool = worker_pool(workers)
 
     def map(self, chunks: Iterator[list[Row]]) -> Iterator[tuple[TokenizedChunk, list[str]]]:
         if self.pool is None:
@@ -149,17 +151,23 @@ class ChunkTokenizer:
                 yield _tokenize_chunk(c)
             return
         pending: deque[Future] = deque()
-        for c in chunks:
-            self.between_chunks()
-            pending.append(self.pool.submit(_tokenize_chunk, c))
-            if len(pending) >= 2 * self.workers:  # bounded in-flight work: bounded memory
+        try:
+            for c in chunks:
+                self.between_chunks()
+                pending.append(self.pool.submit(_tokenize_chunk, c))
+                if len(pending) >= 2 * self.workers:  # bounded in-flight work: bounded memory
+                    yield pending.popleft().result()
+            while pending:
                 yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        except BrokenProcessPool:
+            self.between_chunks()  # the workers got the stop signal too (sent to the process group): stop as asked
+            raise
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Shut the workers down: after the work they hold, or (``abort``: a stop, an error) at once."""
         if self.pool is not None:
-            self.pool.shutdown()
+            stop_pool(self.pool) if abort else self.pool.shutdown()
+            self.pool = None
         _WORKER.clear()
 
 
@@ -290,8 +298,10 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
         train_counts = _write_store(out / ("all" if kind == "blocks" else "train"), train_side(), tok, bad, vocab)
         if kind == "rows":
             eval_counts = _write_store(out / "eval", iter([holdout.held_out()]), tok, bad, vocab)
-    finally:
-        tok.close()
+    except BaseException:  # a stop or an error: the workers' remaining chunks would be thrown away
+        tok.close(abort=True)
+        raise
+    tok.close()
     if kind == "blocks":
         if train_counts.sequences == 0:
             raise _nothing_to_learn(bad, train_counts, cfg, fmt)
