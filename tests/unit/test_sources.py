@@ -446,3 +446,15 @@ def test_an_overlong_csv_line_is_refused(tmp_path, monkeypatch):
         rows_of(path, "skip")
     monkeypatch.setattr(textfiles, "MAX_LINE_BYTES", 1 << 20)
     assert [r.data["text"] for r in rows_of(path)] == ["short", "a" * 50_000]
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])
+def test_malformed_json_names_the_column_on_the_line_itself(tmp_path, ending):
+    """A row cut off mid-object was reported "at column 1": the column of the line after, as the parser
+    counted the line's own newline. The last line, without an ending, alike."""
+    path = tmp_path / "cut.jsonl"
+    path.write_text(ending.join(['{"text": "ok"}', '{"text": "abc", ', '{"text": abc}', '{"text": "abc", ']), newline="")
+    bad = BadRows("skip")
+    assert [r.data for r in iter_source(str(path), bad, "file")] == [{"text": "ok"}]
+    cut = "malformed JSON at column 17 (the line ends there: is the row cut off?): Expecting property name enclosed in double quotes"
+    assert bad.first == [f"{path}:2: {cut}", f"{path}:3: malformed JSON at column 10: Expecting value", f"{path}:4: {cut}"]

@@ -173,10 +173,13 @@ def read_jsonl(path: Path, bad: BadRows) -> Iterator[Row]:
                 continue
             if not line.strip():
                 continue
+            # the line without its ending: parsed with it, a row cut off mid-object failed at "column 1" (of the next line)
+            line = line.rstrip("\r\n")
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                bad.report(f"{where}: malformed JSON at column {e.colno}: {e.msg}")
+                cut = " (the line ends there: is the row cut off?)" if e.pos >= len(line) else ""
+                bad.report(f"{where}: malformed JSON at column {e.colno}{cut}: {e.msg}")
                 continue
             except RecursionError:  # the parser recurses once per level: thousands of nested brackets
                 bad.report(f"{where}: JSON nested too deeply to parse; a row is one object of text fields")
