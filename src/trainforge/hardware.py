@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, default_cache_dir
+from .config_errors import shown
 
 
 @dataclass(frozen=True)
@@ -345,12 +347,21 @@ MEMORY_CAP_ENV = "TRAINFORGE_MEMORY_GIB"
 
 
 def memory_cap_gib(found: float) -> float:
-    """``found`` GiB, or less when $TRAINFORGE_MEMORY_GIB says so."""
-    cap = os.environ.get(MEMORY_CAP_ENV)
+    """``found`` GiB, or less when $TRAINFORGE_MEMORY_GIB says so; a ``ConfigError`` (exit 2) naming the
+    variable and its value when that is not a positive number."""
+    cap = os.environ.get(MEMORY_CAP_ENV, "").strip()
+    if not cap:
+        return found
     try:
-        return min(found, float(cap)) if cap else found
+        gib = float(cap)
     except ValueError:
-        raise ValueError(f"${MEMORY_CAP_ENV}={cap!r}: expected a number of GiB, e.g. 12") from None
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise ConfigError(
+            f"${MEMORY_CAP_ENV}={shown(cap)}: expected a positive number of GiB, e.g. 12 or 7.5 (the most memory plan "
+            f"and the run's automatic settings assume this machine has); fix it, or unset it to use all the memory found"
+        )
+    return min(found, gib)
 
 
 def device_memory(device: torch.device) -> tuple[int | None, str]:

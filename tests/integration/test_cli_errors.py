@@ -115,8 +115,23 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path, finetune_config, toy
 
     assert proc.returncode == 2, show(proc)
     assert "Traceback" not in proc.stderr, show(proc)
-    assert "pc_bad.jsonl:3" in proc.stderr, show(proc)
+    message = " ".join(proc.stderr.split())
+    # the column on the line itself, where the row is cut off (it said "column 1", counting the line's newline)
+    assert "pc_bad.jsonl:3: malformed JSON at column 45 (the line ends there: is the row cut off?)" in message, show(proc)
     assert not out.exists()  # data is read before the run directory is created
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_a_bad_memory_cap_in_the_environment_exits_2_naming_it(tmp_path, finetune_config, monkeypatch, command):
+    """It was a ValueError traceback (exit 1) from train."""
+    config = write_config(tmp_path / "run.yaml", finetune_config)
+    out = tmp_path / "out"
+    monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", "abc")
+    proc = run_cli([command, config, *(["--output", out] if command == "train" else [])], tmp_path, timeout=120)
+    assert proc.returncode == 2, show(proc)
+    message = " ".join(proc.stderr.split())
+    assert "$TRAINFORGE_MEMORY_GIB='abc': expected a positive number of GiB, e.g. 12" in message, show(proc)
+    assert "Traceback" not in proc.stderr and not out.exists(), show(proc)
 
 
 def test_error_message_shows_values_verbatim(tmp_path, finetune_config):

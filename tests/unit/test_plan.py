@@ -221,9 +221,21 @@ def test_memory_cap_from_the_environment(monkeypatch):
 
     monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", "1.5")
     assert this_profile(torch.device("cpu"), timing=False).memory_gib == 1.5
-    monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", "lots")
-    with pytest.raises(ValueError, match="TRAINFORGE_MEMORY_GIB"):
+    monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", " ")  # blank: as unset
+    assert this_profile(torch.device("cpu"), timing=False).memory_gib > 0
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "-2", "nan", "inf"])
+def test_a_bad_memory_cap_is_a_config_error_naming_the_variable(monkeypatch, value):
+    """A ValueError (a traceback, exit 1, from train); nan, 0 and negatives passed, nan as no cap at all."""
+    from trainforge.errors import EXIT_BAD_INPUT, TrainforgeError
+    from trainforge.hardware import this_profile
+
+    monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", value)
+    with pytest.raises(TrainforgeError) as e:
         this_profile(torch.device("cpu"), timing=False)
+    assert e.value.exit_code == EXIT_BAD_INPUT
+    assert str(e.value).startswith(f"$TRAINFORGE_MEMORY_GIB={value!r}: expected a positive number of GiB, e.g. 12")
 
 
 def test_load_peak_counts_the_weight_file_bytes_read_and_what_they_become(tiny_model_dir):
