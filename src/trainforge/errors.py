@@ -27,8 +27,8 @@ EXIT_CODES: dict[int, str] = {
     EXIT_PLAN_ERROR: "plan: a finding is an error (the run as planned would fail; each finding names its fix)",
     EXIT_INTERRUPTED: "stopped by SIGTERM/SIGINT: a run saves a checkpoint first (none before its first step), and the "
     "same command with the same --output resumes it, or starts it again from step 0 where it saved none (the message "
-    "names the directory; a second signal stops at once, without saving); selftest, bench and plan --measure save "
-    "nothing: run them again",
+    "names the directory; a second signal stops at once, without saving); selftest, bench, plan --measure and "
+    "prepare save nothing: run them again",
 }
 """Exit code -> what it means, for every code trainforge exits with on purpose."""
 
