@@ -24,6 +24,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the parent's to act on (engine/preempt.py)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 ORPHAN_EXIT_CODE = 70  # a worker whose parent was gone before it could watch for that (sysexits EX_SOFTWARE)
 PARENT_POLL_S = 1.0  # without PR_SET_PDEATHSIG: how often a worker checks that its parent lives
@@ -51,8 +52,10 @@ def _watch_parent(parent_pid: int) -> None:
 def init_worker(parent_pid: int) -> None:
     """A pool worker's first act (``ProcessPoolExecutor(initializer=...)``): the signal dispositions and the
     tie to ``parent_pid`` described above."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by worker_pool while forking; now ignored
     tied = set_parent_death_signal()
     if os.getppid() != parent_pid:  # the parent died before the death signal was set: nobody reads our results
         os._exit(ORPHAN_EXIT_CODE)
@@ -63,8 +66,18 @@ def init_worker(parent_pid: int) -> None:
 def worker_pool(workers: int) -> ProcessPoolExecutor:
     """A pool of ``workers`` forked processes (they inherit what the parent loaded) tied to this process.
     Workers are forked by the thread that first submits work: keep the pool's use within that thread's life."""
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
                                initializer=init_worker, initargs=(os.getpid(),))
+    # the first submit forks every worker: with the stop signals blocked, so that none reaches a worker before
+    # init_worker ignores them (it would run the parent's handler there: a KeyboardInterrupt, a SystemExit)
+    blocked = hasattr(signal, "pthread_sigmask")
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if blocked else set()
+    try:
+        pool.submit(int)
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return pool
 
 
 def stop_pool(pool: ProcessPoolExecutor, wait_s: float = JOIN_S) -> None:
