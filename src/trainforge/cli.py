@@ -342,7 +342,8 @@ def eval_(
 ) -> None:
     """Loss, perplexity and token count of a model on a dataset, through the training data pipeline and masks
     (completion-only / assistant-only as the run trained). On a run directory its data settings and precision
-    apply; on the run's eval file the loss equals the run's final eval_loss. Progress goes to stderr."""
+    apply; on the run's eval file the loss equals the run's final eval_loss where the run evaluated every batch
+    (train.eval_max_batches: null; auto evaluates a share). Progress goes to stderr."""
     import json
 
     from .tools.evaluate import evaluate_model, render

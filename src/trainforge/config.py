@@ -23,7 +23,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_vali
 from .config_base import MAX_STEPS, MAX_TOKENS, Section
 from .config_errors import ConfigError, clip, format_errors, key_lines, shown
 from .config_model import (
-    LoraSettings, ModelSettings, input_is_encoder_decoder, is_encoder_decoder, model_type_of, validate_init_fields,
+    LoraSettings, ModelSettings, input_kind, is_encoder_decoder, model_type_of, validate_init_fields,
 )
 from .config_optim import OptimSettings
 from .config_presets import apply_presets
@@ -329,8 +329,9 @@ class RunConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _packing_follows_the_model_kind(cls, raw: Any) -> Any:
-        """An encoder-decoder trains one source -> target example per row: an unset ``data.packing`` resolves to
-        false on (a copy of) the input, before validation; no validator changes a section, config.yaml says false."""
+        """An encoder-decoder trains one source -> target example per row, and a model with recurrent layers (Mamba,
+        linear attention) cannot keep packed documents apart: an unset ``data.packing`` resolves to false on (a copy
+        of) the input, before validation; no validator changes a section, config.yaml says false."""
         if not isinstance(raw, dict):
             return raw
         data = raw.get("data")
@@ -338,7 +339,8 @@ class RunConfig(Section):
             unset = "packing" not in data.model_fields_set
         else:
             unset = isinstance(data, dict) and "packing" not in data
-        if not unset or not input_is_encoder_decoder(raw.get("model")):
+        kind = input_kind(raw.get("model")) if unset else None
+        if kind is None or not (kind.encoder_decoder or kind.recurrent):
             return raw
         resolved = data.model_copy(update={"packing": False}) if isinstance(data, DataSettings) else {**data, "packing": False}
         return {**raw, "data": resolved}
@@ -349,6 +351,13 @@ class RunConfig(Section):
         d, kind = self.data, self.model.kind
         check_objective(self)
         if not kind.encoder_decoder:
+            if kind.recurrent and d.packing is True:  # given: an unset one resolved to false
+                raise ValueError(
+                    f"data.packing: the model ({kind.model_type}) has {kind.recurrent} layers, whose state runs along the "
+                    "row past any position reset: documents packed into one row would read each other; set "
+                    "data.packing: false (one example per row, batches grouped by length) or leave it unset; "
+                    "'concat' (text as one stream, for pretraining) is fine"
+                )
             if d.max_target_length is not None:
                 raise ValueError(
                     "data.max_target_length: only encoder-decoder models (T5, BART, ...) have a separate target; "

@@ -212,18 +212,18 @@ def _non_finite(value: Any, path: str = "") -> str | None:
     return None
 
 
-def input_is_encoder_decoder(model: Any) -> bool:
-    """Whether a model section, not yet validated, names an encoder-decoder (False where validation will reject it)."""
+def input_kind(model: Any) -> ModelKind | None:
+    """The kind of the model a model section, not yet validated, names (None where validation will reject it)."""
     if isinstance(model, ModelSettings):
-        return model.kind.encoder_decoder
+        return model.kind
     if not isinstance(model, dict):
-        return False
+        return None
     path, init = model.get("path"), model.get("init")
     try:
         if init is None and isinstance(path, (str, os.PathLike)):
-            return hf_dir.model_kind(path).encoder_decoder
+            return hf_dir.model_kind(path)
         if path is None and isinstance(init, dict) and isinstance(init.get("architecture"), str):
-            return hf_dir.init_kind(init).encoder_decoder
+            return hf_dir.init_kind(init)
     except Exception:  # an architecture transformers cannot build: the model section's own validator says so
         pass
-    return False
+    return None

@@ -38,6 +38,38 @@ class ModelKind:
 
     model_type: str | None  # transformers' model_type (llama, t5, bart, ...); None where the directory names none
     encoder_decoder: bool  # T5, mT5, BART, ...: a source into the encoder, a target out of the decoder
+    recurrent: str | None = None  # layers whose state runs along the sequence (Mamba, linear attention): what they are
+
+
+# model types whose layers carry a state along the sequence, past any position reset: Mamba / SSM mixers,
+# linear attention, RWKV, xLSTM, RG-LRU; packed documents would read each other through it
+RECURRENT_MODEL_TYPES = {
+    "mamba": "Mamba", "mamba2": "Mamba", "falcon_mamba": "Mamba", "falcon_h1": "Mamba", "jamba": "Mamba",
+    "zamba": "Mamba", "zamba2": "Mamba", "bamba": "Mamba", "granitemoehybrid": "Mamba", "nemotron_h": "Mamba",
+    "lfm2": "short-convolution", "lfm2_moe": "short-convolution", "qwen3_next": "linear-attention",
+    "minimax": "linear-attention", "kimi_linear": "linear-attention", "olmo_hybrid": "linear-attention",
+    "rwkv": "RWKV", "xlstm": "xLSTM", "recurrent_gemma": "recurrent",
+}  # fmt: skip
+_RECURRENT_WORDS = (("mamba", "Mamba"), ("ssm", "Mamba"), ("linear_attention", "linear-attention"),
+                    ("deltanet", "linear-attention"), ("conv", "short-convolution"), ("recurrent", "recurrent"))
+
+
+def recurrent_layers(config: dict[str, Any]) -> str | None:
+    """What layers of this config.json carry a state along the sequence ("Mamba", "linear-attention", ...), else None:
+    its model type, Mamba/SSM fields (``mamba_d_state``, ``ssm_state_size``), or a per-layer type list naming such a
+    layer (``layer_types``, ``layers_block_type``: Qwen3.5's "linear_attention"; Gemma's sliding windows are not)."""
+    found = RECURRENT_MODEL_TYPES.get(str(config.get("model_type")))
+    if found:
+        return found
+    if any(isinstance(k, str) and ("mamba" in k.lower() or k.lower().startswith("ssm_")) for k in config):
+        return "Mamba"
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        kinds = config.get(key)
+        for kind in kinds if isinstance(kinds, list) else []:
+            for word, name in _RECURRENT_WORDS:
+                if isinstance(kind, str) and word in kind.lower():
+                    return name
+    return None
 
 
 def has_any(directory: Path, names: tuple[str, ...]) -> bool:
@@ -61,8 +93,9 @@ def model_kind(path: str | Path) -> ModelKind:
     config = _read_json(config_file, config_version)
     model_type = config.get("model_type")
     if "is_encoder_decoder" in config:
-        return ModelKind(model_type, bool(config["is_encoder_decoder"]))
-    return ModelKind(model_type, architecture_is_encoder_decoder(model_type) if "model_type" in config else False)
+        return ModelKind(model_type, bool(config["is_encoder_decoder"]), recurrent_layers(config))
+    encoder_decoder = architecture_is_encoder_decoder(model_type) if "model_type" in config else False
+    return ModelKind(model_type, encoder_decoder, recurrent_layers(config))
 
 
 def dir_is_encoder_decoder(path: str | Path) -> bool:
@@ -75,7 +108,7 @@ def init_kind(init: dict[str, Any]) -> ModelKind:
     """The kind of a model built from scratch from ``{architecture: ..., <config fields>}``."""
     arch = init["architecture"]
     encoder_decoder = init["is_encoder_decoder"] if "is_encoder_decoder" in init else architecture_is_encoder_decoder(arch)
-    return ModelKind(str(arch), bool(encoder_decoder))
+    return ModelKind(str(arch), bool(encoder_decoder), recurrent_layers({**init, "model_type": arch}))
 
 
 @lru_cache(maxsize=None)

@@ -250,3 +250,33 @@ def test_a_model_that_transforms_its_logits_keeps_its_head_out_of_the_fused_loss
     assert kernels.transforms_logits(model.config)
     model.config.logits_scaling = 1.0
     assert not kernels.transforms_logits(model.config)
+
+
+@pytest.mark.parametrize("field, value", [("lm_head_multiplier", 0.25), ("output_multiplier", 2.0), ("logit_scale", 0.0625),
+                                          ("final_logit_softcapping", 30.0), ("logits_scaling", 8.0)])
+@pytest.mark.parametrize("nested", [False, True], ids=["top", "text_config"])
+def test_every_logit_scale_a_causal_lm_applies_is_seen(field, value, nested):
+    """Falcon-H1 multiplies lm_head's output by ``lm_head_multiplier``: the fused head left it out and trained another
+    objective (loss 5.75 against 5.76, a gradient 4x too large). Multimodal models keep such fields in ``text_config``."""
+    from types import SimpleNamespace
+
+    fields = {field: value}
+    config = SimpleNamespace(text_config=SimpleNamespace(**fields)) if nested else SimpleNamespace(**fields)
+    assert kernels.transforms_logits(config)
+    neutral = {field: 1.0 if field in kernels.LOGIT_SCALES else None}
+    assert not kernels.transforms_logits(SimpleNamespace(text_config=SimpleNamespace(**neutral)) if nested else SimpleNamespace(**neutral))
+
+
+def test_the_fused_head_takes_falcon_h1s_multiplied_logits():
+    """End to end on a tiny Falcon-H1: with lm_head_multiplier 0.25 the run's loss is the model's own."""
+    import transformers
+
+    from trainforge.engine.loss import fused_head
+
+    config = transformers.FalconH1Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, mamba_d_state=8, mamba_n_heads=2,
+                                         mamba_d_head=16, mamba_d_ssm=32, mamba_n_groups=1, lm_head_multiplier=0.25)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert fused_head(model) is None  # the model's own head, multiplier included
+    model.config.lm_head_multiplier = 1.0
+    assert fused_head(model) is not None

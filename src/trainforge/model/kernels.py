@@ -75,13 +75,23 @@ _TORCH_NAMES: dict[str, dict[str, object]] = {}
 """Per transformers modeling module Liger patched in this process: the names it replaced, as they were."""
 
 
+# config fields by which a causal LM scales lm_head's output before its loss, away from 1 (None: unset)
+LOGIT_SCALES = ("logits_scaling", "lm_head_multiplier", "output_multiplier")
+
+
 def transforms_logits(config: Any) -> bool:
     """The model changes ``lm_head``'s output before its loss: Gemma 2's soft-capping, Cohere's ``logit_scale``,
-    Granite's ``logits_scaling`` (HyperCLOVAX multiplies by it). A fused head (trainforge's or Liger's) would
-    compute another loss, so such models take their own head."""
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        return True
-    return getattr(config, "logits_scaling", 1) not in (None, 1)
+    Granite's ``logits_scaling`` (HyperCLOVAX multiplies by it), Falcon-H1's ``lm_head_multiplier``, or such a field
+    of a multimodal model's ``text_config``. A fused head (trainforge's or Liger's) would compute another loss, so
+    such models take their own head."""
+    for c in (config, getattr(config, "text_config", None)):
+        if c is None:
+            continue
+        if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None):
+            return True
+        if any(getattr(c, name, None) not in (None, 1) for name in LOGIT_SCALES):
+            return True
+    return False
 
 
 def apply_liger(model: torch.nn.Module, warn: Callable[[str], None] = lambda _: None) -> list[str]:
