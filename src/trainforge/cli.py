@@ -470,7 +470,10 @@ def _stop_early(signum: int, frame: object) -> None:
     print that holds the console's lock."""
     import signal
 
-    os.write(2, f"stopped: {signal.Signals(signum).name}, before anything was saved; run the same command again\n".encode())
+    # it also stands where a command's own handling has ended (after a run saved, while its process group shuts down):
+    # "nothing more was saved" holds either way
+    os.write(2, f"stopped: {signal.Signals(signum).name}; nothing more was saved (what was saved before stays); "
+                "run the same command again\n".encode())
     raise SystemExit(EXIT_INTERRUPTED)
 
 

@@ -435,8 +435,7 @@ def default_config() -> dict[str, Any]:
         "data": {
             "train": BUILTIN_STDLIB,
             "eval": 0.05,
-            "max_length": 256,
-            "packing": True,
+            "max_length": 256,  # packing: left to the model's kind (true for this Llama; false where --set names a Mamba)
             "max_documents": 300,
         },
         "train": {"max_steps": 600, "micro_batch_size": 8, "eval_every": 200},

@@ -92,8 +92,9 @@ def format_errors(
             msg = "required key is missing"
         given = _lookup(data, loc)
         where = ""
-        # the key, one above it (train={...}) or one below it (an unknown section, trian.max_steps=3) was --set
-        if any(loc[:n] in overridden for n in range(1, len(loc) + 1)) or any(o[: len(loc)] == loc for o in overridden):
+        # the key, or one above it (train={...}), was --set; or, for an unknown key, one below it (trian.max_steps=3)
+        below = e["type"] == "extra_forbidden" and any(o[: len(loc)] == loc for o in overridden)
+        if any(loc[:n] in overridden for n in range(1, len(loc) + 1)) or below:
             where = " (from --set)"
         else:
             line = _nearest_line(marks, loc)

@@ -61,6 +61,9 @@ def recurrent_layers(config: dict[str, Any]) -> str | None:
     found = RECURRENT_MODEL_TYPES.get(str(config.get("model_type")))
     if found:
         return found
+    text = config.get("text_config")
+    if isinstance(text, dict) and (found := recurrent_layers(text)):  # Qwen3.5's layer types, under its text config
+        return found
     if any(isinstance(k, str) and ("mamba" in k.lower() or k.lower().startswith("ssm_")) for k in config):
         return "Mamba"
     for key in ("layer_types", "layers_block_type", "block_types"):
@@ -108,7 +111,20 @@ def init_kind(init: dict[str, Any]) -> ModelKind:
     """The kind of a model built from scratch from ``{architecture: ..., <config fields>}``."""
     arch = init["architecture"]
     encoder_decoder = init["is_encoder_decoder"] if "is_encoder_decoder" in init else architecture_is_encoder_decoder(arch)
-    return ModelKind(str(arch), bool(encoder_decoder), recurrent_layers({**init, "model_type": arch}))
+    return ModelKind(str(arch), bool(encoder_decoder), recurrent_layers(_built_config(str(arch), json.dumps(init, default=str))))
+
+
+@lru_cache(maxsize=64)
+def _built_config(arch: str, init_json: str) -> dict[str, Any]:
+    """The config.json a model built from ``model.init`` gets: the config class fills in fields the user leaves out
+    (Qwen3.5's ``layer_types``); the given fields alone where the class refuses them (its validator says why)."""
+    init = {k: v for k, v in json.loads(init_json).items() if k != "architecture"}
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return {**CONFIG_MAPPING[arch](**init).to_dict(), "model_type": arch}
+    except Exception:  # an unknown architecture or a bad field: reported by the model section's validation
+        return {**init, "model_type": arch}
 
 
 @lru_cache(maxsize=None)

@@ -35,4 +35,4 @@ def test_a_signal_before_a_commands_own_handling_exits_75(monkeypatch, capfd, si
             signal.signal(s, handler)
     assert e.value.code == 75
     said = capfd.readouterr().err
-    assert f"stopped: {signal.Signals(signum).name}, before anything was saved; run the same command again" in said
+    assert f"stopped: {signal.Signals(signum).name}; nothing more was saved (what was saved before stays); run the same " in said

@@ -509,3 +509,14 @@ def test_a_boolean_for_a_number_is_refused(key):
     with pytest.raises(ConfigError, match=rf"{key.split('=')[0]}: (true|false) is a boolean \(YAML reads yes/no/on/off"):
         load_config(None, [key])
     assert load_config(None, ["train.compile=true", "data.packing=false"]).train.compile is True  # booleans stay booleans
+
+
+def test_an_error_of_the_file_is_not_blamed_on_an_unrelated_set(tmp_path):
+    """"(from --set)" was added to a section's error whenever any key below it was --set."""
+    from trainforge.config import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train: builtin:python-stdlib\ntrain:\n  max_steps: 5\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["train.seed=3"])
+    assert "give train.max_steps or train.epochs, not both" in str(e.value) and "(from --set)" not in str(e.value)

@@ -39,3 +39,19 @@ def test_packing_resolves_to_false_for_a_recurrent_model_and_is_refused_when_giv
         RunConfig.model_validate({**raw, "data": {**raw["data"], "packing": True}})
     llama = {**raw, "model": {"init": {"architecture": "llama"}}}
     assert RunConfig.model_validate(llama).data.packing is True  # attention-only models pack as before
+
+
+def test_layer_types_under_text_config_and_filled_in_by_the_config_class_are_seen(tmp_path):
+    """Qwen3.5 keeps its linear-attention layer types under text_config, and a model built from model.init gets them
+    from its config class (the user names only the architecture): both were read as attention-only and packed."""
+    from transformers import CONFIG_MAPPING
+
+    from trainforge.config import load_config
+    from trainforge.hf_dir import init_kind
+
+    CONFIG_MAPPING["qwen3_5"]().save_pretrained(tmp_path)
+    assert model_kind(tmp_path).recurrent == "linear-attention"
+    assert init_kind({"architecture": "qwen3_5_text"}).recurrent == "linear-attention"
+    # the built-in default leaves packing to the model: a Mamba given by --set is not refused for the default's packing
+    mamba = load_config(None, ["model.init={architecture: mamba, hidden_size: 64, num_hidden_layers: 2}"])
+    assert mamba.data.packing is False and load_config(None).data.packing is True

@@ -140,3 +140,20 @@ def test_a_run_resumed_at_its_last_step_logs_the_window_its_checkpoint_left_open
     assert steps[0]["loss"] == pytest.approx(result.summary["final_train_loss"])
     assert steps[0]["lr"] > 0 and steps[0]["grad_norm"] > 0
     assert json.loads((run / "summary.json").read_text())["final_train_loss"] is not None
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_final_eval_after_the_checkpoint_is_kept_only_where_the_run_finished(tmp_path, finished):
+    """A run killed while writing final/ resumes at its last checkpoint and evaluates again: the first final eval,
+    written after the checkpoint at the same step, was kept too, and the curve held two records of it. Kept where
+    the run finished (nothing writes it again)."""
+    from trainforge.metrics.tracker import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    before = [{"step": 0, "eval_loss": 3.0}, {"step": 5, "loss": 2.0}, {"step": 10, "loss": 1.5}, {"step": 10, "eval_loss": 1.4}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*before, {"step": 10, "eval_loss": 1.3}]))
+    log = MetricsLog(path)
+    later, unreadable = log.keep_through(10, saved_records=len(before), finished=finished)  # 4 records before the save
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert kept == before + ([{"step": 10, "eval_loss": 1.3}] if finished else [])
+    assert (later, unreadable) == (0 if finished else 1, 0)

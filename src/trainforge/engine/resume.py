@@ -260,8 +260,11 @@ def choose_checkpoint(
         candidates, same_run = [], False
     elif resume == "auto":
         candidates, same_run = _newest_first(out / CHECKPOINTS, reporter, recover=True), True
-        if not candidates and holds_run and main:
-            start_again(out, reporter)
+        if not candidates and holds_run:
+            if main:
+                start_again(out, reporter)
+            elif refused := unfinished_without_checkpoint(out):  # every rank refuses alike (none waits for a peer)
+                raise OutputDirError(refused)
     else:
         candidates = _checkpoints_at(Path(resume), reporter)
         same_run = candidates[0].path.parent.resolve() == (out / CHECKPOINTS).resolve()

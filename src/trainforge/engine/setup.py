@@ -389,7 +389,9 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
     check_fits_run(plan, run)
     run.load_state_dict(plan.state, plan.checkpoint.path)
     if plan.same_run:
-        later, unreadable = run.metrics.keep_through(plan.checkpoint.step)
+        finished = (run.out / "summary.json").is_file() and (run.out / "final").is_dir()  # its final eval is not redone
+        saved = plan.state["counters"].get("metrics_records")
+        later, unreadable = run.metrics.keep_through(plan.checkpoint.step, saved, finished)
         if later:
             run.reporter.info(f"metrics.jsonl: dropped {later} records written after {plan.checkpoint.path.name}")
         if unreadable:

@@ -55,7 +55,7 @@ class MetricsLog:
         for sink in self.sinks:
             sink.write(record)
 
-    def keep_through(self, step: int) -> tuple[int, int]:
+    def keep_through(self, step: int, saved_records: int | None = None, finished: bool = False) -> tuple[int, int]:
         """Keep the records of steps up to ``step`` (a checkpoint's: the resumed run writes the later ones again);
         returns how many lines were dropped: (records of later steps, lines that are not records).
 
@@ -63,6 +63,9 @@ class MetricsLog:
         or torn line before the checkpoint's step kept the garbage and dropped a valid record. Kept: every line
         that parses as a record of an integer ``step`` <= ``step``, in file order (an eval written after the
         checkpoint at its own step, as a finished run's final evaluation, is kept too: nothing writes it again).
+        Records of ``step`` itself past the first ``saved_records`` records (the count the checkpoint saved: those
+        written after its save) are kept only where the run ``finished``: a run killed while writing final/
+        evaluates again, and its first final eval would be there twice.
         Dropped: later steps and lines that are not records (garbage, a torn last line). Where what is kept is the
         file's beginning, one truncate cuts the rest; otherwise the kept lines are written to a temporary file
         that replaces it (atomic), and the append handle is reopened on it."""
@@ -70,7 +73,14 @@ class MetricsLog:
             data = f.read()
         lines = data.splitlines(keepends=True)
         steps = [_step_of(line) for line in lines]
-        kept = [line for line, s in zip(lines, steps) if s is not None and s <= step]
+        kept, records = [], 0
+        for line, s in zip(lines, steps):
+            if s is None:
+                continue
+            records += 1
+            after_save = saved_records is not None and records > saved_records
+            if s < step or (s == step and (finished or not after_save)):
+                kept.append(line)
         end = sum(len(line) for line in kept)
         with self.writing(self.path):
             self._file.flush()
@@ -123,7 +133,7 @@ class NullMetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         pass
 
-    def keep_through(self, step: int) -> tuple[int, int]:
+    def keep_through(self, step: int, saved_records: int | None = None, finished: bool = False) -> tuple[int, int]:
         return 0, 0
 
     def event(self, event: str, step: int, **fields: Any) -> None:
