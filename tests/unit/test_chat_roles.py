@@ -109,3 +109,12 @@ def test_the_no_tool_calls_error_no_longer_says_the_default_writes_only_contents
     with pytest.raises(DataError) as e:
         learned("granite3.3", {"messages": tool_conversation(None)})
     assert "does not write them" in str(e.value) and "default" not in str(e.value)
+
+
+def test_a_row_learned_whole_is_refused_where_the_template_writes_no_call():
+    """With data.train_on_prompt the locate step (which refuses such rows) is skipped: Granite 3.3's template wrote the
+    assistant turn without its call and the row trained an empty turn where the call was."""
+    row = Row({"messages": tool_conversation(None)}, WHERE)
+    with pytest.raises(DataError, match="does not write them"):
+        Renderer("chat", FieldNames(), tokenizer("granite3.3"), train_on_prompt=True)(row)
+    Renderer("chat", FieldNames(), tokenizer("qwen2.5"), train_on_prompt=True)(row)  # Qwen writes calls: learned whole

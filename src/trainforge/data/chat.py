@@ -170,16 +170,21 @@ class ChatLocator:
         ]
 
     def written(self, messages: list[dict[str, Any]], where: str, tools: list[dict[str, Any]] | None = None) -> None:
-        """DataError where the template leaves out a message that has a content (``chat_checks.dropped_message``);
-        what ``locate`` checks, for rows learned whole (``data.train_on_prompt``)."""
+        """DataError where the template leaves out a message that has a content (``chat_checks.dropped_message``), or
+        the tool calls of an assistant turn (``_calls_end``): what ``locate`` checks, for rows learned whole
+        (``data.train_on_prompt``)."""
         self._use_tools(tools)
         messages = self.prepared(messages)
         self._structures.clear()
-        self._check_written(messages, self._skeleton(messages, where), where)
+        skeleton = self._skeleton(messages, where)
+        self._check_written(messages, skeleton, where)
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                self._calls_end(messages, i, skeleton, where)  # raises where the template writes no call
 
     def _use_tools(self, tools: list[dict[str, Any]] | None) -> None:
         """Render the skeletons of the conversation about to be located with ``tools`` (and cache them so)."""
-        self._tools, self._tools_key = tools, json.dumps(tools, sort_keys=True, default=str) if tools else ""
+        self._tools, self._tools_key = tools, json.dumps(tools, default=str) if tools else ""  # order kept, as tojson writes it
 
     def _check_written(self, messages: list[dict[str, Any]], skeleton: str, where: str) -> None:
         for i, m in enumerate(messages):
