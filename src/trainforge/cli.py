@@ -399,6 +399,10 @@ def report(
 def doctor(
     run_dir: Annotated[Path, typer.Argument(help="a run directory (the --output of trainforge train)", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="print the diagnosis as JSON")] = False,
+    verify: Annotated[
+        Optional[bool], typer.Option("--verify/--no-verify", help="read the checkpoints and check them as a resume does "
+                                     "(default: where the newest is at most 2 GiB)", show_default=False)
+    ] = None,
 ) -> None:
     """Diagnose a run from its files, finished, stopped, running or killed: its state and step, the checkpoint a
     rerun resumes from, the environment, config problems, the time estimate against what happened, what
@@ -406,7 +410,7 @@ def doctor(
     from .tools.doctor import diagnose, render, render_json
 
     with user_errors():
-        found = diagnose(run_dir)
+        found = diagnose(run_dir, verify)
     typer.echo(render_json(found) if as_json else render(found))
 
 

@@ -102,3 +102,17 @@ def test_a_signal_is_recorded_in_events_when_it_comes(config, tmp_path, monkeypa
         train(config, tmp_path / "run")
     kinds = [(e["event"], e["step"]) for e in map(json.loads, (tmp_path / "run" / "events.jsonl").read_text().splitlines())]
     assert ("signal", 2) in kinds and kinds.index(("signal", 2)) < kinds.index(("stop", 3))
+
+
+def test_a_large_checkpoint_is_read_only_on_verify(config, reference, monkeypatch):
+    """Reading a full fine-tune's state (tens of GB, twice: checksums, then values) made doctor take minutes: above
+    VERIFY_BYTES it checks that the newest is complete and says it did not read it; --verify reads it."""
+    import trainforge.tools.doctor as doctor
+
+    run = killed(reference)
+    flip_inside_largest_tensor(run / "checkpoints" / "step-00000006" / "state.pt")
+    monkeypatch.setattr(doctor, "VERIFY_BYTES", 1)
+    d = diagnose(run)
+    assert not d["checkpoints_verified"] and d["resumes_from"]["step"] == 6 and "not read (large): --verify" in render(d)
+    d = diagnose(run, verify=True)
+    assert d["checkpoints_verified"] and d["resumes_from"]["step"] == 4

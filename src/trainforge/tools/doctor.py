@@ -25,8 +25,13 @@ from ..metrics.report_data import RunData, load_run
 from ..runlock import LEASE_FILE, LeaseInfo, read_lease, stale_reason
 
 
-def diagnose(run_dir: Path) -> dict[str, Any]:
-    """The diagnosis of the run in ``run_dir`` as plain data (``render`` writes it for people)."""
+VERIFY_BYTES = 2 << 30  # checkpoints up to this size are read and checked as train checks them; larger ones on --verify
+
+
+def diagnose(run_dir: Path, verify: bool | None = None) -> dict[str, Any]:
+    """The diagnosis of the run in ``run_dir`` as plain data (``render`` writes it for people). ``verify``: read the
+    checkpoints and check them as a resume does (checksums, loading, finite state); None: where the newest is at most
+    ``VERIFY_BYTES`` (a full fine-tune's state of tens of GB would take minutes), else only that it is complete."""
     run = load_run(run_dir, before_metrics=True)  # ReportError (exit 2) when it is not a run directory
     starts = [e for e in run.events if e.get("event") == "start"]
     complete, broken = scan_checkpoints(run.path / "checkpoints")
@@ -39,7 +44,12 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
     last_step = max(steps, default=0)
     max_steps = (run.summary or {}).get("steps") if run.summary else (starts[-1].get("max_steps") if starts else None)
     state = _state(run, last_step)
-    resumable, damaged = _resumable(complete) if not state.startswith("running") else (None, [])
+    if verify is None:
+        verify = newest is None or sum(f.stat().st_size for f in newest.path.iterdir() if f.is_file()) <= VERIFY_BYTES
+    if state.startswith("running"):
+        resumable, damaged = None, []
+    else:
+        resumable, damaged = _resumable(complete) if verify else (newest, [])
     out: dict[str, Any] = {
         "run_dir": str(run.path),
         "state": state,
@@ -48,6 +58,7 @@ def diagnose(run_dir: Path) -> dict[str, Any]:
         "last_checkpoint": {"path": str(newest.path), "step": newest.step} if newest else None,
         "resumes_from": {"path": str(resumable.path), "step": resumable.step} if resumable else None,
         "damaged_checkpoints": damaged,
+        "checkpoints_verified": verify,
         "incomplete_checkpoints": [f"{p.name}: {why}" for p, why in broken],
         "environment": starts[-1].get("env") if starts else None,
         "config": _config_check(run.path),
@@ -162,6 +173,9 @@ def render(d: dict[str, Any]) -> str:
     lines.append(f"last checkpoint: {Path(ck['path']).name} (step {ck['step']})" if ck else "last checkpoint: none")
     lines += [f"  not complete: {x}" for x in d["incomplete_checkpoints"]]
     lines += [f"  skipped by a resume: {x}" for x in d["damaged_checkpoints"]]
+    if not d.get("checkpoints_verified", True) and ck:
+        lines.append("  checked: complete and of the size it should have; not read (large): --verify checks its "
+                     "checksums and values as a resume does")
     lines.append(f"rerun: {d['rerun']}")
     env = d["environment"]
     if env:
