@@ -22,8 +22,8 @@ EXIT_CODES: dict[int, str] = {
     "an output directory another live run holds (it is named), or a run directory that cannot be written "
     "mid-run (disk full: the path is named)",
     EXIT_NONFINITE: "stopped after train.max_skipped_steps non-finite steps in a row",
-    EXIT_OUT_OF_MEMORY: "out of memory even at micro-batch 1, or refused before loading the model: "
-    "its estimated memory exceeds the device's twice over",
+    EXIT_OUT_OF_MEMORY: "out of memory even at micro-batch 1, refused before loading the model (its estimated "
+    "memory exceeds the device's twice over), or a tokenizer worker killed (lower data.num_workers)",
     EXIT_PLAN_ERROR: "plan: a finding is an error (the run as planned would fail; each finding names its fix)",
     EXIT_INTERRUPTED: "stopped by SIGTERM/SIGINT: a run saves a checkpoint first (none before its first step), and the "
     "same command with the same --output resumes it, or starts it again from step 0 where it saved none (the message "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -398,3 +400,22 @@ def test_a_csv_messages_cell_holding_json_is_read_as_the_conversation(tmp_path, 
         csv.writer(f).writerows([["id", "messages"], [1, json.dumps(messages)[:-1]]])
     with pytest.raises(DataError, match=r"chat\.csv:2: field 'messages' holds text that starts like a JSON list but does not parse"):
         prepare(tmp_path, tok, train=str(path), eval=None)
+
+
+def _killed_by_the_system(rows):
+    os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer ends a worker
+
+
+def test_a_tokenizer_worker_killed_is_said_with_what_to_do(tmp_path, tok, toy_data_dir, monkeypatch):
+    """A worker ended by the OOM killer broke the pool: a BrokenProcessPool traceback and exit 1. Now exit 4 (out
+    of memory) with data.num_workers to lower; nothing is cached."""
+    import trainforge.data.prepare as prepare_module
+    from trainforge.config import DataSettings
+    from trainforge.data.workers import WorkerDied
+
+    monkeypatch.setattr(prepare_module, "_tokenize_chunk", _killed_by_the_system)
+    cfg = DataSettings(train=str(toy_data_dir / "pc_train.jsonl"), eval=None, cache_dir=tmp_path / "c", num_workers=2)
+    with pytest.raises(WorkerDied, match="a tokenizer worker process died while tokenizing .*lower data.num_workers") as e:
+        prepare_data(cfg, tok, seed=0, log=quiet)
+    assert e.value.exit_code == 4
+    assert not list((tmp_path / "c" / "data").glob("*/stats.json"))

@@ -32,7 +32,7 @@ from .holdout import RowHoldout, holdout_kind, split_off_blocks
 from .sources import BadRows, DataError, Row, iter_source
 from .seq2seq import tokenize_pairs
 from .store import StoreWriter, TokenStore
-from .workers import stop_pool, worker_pool
+from .workers import WorkerDied, stop_pool, worker_pool
 
 CHUNK_ROWS = 1024
 
@@ -161,7 +161,11 @@ class ChunkTokenizer:
                 yield pending.popleft().result()
         except BrokenProcessPool:
             self.between_chunks()  # the workers got the stop signal too (sent to the process group): stop as asked
-            raise
+            raise WorkerDied(
+                f"a tokenizer worker process died while tokenizing ({self.workers} workers; killed by the system, most "
+                "likely its out-of-memory killer): lower data.num_workers (each holds chunks of rows and their tokens), "
+                "or free memory; nothing was cached, the same command tokenizes again"
+            ) from None
 
     def close(self, abort: bool = False) -> None:
         """Shut the workers down: after the work they hold, or (``abort``: a stop, an error) at once."""

@@ -24,6 +24,14 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 
+from ..errors import EXIT_OUT_OF_MEMORY, TrainforgeError
+
+class WorkerDied(TrainforgeError):
+    """A tokenizer worker ended without a stop being asked for: the out-of-memory killer, most often."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
+
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the parent's to act on (engine/preempt.py)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 ORPHAN_EXIT_CODE = 70  # a worker whose parent was gone before it could watch for that (sysexits EX_SOFTWARE)
