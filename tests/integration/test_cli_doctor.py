@@ -52,7 +52,8 @@ def test_doctor_refuses_a_directory_that_holds_no_run(tmp_path):
 
 def test_a_run_stopped_or_killed_before_its_first_checkpoint_starts_again_with_the_same_command(tmp_path, finetune_config):
     """SIGTERM during the evaluation before training said 'to go on, run the same command', and that command exited 2
-    (the eval had written metrics.jsonl); a SIGKILL before the first checkpoint left a directory refused forever."""
+    (the eval had written metrics.jsonl; now it stops at its next batch, writing nothing); a SIGKILL before the first
+    checkpoint left a directory refused forever (now the attempt moves to attempts/1 and the run starts again)."""
     cfg = dict(finetune_config)
     cfg["train"] = {**cfg["train"], "max_steps": 4}
     cfg["checkpoint"] = {"every_steps": 2}
@@ -64,10 +65,10 @@ def test_a_run_stopped_or_killed_before_its_first_checkpoint_starts_again_with_t
     d = json.loads(run_cli(["doctor", run, "--json"], tmp_path).stdout)
     assert d["state"] == "stopped by SIGTERM" and "starts again from step 0" in d["rerun"], d
 
+    metrics = run / "metrics.jsonl"
+    assert not metrics.is_file() or not metrics.read_text().strip()  # the evaluation stopped at its first batch
     proc = run_cli(["train", config, "--output", run], tmp_path)
-    text = " ".join((proc.stdout + proc.stderr).split())
-    assert proc.returncode == 0 and f"{run}: no checkpoint (stopped before its first one): starting again from step 0" in text, show(proc)
-    assert (run / "attempts" / "1" / "report.html").is_file() and (run / "report.html").is_file()
+    assert proc.returncode == 0, show(proc)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4] and records[0] == {**records[0], "step": 0}
     d = json.loads(run_cli(["doctor", run, "--json"], tmp_path).stdout)
@@ -79,4 +80,6 @@ def test_a_run_stopped_or_killed_before_its_first_checkpoint_starts_again_with_t
     proc = run_cli(["doctor", killed], tmp_path)
     assert "killed" in proc.stdout and "starts again from step 0" in " ".join(proc.stdout.split()), show(proc)
     proc = run_cli(["train", config, "--output", killed], tmp_path)
-    assert proc.returncode == 0 and "starting again from step 0" in proc.stdout + proc.stderr, show(proc)
+    text = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 0 and f"{killed}: no checkpoint (stopped before its first one): starting again from step 0" in text, show(proc)
+    assert (killed / "attempts" / "1" / "metrics.jsonl").is_file() and (killed / "report.html").is_file()

@@ -33,7 +33,8 @@ RESTART = "no checkpoint (stopped before its first one): starting again from ste
 
 def test_a_signal_during_the_eval_before_training_then_the_same_command_starts_again(config, tmp_path, monkeypatch):
     """The stop said 'to go on, run the same command with --output runs/t5', and that command exited 2: the eval
-    had written its step-0 record to metrics.jsonl, and a directory holding a run without a checkpoint was refused."""
+    had written its step-0 record to metrics.jsonl, and a directory holding a run without a checkpoint was refused.
+    The evaluation now stops at its next batch and writes nothing; the same command trains the run."""
     evaluate = trainer.run_eval
 
     def signal_while_evaluating(run, label):
@@ -45,21 +46,16 @@ def test_a_signal_during_the_eval_before_training_then_the_same_command_starts_a
         m.setattr(trainer, "run_eval", signal_while_evaluating)
         with pytest.raises(Interrupted, match="to go on, run the same command with --output"):
             train(config, run)
-    assert read_metrics(run / "metrics.jsonl")  # the step-0 eval: the directory holds a run now
+    assert not (run / "metrics.jsonl").is_file() or not read_metrics(run / "metrics.jsonl")
 
     result, log = train(config, run)
-    assert f"{run}: {RESTART}" in log and result.summary["steps"] == 6
+    assert result.summary["steps"] == 6
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records if "eval_loss" in r] == [0, 6]  # one eval before training, not two
-    events = read_metrics(run / "events.jsonl")
-    assert not [e for e in events if e["event"] == "stop"]  # the earlier attempt's stop is not this run's
-    earlier = run / "attempts" / "1"
-    assert [e["event"] for e in read_metrics(earlier / "events.jsonl") if e["event"] == "stop"] == ["stop"]
-    assert [r["step"] for r in read_metrics(earlier / "metrics.jsonl")] == [0]
 
     from trainforge.tools.doctor import diagnose
 
-    d = diagnose(run)  # reads the new run alone
+    d = diagnose(run)
     assert d["state"] == "finished" and d["last_step"] == 6
 
 
@@ -157,3 +153,35 @@ def test_a_final_eval_after_the_checkpoint_is_kept_only_where_the_run_finished(t
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert kept == before + ([{"step": 10, "eval_loss": 1.3}] if finished else [])
     assert (later, unreadable) == (0 if finished else 1, 0)
+
+
+def test_a_signal_during_the_final_evaluation_stops_it_and_the_same_command_finishes(config, tmp_path, monkeypatch):
+    """A SIGTERM after the last step's checkpoint was taken as a step's ('finishing the current step') and the final
+    evaluation ran to its end, however long: a scheduler's grace period could run out first. It stops between eval
+    batches now; the checkpoint holds every step, and the same command evaluates and writes final/."""
+    evaluate, finish = trainer.evaluate, trainer.finish
+    finishing: list = []  # the run, once its final evaluation is under way
+    batches_run: list = []
+
+    def signal_in_final_eval(*args):
+        *rest, stop = args  # run_eval passes eval_stop(run, label) last
+        if finishing and stop is not None:
+            finishing[0].stop.signum = signal.SIGTERM
+
+        def counted() -> None:
+            batches_run.append(1)
+            stop()
+
+        return evaluate(*rest, counted if finishing and stop is not None else stop)
+
+    with monkeypatch.context() as m:
+        m.setattr(trainer, "evaluate", signal_in_final_eval)
+        m.setattr(trainer, "finish", lambda run: finishing.append(run) or finish(run))
+        with pytest.raises(Interrupted, match=r"SIGTERM at step 6: checkpoint step-00000006 saved; to resume"):
+            train(config, tmp_path / "run")
+    run = tmp_path / "run"
+    assert len(batches_run) == 1 and not (run / "final").exists()  # stopped at its first batch
+    assert not [r for r in read_metrics(run / "metrics.jsonl") if r["step"] == 6 and "eval_loss" in r]
+    result, _ = train(config, run)
+    assert result.summary["steps"] == 6 and (run / "final").is_dir()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r] == [0, 6]

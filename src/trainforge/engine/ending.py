@@ -3,6 +3,8 @@ error (an ``error`` event for ``doctor``), and report.html, which every ending g
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..checkpoint import step_dir_name
 from ..dist import peer_failure
 from .preempt import Interrupted
@@ -25,6 +27,20 @@ def stop_before_first_step(run: Run) -> None:
     if run.stop.requested and not run.dist.enabled:  # under torchrun the ranks agree on a stop at the first step
         run.metrics.event("stop", run.step, signal=run.stop.name, saved=False)
         run.stop.stop_before_training(run.out)
+
+
+def eval_stop(run: Run, label: str) -> Callable[[], None] | None:
+    """What the evaluation ``label`` checks between batches for SIGTERM/SIGINT, so that a long one does not outlast
+    a scheduler's grace period: before training, the set-up stop (nothing saved; the same command starts again);
+    after training, the stop of a step (its checkpoint saved; the same command finishes: evaluation, final/). None
+    between steps (the loop saves and stops right after) and under torchrun (the ranks evaluate together)."""
+    if run.dist.enabled:
+        return None
+    if label == "before training":
+        return lambda: stop_before_first_step(run)
+    if label == "after training":
+        return lambda: stop_on_signal(run) if run.stop.requested else None
+    return None
 
 
 def record_failure(run: Run, error: Exception) -> None:

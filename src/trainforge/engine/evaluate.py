@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,10 +24,12 @@ def evaluate(
     ctx: DistContext | None = None,
     fused: bool = True,
     objective: Any = None,
+    stop: Callable[[], None] | None = None,
 ) -> dict:
     """Token-weighted mean loss over all eval batches (one host sync, at the end); with a pair ``objective``
     (engine/objective.py) the mean loss per pair, and its metrics as ``eval_<name>`` (no perplexity).
 
+    ``stop``: called before each batch; it raises to end the evaluation on a signal.
     Data-parallel: rank r evaluates batches r, r + world, ... and the sums are all-reduced.
     Every rank runs the same number of forward passes (a rank short of one repeats a batch
     and does not count it): FSDP's forward is a collective.
@@ -46,6 +48,8 @@ def evaluate(
         objective.begin_step(model, [batches[i % len(batches)] for i in mine], precision, device, fused,
                              counted=[i < len(batches) for i in mine])
     for i in mine:
+        if stop is not None:
+            stop()  # raises for a SIGTERM/SIGINT (engine/ending.py eval_stop): an evaluation is no step to finish
         batch, counted = batches[i % len(batches)].to(device), i < len(batches)
         if pairs:
             summed = objective.loss_sum(model, batch, precision, fused, metrics if counted else scratch).double()

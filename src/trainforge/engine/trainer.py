@@ -38,7 +38,7 @@ from .nonfinite import final_weights_check
 from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
-from .ending import record_failure, stop_before_first_step, stop_on_signal, write_report
+from .ending import eval_stop, record_failure, stop_before_first_step, stop_on_signal, write_report
 from .preempt import Interrupted, StopRequest
 from .resume import length_key, refuse_changed_settings
 from .run import Run, RunResult
@@ -152,7 +152,8 @@ def rewind_data(run: Run, longest_first: bool | None = None) -> None:
 def run_eval(run: Run, label: str) -> dict[str, float]:
     """Evaluate, log to metrics.jsonl and the console; its seconds to the counters and events.jsonl."""
     t = time.perf_counter()
-    result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist, run.cfg.train.fused_loss, run.objective)
+    result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist, run.cfg.train.fused_loss, run.objective,
+                      eval_stop(run, label))
     if result:
         took = time.perf_counter() - t
         run.counters.eval_s += took
