@@ -11,12 +11,15 @@ from integration_helpers import root_conftest, run_cli, show
 write_config = root_conftest().write_config
 
 
+def doctor_config(tmp_path, finetune_config: dict, steps: int, every: int, report: bool):
+    """The fine-tune config at ``steps`` steps, a checkpoint every ``every``, every step logged."""
+    cfg = {**finetune_config, "train": {**finetune_config["train"], "max_steps": steps},
+           "checkpoint": {"every_steps": every}, "log": {"every_steps": 1, "report": report}}
+    return write_config(tmp_path / "c.yaml", cfg)
+
+
 def test_doctor_on_a_killed_run_names_the_step_the_checkpoint_and_the_limits(tmp_path, finetune_config):
-    cfg = dict(finetune_config)
-    cfg["train"] = {**cfg["train"], "max_steps": 12}
-    cfg["checkpoint"] = {"every_steps": 3}
-    cfg["log"] = {"every_steps": 1, "report": False}
-    config = write_config(tmp_path / "c.yaml", cfg)
+    config = doctor_config(tmp_path, finetune_config, steps=12, every=3, report=False)
     run = tmp_path / "run"
     proc = run_cli(["train", config, "--output", run], tmp_path, faults={"signal_in_step": [8, "SIGKILL"]})
     assert proc.returncode == -signal.SIGKILL, show(proc)
@@ -54,11 +57,7 @@ def test_a_run_stopped_or_killed_before_its_first_checkpoint_starts_again_with_t
     """SIGTERM during the evaluation before training said 'to go on, run the same command', and that command exited 2
     (the eval had written metrics.jsonl; now it stops at its next batch, writing nothing); a SIGKILL before the first
     checkpoint left a directory refused forever (now the attempt moves to attempts/1 and the run starts again)."""
-    cfg = dict(finetune_config)
-    cfg["train"] = {**cfg["train"], "max_steps": 4}
-    cfg["checkpoint"] = {"every_steps": 2}
-    cfg["log"] = {"every_steps": 1, "report": True}
-    config = write_config(tmp_path / "c.yaml", cfg)
+    config = doctor_config(tmp_path, finetune_config, steps=4, every=2, report=True)
     run = tmp_path / "t5"
     proc = run_cli(["train", config, "--output", run], tmp_path, faults={"signal_in_eval": "SIGTERM"})
     assert proc.returncode == 75 and f"run the same command with --output {run}" in " ".join(proc.stderr.split()), show(proc)

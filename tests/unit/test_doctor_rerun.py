@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
-from test_resume import config, flip_inside_largest_tensor, reference, reference_run, train  # noqa: F401 - fixtures
+from test_resume import config, crash_in_step, flip_inside_largest_tensor, reference, reference_run, train  # noqa: F401 - fixtures
 
 from trainforge.engine.preempt import Interrupted
 from trainforge.runlock import hold_run_dir
@@ -85,19 +86,7 @@ def test_a_second_signal_is_named_not_taken_for_a_sigkill(reference):
 
 
 def test_a_signal_is_recorded_in_events_when_it_comes(config, tmp_path, monkeypatch):
-    import os
-    import signal
-
-    import trainforge.engine.trainer as trainer
-
-    original = trainer.forward_backward_adaptive
-
-    def signalled(run, *args, **kwargs):
-        if run.step + 1 == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(run, *args, **kwargs)
-
-    monkeypatch.setattr(trainer, "forward_backward_adaptive", signalled)
+    crash_in_step(monkeypatch, 3, signal.SIGINT)
     with pytest.raises(Interrupted, match="SIGINT at step 3: checkpoint step-00000003 saved"):
         train(config, tmp_path / "run")
     kinds = [(e["event"], e["step"]) for e in map(json.loads, (tmp_path / "run" / "events.jsonl").read_text().splitlines())]

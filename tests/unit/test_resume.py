@@ -8,6 +8,7 @@ import copy
 import errno
 import io
 import json
+import os
 import re
 import shutil
 import struct
@@ -69,12 +70,15 @@ def train_records(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run / "metrics.jsonl")]
 
 
-def crash_in_step(monkeypatch, step: int) -> None:
+def crash_in_step(monkeypatch, step: int, signum: int | None = None) -> None:
+    """Step ``step`` raises ``Crash``, or, given ``signum``, sends this process that signal as it starts."""
     original = trainer.forward_backward_adaptive
 
     def crashing(run, *args, **kwargs):
         if run.step + 1 == step:
-            raise Crash(f"crash in step {step}")
+            if signum is None:
+                raise Crash(f"crash in step {step}")
+            os.kill(os.getpid(), signum)
         return original(run, *args, **kwargs)
 
     monkeypatch.setattr(trainer, "forward_backward_adaptive", crashing)
