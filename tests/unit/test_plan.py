@@ -444,3 +444,19 @@ def test_a_tokenizer_built_from_the_data_is_found_by_the_plan_once_cached(tmp_pa
     assert not isinstance(found, VocabOnly) and found.get_vocab() == tok.get_vocab()
     facts = data_facts(cfg, found)
     assert facts["prepared"] and run_steps(cfg, 1, 1, facts) is not None
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_dora_is_traced_on_a_4bit_base(tiny_model_dir, method):
+    """PEFT's DoRA reads the base layer's weight (dequantized): the trace's 4-bit stand-in had none, so plan crashed on
+    every DoRA config (QLoRA's trace, and LoRA's 'with QLoRA' lever) and so did train with micro_batch_size: auto."""
+    from trainforge.tools.plan import lever_savings
+
+    tok = load_tokenizer(tiny_model_dir)
+    cfg = RunConfig.model_validate({
+        "model": {"path": str(tiny_model_dir), "method": method, "lora": {"use_dora": True}},
+        "data": {"train": str(tiny_model_dir / "config.json"), "max_length": 64},
+    })
+    planned = predict_memory(cfg, tok, PRECISIONS["bf16"], tiny_device(64.0), 4, False)
+    levers = lever_savings(cfg, tok, PRECISIONS["bf16"], tiny_device(64.0), planned, 1, 1, "none")
+    assert planned.tensors > 0 and ("with_method_qlora" in levers) == (method == "lora")

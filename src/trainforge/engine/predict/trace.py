@@ -289,6 +289,12 @@ class FourBitLinear(torch.nn.Module):
         self.register_buffer("absmax_scale", torch.empty(-(-blocks // NF4_CONST_BLOCK), dtype=torch.float32, device=dev))
         self.bias = linear.bias
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight dequantized, as PEFT's DoRA reads it (``dequantize_module_weight``): a new tensor each time,
+        allocated as bitsandbytes' dequantization allocates it."""
+        return torch.empty(self.shape, dtype=self.compute_dtype, device=self.packed.device)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         out = _Dequantized4bitMatmul.apply(x, self.packed, self.shape, self.compute_dtype)
         return out + self.bias.to(out.dtype) if self.bias is not None else out
