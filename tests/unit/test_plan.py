@@ -460,3 +460,16 @@ def test_dora_is_traced_on_a_4bit_base(tiny_model_dir, method):
     planned = predict_memory(cfg, tok, PRECISIONS["bf16"], tiny_device(64.0), 4, False)
     levers = lever_savings(cfg, tok, PRECISIONS["bf16"], tiny_device(64.0), planned, 1, 1, "none")
     assert planned.tensors > 0 and ("with_method_qlora" in levers) == (method == "lora")
+
+
+def test_an_auto_micro_batch_is_predicted_accumulating_as_the_run_will(tmp_path):
+    """With micro_batch_size: auto the prediction traced one pass (no gradients held across micro-batches), so the
+    pick of a run with grad_accum 8 was predicted below the same settings given by hand (an 8B plan by 18 GiB)."""
+    prec = PRECISIONS["fp32"]
+    auto = config({"train": {"micro_batch_size": "auto", "grad_accum": 8, "activation_checkpointing": False}}, tmp_path)
+    fit = fit_run(auto, VocabOnly(300), prec, tiny_device(64.0))
+    fixed = predict_memory(auto, VocabOnly(300), prec, tiny_device(64.0), fit.micro_batch_size, False, 8)
+    assert fit.memory.tensors == fixed.tensors
+    held = config({"train": {"micro_batch_size": "auto", "global_batch_size": 64, "activation_checkpointing": False}}, tmp_path)
+    fit = fit_run(held, VocabOnly(300), prec, tiny_device(64.0))
+    assert fit.memory.tensors == predict_memory(held, VocabOnly(300), prec, tiny_device(64.0), fit.micro_batch_size, False, 2).tensors

@@ -172,7 +172,9 @@ def fit_run(
     """
     t = cfg.train
     auto_mbs, auto_ckpt = t.micro_batch_size == "auto", t.activation_checkpointing == "auto"
-    accum = t.grad_accum if isinstance(t.micro_batch_size, int) else 1
+    # an auto micro-batch accumulates too: grad_accum as set, or, under global_batch_size, whatever the pick leaves
+    # (more than one pass unless it fills the global batch): traced as accumulating, the earlier passes' gradients held
+    accum = t.grad_accum if isinstance(t.micro_batch_size, int) or t.global_batch_size is None else 2
     budget = margin * profile.memory_bytes
 
     def predict(mbs: int, ckpt: bool) -> MemoryPrediction:
