@@ -31,3 +31,18 @@ def test_sweeps_are_crossed_and_explicit_accum_is_kept():
 def test_malformed_sweep():
     with pytest.raises(ConfigError, match="KEY=V1,V2"):
         parse_sweep(["train.micro_batch_size"])
+
+
+def test_a_micro_batch_sweep_under_global_batch_size_and_under_auto():
+    """A config holding train.global_batch_size (the README's advice) had every variant fail ('grad_accum contradicts
+    global_batch_size'): bench set grad_accum from micro x accum. micro_batch_size: auto raised a TypeError."""
+    held = load_config(None, ["train.micro_batch_size=8", "train.global_batch_size=16"])
+    got = variants(held, parse_sweep(["train.micro_batch_size=4,8"]))
+    assert [o for _, o in got] == [["train.micro_batch_size=4"], ["train.micro_batch_size=8"]]  # accumulation follows
+    assert [label for label, _ in got] == ["micro_batch_size=4 (x4 accum)", "micro_batch_size=8 (x2 accum)"]
+    for _, overrides in got:
+        load_config(None, ["train.global_batch_size=16", *overrides])  # each variant is a valid config
+    with pytest.raises(ConfigError, match="micro_batch_size is auto, so there is no global batch to hold: set train.global_batch_size"):
+        variants(load_config(None, ["train.micro_batch_size=auto"]), parse_sweep(["train.micro_batch_size=4,8"]))
+    auto_held = load_config(None, ["train.micro_batch_size=auto", "train.global_batch_size=16"])
+    assert [o for _, o in variants(auto_held, parse_sweep(["train.micro_batch_size=4"]))] == [["train.micro_batch_size=4"]]

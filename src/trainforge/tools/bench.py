@@ -44,8 +44,13 @@ def variants(base: RunConfig, sweeps: list[tuple[str, list[Any]]]) -> list[tuple
     """(label, overrides) per combination. Sweeping the micro-batch without the accumulation
     keeps the global batch constant: grad_accum = global batch / micro-batch."""
     keys = [k for k, _ in sweeps]
+    t = base.train
     hold_global = BATCH_KEY in keys and "train.grad_accum" not in keys
-    global_batch = base.train.micro_batch_size * base.train.grad_accum
+    # train.global_batch_size holds it itself (grad_accum follows the micro-batch); else micro-batch x accumulation
+    global_batch = t.global_batch_size or (t.micro_batch_size * t.grad_accum if isinstance(t.micro_batch_size, int) else None)
+    if hold_global and global_batch is None:
+        raise ConfigError(f"--sweep {BATCH_KEY}: the config's micro_batch_size is auto, so there is no global batch to "
+                          "hold: set train.global_batch_size (or a number for train.micro_batch_size)")
     out = []
     for combo in itertools.product(*[vals for _, vals in sweeps]) if sweeps else [()]:
         overrides = [f"{k}={json.dumps(v)}" for k, v in zip(keys, combo)]
@@ -53,7 +58,8 @@ def variants(base: RunConfig, sweeps: list[tuple[str, list[Any]]]) -> list[tuple
             mbs = combo[keys.index(BATCH_KEY)]
             if global_batch % mbs:
                 raise ConfigError(f"--sweep {BATCH_KEY}={mbs}: does not divide the global batch {global_batch}")
-            overrides.append(f"train.grad_accum={global_batch // mbs}")
+            if t.global_batch_size is None:
+                overrides.append(f"train.grad_accum={global_batch // mbs}")
         label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(keys, combo)) or "config"
         if hold_global:
             label += f" (x{global_batch // combo[keys.index(BATCH_KEY)]} accum)"
