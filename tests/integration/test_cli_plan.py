@@ -135,3 +135,22 @@ def test_a_signal_stops_plan_measure_and_leaves_nothing_behind(tmp_path):
     assert not list(tmp.glob("trainforge-plan-*")), (out, err)
     left = subprocess.run(["pgrep", "-g", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout
     assert not left, f"the measuring process runs on: {left}"
+
+
+def test_a_run_that_fits_no_way_is_not_told_to_set_what_it_already_has(tmp_path):
+    """An 8B full fine-tune on an 8 GB card at micro-batch 1 with checkpointing on: the fix said 'set
+    train.micro_batch_size: auto (and keep train.activation_checkpointing: auto)', which changes nothing."""
+    model = tmp_path / "l8b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    docs = conf.write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c"}] * 4)
+    cfg = conf.write_config(tmp_path / "c.yaml", {
+        "model": {"path": str(model), "method": "full", "tokenizer": None},
+        "data": {"train": str(docs), "max_length": 2048},
+        "train": {"max_steps": 100, "micro_batch_size": 1, "grad_accum": 8, "activation_checkpointing": True}})
+    r = run_cli(["plan", cfg, "--hardware", "rtx4060", "--json"], tmp_path)
+    fixes = [f["fix"] for f in json.loads(r.stdout)["findings"] if "exceeds" in f["message"]]
+    assert r.returncode == 5 and fixes and "set train.micro_batch_size: auto" not in fixes[0], r.stdout[-2000:]

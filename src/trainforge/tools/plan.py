@@ -335,9 +335,10 @@ def findings(
     if not memory.fits():
         remedy = plan["memory"].get("one_change_to_fit")
         auto = given.train.micro_batch_size == "auto" and given.train.activation_checkpointing == "auto"
+        smallest = cfg.train.micro_batch_size == 1 and cfg.train.activation_checkpointing is True  # nothing auto could lower
         fix = remedy["text"] if remedy else (
             "no single change fits it: lower data.max_length and use model.method: qlora, or a card with more memory"
-            if auto else "set train.micro_batch_size: auto (and keep train.activation_checkpointing: auto)")
+            if auto or smallest else "set train.micro_batch_size: auto (and keep train.activation_checkpointing: auto)")
         add("error", f"predicted peak {mem / GIB:.2f} GiB exceeds the {cap / GIB:.1f} GiB of {profile.title}", fix)
     elif memory.share > FIT_MARGIN:
         add("warn", f"predicted peak {mem / GIB:.2f} GiB is {memory.share:.0%} of the {cap / GIB:.1f} GiB: little room for fragmentation",
