@@ -52,8 +52,8 @@ def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
     fmt = resolve_format(cfg.data)
     # trained once per data and vocabulary size: later runs (and resumes) load the same tokenizer from the cache
     cached = built_tokenizer_file(cfg.data, fmt, cfg.model.tokenizer_vocab_size)
-    if cached.is_file():
-        tok = bpe_tokenizer_from_json(cached.read_text(encoding="utf-8"))
+    tok = cached_bpe_tokenizer(cfg, fmt)
+    if tok is not None:
         how = f"loaded from {cached.parent}"
     else:
         tok = train_bpe_tokenizer(training_texts(cfg.data, fmt), cfg.model.tokenizer_vocab_size)
@@ -65,6 +65,12 @@ def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
         how = "trained on the data"
     reporter.info(f"tokenizer: byte-level BPE {how}, {len(tok)} tokens ({time.perf_counter() - t:.1f}s)")
     return tok
+
+
+def cached_bpe_tokenizer(cfg: RunConfig, fmt: str):
+    """The byte-level BPE a run (or ``prepare``) trained on this data and cached; None before the first one."""
+    cached = built_tokenizer_file(cfg.data, fmt, cfg.model.tokenizer_vocab_size)
+    return bpe_tokenizer_from_json(cached.read_text(encoding="utf-8")) if cached.is_file() else None
 
 
 @dataclass

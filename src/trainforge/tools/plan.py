@@ -8,6 +8,7 @@ traced on fake tensors (engine/trace.py), priced on the profile (engine/timing.p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 from pathlib import Path
@@ -66,17 +67,13 @@ def plan_tokenizer(cfg: RunConfig):
 
         return VocabOnly(architecture_field(cfg.model, "vocab_size") or 0)
     if cfg.model.tokenizer is None:  # a BPE trained on the data: a run before this one cached it
-        from ..data.cache import built_tokenizer_file
+        from ..data.plan import cached_bpe_tokenizer
         from ..data.prepare import resolve_format
         from ..data.sources import DataError
-        from ..model.tokenizer import bpe_tokenizer_from_json
 
-        try:
-            cached = built_tokenizer_file(cfg.data, resolve_format(cfg.data), cfg.model.tokenizer_vocab_size)
-            if cached.is_file():
-                return bpe_tokenizer_from_json(cached.read_text(encoding="utf-8"))
-        except (DataError, OSError, ValueError):
-            pass  # the data's own errors are data_facts' to report
+        with contextlib.suppress(DataError, OSError, ValueError):  # the data's own errors are data_facts' to report
+            if (tok := cached_bpe_tokenizer(cfg, resolve_format(cfg.data))) is not None:
+                return tok
     return VocabOnly(256 if cfg.model.tokenizer == "char" else cfg.model.tokenizer_vocab_size)
 
 
