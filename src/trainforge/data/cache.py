@@ -76,9 +76,9 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool
         key["kl_v"] = KL_SAMPLE_VERSION
     if fmt in ("chat", "preference", "unpaired"):
         key["chat_v"] = CHAT_VERSION
-    if fmt in ("chat", "preference", "unpaired") and not cfg.chat_template and not getattr(tokenizer, "chat_template", None):
-        # messages render with trainforge's own default template here: an edit of it changes the stored tokens
-        key["default_chat_template"] = hashlib.blake2b(DEFAULT_CHAT_TEMPLATE.encode(), digest_size=8).hexdigest()
+        if not cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+            # messages render with trainforge's own default template here: an edit of it changes the stored tokens
+            key["default_chat_template"] = hashlib.blake2b(DEFAULT_CHAT_TEMPLATE.encode(), digest_size=8).hexdigest()
     if seq2seq:
         key["seq2seq"] = {"v": SEQ2SEQ_VERSION, "max_target_length": cfg.target_limit()}
     if settings["too_long"] == "split":

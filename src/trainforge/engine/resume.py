@@ -279,6 +279,11 @@ def choose_checkpoint(
     return _load_first(candidates, cfg, same_run, reporter)
 
 
+def wrote_its_end(out: Path) -> bool:
+    """The run in ``out`` wrote what ends it, ``summary.json`` and ``final/`` (after its final evaluation)."""
+    return (out / "summary.json").is_file() and (out / "final").is_dir()
+
+
 def unfinished_without_checkpoint(out: Path) -> str | None:
     """Why ``out``, a run directory that holds no complete checkpoint, cannot start again from step 0 (None: it can).
 

@@ -66,6 +66,7 @@ from .resume import (
     choose_checkpoint,
     resume_note,
     resumes_a_checkpoint,
+    wrote_its_end,
 )
 from .ranks import batch_layout, wrap_for_ranks
 from .run import Run, RunFacts
@@ -389,9 +390,8 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
     check_fits_run(plan, run)
     run.load_state_dict(plan.state, plan.checkpoint.path)
     if plan.same_run:
-        finished = (run.out / "summary.json").is_file() and (run.out / "final").is_dir()  # its final eval is not redone
-        saved = plan.state["counters"].get("metrics_records")
-        later, unreadable = run.metrics.keep_through(plan.checkpoint.step, saved, finished)
+        saved = plan.state["counters"].get("metrics_records")  # a finished run's final eval is not redone: kept
+        later, unreadable = run.metrics.keep_through(plan.checkpoint.step, saved, wrote_its_end(run.out))
         if later:
             run.reporter.info(f"metrics.jsonl: dropped {later} records written after {plan.checkpoint.path.name}")
         if unreadable:

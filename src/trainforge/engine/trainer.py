@@ -40,7 +40,7 @@ from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .ending import eval_stop, record_failure, stop_before_first_step, stop_on_signal, write_report
 from .preempt import Interrupted, StopRequest
-from .resume import length_key, refuse_changed_settings
+from .resume import length_key, refuse_changed_settings, wrote_its_end
 from .run import Run, RunResult
 from .setup import setup
 from .sharded import full_model_state
@@ -70,7 +70,7 @@ def finished_before(run: Run) -> bool:
     summary.json written): said, with what to do to train more."""
     if run.resumed_from is None or run.step < run.max_steps:
         return False
-    if not ((run.out / "summary.json").is_file() and (run.out / "final").is_dir()):
+    if not wrote_its_end(run.out):
         return False  # stopped after its last step, before final/: finish now
     key = length_key(run.cfg)  # an epochs run trains on with more epochs, or with train.max_steps in their place
     run.reporter.info(
