@@ -386,12 +386,9 @@ def run_trainforge(spec: dict, variant: str) -> dict:
     shutil.rmtree(out / "run", ignore_errors=True)
     result = train(load_config(out / "config.yaml"), out / "run", ConsoleReporter(Console(quiet=True)))
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps, tokens = [], 0
     profile = next(({"phases": r["profile"], **r.get("profile_ops", {})} for r in rows if "profile" in r), None)
-    for r in rows:
-        if "loss" in r:
-            tokens += r["tokens"]
-            steps.append({"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": tokens, "loss": r["loss"]})
+    # a step record's "tokens" is the run's running total (tokens seen so far), as the StepClock's is
+    steps = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": r["tokens"], "loss": r["loss"]} for r in rows if "loss" in r]
     sm = result.summary
     return {"steps": steps, "attention": sm.get("attention"), "kernels": sm.get("kernels"), "precision": sm.get("precision"),
             "compile": sm.get("compile"), "compiled": sm.get("compiled"), "fp8": sm.get("fp8"), "flops_per_token": sm.get("flops_per_token"),
@@ -452,6 +449,38 @@ def summarize(r: dict, warmup: int, peak_flops: float | None) -> dict:
         "tokens": steps[-1]["tokens"],
         **{k: r[k] for k in ("attention", "kernels", "precision", "compile", "compiled", "fp8", "profile", "cuda_allocator") if r.get(k) is not None},
     }
+
+
+# 2: trainforge's step rows read the running token total of metrics.jsonl as it is. Reports without this key
+# (the suite before 2026-11-27) summed those totals, so trainforge's tokens grew as the square of the steps
+TOKEN_ACCOUNTING = 2
+
+
+def recount_summed_totals(report: dict, warmup: int = 10) -> dict:
+    """A report written before TOKEN_ACCOUNTING 2, with its trainforge figures recounted: there step k counted
+    k steps' tokens, so with (near) equal tokens per step, as packed rows have, the steady figure (steps
+    w+1..n) was (n(n+1) - w(w+1)) / 2 steps' tokens where n - w were seen, and the whole-loop figure and the
+    total n(n+1)/2 for n. Each recounted variant says so; the ratios and plan's errors are computed again."""
+    if report.get("token_accounting", 1) >= TOKEN_ACCOUNTING:
+        return report
+    if report.get("tiny"):
+        warmup = min(warmup, 2)  # as main() sets it for --tiny
+    for row in report["rows"]:
+        n = row["row"]["steps"]
+        w = min(warmup, n - 2)
+        steady, whole = 2 * (n - w) / (n * (n + 1) - w * (w + 1)), 2 / (n + 1)
+        for name, r in row["results"].items():
+            if not name.startswith("trainforge") or r.get("status") != "ok" or r.get("recounted"):
+                continue
+            r["tokens_per_s"] *= steady
+            r["tokens_per_s_whole"] *= whole
+            r["tokens"] = round(r["tokens"] * whole)
+            if r.get("mfu") is not None:
+                r["mfu"] *= steady
+            r["recounted"] = f"from summed running totals ({n} steps, {w} warm-up)"
+        add_ratios(row["results"], "hf-peft" if row["row"]["method"] == "lora" else "hf")
+    report["token_accounting"] = TOKEN_ACCOUNTING
+    return report
 
 
 def plan_prediction(spec: dict, hardware: str) -> dict:
@@ -604,13 +633,16 @@ def table(reports: list[dict]) -> str:
                 plan_cell = (f"{plan['memory_error']:+.0%} / {plan['speed_error']:+.0%}" + (" (!)" if plan.get("flag") else "")
                              if "speed_error" in plan and plan.get("memory_error") is not None else plan.get("error", ""))
                 lines.append(
-                    f"| {row['row']['name']} | {name} | {r['tokens_per_s']:,.0f} | {fmt(r.get('speed_vs_baseline'), 'x')} | "
+                    f"| {row['row']['name']} | {name} | {r['tokens_per_s']:,.0f}{' (r)' if r.get('recounted') else ''} | {fmt(r.get('speed_vs_baseline'), 'x')} | "
                     f"{fmt(r.get('mfu'), '%')} | {memory_cell(r)} | {fmt(r.get('memory_vs_baseline'), 'x')} | "
                     f"{r['first_step_extra_s']:.1f} s | {fmt(r.get('loss_vs_baseline'), 'x', 3)} | {plan_cell} |"
                 )
     devices = sorted({r["environment"]["device"] for r in reports})
     stopped = [str(r["part"]) for r in reports if not r.get("complete", True)]
     note = f" Part {', '.join(stopped)} stopped before its last variant (the call's limit)." if stopped else ""
+    if any(r.get("recounted") for report in reports for row in report["rows"] for r in row["results"].values()):
+        note += (" (r): recounted from a report whose trainforge token counts summed running totals (the suite before"
+                 " 2026-11-27), assuming equal tokens per step; measure again to confirm.")
     return ("\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; torch {reports[0]['environment']['versions']['torch']}.{note}"
             + profile_table(reports))
 
@@ -674,7 +706,7 @@ def main() -> int:
     ap.add_argument("--table", type=Path, help="print the markdown table of the part-*.json files in this folder and exit")
     args = ap.parse_args()
     if args.table:
-        reports = [json.loads(p.read_text()) for p in sorted(args.table.glob("part-*.json"))]
+        reports = [recount_summed_totals(json.loads(p.read_text()), args.warmup) for p in sorted(args.table.glob("part-*.json"))]
         print(table(reports))
         return 0
     if args.tiny:
@@ -690,7 +722,8 @@ def main() -> int:
     reports = []
     args.out.mkdir(parents=True, exist_ok=True)
     for n in numbers:
-        report = {"part": n, "tiny": args.tiny, "environment": environment(args), "rows": [], "complete": False}
+        report = {"part": n, "tiny": args.tiny, "environment": environment(args), "rows": [], "complete": False,
+                  "token_accounting": TOKEN_ACCOUNTING}
         # the first part's budget counts from this process's start, as a caller's time limit does (importing torch
         # and starting CUDA take seconds before this line)
         deadline = (T0 if not reports else time.perf_counter()) + args.budget

@@ -108,6 +108,47 @@ def test_a_part_run_again_into_the_same_folder_measures_trainforge_again(tmp_pat
     for _ in range(2):
         result = suite.run_trainforge(run, "trainforge")
         assert len(result["steps"]) == 3
+        # each step row holds the tokens seen so far, ending at the run's total (the suite once summed the
+        # running totals: on an H200 trainforge read 30x HF where it was 1.17x)
+        total = json.loads((Path(run["out"]) / "run" / "summary.json").read_text())["tokens"]
+        tokens = [s["tokens"] for s in result["steps"]]
+        assert tokens[-1] == total and 0 < tokens[0] < tokens[1] < tokens[2]
+
+
+def test_a_report_that_summed_running_totals_is_recounted(monkeypatch):
+    """--table on a report from before the fix: trainforge's steady and whole tokens/s, tokens and MFU are
+    recounted to what equal steps give, the ratios and plan's errors follow, HF's figures stay, and the table
+    marks the recounted rows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite_recount", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite_recount", suite)
+    spec.loader.exec_module(suite)
+    n, per_step, seconds = 40, 8000, 0.2
+
+    def steps(total):  # step k at k * seconds (the first one 2 s later), `total(k)` tokens recorded
+        return [{"step": k, "elapsed_s": 2.0 + k * seconds, "tokens": total(k), "loss": 1.0} for k in range(1, n + 1)]
+
+    truth = suite.summarize({"steps": steps(lambda k: k * per_step), "flops_per_token": 1e9}, 10, 1e15)
+    summed = suite.summarize({"steps": steps(lambda k: per_step * k * (k + 1) // 2), "flops_per_token": 1e9}, 10, 1e15)
+    hf = suite.summarize({"steps": steps(lambda k: k * 2 * per_step), "flops_per_token": 1e9}, 10, 1e15)
+    for r in (truth, summed, hf):
+        r["peak_memory_bytes"] = 2**30
+    summed["plan"] = {"tokens_per_s": truth["tokens_per_s"] * 1.1, "peak_memory_bytes": 1}
+    report = {"part": "first", "environment": {"device": "GPU", "versions": {"torch": "x"}},
+              "rows": [{"row": {"name": "r", "steps": n, "method": "full"}, "results": {"hf": hf, "trainforge": summed}}]}
+    suite.add_ratios(report["rows"][0]["results"], "hf")
+    assert summed["speed_vs_baseline"] > 10
+    suite.recount_summed_totals(report)
+    tf = report["rows"][0]["results"]["trainforge"]
+    for key in ("tokens_per_s", "tokens_per_s_whole", "tokens", "mfu"):
+        assert math.isclose(tf[key], truth[key], rel_tol=1e-9), key
+    assert math.isclose(tf["speed_vs_baseline"], 0.5) and math.isclose(tf["plan"]["speed_error"], 0.1)
+    assert report["rows"][0]["results"]["hf"]["tokens_per_s"] == hf["tokens_per_s"] and "recounted" not in hf
+    suite.recount_summed_totals(report)  # once only
+    assert math.isclose(tf["tokens_per_s"], truth["tokens_per_s"])
+    assert "(r)" in suite.table([report]) and "recounted from a report" in suite.table([report])
 
 
 def test_reuse_takes_a_finished_variant_and_a_failed_run_never_returns_an_old_result(tmp_path, monkeypatch):
