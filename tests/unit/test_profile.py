@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rich.console import Console
 
@@ -75,3 +76,18 @@ def test_tensorboard_scalars(finetune_config, tmp_path):
     logged = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert [e.step for e in events.Scalars("train/loss")] == [r["step"] for r in logged]
     assert [round(e.value, 5) for e in events.Scalars("train/loss")] == [round(r["loss"], 5) for r in logged]
+
+
+def test_device_time_leaves_out_the_annotations_on_the_device_timeline():
+    """kineto puts user annotations (the optimizer's step, compile's graph calls) on the CUDA timeline
+    beside the kernels they span: they are neither kernels nor busy time."""
+    from types import SimpleNamespace
+
+    from trainforge.metrics.profile import device_kernels
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name="nvjet_a", device_type=cuda, is_user_annotation=False),
+              SimpleNamespace(name="Optimizer.step#AdamW.step", device_type=cuda, is_user_annotation=True),
+              SimpleNamespace(name="## Call CompiledFxGraph f1 ##", device_type=cuda, is_user_annotation=True),
+              SimpleNamespace(name="aten::mm", device_type=cpu, is_user_annotation=False)]
+    assert [e.name for e in device_kernels(events)] == ["nvjet_a"]
