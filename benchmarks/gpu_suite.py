@@ -493,7 +493,13 @@ def plan_prediction(spec: dict, hardware: str) -> dict:
     path = Path(spec["work"]) / "plan-config.yaml"
     path.write_text(yaml.safe_dump(trainforge_config(spec), sort_keys=False))
     plan = make_plan(load_config(path), hardware=hardware)
-    return {"hardware": hardware, "peak_memory_bytes": plan["memory"]["peak_process_bytes"], "tokens_per_s": plan["time"]["tokens_per_s"]}
+    memory = plan["memory"]
+    # on a GPU the run's figure is torch's peak reserved, which holds no CUDA context: plan's tensors with its
+    # allocator overhead are what compares with it; on a CPU (--tiny) the process's peak RSS, plan's process
+    reserved = int(memory["peak_tensor_bytes"] * (1 + plan["hardware"]["allocator_overhead"]))
+    return {"hardware": hardware, "peak_memory_bytes": reserved if hardware != "this" else memory["peak_process_bytes"],
+            "peak_process_bytes": memory["peak_process_bytes"], "peak_tensor_bytes": memory["peak_tensor_bytes"],
+            "tokens_per_s": plan["time"]["tokens_per_s"]}
 
 
 def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | None, deadline: float,

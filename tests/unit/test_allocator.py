@@ -102,3 +102,22 @@ def test_cuda_runs_with_expandable_segments_after_the_cli_asks():
     users = subprocess.run([sys.executable, "-c", code], env={**clean, "PYTORCH_ALLOC_CONF": "expandable_segments:False"},
                            capture_output=True, text=True, timeout=120)
     assert users.stdout.strip().splitlines()[-1] in ("False", "None"), users.stderr
+
+
+def test_plan_prices_fragmentation_by_the_allocator_the_run_will_have(monkeypatch):
+    """plan's reserved-over-allocated margin on a GPU: small under expandable segments (trainforge's
+    default, and a user's own variable that asks for them), the default allocator's under a user's other
+    setting; a CPU profile keeps its own."""
+    from trainforge.engine.predict.fit import allocator_overhead
+    from trainforge.profiles import ALLOCATOR_OVERHEAD, EXPANDABLE_ALLOCATOR_OVERHEAD, find_profile
+
+    h100 = find_profile("h100")
+    clear(monkeypatch)
+    assert allocator_overhead(h100) == EXPANDABLE_ALLOCATOR_OVERHEAD < ALLOCATOR_OVERHEAD
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments: True")
+    assert allocator_overhead(h100) == EXPANDABLE_ALLOCATOR_OVERHEAD
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    assert allocator_overhead(h100) == ALLOCATOR_OVERHEAD
+    cpu = find_profile("h100").__class__(name="cpu", title="cpu", memory_gib=24, peak_tflops={"fp32": 1.0}, bandwidth_gbs=50,
+                                         bf16=False, kind="cpu", allocator_overhead=0.3)
+    assert allocator_overhead(cpu) == 0.3

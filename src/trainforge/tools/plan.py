@@ -19,7 +19,7 @@ import torch
 from ..config import RunConfig, resolve_grad_accum
 from ..cpu_threads import CpuThreads
 from ..engine.evaluate import auto_eval_batches, planned_evals
-from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, fit_run, predict_load_memory, predict_memory
+from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, allocator_overhead, fit_run, predict_load_memory, predict_memory
 from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
 from ..hardware import (
@@ -143,7 +143,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
             "name": profile.name, "title": profile.title, "memory_bytes": profile.memory_bytes,
             "peak_tflops": profile.peak_tflops, "bandwidth_gbs": profile.bandwidth_gbs, "bf16": profile.bf16,
             "source": profile.source, "fixed_bytes": int(profile.fixed_gib * GIB),
-            "allocator_overhead": profile.allocator_overhead, **({"measured": profile.measured} if profile.measured else {}),
+            "allocator_overhead": allocator_overhead(profile), **({"measured": profile.measured} if profile.measured else {}),
         },
         "world_size": world_size,
         "memory": {

@@ -15,7 +15,7 @@ import torch
 from ...config import RunConfig
 from ...config_preference import resolve_reference
 from ...hardware import Precision
-from ...profiles import GIB, HardwareProfile
+from ...profiles import EXPANDABLE_ALLOCATOR_OVERHEAD, GIB, HardwareProfile
 from .memory import MemoryEstimate, estimate_memory
 from .trace import StepTrace, quantize_base_4bit, trace_training_step
 
@@ -72,8 +72,23 @@ def predict_memory(
     if t.objective != "sft" and resolve_reference(t.objective, cfg.preference.reference, cfg.model.method) == "model":
         parts["reference"] = trace.parts["weights"]  # a frozen copy of the starting weights, whole on every process
     tensors = sum(parts.values())
-    process = int(tensors * (1 + profile.allocator_overhead) + fixed_bytes(cfg, profile))
+    process = int(tensors * (1 + allocator_overhead(profile)) + fixed_bytes(cfg, profile))
     return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size, activation_checkpointing, trace)
+
+
+def allocator_overhead(profile: HardwareProfile) -> float:
+    """Reserved over allocated memory the run will see: on a GPU, a run with expandable segments (what
+    trainforge asks for unless the user's own allocator variable says otherwise) wastes almost nothing to
+    fragmentation; the profile's figure is the default allocator's."""
+    from ...allocator import allocator_settings
+
+    if profile.kind != "gpu":
+        return profile.allocator_overhead
+    settings = allocator_settings()
+    users = str(settings["settings"]).replace(" ", "").lower()
+    if settings["set_by"] == "user" and "expandable_segments:true" not in users:
+        return profile.allocator_overhead
+    return min(profile.allocator_overhead, EXPANDABLE_ALLOCATOR_OVERHEAD)
 
 
 def planned_kernels(cfg: RunConfig, profile: HardwareProfile) -> str:
