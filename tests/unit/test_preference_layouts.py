@@ -120,3 +120,19 @@ def test_a_pair_missing_a_side_says_which_and_what_is_expected(row, said):
     assert message.startswith(f"{WHERE}: {said}: a preference pair needs 'chosen' and 'rejected', both strings, both "
                               "message lists, or both single messages"), message
     assert "NoneType" not in message
+
+
+def test_a_tokenizer_built_from_llama_factory_rows_sees_their_texts(tmp_path):
+    """``model.tokenizer: char`` (or a BPE trained on the data) reads the turns, a top-level system and both replies."""
+    import json
+
+    from trainforge.config import DataSettings
+    from trainforge.data.prepare import training_texts
+
+    pairs = tmp_path / "dpo.json"
+    pairs.write_text(json.dumps([llama_factory_row(case) for case in CASES]))
+    texts = set(training_texts(DataSettings(train=str(pairs), eval=None), "preference"))
+    assert {"Answer in one word.", "And 3+3?", "You are terse.", "Paris.", "Rome.", "Milan, I think."} <= texts
+    kto = tmp_path / "kto.jsonl"
+    kto.write_text(json.dumps({"conversations": [sharegpt("user", "2+2?"), sharegpt("assistant", "5")], "label": False}) + "\n")
+    assert set(training_texts(DataSettings(train=str(kto), eval=None), "unpaired")) == {"2+2?", "5"}

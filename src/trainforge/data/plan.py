@@ -126,7 +126,7 @@ def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
                    f"(full conversations, as UltraFeedback's; data.format: chat alone where the rows also hold {n.messages!r})")
         else:  # a label is no reason to refuse SFT: the rows read as chat or prompt/completion rows, label left unread
             sft = (f"to learn every row's reply as a target, whatever its {n.label!r}: {d.setting('data.format', 'chat')} "
-                   f"({{{n.messages}, {n.label}}} rows: each assistant turn learned), or "
+                   f"({{{n.messages}, {n.label}}} rows) or "
                    f"{d.setting('data.format', 'prompt_completion')} ({{{n.prompt}, {n.completion}, {n.label}}} string rows)")
         if cfg.model.kind.encoder_decoder:  # setting the objective would be refused: none trains an encoder-decoder
             raise DataError(f"{d.source_label()} holds {held} rows ({layouts[held]}): the preference objectives train "
