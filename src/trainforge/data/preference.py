@@ -12,8 +12,9 @@ Paired rows (DPO, IPO, ORPO, SimPO) in the layouts people have:
   (its ``dpo_en_demo.json``), or the same with OpenAI ``messages`` and ``{"role", "content"}`` replies: each side
   a single message, after the prompt's turns (a top-level ``system`` string is the system turn, as for SFT).
 Unpaired rows (KTO): TRL's ``{"prompt", "completion", "label"}`` and LLaMA-Factory's ``{"messages", "label"}``
-or ShareGPT ``{"conversations", "label"}`` (the last assistant turn is the completion); under ``data.format: unpaired``, a pair in any of the layouts above is
-two examples, its chosen reply desirable and its rejected one not.
+or ShareGPT ``{"conversations", "label"}`` (the last assistant turn is the completion); under
+``data.format: unpaired``, a pair in any of the layouts above is two examples, its chosen reply desirable and its
+rejected one not.
 
 Each side is rendered as SFT renders a row (the real chat template; offset-exact spans): only the reply
 is learned, never the prompt nor earlier assistant turns. Bad rows (identical sides, an empty side, a
