@@ -114,3 +114,70 @@ def test_preference_run_learns_the_known_preference_and_final_loads(tmp_path, ti
         assert "for KTO on the pairs, --set data.format=unpaired" in proc.stderr, show(proc)
         proc = run_cli(["eval", run, "--data", toy_data_dir / "pref_eval.jsonl", "--set", "train.objective=dpo", "--json"], tmp_path)
         assert proc.returncode == 0 and json.loads(proc.stdout[proc.stdout.index("{"):])["objective"] == "dpo", show(proc)
+
+
+def llama_factory_rows(pairs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The pairs in LLaMA-Factory's ShareGPT layout (its dpo_en_demo.json: the prompt's turns, then one message per
+    side; every third with a system turn, some others with a top-level system), and the same converted by hand to
+    TRL's message-list layout."""
+    shared, by_hand = [], []
+    for k, p in enumerate(pairs):
+        turns = ([{"from": "system", "value": "continue the words"}] if k % 3 == 0 else []) + [{"from": "human", "value": p["prompt"]}]
+        row = {"conversations": turns, "chosen": {"from": "gpt", "value": p["chosen"]}, "rejected": {"from": "gpt", "value": p["rejected"]}}
+        messages = [{"role": "system", "content": "continue the words"}] if k % 3 == 0 else []
+        if k % 3 == 1:  # a top-level system where the turns hold none
+            row["system"] = "be brief"
+            messages = [{"role": "system", "content": "be brief"}]
+        messages.append({"role": "user", "content": p["prompt"]})
+        shared.append(row)
+        by_hand.append({"prompt": messages, "chosen": [{"role": "assistant", "content": p["chosen"]}],
+                        "rejected": [{"role": "assistant", "content": p["rejected"]}]})
+    return shared, by_hand
+
+
+def test_llama_factory_sharegpt_pairs_train_as_the_rows_converted_by_hand(tmp_path, tiny_model_dir, toy_data_dir):
+    """LLaMA-Factory's DPO layout was refused ("'chosen' and 'rejected' must both be strings or both be message lists,
+    got dict and dict"; under data.on_bad_row: skip every row was skipped). Now a run on its JSON array trains exactly
+    as one on the same rows converted by hand; and a pair missing a side says which, where."""
+    shared, by_hand = llama_factory_rows(conftest.toy_preference_pairs(32, seed=11))
+    (tmp_path / "dpo_demo.json").write_text(json.dumps(shared, indent=2))
+    conftest.write_jsonl(tmp_path / "by_hand.jsonl", by_hand)
+    losses = []
+    for name, skip in (("dpo_demo.json", True), ("by_hand.jsonl", False)):
+        cfg = preference_config(tiny_model_dir, toy_data_dir, "dpo", "full")
+        cfg["data"].update(train=str(tmp_path / name), eval=None, on_bad_row="skip" if skip else "error", max_length=512)
+        cfg["train"].update(max_steps=3, micro_batch_size=4, eval_every=None)
+        cfg["log"].update(every_steps=1, report=False)
+        config = conftest.write_config(tmp_path / f"{name}.yaml", cfg)
+        proc = run_cli(["train", config, "--output", tmp_path / name.split(".")[0]], tmp_path)
+        assert proc.returncode == 0, show(proc)
+        records = [json.loads(line) for line in (tmp_path / name.split(".")[0] / "metrics.jsonl").read_text().splitlines()]
+        losses.append([(r["loss"], r["reward_margin"]) for r in records if "loss" in r])
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+    rows = conftest.toy_preference_pairs(4, seed=12)
+    del rows[2]["rejected"]
+    conftest.write_jsonl(tmp_path / "pairs.jsonl", rows)
+    cfg["data"].update(train=str(tmp_path / "pairs.jsonl"), on_bad_row="error")
+    proc = run_cli(["train", conftest.write_config(tmp_path / "bad.yaml", cfg), "--output", tmp_path / "bad"], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, show(proc)
+    assert f"pairs.jsonl:3: the 'rejected' field is missing (fields: ['chosen', 'prompt']): a preference pair needs " in proc.stderr, show(proc)
+
+
+def test_sft_on_kto_rows_names_the_objective_and_the_format_that_reads_them_for_sft(tmp_path, tiny_model_dir, toy_data_dir):
+    """SFT on LLaMA-Factory's KTO rows ({messages, label}) was refused with only "set train.objective to kto": a user
+    who wanted SFT had to guess data.format: chat. Both ways are named, and the second trains."""
+    rows = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}],
+             "label": r["label"]} for r in conftest.toy_kto_rows(24, seed=13)]
+    conftest.write_jsonl(tmp_path / "kto.jsonl", rows)
+    cfg = conftest.finetune_settings(tiny_model_dir, toy_data_dir)
+    cfg["data"].update(train=str(tmp_path / "kto.jsonl"), eval=None)
+    cfg["train"].update(max_steps=2, grad_accum=1)
+    proc = run_cli(["train", conftest.write_config(tmp_path / "sft.yaml", cfg), "--output", tmp_path / "refused"], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, show(proc)
+    said = " ".join(proc.stderr.split())
+    assert "holds unpaired rows" in said and "set train.objective to kto; or, for SFT," in said, show(proc)
+    assert "data.format: chat ({messages, label} rows)" in said, show(proc)
+    cfg["data"]["format"] = "chat"
+    proc = run_cli(["train", conftest.write_config(tmp_path / "chat.yaml", cfg), "--output", tmp_path / "sft"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert json.loads((tmp_path / "sft" / "summary.json").read_text())["objective"] == "sft"

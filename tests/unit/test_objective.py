@@ -179,7 +179,10 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
         rows_for(load_config(None), pairs)
     with pytest.raises(DataError, match="train.objective=orpo needs preference rows"):
         rows_for(load_config(None, ["train.objective=orpo"]), text)
-    with pytest.raises(DataError, match="set train.objective to kto"):
+    # SFT on KTO rows: the objective, or the format that reads them for SFT (a user had to guess data.format: chat)
+    with pytest.raises(DataError, match=r"holds unpaired rows .*: set train.objective to kto; or, for SFT, to learn every "
+                       r"row's reply as a target, whatever its 'label': data.format: chat \(\{messages, label\} rows\) or "
+                       r"data.format: prompt_completion \(\{prompt, completion, label\} string rows\)$"):
         rows_for(load_config(None), SimpleNamespace(format="unpaired"))
     with pytest.raises(DataError, match="train.objective=kto needs unpaired rows"):
         rows_for(load_config(None, ["train.objective=kto"]), pairs)
@@ -211,7 +214,8 @@ def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_
     with pytest.raises(DataError, match=r"this model is an encoder-decoder .*data.fields: \{completion: chosen\}") as e:
         rows_for(t5, pairs)
     assert "set train.objective" not in str(e.value)
-    with pytest.raises(DataError, match=r"holds unpaired rows .*this model is an encoder-decoder \(source -> target rows\)$"):
+    with pytest.raises(DataError, match=r"holds unpaired rows .*this model is an encoder-decoder \(source -> target rows\); "
+                       r"to learn every row's reply as a target, whatever its 'label': data.format: chat"):
         rows_for(t5, SimpleNamespace(format="unpaired"))
     # {prompt, completion, label: 1} rows are prompt/completion data: the message says why, and how to find the row
     with pytest.raises(DataError, match=r"is prompt_completion data \(told apart by a 'label' of true or false, not 1/0"):

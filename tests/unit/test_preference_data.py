@@ -178,7 +178,7 @@ def test_kto_rows_in_trl_and_llama_factory_layouts():
         ({"prompt": "q", "chosen": " a", "rejected": " a"}, "identical"),
         ({"prompt": "q", "chosen": " a", "rejected": "  "}, "rejected reply is empty"),
         ({"chosen": [user("q"), assistant("a")], "rejected": [user("q"), assistant("a")]}, "no assistant reply"),
-        ({"chosen": "a", "rejected": [assistant("b")]}, "both be strings or both be message lists"),
+        ({"chosen": "a", "rejected": [assistant("b")]}, "must be both strings, both message lists, or both single messages"),
         ({"prompt": "q", "completion": " a", "label": "yes"}, "'label' must be true"),
         ({"messages": [user("q")], "label": True}, "no assistant turn"),
     ],

@@ -94,9 +94,13 @@ def source_target_keys(row: Row, names: FieldNames) -> tuple[str, str] | None:
 def detect_format(row: Row, names: FieldNames) -> str:
     """The format whose fields the row has (preference pairs, chat, alpaca, prompt/completion, then text)."""
     if names.chosen in row.data and names.rejected in row.data:
-        return "preference"  # TRL's {prompt, chosen, rejected} or the implicit-prompt {chosen, rejected} (data/preference.py)
-    if isinstance(row.data.get(names.label), bool) and (names.completion in row.data or names.messages in row.data):
-        return "unpaired"  # KTO: TRL's {prompt, completion, label} or LLaMA-Factory's {messages, label}
+        # TRL's {prompt, chosen, rejected}, the implicit-prompt {chosen, rejected}, LLaMA-Factory's {conversations,
+        # chosen: message, rejected: message} (data/preference.py)
+        return "preference"
+    if isinstance(row.data.get(names.label), bool) and (
+        names.completion in row.data or names.messages in row.data or SHAREGPT_FIELD in row.data
+    ):
+        return "unpaired"  # KTO: TRL's {prompt, completion, label} or LLaMA-Factory's {messages | conversations, label}
     if SHAREGPT_FIELD in row.data and isinstance(row.data[SHAREGPT_FIELD], list):
         return "chat"  # ShareGPT: {"conversations": [{"from", "value"}, ...]}
     if conversational_prompt(row, names):

@@ -120,16 +120,20 @@ def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
     layouts = {"preference": f"{{{n.prompt}, {n.chosen}, {n.rejected}}} or {{{n.chosen}, {n.rejected}}}",
                "unpaired": f"{{{n.prompt}, {n.completion}, {n.label}}} or {{{n.messages}, {n.label}}}"}
     if wanted is None:
-        sft = ("to learn the chosen replies as targets: data.format: prompt_completion and data.fields: "
-               f"{{completion: {n.chosen}}} (string pairs), or data.format: chat and data.fields: {{messages: {n.chosen}}} "
-               f"(full conversations, as UltraFeedback's; data.format: chat alone where the rows also hold {n.messages!r})"
-               if held == "preference" else "")
+        if held == "preference":
+            sft = ("to learn the chosen replies as targets: data.format: prompt_completion and data.fields: "
+                   f"{{completion: {n.chosen}}} (string pairs), or data.format: chat and data.fields: {{messages: {n.chosen}}} "
+                   f"(full conversations, as UltraFeedback's; data.format: chat alone where the rows also hold {n.messages!r})")
+        else:  # a label is no reason to refuse SFT: the rows read as chat or prompt/completion rows, label left unread
+            sft = (f"to learn every row's reply as a target, whatever its {n.label!r}: {d.setting('data.format', 'chat')} "
+                   f"({{{n.messages}, {n.label}}} rows) or "
+                   f"{d.setting('data.format', 'prompt_completion')} ({{{n.prompt}, {n.completion}, {n.label}}} string rows)")
         if cfg.model.kind.encoder_decoder:  # setting the objective would be refused: none trains an encoder-decoder
             raise DataError(f"{d.source_label()} holds {held} rows ({layouts[held]}): the preference objectives train "
                             f"decoder-only models here, and this model is an encoder-decoder (source -> target rows)"
-                            + (f"; {sft}" if sft else ""))
+                            + f"; {sft}")
         raise DataError(f"{d.source_label()} holds {held} rows ({layouts[held]}): {d.objective_hint(*OBJECTIVES_FOR_DATA[held])}"
-                        + (f"; or, for SFT, {sft}" if sft else ""))
+                        + f"; or, for SFT, {sft}")
     if held is not None:  # the other kind of preference rows: the objective is what to change
         split = (f"; or, for KTO on the pairs, {d.setting('data.format', 'unpaired')} (each chosen reply a desirable "
                  "example, each rejected one an undesirable one, as TRL's KTOTrainer reads pairs)" if held == "preference" else "")

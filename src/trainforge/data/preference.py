@@ -7,10 +7,14 @@ Paired rows (DPO, IPO, ORPO, SimPO) in the layouts people have:
   is the shared prefix up to its last ``Assistant:``, else cut at a word boundary; UltraFeedback-binarized as
   message lists: the prompt is the shared leading messages, and a ``prompt`` string beside them is the same
   question, not read; beside lists of replies only it is the question, a user turn).
-  A prompt that both sides already begin with (full texts or conversations beside their prompt) is written once.
+  A prompt that both sides already begin with (full texts or conversations beside their prompt) is written once;
+- LLaMA-Factory's ShareGPT pairs ``{"conversations": [prompt turns], "chosen": {"from", "value"}, "rejected": {...}}``
+  (its ``dpo_en_demo.json``), or the same with OpenAI ``messages`` and ``{"role", "content"}`` replies: each side
+  a single message, after the prompt's turns (a top-level ``system`` string is the system turn, as for SFT).
 Unpaired rows (KTO): TRL's ``{"prompt", "completion", "label"}`` and LLaMA-Factory's ``{"messages", "label"}``
-(the last assistant turn is the completion); under ``data.format: unpaired``, a pair in any of the layouts above is
-two examples, its chosen reply desirable and its rejected one not.
+or ShareGPT ``{"conversations", "label"}`` (the last assistant turn is the completion); under
+``data.format: unpaired``, a pair in any of the layouts above is two examples, its chosen reply desirable and its
+rejected one not.
 
 Each side is rendered as SFT renders a row (the real chat template; offset-exact spans): only the reply
 is learned, never the prompt nor earlier assistant turns. Bad rows (identical sides, an empty side, a
@@ -26,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..config import FieldNames
-from .chat_messages import conversation
+from .chat_messages import SHAREGPT_FIELD, conversation
 from .chat_tools import row_tools
 from .formats import Rendered, Renderer, TokenizedChunk, tokenize_rendered
 from .sources import DataError, Row
@@ -40,9 +44,17 @@ def preference_kind(row: Row, names: FieldNames | None = None) -> str | None:
     n = names or FieldNames()
     if n.chosen in row.data and n.rejected in row.data:
         return "pairs"
-    if n.label in row.data and (n.completion in row.data or n.messages in row.data):
+    if n.label in row.data and (n.completion in row.data or has_messages(row, n)):
         return "unpaired"
     return None
+
+
+def has_messages(row: Row, names: FieldNames) -> bool:
+    """Whether the row holds a conversation: ``messages`` (its ``data.fields`` name) or ShareGPT's ``conversations``."""
+    return names.messages in row.data or SHAREGPT_FIELD in row.data
+
+
+SIDES = "both strings, both message lists, or both single messages ({role, content} or ShareGPT {from, value})"
 
 
 class PreferenceRenderer:
@@ -55,6 +67,15 @@ class PreferenceRenderer:
         """(chosen, rejected) of a paired row, each its prompt plus its reply, the reply learned."""
         n = self.names
         chosen, rejected = row.data.get(n.chosen), row.data.get(n.rejected)
+        for side, setting in ((n.chosen, "chosen"), (n.rejected, "rejected")):
+            if row.data.get(side) is None:
+                raise DataError(
+                    f"{row.where}: the {side!r} field is {'null' if side in row.data else 'missing'} (fields: "
+                    f"{sorted(row.data)}): a preference pair needs {n.chosen!r} and {n.rejected!r}, {SIDES}; a reply "
+                    f"under another name is read with data.fields.{setting}"
+                )
+        if isinstance(chosen, dict) and isinstance(rejected, dict):
+            return self._reply_pair(row)
         if isinstance(chosen, list) and isinstance(rejected, list):
             return self._message_pair(row, chosen, rejected)
         if isinstance(chosen, str) and isinstance(rejected, str):
@@ -71,7 +92,7 @@ class PreferenceRenderer:
             _check_sides(row.where, chosen, rejected, n)
             return _text(prompt, chosen, row.where), _text(prompt, rejected, row.where)
         raise DataError(
-            f"{row.where}: {n.chosen!r} and {n.rejected!r} must both be strings or both be message lists, got "
+            f"{row.where}: {n.chosen!r} and {n.rejected!r} must be {SIDES}, got "
             f"{type(chosen).__name__} and {type(rejected).__name__}"
         )
 
@@ -84,7 +105,7 @@ class PreferenceRenderer:
             if n.label not in row.data:
                 chosen, rejected = self.pair(row)
                 return [(chosen, True), (rejected, False)]
-            if n.completion not in row.data and n.messages not in row.data:
+            if n.completion not in row.data and not has_messages(row, n):
                 raise DataError(
                     f"{row.where}: a pair ({n.chosen!r}, {n.rejected!r}) with a {n.label!r}: a row of data.format: unpaired "
                     f"is a labelled completion ({n.completion!r} or {n.messages!r}) or a pair, split into a desirable and "
@@ -97,11 +118,14 @@ class PreferenceRenderer:
         label = row.data.get(self.names.label)
         if not isinstance(label, bool):
             raise DataError(f"{row.where}: {self.names.label!r} must be true (desirable) or false (undesirable), got {label!r}")
-        if self.names.messages in row.data:
-            messages = self._messages(row, self.names.messages)
+        if has_messages(row, self.names):
+            # LLaMA-Factory's messages, or ShareGPT conversations with a top-level system beside them as for SFT (a
+            # messages row's own list alone, as its stores were keyed)
+            messages = (self._messages(row, self.names.messages) if self.names.messages in row.data
+                        else conversation(row, self.names.messages, self.tool_role))
             last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
             if last is None:
-                raise DataError(f"{row.where}: 'messages' has no assistant turn to judge")
+                raise DataError(f"{row.where}: the conversation has no assistant turn to judge")
             return self._render(messages[:last], messages[last : last + 1], row), label
         names = self.names
         prompt, completion = row.data.get(names.prompt), row.data.get(names.completion)
@@ -115,6 +139,22 @@ class PreferenceRenderer:
         if not completion.strip():
             raise DataError(f"{row.where}: the completion is empty")
         return _text(prompt, completion, row.where), label
+
+    def _reply_pair(self, row: Row) -> tuple[Rendered, Rendered]:
+        """A pair whose sides are single messages (LLaMA-Factory's ShareGPT layout), after the prompt's turns: a
+        ``prompt`` message list, else the row's ``messages`` or ``conversations`` (with a top-level ``system``)."""
+        n = self.names
+        if isinstance(row.data.get(n.prompt), list):
+            prompt = self._messages(row, n.prompt)
+        elif has_messages(row, n):
+            prompt = conversation(row, n.messages, self.tool_role)
+        else:
+            raise DataError(
+                f"{row.where}: no prompt: {n.chosen!r} and {n.rejected!r} are single messages, and the row has no "
+                f"{n.messages!r} or {SHAREGPT_FIELD!r} turns (fields: {sorted(row.data)}) to reply to; name the turns' "
+                "field with data.fields.messages"
+            )
+        return self._checked_pair(row, prompt, self._messages(row, n.chosen), self._messages(row, n.rejected))
 
     def _message_pair(self, row: Row, chosen: list, rejected: list) -> tuple[Rendered, Rendered]:
         names = self.names
@@ -135,6 +175,11 @@ class PreferenceRenderer:
             prompt_msgs, chosen_msgs, rejected_msgs = chosen_msgs[:n], chosen_msgs[n:], rejected_msgs[n:]
             if n == 0:  # a prompt string beside replies only: the question, as a user turn before them
                 prompt_msgs = [{"role": "user", "content": prompt}]
+        return self._checked_pair(row, prompt_msgs, chosen_msgs, rejected_msgs)
+
+    def _checked_pair(self, row: Row, prompt_msgs: list, chosen_msgs: list, rejected_msgs: list) -> tuple[Rendered, Rendered]:
+        """Both sides rendered after the prompt; DataError for a side without an assistant reply, or equal sides."""
+        names = self.names
         for side, msgs in ((names.chosen, chosen_msgs), (names.rejected, rejected_msgs)):
             if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in msgs):
                 raise DataError(f"{row.where}: the {side} side has no assistant reply after the prompt")
@@ -151,7 +196,10 @@ class PreferenceRenderer:
         )
 
     def _messages(self, row: Row, key: str) -> list[dict[str, Any]]:
-        return conversation(Row({MESSAGES: row.data[key]}, f"{row.where} ({key})"), MESSAGES, self.tool_role)
+        """The messages under ``key``: a list, or a single message (one turn)."""
+        raw = row.data[key]
+        return conversation(Row({MESSAGES: [raw] if isinstance(raw, dict) else raw}, f"{row.where} ({key})"), MESSAGES,
+                            self.tool_role)
 
     def _render(self, prompt: list[dict[str, Any]], reply: list[dict[str, Any]], row: Row) -> Rendered:
         """The conversation rendered once, with the row's tool definitions; learned: the assistant turns of

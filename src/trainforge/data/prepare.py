@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ..config import DataSettings
+from ..config import DataSettings, FieldNames
 from .cache import STATS_FILE, cache_entry, is_complete, publish_entry
+from .chat_messages import SHAREGPT_FIELD
 from .chat_tools import row_tools
 from .formats import Renderer, TokenizedChunk, chat_messages, detect_format, format_fields, tokenize_rendered
 from .preference import PreferenceRenderer
@@ -83,6 +84,24 @@ def training_texts(cfg: DataSettings, fmt: str) -> Iterator[str]:
                 yield value
             elif isinstance(value, list):  # preference sides as message lists
                 yield from (m["content"] for m in value if isinstance(m, dict) and isinstance(m.get("content"), str))
+        if fmt in ("preference", "unpaired") and isinstance(row.data.get(cfg.fields.chosen), dict):
+            yield from single_message_texts(row, cfg.fields)
+        elif fmt == "unpaired" and cfg.fields.messages not in row.data and isinstance(row.data.get(SHAREGPT_FIELD), list):
+            yield from single_message_texts(row, cfg.fields)
+
+
+def single_message_texts(row: Row, names: FieldNames) -> Iterator[str]:
+    """The texts of a LLaMA-Factory row: its ``messages`` or ShareGPT ``conversations`` turns, a top-level ``system``, and
+    each single-message side (``{"from", "value"}`` or ``{"role", "content"}``)."""
+    turns = row.data.get(names.messages, row.data.get(SHAREGPT_FIELD))
+    messages = [m for m in turns if isinstance(m, dict)] if isinstance(turns, list) else []
+    messages += [row.data[k] for k in (names.chosen, names.rejected) if isinstance(row.data.get(k), dict)]
+    for m in messages:
+        content = m.get("content", m.get("value"))
+        if isinstance(content, str):
+            yield content
+    if isinstance(row.data.get("system"), str):
+        yield row.data["system"]
 
 
 # ---------------------------------------------------------------- workers
