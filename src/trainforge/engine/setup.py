@@ -48,6 +48,7 @@ from ..model.load import build_model, check_positions, count_parameters, describ
 from ..rundir import writing
 from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
+from .ending import eval_stopped_at_checkpoint
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run, rough_skeleton_estimate
 from .predict.memory import estimate_memory, memory_refusal, memory_warning
@@ -396,6 +397,7 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
             run.reporter.info(f"metrics.jsonl: dropped {later} records written after {plan.checkpoint.path.name}")
         if unreadable:
             run.reporter.warn(f"metrics.jsonl: dropped {unreadable} lines that are not metrics records (torn or foreign)")
+        run.eval_again = eval_stopped_at_checkpoint(run)
     if run.dist.is_main:
         with writing(run.out / "config.yaml"):
             (run.out / "config.yaml").write_text(run.cfg.anchored().to_yaml())
