@@ -201,7 +201,7 @@ def test_a_signal_during_an_evaluation_between_steps_stops_it_and_the_same_comma
 
     proc = run_cli(["train", config, "--output", run], tmp_path, faults={"signal_in_eval_at": [2, 3, "SIGTERM"]})
     assert proc.returncode == 75, show(proc)
-    assert "fault_runner: eval at step 2: 3 batches" in proc.stderr, show(proc)  # of 20: stopped at the next one
+    assert "fault_runner: eval at step 2: 3 batches" in proc.stderr, show(proc)  # of 6: stopped at the next one
     assert "checkpoint step-00000002 saved" in proc.stderr, show(proc)
     assert visible_steps(run) == [2]
     assert [r["step"] for r in records(run) if "eval_loss" in r] == [0]  # the stopped evaluation is not logged

@@ -47,6 +47,8 @@ ATTEMPTS = "attempts"  # start_again moves the files of a run that died before i
 # what a run writes besides checkpoints/ (kept: partial saves are recovered or skipped) and lease.json (ours)
 ATTEMPT_FILES = ("metrics.jsonl", "events.jsonl", "report.html", "config.yaml", "tb", "wandb", "profile")
 FIXED_TRAIN_KEYS = ("seed", "micro_batch_size", "grad_accum")
+STORE_CHANGED = ("the tokenized data (the token store's key: the bytes of data.train and data.eval, the tokenizer and the "
+                 "data settings) changed: rows were edited, reordered, or a preference pair's sides swapped")
 
 
 @dataclass
@@ -77,8 +79,8 @@ def data_fingerprint(tokenizer: Any, data_stats: dict[str, Any]) -> dict[str, An
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
     fp: dict[str, Any] = {"tokenizer_vocab": hashlib.sha256(vocab.encode()).hexdigest()[:16]}
     fp.update({k: v for k, v in data_stats.items() if isinstance(v, int) and not isinstance(v, bool)})
-    if "store" in data_stats:  # the token store's content key: same files, tokenizer and token settings
-        fp["store"] = data_stats["store"]
+    if "store" in data_stats:  # the token store's content key: every byte of the data files, tokenizer and token
+        fp["store"] = data_stats["store"]  # settings (what counts alone miss: a pair's sides swapped, a word changed)
     return fp
 
 
@@ -396,10 +398,12 @@ def check_fits_run(plan: ResumePlan, run: Run) -> None:
     """The chosen checkpoint continues ``run``: the same data as tokenized, a ``max_steps`` not below its
     step, the same processes, the same trained tensors."""
     info, state = plan.checkpoint, plan.state
-    changed = _differences(info.meta.get("data", {}), data_fingerprint(run.tokenizer, run.facts.data_stats))
+    changed = _differences(info.meta.get("data", {}), run.saver.meta["data"])  # what this run's checkpoints will hold
     if changed:
         raise ResumeError(
-            f"cannot resume from {info.path}: the training data differ from the checkpoint's: " + "; ".join(changed)
+            f"cannot resume from {info.path}: the training data differ from the checkpoint's: "
+            + "; ".join(STORE_CHANGED if c.startswith("store:") else c for c in changed)
+            + ". Put the data files back as they were to continue this run, or start a new one with another --output"
         )
     if run.max_steps < info.step:
         raise ResumeError(
