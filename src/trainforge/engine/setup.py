@@ -155,6 +155,8 @@ def setup(
     if cfg.optim.name != "adamw" or cfg.optim.offload != "none":
         reporter.info(f"optimizer: {describe_optimizer(cfg.optim)}")
     max_steps = resolve_max_steps(cfg.train.model_copy(update={"grad_accum": accum}), loader.batches_per_epoch)
+    if warmup := cfg.optim.warmup_problem(max_steps):  # the lr would never reach its value
+        reporter.warn("; ".join(warmup))
     if cfg.train.eval_every == "auto":  # ten evaluations over the run
         every = max(1, max_steps // 10)
         reporter.info(f"eval_every auto -> {every} (ten evaluations over {max_steps} steps)")
