@@ -211,3 +211,23 @@ def test_a_signal_during_an_evaluation_between_steps_stops_it_and_the_same_comma
     assert "eval at step 2" in proc.stdout and "step-00000002 (step 2 of 6)" in proc.stdout, show(proc)
     assert records(run) == records(reference)
     assert [r["step"] for r in records(run) if "eval_loss" in r] == [0, 2, 4, 6]
+
+
+def test_a_run_stopped_during_set_up_starts_again_with_events_of_its_own(tmp_path, finetune_config):
+    """A SIGTERM during the evaluation before training logs no metrics record, only its stop event: the same command
+    started again from step 0 and appended to that events.jsonl, where docs/reliability.md says the attempt's files
+    move to attempts/N (as they do for a run killed after logging steps)."""
+    finetune_config["train"]["max_steps"] = 2
+    config = write_config(tmp_path / "finetune.yaml", finetune_config)
+    run = tmp_path / "run"
+    proc = run_cli(["train", config, "--output", run], tmp_path, faults={"signal_in_eval": "SIGTERM"})
+    assert proc.returncode == 75, show(proc)
+    assert "stop" in [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
+
+    proc = run_cli(["train", config, "--output", run], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert "starting again from step 0" in " ".join(proc.stdout.split()), show(proc)
+    events = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
+    assert "stop" not in events and "checkpoint" in events, events
+    moved = run / "attempts" / "1" / "events.jsonl"
+    assert "stop" in [json.loads(line)["event"] for line in moved.read_text().splitlines()]

@@ -34,6 +34,7 @@ from ..checkpoint import (
 from ..config import RunConfig, TrainSettings, resolve_grad_accum
 from ..metrics.console import ConsoleReporter
 from ..metrics.sink import flat_config
+from ..metrics.tracker import EVENTS_FILE
 from ..model.weight_files import weights_fingerprint
 from ..runlock import RUN_MARKER, OutputDirError, probe_run_dir
 from .nonfinite import checkpoint_tensors, describe, nonfinite_tensors
@@ -262,7 +263,7 @@ def choose_checkpoint(
         candidates, same_run = [], False
     elif resume == "auto":
         candidates, same_run = _newest_first(out / CHECKPOINTS, reporter, recover=True), True
-        if not candidates and holds_run:
+        if not candidates and (holds_run or stopped_in_setup(out)):
             if main:
                 start_again(out, reporter)
             elif refused := unfinished_without_checkpoint(out):  # every rank refuses alike (none waits for a peer)
@@ -284,6 +285,14 @@ def choose_checkpoint(
 def wrote_its_end(out: Path) -> bool:
     """The run in ``out`` wrote what ends it, ``summary.json`` and ``final/`` (after its final evaluation)."""
     return (out / "summary.json").is_file() and (out / "final").is_dir()
+
+
+def stopped_in_setup(out: Path) -> bool:
+    """``out`` holds the events of an attempt that logged no metrics record (a signal during set-up or the evaluation
+    before training: its ``stop`` event): the run starts again as one killed later does, that attempt's files moved
+    to attempts/N, rather than appending to its events.jsonl."""
+    events = out / EVENTS_FILE
+    return (out / RUN_MARKER).is_file() and events.is_file() and events.stat().st_size > 0
 
 
 def unfinished_without_checkpoint(out: Path) -> str | None:
