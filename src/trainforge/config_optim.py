@@ -27,7 +27,7 @@ class OptimSettings(Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW moment decay rates")
     eps: float = Field(1e-8, gt=0, description="AdamW denominator epsilon")
     schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warmup")
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="linear warmup from lr/warmup_steps to lr")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="linear warmup from lr/warmup_steps to lr (train and plan warn where it is longer than the run: lr is never reached)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final lr / peak lr for linear and cosine")
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm; null: no clipping")
 
@@ -46,3 +46,13 @@ class OptimSettings(Section):
                 "adamw, or keep the low-bit state on the GPU with optim.offload: none"
             )
         return self
+
+    def warmup_problem(self, max_steps: int | None) -> tuple[str, str] | None:
+        """(message, fix) where ``warmup_steps`` is longer than the run's ``max_steps``: the learning rate never
+        reaches ``lr`` (and no decay runs). ``train`` warns with it and ``plan`` lists it; None where the warmup ends
+        within the run."""
+        if not max_steps or self.warmup_steps <= max_steps:
+            return None
+        return (f"optim.warmup_steps {self.warmup_steps} is longer than the run's {max_steps} steps: the learning rate "
+                f"never reaches optim.lr {self.lr:g} (its last step trains at {self.lr * max_steps / self.warmup_steps:.3g})",
+                f"set optim.warmup_steps below {max_steps} (a few percent of the run is usual), or raise train.max_steps")

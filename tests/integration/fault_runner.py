@@ -8,6 +8,8 @@ Faults (all optional; steps are 1-based optimizer steps):
   {"nan_in_steps": [3, 4]}             make the loss of those steps NaN
   {"raise_in_step": [2, "message"]}    raise RuntimeError(message) inside step 2's forward/backward
   {"signal_in_eval": "SIGTERM"}        send the signal to this process as the first evaluation (before training) starts
+  {"signal_in_eval_at": [4, 3, "SIGTERM"]}  send it before batch 3 of the evaluation at step 4 (train.eval_every);
+                                       each evaluation prints "fault_runner: eval at step S: N batches" to stderr
   {"rank": 1, ...}                     under torchrun: inject the faults into rank 1 only
   {"pause_in_step": [5, "PATH"]}      inside step 5's forward/backward create PATH.paused, then wait (at
                                        most 10 minutes) for PATH to exist; signals sent meanwhile are handled
@@ -72,6 +74,8 @@ def install(faults: dict) -> None:
 
         trainer.run_eval = signalled_eval
     step_module.loss_sum = poisoned_loss_sum
+    if faults.get("signal_in_eval_at"):
+        _signal_in_eval_at(*faults["signal_in_eval_at"])
 
     pause = faults.get("pause_in_build")
     if pause:
@@ -101,6 +105,33 @@ def install(faults: dict) -> None:
     full = faults.get("disk_full_from_save")
     if full:
         _fill_disk(full[0], full[1])
+
+
+def _signal_in_eval_at(step: int, batch: int, name: str) -> None:
+    run_eval, evaluate = trainer.run_eval, trainer.evaluate
+    at: dict = {"step": None}
+
+    def noted_eval(run, label):
+        at["step"] = run.step
+        return run_eval(run, label)
+
+    def counted_evaluate(*args):
+        *rest, stop = args  # run_eval passes its stop check last
+        ran = [0]
+
+        def counted() -> None:
+            ran[0] += 1
+            if at["step"] == step and ran[0] == batch:
+                os.kill(os.getpid(), getattr(signal, name))
+            if stop is not None:
+                stop()
+
+        try:
+            return evaluate(*rest, counted)
+        finally:
+            print(f"fault_runner: eval at step {at['step']}: {ran[0]} batches", file=sys.stderr, flush=True)
+
+    trainer.run_eval, trainer.evaluate = noted_eval, counted_evaluate
 
 
 def _fill_disk(step: int, directory: str) -> None:

@@ -154,3 +154,22 @@ def test_a_run_that_fits_no_way_is_not_told_to_set_what_it_already_has(tmp_path)
     r = run_cli(["plan", cfg, "--hardware", "rtx4060", "--json"], tmp_path)
     fixes = [f["fix"] for f in json.loads(r.stdout)["findings"] if "exceeds" in f["message"]]
     assert r.returncode == 5 and fixes and "set train.micro_batch_size: auto" not in fixes[0], r.stdout[-2000:]
+
+
+def test_a_warmup_longer_than_the_run_is_warned_by_plan_and_train(tmp_path):
+    """optim.warmup_steps 10 over 3 steps: the learning rate never reached optim.lr, and neither command said so."""
+    cfg = tiny_config(tmp_path, max_steps=3)
+    warmup = ["--set", "optim.warmup_steps=10", "--set", "optim.lr=0.001"]
+    r = run_cli(["plan", cfg, "--json", *warmup], tmp_path)
+    finding = [f for f in json.loads(r.stdout)["findings"] if "warmup_steps" in f["message"]]
+    assert [f["level"] for f in finding] == ["warn"], r.stdout
+    assert "never reaches optim.lr 0.001 (its last step trains at 0.0003)" in finding[0]["message"]
+    assert "set optim.warmup_steps below 3" in finding[0]["fix"]
+
+    r = run_cli(["train", cfg, "--output", tmp_path / "run", *warmup], tmp_path)
+    assert r.returncode == 0, r.stderr
+    said = " ".join((r.stdout + r.stderr).split())
+    assert "optim.warmup_steps 10 is longer than the run's 3 steps" in said and "set optim.warmup_steps below 3" in said
+
+    r = run_cli(["plan", cfg, "--json", "--set", "optim.warmup_steps=3"], tmp_path)  # the last step reaches it
+    assert not [f for f in json.loads(r.stdout)["findings"] if "warmup_steps" in f["message"]]

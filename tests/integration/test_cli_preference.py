@@ -181,3 +181,33 @@ def test_sft_on_kto_rows_names_the_objective_and_the_format_that_reads_them_for_
     proc = run_cli(["train", conftest.write_config(tmp_path / "chat.yaml", cfg), "--output", tmp_path / "sft"], tmp_path)
     assert proc.returncode == 0, show(proc)
     assert json.loads((tmp_path / "sft" / "summary.json").read_text())["objective"] == "sft"
+
+
+def test_a_dpo_run_resumed_on_pairs_whose_sides_were_swapped_is_refused(tmp_path, tiny_model_dir, toy_data_dir):
+    """Every row's chosen and rejected swapped in the same file: the counts of tokens and pairs stay, and the resume
+    trained on (reward accuracy 0%) with the precomputed reference of the old sides, though the checkpoint's token
+    store key differed. Refused now (exit 2), as an edited SFT row is; the file put back, the run goes on."""
+    cfg = preference_config(tiny_model_dir, toy_data_dir, "dpo", "lora")
+    data = conftest.write_jsonl(tmp_path / "pairs.jsonl", conftest.toy_preference_pairs(64, seed=5))
+    cfg["data"].update(train=str(data), eval=None)  # the eval pairs overlapped some: a swap changed the rows dropped
+    cfg["train"].update(max_steps=2, eval_every=None)
+    cfg["preference"] = {"reference": "precompute"}
+    cfg["log"]["report"] = False
+    config = conftest.write_config(tmp_path / "run.yaml", cfg)
+    run, more = tmp_path / "run", ["--set", "train.max_steps=3"]
+    proc = run_cli(["train", config, "--output", run], tmp_path)
+    assert proc.returncode == 0, show(proc)
+
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    original = data.read_text()
+    conftest.write_jsonl(data, [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in rows])
+    proc = run_cli(["train", config, "--output", run, *more], tmp_path)
+    assert proc.returncode == 2, show(proc)
+    message = " ".join(proc.stderr.split())
+    assert "the training data differ from the checkpoint's" in message and "sides swapped" in message, show(proc)
+    assert "Traceback" not in proc.stderr and json.loads((run / "summary.json").read_text())["steps"] == 2
+
+    data.write_text(original)
+    proc = run_cli(["train", config, "--output", run, *more], tmp_path)
+    assert proc.returncode == 0 and "resuming from" in proc.stdout, show(proc)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3

@@ -184,3 +184,50 @@ def test_checkpoint_damaged_in_place_is_skipped_by_the_cli(tmp_path, finetune_co
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 6 and "nonfinite_weights" not in summary
     weights = load_file(run / "final" / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_a_signal_during_an_evaluation_between_steps_stops_it_and_the_same_command_evaluates_and_goes_on(
+    tmp_path, finetune_config
+):
+    """SIGTERM during the evaluation of train.eval_every ran all of it first (10,000 batches: 167 s after the
+    signal, past a scheduler's grace period). It stops at its next batch now: the step's checkpoint is saved,
+    exit 75, nothing of the evaluation is logged; the same command evaluates at that step and trains on, and its
+    metrics.jsonl is the uninterrupted run's."""
+    finetune_config["train"].update(max_steps=6, micro_batch_size=2, grad_accum=1, eval_every=2, eval_max_batches=None)
+    finetune_config["log"]["every_steps"] = 1
+    config = write_config(tmp_path / "finetune.yaml", finetune_config)
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert run_cli(["train", config, "--output", reference], tmp_path).returncode == 0
+
+    proc = run_cli(["train", config, "--output", run], tmp_path, faults={"signal_in_eval_at": [2, 3, "SIGTERM"]})
+    assert proc.returncode == 75, show(proc)
+    assert "fault_runner: eval at step 2: 3 batches" in proc.stderr, show(proc)  # of 6: stopped at the next one
+    assert "checkpoint step-00000002 saved" in proc.stderr, show(proc)
+    assert visible_steps(run) == [2]
+    assert [r["step"] for r in records(run) if "eval_loss" in r] == [0]  # the stopped evaluation is not logged
+
+    proc = run_cli(["train", config, "--output", run], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert "eval at step 2" in proc.stdout and "step-00000002 (step 2 of 6)" in proc.stdout, show(proc)
+    assert records(run) == records(reference)
+    assert [r["step"] for r in records(run) if "eval_loss" in r] == [0, 2, 4, 6]
+
+
+def test_a_run_stopped_during_set_up_starts_again_with_events_of_its_own(tmp_path, finetune_config):
+    """A SIGTERM during the evaluation before training logs no metrics record, only its stop event: the same command
+    started again from step 0 and appended to that events.jsonl, where docs/reliability.md says the attempt's files
+    move to attempts/N (as they do for a run killed after logging steps)."""
+    finetune_config["train"]["max_steps"] = 2
+    config = write_config(tmp_path / "finetune.yaml", finetune_config)
+    run = tmp_path / "run"
+    proc = run_cli(["train", config, "--output", run], tmp_path, faults={"signal_in_eval": "SIGTERM"})
+    assert proc.returncode == 75, show(proc)
+    assert "stop" in [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
+
+    proc = run_cli(["train", config, "--output", run], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    assert "starting again from step 0" in " ".join(proc.stdout.split()), show(proc)
+    events = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
+    assert "stop" not in events and "checkpoint" in events, events
+    moved = run / "attempts" / "1" / "events.jsonl"
+    assert "stop" in [json.loads(line)["event"] for line in moved.read_text().splitlines()]

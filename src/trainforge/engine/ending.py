@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from ..checkpoint import step_dir_name
 from ..dist import peer_failure
+from ..metrics.tracker import read_metrics
 from .preempt import Interrupted
 from .run import Run
 
@@ -31,16 +32,26 @@ def stop_before_first_step(run: Run) -> None:
 
 def eval_stop(run: Run, label: str) -> Callable[[], None] | None:
     """What the evaluation ``label`` checks between batches for SIGTERM/SIGINT, so that a long one does not outlast
-    a scheduler's grace period: before training, the set-up stop (nothing saved; the same command starts again);
-    after training, the stop of a step (its checkpoint saved; the same command finishes: evaluation, final/). None
-    between steps (the loop saves and stops right after) and under torchrun (the ranks evaluate together)."""
+    a scheduler's grace period: before this process trained a step (before training, or the evaluation a resumed
+    run does again at its checkpoint's step), the set-up stop (nothing saved; the same command starts again);
+    between steps (``train.eval_every``) and after training, the stop of a step (its checkpoint saved; the same
+    command goes on: the stopped evaluation is not logged, and runs again first). None under torchrun (the ranks
+    evaluate together)."""
     if run.dist.enabled:
         return None
-    if label == "before training":
+    if label == "before training" or (label != "after training" and run.step == run.resumed_from):
         return lambda: stop_before_first_step(run)
-    if label == "after training":
-        return lambda: stop_on_signal(run) if run.stop.requested else None
-    return None
+    return lambda: stop_on_signal(run) if run.stop.requested else None
+
+
+def eval_stopped_at_checkpoint(run: Run) -> bool:
+    """Whether a signal stopped the evaluation due at the resumed checkpoint's step (``train.eval_every``): a stopped
+    evaluation is not logged, and the checkpoint is saved at its step, so metrics.jsonl holds no eval record of that
+    step. The resumed run evaluates there first, as the run that was not stopped did."""
+    every = run.cfg.train.eval_every
+    if run.dist.enabled or not run.eval_set or not (isinstance(every, int) and 0 < run.step < run.max_steps and run.step % every == 0):
+        return False
+    return not any(r.get("step") == run.step and "eval_loss" in r for r in read_metrics(run.metrics.path))
 
 
 def record_failure(run: Run, error: Exception) -> None:

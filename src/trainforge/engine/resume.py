@@ -34,6 +34,7 @@ from ..checkpoint import (
 from ..config import RunConfig, TrainSettings, resolve_grad_accum
 from ..metrics.console import ConsoleReporter
 from ..metrics.sink import flat_config
+from ..metrics.tracker import EVENTS_FILE
 from ..model.weight_files import weights_fingerprint
 from ..runlock import RUN_MARKER, OutputDirError, probe_run_dir
 from .nonfinite import checkpoint_tensors, describe, nonfinite_tensors
@@ -47,6 +48,8 @@ ATTEMPTS = "attempts"  # start_again moves the files of a run that died before i
 # what a run writes besides checkpoints/ (kept: partial saves are recovered or skipped) and lease.json (ours)
 ATTEMPT_FILES = ("metrics.jsonl", "events.jsonl", "report.html", "config.yaml", "tb", "wandb", "profile")
 FIXED_TRAIN_KEYS = ("seed", "micro_batch_size", "grad_accum")
+STORE_CHANGED = ("the tokenized data (the token store's key: the bytes of data.train and data.eval, the tokenizer and the "
+                 "data settings) changed: rows were edited, reordered, or a preference pair's sides swapped")
 
 
 @dataclass
@@ -77,8 +80,8 @@ def data_fingerprint(tokenizer: Any, data_stats: dict[str, Any]) -> dict[str, An
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()))
     fp: dict[str, Any] = {"tokenizer_vocab": hashlib.sha256(vocab.encode()).hexdigest()[:16]}
     fp.update({k: v for k, v in data_stats.items() if isinstance(v, int) and not isinstance(v, bool)})
-    if "store" in data_stats:  # the token store's content key: same files, tokenizer and token settings
-        fp["store"] = data_stats["store"]
+    if "store" in data_stats:  # the token store's content key: every byte of the data files, tokenizer and token
+        fp["store"] = data_stats["store"]  # settings (what counts alone miss: a pair's sides swapped, a word changed)
     return fp
 
 
@@ -260,7 +263,7 @@ def choose_checkpoint(
         candidates, same_run = [], False
     elif resume == "auto":
         candidates, same_run = _newest_first(out / CHECKPOINTS, reporter, recover=True), True
-        if not candidates and holds_run:
+        if not candidates and (holds_run or stopped_in_setup(out)):
             if main:
                 start_again(out, reporter)
             elif refused := unfinished_without_checkpoint(out):  # every rank refuses alike (none waits for a peer)
@@ -282,6 +285,14 @@ def choose_checkpoint(
 def wrote_its_end(out: Path) -> bool:
     """The run in ``out`` wrote what ends it, ``summary.json`` and ``final/`` (after its final evaluation)."""
     return (out / "summary.json").is_file() and (out / "final").is_dir()
+
+
+def stopped_in_setup(out: Path) -> bool:
+    """``out`` holds the events of an attempt that logged no metrics record (a signal during set-up or the evaluation
+    before training: its ``stop`` event): the run starts again as one killed later does, that attempt's files moved
+    to attempts/N, rather than appending to its events.jsonl."""
+    events = out / EVENTS_FILE
+    return (out / RUN_MARKER).is_file() and events.is_file() and events.stat().st_size > 0
 
 
 def unfinished_without_checkpoint(out: Path) -> str | None:
@@ -396,10 +407,12 @@ def check_fits_run(plan: ResumePlan, run: Run) -> None:
     """The chosen checkpoint continues ``run``: the same data as tokenized, a ``max_steps`` not below its
     step, the same processes, the same trained tensors."""
     info, state = plan.checkpoint, plan.state
-    changed = _differences(info.meta.get("data", {}), data_fingerprint(run.tokenizer, run.facts.data_stats))
+    changed = _differences(info.meta.get("data", {}), run.saver.meta["data"])  # what this run's checkpoints will hold
     if changed:
         raise ResumeError(
-            f"cannot resume from {info.path}: the training data differ from the checkpoint's: " + "; ".join(changed)
+            f"cannot resume from {info.path}: the training data differ from the checkpoint's: "
+            + "; ".join(STORE_CHANGED if c.startswith("store:") else c for c in changed)
+            + ". Put the data files back as they were to continue this run, or start a new one with another --output"
         )
     if run.max_steps < info.step:
         raise ResumeError(

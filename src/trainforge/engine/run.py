@@ -84,6 +84,7 @@ class Run:
     compiled: bool = False  # the decoder runs through torch.compile
     batches: Iterator[Batch] | None = None  # the loader's iterator while the loop runs
     resumed_from: int | None = None
+    eval_again: bool = False  # a signal stopped the evaluation at the resumed step: it runs before the next step
     # the checkpoint's loop, data-wait and eval seconds and skipped steps: spent by earlier processes of the run
     earlier: dict[str, float] = field(default_factory=dict)
     started_at: float = 0.0  # time.perf_counter() when setup began: summary.json's wall time

@@ -48,6 +48,7 @@ from ..model.load import build_model, check_positions, count_parameters, describ
 from ..rundir import writing
 from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
+from .ending import eval_stopped_at_checkpoint
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run, rough_skeleton_estimate
 from .predict.memory import estimate_memory, memory_refusal, memory_warning
@@ -154,6 +155,8 @@ def setup(
     if cfg.optim.name != "adamw" or cfg.optim.offload != "none":
         reporter.info(f"optimizer: {describe_optimizer(cfg.optim)}")
     max_steps = resolve_max_steps(cfg.train.model_copy(update={"grad_accum": accum}), loader.batches_per_epoch)
+    if warmup := cfg.optim.warmup_problem(max_steps):  # the lr would never reach its value
+        reporter.warn("; ".join(warmup))
     if cfg.train.eval_every == "auto":  # ten evaluations over the run
         every = max(1, max_steps // 10)
         reporter.info(f"eval_every auto -> {every} (ten evaluations over {max_steps} steps)")
@@ -396,6 +399,7 @@ def continue_from(run: Run, plan: ResumePlan) -> None:
             run.reporter.info(f"metrics.jsonl: dropped {later} records written after {plan.checkpoint.path.name}")
         if unreadable:
             run.reporter.warn(f"metrics.jsonl: dropped {unreadable} lines that are not metrics records (torn or foreign)")
+        run.eval_again = eval_stopped_at_checkpoint(run)
     if run.dist.is_main:
         with writing(run.out / "config.yaml"):
             (run.out / "config.yaml").write_text(run.cfg.anchored().to_yaml())

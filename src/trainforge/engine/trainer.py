@@ -176,10 +176,11 @@ def train_loop(run: Run, steps: int | None = None) -> None:
     if run.startup_s is None:
         note_start(run)
     if c.step == (run.resumed_from or 0):  # no step of this process yet: a stop has nothing new to save
-        stop_before_first_step(run)
         if c.step == 0 and run.resumed_from is None and not c.eval_before:
             c.eval_before = run_eval(run, "before training")
-            stop_before_first_step(run)
+        elif run.eval_again:  # the evaluation a signal stopped at this step (ending.eval_stopped_at_checkpoint)
+            run.eval_again = not run_eval(run, f"at step {c.step}")
+        stop_before_first_step(run)
     run.stop.stepping = True
     end = run.max_steps if steps is None else min(run.max_steps, c.step + steps)
     run.batches = iter(run.loader)

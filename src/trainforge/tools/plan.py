@@ -388,6 +388,8 @@ def findings(
         if share > 2 * WASTE_SHARE:
             add("warn", f"train.eval_every {cfg.train.eval_every}: evaluation takes about {share:.0%} of the run",
                 "raise train.eval_every or lower train.eval_max_batches")
+    if warmup := cfg.optim.warmup_problem(steps):
+        add("warn", *warmup)
     if given.log.every_steps == 1:
         add("info", "log.every_steps 1 reads the loss from the device every step (a host sync)", "set log.every_steps: 10")
     if cfg.train.micro_batch_size == 1 and cfg.train.grad_accum > 1 and given.train.micro_batch_size != "auto":
