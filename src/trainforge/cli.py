@@ -391,7 +391,7 @@ def report(
     from .metrics.report import write_report
 
     with user_errors():
-        path = write_report(run_dirs, out)
+        path = write_report(run_dirs, out, warn=lambda note: err.print(f"warning: {note}", markup=False, soft_wrap=True))
     typer.echo(f"wrote {path}")
 
 
