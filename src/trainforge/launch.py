@@ -47,24 +47,20 @@ def record_exit_code(code: int) -> None:
             pass  # the launcher then reports torchrun's own code
 
 
-class _Stopped(Exception):
-    """torchrun's SIGTERM (or a SIGINT) to a worker in ``wait_for_rank_zero``."""
-
-
 def wait_for_rank_zero(seconds: float) -> None:
     """In a worker that met an error every rank meets alike: wait up to ``seconds`` for rank 0 to print it. torchrun
     stops every other process with SIGTERM once rank 0 exits; that ends the wait early and quietly (this is no
     stop of the run: no "stopped" line, no traceback), and the caller exits with the error's own code."""
 
     def stopped(signum: int, frame: object) -> None:
-        raise _Stopped
+        raise InterruptedError  # ends the sleep; caught below
 
     signals = (signal.SIGTERM, signal.SIGINT)
     try:
         for s in signals:
             signal.signal(s, stopped)
         time.sleep(seconds)
-    except _Stopped:
+    except InterruptedError:
         pass
     finally:
         for s in signals:  # the worker ends now (os._exit): a second signal changes nothing
