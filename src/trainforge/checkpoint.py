@@ -189,6 +189,8 @@ def inspect_checkpoint(path: Path) -> CheckpointInfo | str:
         step = int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{COMPLETE_MARKER} is unreadable ({e})"
+    if not isinstance(meta.get("files", {}), dict):  # a list or a string there would fail the size checks below
+        return f"{COMPLETE_MARKER} is unreadable (its \"files\" is not an object)"
     if not state_file.is_file():
         return f"{STATE_FILE} is missing"
     for name, record in meta.get("files", {}).items():

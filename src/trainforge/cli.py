@@ -82,6 +82,7 @@ def train(
     from .dist import launched_by_torchrun, peer_failure
     from .engine.oom import OutOfMemory
     from .engine.trainer import train as run_training
+    from .launch import wait_for_rank_zero
 
     worker = launched_by_torchrun()
     # errors every rank meets alike (the same data, config, run directory, loss) are printed by rank 0 only
@@ -94,9 +95,8 @@ def train(
         except TrainforgeError as e:
             # out of memory is one rank's own: every rank says so; the others fail alike and rank 0 speaks
             quiet = alike and not isinstance(e, OutOfMemory)
-            if quiet:
-                # torchrun stops every process as soon as one exits: let rank 0 print the shared error first
-                time.sleep(QUIET_RANK_GRACE_S)
+            if quiet:  # torchrun stops every process as soon as one exits: let rank 0 print the shared error first
+                wait_for_rank_zero(QUIET_RANK_GRACE_S)
             _fail_with(e, quiet=quiet)
         except Exception as e:
             if not (worker and peer_failure(e)):
@@ -391,7 +391,7 @@ def report(
     from .metrics.report import write_report
 
     with user_errors():
-        path = write_report(run_dirs, out)
+        path = write_report(run_dirs, out, warn=lambda note: err.print(f"warning: {note}", markup=False, soft_wrap=True))
     typer.echo(f"wrote {path}")
 
 

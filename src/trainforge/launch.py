@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .errors import EXIT_CODES, EXIT_OK, EXIT_UNEXPECTED
@@ -44,6 +45,26 @@ def record_exit_code(code: int) -> None:
             (Path(where) / f"rank-{os.environ.get('RANK', '0')}").write_text(str(code))
         except OSError:
             pass  # the launcher then reports torchrun's own code
+
+
+def wait_for_rank_zero(seconds: float) -> None:
+    """In a worker that met an error every rank meets alike: wait up to ``seconds`` for rank 0 to print it. torchrun
+    stops every other process with SIGTERM once rank 0 exits; that ends the wait early and quietly (this is no
+    stop of the run: no "stopped" line, no traceback), and the caller exits with the error's own code."""
+
+    def stopped(signum: int, frame: object) -> None:
+        raise InterruptedError  # ends the sleep; caught below
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    try:
+        for s in signals:
+            signal.signal(s, stopped)
+        time.sleep(seconds)
+    except InterruptedError:
+        pass
+    finally:
+        for s in signals:  # the worker ends now (os._exit): a second signal changes nothing
+            signal.signal(s, signal.SIG_IGN)
 
 
 def job_exit_code(torchrun_code: int, rank_codes: dict[int, int]) -> int:

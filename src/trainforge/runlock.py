@@ -40,10 +40,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .atomic import TMP_MARK, boot_id, host_name, process_alive, process_start_ticks, process_tag
+from .atomic import TMP_MARK, boot_id, host_name, parse_tag, process_alive, process_start_ticks, process_tag
 from .errors import TrainforgeError
 
 LEASE_FILE = "lease.json"
+TAKEOVER_PREFIX = f".{LEASE_FILE}.takeover-"  # + the stale lease's token: the exclusive marker of its takeover
 TIMEOUT_ENV = "TRAINFORGE_LEASE_TIMEOUT_S"
 WAIT_ENV = "TRAINFORGE_LEASE_WAIT_S"
 DEFAULT_TIMEOUT_S = 180.0  # well above NFS attribute caching (up to 60 s): a live lease never looks stale
@@ -116,6 +117,18 @@ def read_lease(path: Path) -> LeaseInfo | None | str:
         return LeaseInfo.parse(text)
     except (ValueError, TypeError, KeyError) as e:
         return f"damaged ({type(e).__name__}: {e})"
+
+
+def _taker_gone(marker: Path, timeout_s: float) -> bool:
+    """Whether the process that made the takeover ``marker`` (its token inside) is gone: on this host its pid no longer
+    runs; else (another host's, or unreadable) the marker is older than the lease timeout."""
+    try:
+        owner = parse_tag(marker.read_text().strip())
+    except OSError:
+        owner = None
+    if owner is not None and owner[0] == process_tag().rsplit("-", 2)[0]:
+        return not process_alive(owner[1])
+    return _age_s(marker) > timeout_s
 
 
 def _age_s(path: Path) -> float:
@@ -247,12 +260,13 @@ class RunLease:
     def _take_over(self, stale_token: str | None, renewed_at: float | None) -> bool:
         """Replace a stale lease; of several processes taking over the same one, exactly one wins:
         the one that creates the marker named after that lease's token."""
-        marker = self.dir / f".{LEASE_FILE}.takeover-{stale_token or 'unreadable'}"
+        marker = self.dir / f"{TAKEOVER_PREFIX}{stale_token or 'unreadable'}"
         try:
             fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            if _age_s(marker) > self.timeout_s:  # its creator died before finishing the takeover
+            if _taker_gone(marker, self.timeout_s):  # its creator died before finishing the takeover
                 marker.unlink(missing_ok=True)
+                return False
             time.sleep(POLL_S)
             return False
         os.write(fd, self.token.encode())
@@ -266,6 +280,9 @@ class RunLease:
             return False
         os.replace(self._write_temp(), self.path)
         self._marker = marker  # kept until release: a slower newcomer sees the takeover is done
+        for old in self.dir.glob(f"{TAKEOVER_PREFIX}*"):  # markers of earlier leases, left by killed processes
+            if old != marker:
+                old.unlink(missing_ok=True)
         return True
 
     # ------------------------------------------------------------ holding it
@@ -372,7 +389,9 @@ def probe_run_dir(out: Path) -> bool:
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / RUN_MARKER).exists() and not any((out / name).exists() for name in RUN_FILES):
-            foreign = sorted(p.name for p in out.iterdir() if p.name != LEASE_FILE and TMP_MARK not in p.name)
+            # the lease and its temporaries and takeover markers (this process's own, or a killed one's) are no user's
+            foreign = sorted(p.name for p in out.iterdir()
+                             if p.name != LEASE_FILE and not p.name.startswith(f".{LEASE_FILE}") and TMP_MARK not in p.name)
             if foreign:
                 shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
                 raise OutputDirError(

@@ -7,7 +7,16 @@ itself)."""
 
 from __future__ import annotations
 
+import logging
 import sys
+
+# torch's log lines that ``failure_line`` says again in one line (the process that failed first; that torchrun
+# stopped the others)
+SAID_BY_FAILURE_LINE = ("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", "Sending process %s closing signal %s")
+
+
+def _not_said_again(record: logging.LogRecord) -> bool:
+    return record.msg not in SAID_BY_FAILURE_LINE
 
 
 def failure_line(error) -> str:
@@ -27,6 +36,7 @@ def main() -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_said_again)
     try:
         torchrun()
     except SignalException as e:  # SIGINT/SIGTERM forwarded by ``launch``: torchrun stopped its workers

@@ -115,3 +115,19 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_work(tmp_path, comm
         assert proc.returncode == 2, show(proc)
         assert said in proc.stderr and "Traceback" not in proc.stderr, show(proc)
         assert not proc.stdout.strip(), show(proc)  # refused before any work: no table
+
+
+def test_a_sweep_value_train_would_refuse_is_refused_by_name_before_any_variant_runs(tmp_path):
+    """--sweep train.micro_batch_size=0,1 ended in a ZeroDivisionError traceback, and =-1 named train.grad_accum given
+    -2, a value never set: each value is now checked as train --set checks it, with the same message, first."""
+    said = run_cli(["train", "--set", "train.micro_batch_size=0", "--output", tmp_path / "never"], tmp_path)
+    assert said.returncode == 2, show(said)
+    line = said.stderr.strip().splitlines()[-1]
+    assert "train.micro_batch_size: must be a positive number" in line, show(said)
+    for values, named in (("0,1", "0"), ("1,-1", "-1"), ("2,x", "x")):
+        proc = run_cli(["bench", "--sweep", f"train.micro_batch_size={values}", "--steps", "1", "--warmup", "1"], tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, show(proc)
+        assert f"--sweep train.micro_batch_size={named}:" in proc.stderr, show(proc)
+        assert "grad_accum" not in proc.stderr and "measured" not in proc.stdout, show(proc)
+        if named == "0":
+            assert line in proc.stderr, show(proc)

@@ -82,3 +82,34 @@ def test_a_run_stopped_or_killed_before_its_first_checkpoint_starts_again_with_t
     text = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 0 and f"{killed}: no checkpoint (stopped before its first one): starting again from step 0" in text, show(proc)
     assert (killed / "attempts" / "1" / "metrics.jsonl").is_file() and (killed / "report.html").is_file()
+
+
+def test_doctor_and_report_name_files_that_hold_json_but_not_objects_and_go_on(tmp_path):
+    """summary.json holding [] (or lines of metrics.jsonl/events.jsonl holding a number) failed doctor, doctor --json
+    and report with an AttributeError traceback; now each is named as unreadable and the rest is read."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / ".trainforge-run").write_text("a trainforge run directory\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "elapsed_s": 0.1}\n3\n{"step": 2, "loss": 1.5, "elapsed_s": 0.2}\n')
+    (run / "events.jsonl").write_text('["start"]\n{"event": "start", "step": 0, "max_steps": 5}\n')
+    (run / "summary.json").write_text("[]\n")
+    (run / "checkpoints" / "step-00000002" / "meta.json").write_text('{"step": 2, "files": []}')
+    (run / "checkpoints" / "step-00000002" / "state.pt").write_bytes(b"")
+
+    proc = run_cli(["doctor", run, "--json"], tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, show(proc)
+    d = json.loads(proc.stdout)
+    assert d["last_step"] == 2 and d["max_steps"] == 5 and d["state"].startswith("ended without a summary"), d
+    notes = " ".join(d["unreadable"])
+    assert "summary.json: holds a JSON array" in notes and "metrics.jsonl: 1 line(s)" in notes, notes
+    assert "events.jsonl: 1 line(s)" in notes, notes
+    assert d["incomplete_checkpoints"] == ['step-00000002: meta.json is unreadable (its "files" is not an object)'], d
+
+    proc = run_cli(["doctor", run], tmp_path)
+    text = " ".join(proc.stdout.split())
+    assert proc.returncode == 0 and f"unreadable: {run / 'summary.json'}: holds a JSON array" in text, show(proc)
+
+    proc = run_cli(["report", run], tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, show(proc)
+    assert "warning:" in proc.stderr and "summary.json: holds a JSON array" in " ".join(proc.stderr.split()), show(proc)
+    assert "holds a JSON array" in (run / "report.html").read_text()

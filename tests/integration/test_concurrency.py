@@ -26,6 +26,7 @@ from integration_helpers import root_conftest, run_cli, show, start_cli
 
 from trainforge.checkpoint import scan_checkpoints
 from trainforge.config import RunConfig
+from trainforge.atomic import boot_id, host_name, process_tag
 from trainforge.runlock import LEASE_FILE, TIMEOUT_ENV
 
 conftest = root_conftest()
@@ -168,6 +169,41 @@ def test_same_host_dead_holder_is_taken_over_at_once(tmp_path, train_config, ref
     log = " ".join((proc.stdout + proc.stderr).split())
     assert "took over the lease" in log and "no longer runs on this host" in log, show(proc)
     assert_same_weights(run, reference)
+
+
+def dead_process_tag() -> str:
+    """A process tag (``HOST-PID-RANDOM``, as lease tokens are) of a process of this host that has ended."""
+    proc = subprocess.Popen(["python3", "-c", "pass"])
+    proc.wait()
+    return process_tag().rsplit("-", 2)[0] + f"-{proc.pid}-abc123"
+
+
+@pytest.mark.parametrize("leftover", ["none", "markers"])
+def test_a_run_killed_in_set_up_holding_only_the_lease_starts_at_the_first_retry(tmp_path, train_config, leftover):
+    """A SIGKILL during set-up left only lease.json (a dead pid): the retry took the lease over, then refused its own
+    .lease.json.takeover-... file as 'not a trainforge run directory'; a killed takeover's marker made it wait out
+    the lease timeout. Now the first retry takes over and trains."""
+    config = conftest.write_config(tmp_path / "d.yaml", train_config)
+    run = tmp_path / "run"
+    run.mkdir()
+    token = dead_process_tag()
+    pid = int(token.rsplit("-", 2)[1])
+    now = time.time()
+    (run / LEASE_FILE).write_text(json.dumps({
+        "host": host_name(), "pid": pid, "pid_start": None, "boot_id": boot_id(), "started_at": now, "renewed_at": now,
+        "timeout_s": 180.0, "command": "trainforge train d.yaml", "cwd": str(tmp_path), "token": token,
+    }))
+    if leftover == "markers":  # a takeover of this lease killed half-way, and the marker of an earlier lease
+        (run / f".{LEASE_FILE}.takeover-{token}").write_text(dead_process_tag())
+        (run / f".{LEASE_FILE}.takeover-{dead_process_tag()}").write_text(dead_process_tag())
+    t0 = time.monotonic()
+    proc = run_cli(["train", config, "--output", run, "--set", "train.max_steps=2"], tmp_path, timeout=WAIT_S)
+    assert proc.returncode == 0, show(proc)
+    assert time.monotonic() - t0 < 120  # not the lease timeout (180 s) waited out
+    log = " ".join((proc.stdout + proc.stderr).split())
+    assert "took over the lease" in log and "no longer runs on this host" in log, show(proc)
+    assert train_steps(run) == [1, 2]
+    assert not list(run.glob(f".{LEASE_FILE}*")) and not (run / LEASE_FILE).exists()
 
 
 def test_requeue_waits_for_the_stopping_holder_and_resumes_from_its_last_save(tmp_path, train_config, reference):

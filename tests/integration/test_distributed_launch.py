@@ -161,3 +161,17 @@ def test_ranks_wait_for_rank_0_tokenizing_longer_than_the_collective_timeout(tmp
     out, err = proc.communicate(timeout=END_BOUND_S)
     assert proc.returncode == 0, f"{proc.returncode}\n{out}\n{err}"
     assert (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_a_config_error_every_rank_meets_is_one_line_under_nproc(tmp_path, tiny_tokenizer_dir, toy_data_dir):
+    """optim.offload: cpu on CPU (as adamw_8bit without bitsandbytes): rank 0 printed the error, then rank 1, stopped by
+    torchrun while it waited for rank 0 to speak, printed an OptimizerUnavailable/SystemExit traceback and a false
+    "stopped: SIGTERM" line. Now the waiting rank ends quietly with the same code."""
+    config = quick_config(tmp_path, tiny_tokenizer_dir, toy_data_dir)
+    proc = run_cli(["train", config, "--output", tmp_path / "run", "--nproc", 2, "--set", "optim.offload=cpu"], tmp_path)
+    assert proc.returncode == 2, show(proc)
+    assert proc.stderr.count("optim.offload: cpu moves the optimizer state off a GPU") == 1, show(proc)
+    assert "Traceback" not in proc.stderr and "stopped:" not in proc.stderr and "SystemExit" not in proc.stderr, show(proc)
+    # the error, and torchrun's one line naming the rank (not torch's own log lines saying it again)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and "failed first, exit code 2" in lines[1], show(proc)

@@ -46,3 +46,13 @@ def test_a_micro_batch_sweep_under_global_batch_size_and_under_auto():
         variants(load_config(None, ["train.micro_batch_size=auto"]), parse_sweep(["train.micro_batch_size=4,8"]))
     auto_held = load_config(None, ["train.micro_batch_size=auto", "train.global_batch_size=16"])
     assert [o for _, o in variants(auto_held, parse_sweep(["train.micro_batch_size=4"]))] == [["train.micro_batch_size=4"]]
+
+
+def test_an_auto_micro_batch_in_a_sweep_holds_the_batch_only_under_global_batch_size():
+    """--sweep train.micro_batch_size=auto,4 raised a TypeError (auto % global batch)."""
+    with pytest.raises(ConfigError, match="auto micro-batch holds the global batch only under train.global_batch_size"):
+        variants(load_config(None, ["train.micro_batch_size=8"]), parse_sweep(["train.micro_batch_size=auto,4"]))
+    held = load_config(None, ["train.micro_batch_size=8", "train.global_batch_size=16"])
+    got = variants(held, parse_sweep(["train.micro_batch_size=auto,4"]))
+    assert got == [("micro_batch_size=auto (accum follows)", ["train.micro_batch_size=\"auto\""]),
+                   ("micro_batch_size=4 (x4 accum)", ["train.micro_batch_size=4"])]

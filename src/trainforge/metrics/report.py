@@ -13,7 +13,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -239,11 +239,13 @@ def render_html(runs: list[RunData]) -> str:
     names = ", ".join(r.name for r in runs)
     title = f"trainforge report: {names}"
     where = "; ".join(str(r.path) for r in runs)
+    notes = "".join(f'<p class="sub">unreadable: {esc(n)}</p>' for r in runs for n in r.unreadable)
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
         f"<style>{CSS}</style></head><body>"
         f"<h1>{esc(title)}</h1>"
         f'<p class="sub">{esc(where)} | written {esc(time.strftime("%Y-%m-%d %H:%M:%S"))}</p>'
+        f"{notes}"
         f"<h2>{'Runs side by side' if several else 'Summary'}</h2>{_table(runs)}"
         f'<h2>Curves</h2><p class="sub">Vertical lines mark resumes, checkpoints (and the pause each cost), '
         f"out-of-memory back-offs, skipped steps and stops; the events table lists them.</p>"
@@ -255,12 +257,15 @@ def render_html(runs: list[RunData]) -> str:
     )
 
 
-def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
+def write_report(run_dirs: list[Path], out: Path | None = None, warn: Callable[[str], None] | None = None) -> Path:
     """Write the report of ``run_dirs`` to ``out`` (default: RUN_DIR/report.html for one run,
-    ./report.html for several), atomically; returns its path."""
+    ./report.html for several), atomically; returns its path. ``warn`` gets each file read as absent (unreadable)."""
     if not run_dirs:
         raise ReportError("give at least one run directory")
     runs = [load_run(Path(p)) for p in run_dirs]
+    for note in (n for r in runs for n in r.unreadable):
+        if warn is not None:
+            warn(note)
     names = [r.name for r in runs]
     for r in runs:
         if names.count(r.name) > 1:

@@ -49,6 +49,7 @@ class RunData:
     config: dict[str, Any] | None
     marks: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # kind -> [(step, note)]
     profiles: list[dict[str, Any]] = field(default_factory=list)  # log.profile_steps records: phases and profile_ops
+    unreadable: list[str] = field(default_factory=list)  # "FILE: what is wrong": read as absent (or those lines skipped)
 
     @property
     def status(self) -> str:
@@ -61,14 +62,42 @@ class RunData:
         return f"running, or ended without a summary, at step {last}"
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
+def _read_jsonl(path: Path, unreadable: list[str]) -> list[dict[str, Any]]:
+    records, others = [], 0
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:  # a line being written right now, or torn by a crash
             continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            others += 1
+    if others:
+        unreadable.append(f"{path}: {others} line(s) hold JSON that is not an object; skipped")
     return records
+
+
+def _json_kind(value: Any) -> str:
+    """``array``, ``string``, ... : what JSON calls the type of a parsed value."""
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return kinds.get(type(value), "object")
+
+
+def _read_summary(path: Path, unreadable: list[str]) -> dict[str, Any] | None:
+    """summary.json's object; None when there is none, or (named in ``unreadable``) when it is not a JSON object."""
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        unreadable.append(f"{path}: not valid JSON ({e}); read as if the run wrote none")
+        return None
+    if not isinstance(summary, dict):
+        unreadable.append(f"{path}: holds a JSON {_json_kind(summary)}, not the object a run writes; "
+                          "read as if the run wrote none (remove it, or restore the run's own)")
+        return None
+    return summary
 
 
 def load_run(path: Path, before_metrics: bool = False) -> RunData:
@@ -82,12 +111,9 @@ def load_run(path: Path, before_metrics: bool = False) -> RunData:
     setup_only = before_metrics and not metrics.is_file() and (path / RUN_MARKER).is_file()
     if not metrics.is_file() and not setup_only:
         raise ReportError(f"{path}: no metrics.jsonl there; is it a trainforge run directory (the --output of trainforge train)?")
-    records = [] if setup_only else _read_jsonl(metrics)
-    summary_path, config_path = path / "summary.json", path / "config.yaml"
-    try:
-        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    except json.JSONDecodeError:
-        summary = None
+    unreadable: list[str] = []
+    records = [] if setup_only else _read_jsonl(metrics, unreadable)
+    summary, config_path = _read_summary(path / "summary.json", unreadable), path / "config.yaml"
     try:
         config = load_yaml(read_config_text(config_path), str(config_path))[0] if config_path.is_file() else None
     except ConfigError:  # not YAML, or over a limit (an alias bomb): the report goes without the config
@@ -97,10 +123,11 @@ def load_run(path: Path, before_metrics: bool = False) -> RunData:
         name=path.resolve().name,
         train=[r for r in records if "loss" in r and "step" in r],
         evals=[r for r in records if "eval_loss" in r and "step" in r],
-        events=read_events(path / EVENTS_FILE),
+        events=read_events(path / EVENTS_FILE, unreadable),
         summary=summary,
         config=config if isinstance(config, dict) else None,
         profiles=[r for r in records if isinstance(r.get("profile"), dict) and "step" in r],
+        unreadable=unreadable,
     )
     run.marks = _marks(run)
     return run

@@ -178,16 +178,23 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """All complete records of an events.jsonl file; none when it does not exist."""
+def read_events(path: Path, unreadable: list[str] | None = None) -> list[dict[str, Any]]:
+    """All complete records of an events.jsonl file; none when it does not exist. Lines that hold JSON but not an
+    object are skipped, and counted in ``unreadable`` when given."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return []
-    events = []
+    events, others = [], 0
     for line in text.splitlines():
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:  # a line torn by a crash
             continue
+        if isinstance(event, dict):
+            events.append(event)
+        else:
+            others += 1
+    if others and unreadable is not None:
+        unreadable.append(f"{path}: {others} line(s) hold JSON that is not an object; skipped")
     return events

@@ -54,17 +54,30 @@ def variants(base: RunConfig, sweeps: list[tuple[str, list[Any]]]) -> list[tuple
     out = []
     for combo in itertools.product(*[vals for _, vals in sweeps]) if sweeps else [()]:
         overrides = [f"{k}={json.dumps(v)}" for k, v in zip(keys, combo)]
-        if hold_global:
-            mbs = combo[keys.index(BATCH_KEY)]
-            if global_batch % mbs:
-                raise ConfigError(f"--sweep {BATCH_KEY}={mbs}: does not divide the global batch {global_batch}")
-            if t.global_batch_size is None:
-                overrides.append(f"train.grad_accum={global_batch // mbs}")
         label = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(keys, combo)) or "config"
         if hold_global:
-            label += f" (x{global_batch // combo[keys.index(BATCH_KEY)]} accum)"
+            mbs = combo[keys.index(BATCH_KEY)]
+            if not isinstance(mbs, int):  # auto (validated before): train.global_batch_size holds the batch, or nothing
+                if t.global_batch_size is None:
+                    raise ConfigError(f"--sweep {BATCH_KEY}={mbs}: an auto micro-batch holds the global batch only "
+                                      "under train.global_batch_size; set it (--set train.global_batch_size=N)")
+                label += " (accum follows)"
+            elif global_batch % mbs:
+                raise ConfigError(f"--sweep {BATCH_KEY}={mbs}: does not divide the global batch {global_batch}")
+            else:
+                if t.global_batch_size is None:
+                    overrides.append(f"train.grad_accum={global_batch // mbs}")
+                label += f" (x{global_batch // mbs} accum)"
         out.append((label, overrides))
     return out
+
+
+def _checked(what: str, config_path: str | None, overrides: list[str]) -> None:
+    """The config with ``overrides`` validates; else its error, led by ``what`` (the sweep value or variant)."""
+    try:
+        load_config(config_path, overrides)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def synthetic_corpus(path: Path, documents: int = 400, seed: int = 0) -> Path:
@@ -145,7 +158,14 @@ def bench(config_path: str | None, overrides: list[str], sweeps: list[str], step
     """Run every variant in its own process; returns one result dict per variant. SIGTERM/SIGINT stops the
     variant running and the ones after it (``Interrupted``); the runs' directories are removed either way."""
     base = load_config(config_path, overrides)
-    chosen = variants(base, parse_sweep(sweeps))
+    swept = parse_sweep(sweeps)
+    for key, values in swept:  # each value alone first, as train --set takes it: the error names the value given
+        for v in values:
+            _checked(f"--sweep {key}={v if isinstance(v, str) else json.dumps(v)}", config_path,
+                     [*overrides, f"{key}={json.dumps(v)}"])
+    chosen = variants(base, swept)
+    for label, extra in chosen:  # then every variant, before any runs
+        _checked(f"--sweep variant {label}", config_path, [*overrides, *extra])
     workdir = Path(tempfile.mkdtemp(prefix="trainforge-bench-"))
     results = []
     ctx = multiprocessing.get_context("spawn")  # a fresh process per variant: its own peak memory, no state carried over
@@ -155,7 +175,6 @@ def bench(config_path: str | None, overrides: list[str], sweeps: list[str], step
             for i, (label, extra) in enumerate(chosen):
                 result = None
                 if not stop.requested:  # (one that came with the last variant's result: the next does not start)
-                    load_config(config_path, [*overrides, *extra, *fixed])  # fail fast on a bad variant, before running any
                     queue = ctx.Queue()
                     proc = ctx.Process(target=run_variant, args=(config_path, [*overrides, *extra, *fixed], warmup, str(workdir / f"v{i}"), queue))
                     proc.start()

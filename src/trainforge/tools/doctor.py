@@ -65,6 +65,7 @@ def diagnose(run_dir: Path, verify: bool | None = None) -> dict[str, Any]:
         "estimate": _estimate(run, max_steps),
         "advice": [{"step": e.get("step"), "cause": e.get("cause"), "message": e.get("message")}
                    for e in run.events if e.get("event") == "advice"],
+        "unreadable": run.unreadable,
     }
     out["rerun"] = _rerun(run, state, last_step, resumable, bool(complete))
     ledger = ledger_from_files(run.summary, run.train, run.events, _last_seen(run.path))
@@ -167,6 +168,7 @@ def _last_seen(run_dir: Path) -> float | None:
 def render(d: dict[str, Any]) -> str:
     """The diagnosis as a few lines of text."""
     lines = [f"run: {d['run_dir']}"]
+    lines += [f"unreadable: {x}" for x in d.get("unreadable", [])]
     steps = f"step {d['last_step']}" + (f" of {d['max_steps']}" if d["max_steps"] else "")
     lines.append(f"state: {d['state']}, at {steps}")
     ck = d["last_checkpoint"]
