@@ -117,3 +117,20 @@ def test_a_fifo_as_a_data_file_is_refused_not_waited_on(tmp_path, where):
     err = " ".join(r.stderr.split())
     assert f"{named} is not a regular file (a device, pipe or socket); give a data file" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_output_at_a_dangling_symlink_is_named_as_one(tmp_path, tiny_model_dir):
+    cfg = config(tmp_path, TINY_LLAMA_INIT)
+    link = tmp_path / "out-link"
+    link.symlink_to(tmp_path / "gone" / "run")
+    r = run_cli(["train", cfg, "--output", link], tmp_path, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    err = " ".join(r.stderr.split())
+    assert f"--output {link} is a symbolic link to a missing path ({tmp_path / 'gone' / 'run'})" in err, err
+    assert "File exists" not in err
+    r = run_cli(["export", tiny_model_dir, "--out", link], tmp_path, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert f"--out {link} is a symbolic link to a missing path" in " ".join(r.stderr.split())
+    assert link.is_symlink() and not (tmp_path / "gone").exists()  # the link left as it was
