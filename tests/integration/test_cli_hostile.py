@@ -1,6 +1,7 @@
 """Hostile and broken inputs through the real CLI: a model that can never fit is refused before it is
 built (exit 4, in seconds, no traceback), `plan` says so with its own code (5), and a full disk while
-the run writes its directory ends with exit 2 naming the path."""
+the run writes its directory ends with exit 2 naming the path; a token cache that cannot be written, a FIFO
+as a data file and an --output at a dangling symbolic link are exit 2 naming what they are."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 file, no traceback, nothing of the user's lost.
 
 Each case is one class of input a careless or hostile user hands over: data nested past the
-parser's recursion, a model directory whose JSON does not parse, a chat template that reaches for
-Python internals. (Configs: test_hostile_config.py; ``--output`` at a user's folder: test_cli_train.py;
+parser's recursion, a model directory whose JSON does not parse or whose weights are damaged or pickled
+objects, a chat template that reaches for Python internals. (Configs: test_hostile_config.py; ``--output`` at a user's folder: test_cli_train.py;
 code in model directories: test_remote_code.py; damaged checkpoints: test_resume_faults.py.)
 """
 
