@@ -120,13 +120,17 @@ def _pickle_problem(file: str) -> str | None:
             mmap = torch.serialization._is_zipfile(f)
         torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()
-        why = next((line.strip().rstrip(".") for line in first if "GLOBAL" in line or "Unsupported" in line), "")
+        lines = [line.strip().rstrip(".") for line in str(e).splitlines()]
+        why = next((line for line in lines if "GLOBAL" in line.upper()), None)
+        if why is None:  # no object named: bytes that are no pickle at all (an unknown opcode)
+            what = next((line[:200] for line in lines if "Unsupported" in line), "not a torch checkpoint")
+            return f"cannot be read as torch weights ({what}); {REDOWNLOAD}"
         return (
             f"holds pickled objects; refused (torch's weights-only loader would have to run code from it"
-            f"{': ' + why if why else ''}; nothing of it ran). Get the model's safetensors weights (model.safetensors), or "
+            f": {why}; nothing of it ran). Get the model's safetensors weights (model.safetensors), or "
             "convert this file to safetensors where you trust it"
         )
     except Exception as e:  # a cut-short zip, a file that is no torch checkpoint: it cannot load either way
-        return f"cannot be read as torch weights ({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); {REDOWNLOAD}"
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"cannot be read as torch weights ({type(e).__name__}{': ' + first if first else ''}); {REDOWNLOAD}"
     return None

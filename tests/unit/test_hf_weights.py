@@ -68,3 +68,10 @@ def test_an_index_that_does_not_parse_or_names_a_missing_shard_is_named(tmp_path
     index.write_text("[1, 2")
     with pytest.raises(DamagedWeights, match=f"{index}: cannot be read"):
         check_weights(model)
+
+
+def test_a_bin_that_is_no_checkpoint_is_damaged_not_pickled_objects(tmp_path, tiny_model_dir):
+    bad = pickled_weights(tiny_model_dir, tmp_path / "m", tmp_path / "ran")
+    bad.write_bytes(b"F" * 100)  # an opcode the unpickler does not know: no object is named
+    with pytest.raises(DamagedWeights, match=r"cannot be read as torch weights \(.*\); download or save the model"):
+        check_weights(tmp_path / "m")
