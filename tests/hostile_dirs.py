@@ -96,3 +96,52 @@ def adapter_on(base: Path, dst: Path) -> Path:
     )
     (dst / "adapter_model.safetensors").write_bytes(b"\0" * 16)
     return dst
+
+
+def damaged_weights(model_dir: Path, dst: Path, damage: str) -> Path:
+    """``model_dir`` whose weights are damaged: ``header`` (bytes 8-40 of model.safetensors overwritten), ``empty``
+    (model.safetensors of 0 bytes) or ``shard`` (split into two indexed shards, the second's header overwritten)."""
+    _copy(model_dir, dst)
+    weights = dst / "model.safetensors"
+    if damage == "shard":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        weights.unlink()
+        names = sorted(tensors)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for shard, keys in shards.items():
+            save_file({k: tensors[k] for k in keys}, dst / shard)
+        weight_map = {k: shard for shard, keys in shards.items() for k in keys}
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        weights = dst / "model-00002-of-00002.safetensors"
+    if damage == "empty":
+        weights.write_bytes(b"")
+    else:
+        with open(weights, "r+b") as f:
+            f.seek(8)
+            f.write(b"\xff" * 32)
+    return weights
+
+
+class _RunsCode:
+    """Unpickled, it would call ``Path(marker).write_text``: the payload a weights-only loader must refuse."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "the weights' pickle ran"))
+
+
+def pickled_weights(model_dir: Path, dst: Path, marker: Path) -> Path:
+    """``model_dir`` whose only weights are a pytorch_model.bin that, besides its tensors, pickles a call writing
+    ``marker``; returns that file."""
+    import torch
+    from safetensors.torch import load_file
+
+    _copy(model_dir, dst)
+    tensors = load_file(dst / "model.safetensors")
+    (dst / "model.safetensors").unlink()
+    torch.save({**tensors, "payload": _RunsCode(marker)}, dst / "pytorch_model.bin")
+    return dst / "pytorch_model.bin"

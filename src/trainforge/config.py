@@ -238,8 +238,13 @@ def _check_source(spec: str) -> None:
             return
     except OSError as e:  # a name too long for the file system
         raise ValueError(f"cannot use {shown(spec)}: {e.strerror}") from None
-    if not glob.glob(spec):
+    matches = glob.glob(spec)
+    if not matches:
         raise ValueError(f"no file matches {shown(spec)} (a file, directory, glob, or one of {', '.join(BUILTINS)})")
+    for match in matches:  # opening a FIFO would wait for a writer forever
+        if not os.path.isdir(match) and not os.path.isfile(match):
+            what = "not a regular file (a device, pipe or socket)" if os.path.exists(match) else "a symbolic link to a missing file"
+            raise ValueError(f"{shown(match)} is {what}; give a data file (copy the data into a file first)")
 
 
 class CheckpointSettings(Section):

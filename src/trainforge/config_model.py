@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from . import hf_dir
+from . import hf_dir, hf_weights
 from .config_base import MAX_TOKENS, Section
 from .config_errors import clip, shown
 from .hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind
@@ -113,6 +113,7 @@ class ModelSettings(Section):
             plan_only = bool(info.context and info.context.get("plan"))
             _check_model_dir(self.path, needs_tokenizer=self.tokenizer is None and not plan_only, needs_weights=not plan_only)
             _refuse_custom_code(self.path, "model.path")
+            _check_weights(self.path)
         if isinstance(self.tokenizer, Path) and self.tokenizer.is_dir() and not hf_dir.has_any(self.tokenizer, TOKENIZER_FILES):
             raise ValueError(
                 f"model.tokenizer: {self.tokenizer} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
@@ -148,6 +149,17 @@ def _check_model_dir(path: Path, needs_tokenizer: bool, needs_weights: bool = Tr
             "Save one with model.save_pretrained(dir) and tokenizer.save_pretrained(dir), or download a hub "
             "snapshot there beforehand (nothing is downloaded at run time)"
         )
+
+
+def _check_weights(path: Path) -> None:
+    """``hf_weights.check_weights`` at validation, before any data is prepared or a run directory made (a plan reads
+    the headers too). An adapter directory is left to ``refuse_adapter``, which says to merge it first."""
+    if hf_dir.has_any(path, (hf_dir.ADAPTER_CONFIG,)) and not hf_dir.has_any(path, (hf_dir.CONFIG,)):
+        return
+    try:
+        hf_weights.check_weights(path)
+    except hf_weights.DamagedWeights as e:
+        raise ValueError(f"model.path: {e}") from None
 
 
 def _run_dir_hint(run: Path) -> str:

@@ -409,7 +409,14 @@ def probe_run_dir(out: Path) -> bool:
 
 
 def unwritable_output(out: Path, e: OSError) -> OutputDirError:
-    """The error for an output directory that cannot be made or written, naming a file in its way."""
+    """The error for an output directory that cannot be made or written, naming a file (or a dangling link) in its way."""
+    dangling = next((p for p in (out, *out.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:
+        what = "is" if dangling == out else f"is below {dangling}, which is"
+        return OutputDirError(
+            f"--output {out} {what} a symbolic link to a missing path ({os.readlink(dangling)}): create the directory "
+            "it points to, remove the link, or give another --output"
+        )
     blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         what = "is a file" if blocked == out else f"is below {blocked}, which is a file"

@@ -2,8 +2,8 @@
 file, no traceback, nothing of the user's lost.
 
 Each case is one class of input a careless or hostile user hands over: data nested past the
-parser's recursion, a model directory whose JSON does not parse, a chat template that reaches for
-Python internals. (Configs: test_hostile_config.py; ``--output`` at a user's folder: test_cli_train.py;
+parser's recursion, a model directory whose JSON does not parse or whose weights are damaged or pickled
+objects, a chat template that reaches for Python internals. (Configs: test_hostile_config.py; ``--output`` at a user's folder: test_cli_train.py;
 code in model directories: test_remote_code.py; damaged checkpoints: test_resume_faults.py.)
 """
 
@@ -13,6 +13,7 @@ import json
 import shutil
 
 import pytest
+from hostile_dirs import damaged_weights, pickled_weights
 from integration_helpers import root_conftest, run_cli, show
 
 write_config = root_conftest().write_config
@@ -75,3 +76,37 @@ def test_generate_chat_with_a_template_escaping_the_sandbox_is_bad_input(tmp_pat
     (model / "tokenizer_config.json").write_text(json.dumps(tok_config))
     proc = run_cli(["generate", model, "--chat", "--max-new-tokens", "2"], tmp_path, timeout=120, input="user: hi\n")
     assert_refused(proc, "--chat", "chat template")
+
+
+@pytest.mark.parametrize("damage", ["header", "empty", "shard"])
+def test_damaged_weights_are_refused_naming_the_file_before_a_run_directory(tmp_path, tiny_model_dir, finetune_config, damage):
+    model = tmp_path / "m"
+    bad = damaged_weights(tiny_model_dir, model, damage)
+    said = "is empty (0 bytes)" if damage == "empty" else "corrupt header"
+    cfg = write_config(tmp_path / "c.yaml", dict(finetune_config, model={"path": str(model), "method": "full"}))
+    out = tmp_path / "out"
+    proc = run_cli(["train", cfg, "--output", out], tmp_path, timeout=120)
+    assert_refused(proc, f"{bad}: {said}", "download or save the model there again")
+    assert not out.exists()  # refused at validation: no run directory holding only config.yaml
+    if damage != "header":
+        return
+    proc = run_cli(["plan", cfg], tmp_path, timeout=120)
+    assert_refused(proc, f"{bad}: corrupt header")
+    proc = run_cli(["generate", model, "--prompt", "alpha", "--max-new-tokens", "2"], tmp_path, timeout=120)
+    assert_refused(proc, f"{bad}: corrupt header")
+    proc = run_cli(["export", model, "--out", tmp_path / "copy"], tmp_path, timeout=120)  # a copy would pass the damage on
+    assert_refused(proc, f"{bad}: corrupt header")
+    assert not (tmp_path / "copy").exists()
+
+
+def test_pickled_weights_that_need_code_are_refused_and_never_run(tmp_path, tiny_model_dir, finetune_config):
+    marker = tmp_path / "ran"
+    model = tmp_path / "m"
+    bad = pickled_weights(tiny_model_dir, model, marker)
+    proc = run_cli(["eval", model, "--data", finetune_config["data"]["eval"]], tmp_path, timeout=120)
+    assert_refused(proc, f"{bad}: holds pickled objects; refused", "convert this file to safetensors")
+    cfg = write_config(tmp_path / "c.yaml", dict(finetune_config, model={"path": str(model), "method": "full"}))
+    proc = run_cli(["train", cfg, "--output", tmp_path / "out"], tmp_path, timeout=120)
+    assert_refused(proc, f"{bad}: holds pickled objects; refused")
+    assert not (tmp_path / "out").exists()
+    assert not marker.exists()

@@ -213,8 +213,9 @@ def test_examples_validate(name, tmp_path, monkeypatch):
     root = Path(__file__).resolve().parents[2]
     final = tmp_path / "runs" / "demo" / "final"  # the model `make demo` leaves there
     final.mkdir(parents=True)
-    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+    for file in ("config.json", "tokenizer.json"):
         (final / file).write_text("{}")
+    (final / "model.safetensors").write_bytes(b"\x02" + b"\0" * 7 + b"{}")  # a safetensors header, no tensors
     monkeypatch.chdir(tmp_path)
     cfg = load_config(root / "examples" / name)
     assert cfg.model.path == Path("runs/demo/final")

@@ -112,7 +112,7 @@ def test_a_lora_run_resolves_from_any_directory(tmp_path, tiny_model_dir, toy_da
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)
     (run / "final" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_dir)}))
-    (run / "final" / "adapter_model.safetensors").write_bytes(b"")
+    (run / "final" / "adapter_model.safetensors").write_bytes(b"\x02" + b"\0" * 7 + b"{}")  # safetensors, no tensors
     (run / "config.yaml").write_text(yaml.safe_dump({"model": {"method": "lora", "path": tiny_model_dir.name}}))
     monkeypatch.chdir(tmp_path)  # elsewhere: the relative path names nothing here
     assert resolve_source(run).base == tiny_model_dir

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..atomic import publish_dir, remove_stale_temps
 from ..config import DataSettings, FieldNames, default_cache_dir
+from ..errors import TrainforgeError
 from .formats import DEFAULT_CHAT_TEMPLATE
 from .holdout import holdout_kind
 from .sources import BUILTIN_ROWS_VERSION, BUILTIN_SOURCES, source_files
@@ -113,7 +115,7 @@ def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
 def built_tokenizer_file(cfg: DataSettings, fmt: str, vocab_size: int) -> Path:
     """Where the byte-level BPE tokenizer trained on this data is cached (``tokenizers/KEY.json``): the run trains
     it once, later runs, resumes and ``plan`` load it."""
-    return (cfg.cache_dir or default_cache_dir()) / "tokenizers" / f"{built_tokenizer_key(cfg, fmt, vocab_size)}.json"
+    return cache_root(cfg) / "tokenizers" / f"{built_tokenizer_key(cfg, fmt, vocab_size)}.json"
 
 
 def _hash_sources(h, specs: list[str]) -> None:
@@ -137,7 +139,42 @@ def cache_entry(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool
 
 def entry_dir(cfg: DataSettings, key: str) -> Path:
     """Where the entry ``key`` lives: ``data/KEY`` under ``data.cache_dir`` (or the default cache)."""
-    return (cfg.cache_dir or default_cache_dir()) / "data" / key
+    return cache_root(cfg) / "data" / key
+
+
+class CacheNotWritable(TrainforgeError):
+    """The token cache (``$TRAINFORGE_CACHE``, ``data.cache_dir``) is a file, or a directory this user cannot write."""
+
+
+def cache_root(cfg: DataSettings) -> Path:
+    """The token cache directory (``data.cache_dir``, else ``$TRAINFORGE_CACHE`` or ~/.cache/trainforge), checked
+    writable (or makeable) before anything is tokenized: ``CacheNotWritable`` names it and what to do."""
+    root = cfg.cache_dir or default_cache_dir()
+    problem = _not_writable(root)
+    if problem is None:
+        return root
+    env = os.environ.get("TRAINFORGE_CACHE")
+    key = "data.cache_dir" if cfg.cache_dir else "TRAINFORGE_CACHE"
+    named = f"data.cache_dir: {root}" if cfg.cache_dir else f"TRAINFORGE_CACHE={env}" if env else f"the token cache {root}"
+    raise CacheNotWritable(
+        f"{named} is not a writable directory ({problem}); set {key} to a directory you can write (it is made if "
+        "missing): the token cache holds the tokenized data every run and plan reads"
+    )
+
+
+def _not_writable(path: Path) -> str | None:
+    """Why the directory ``path`` cannot be written or made (None: it can): the nearest part that exists decides."""
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    what = "it" if existing == path else str(existing)
+    if existing.is_symlink() and not existing.exists():
+        return f"{what} is a symbolic link to a missing path"
+    if not existing.is_dir():
+        return f"{what} is a file" if existing.is_file() else f"{what} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{what} is read-only to this user"
+    return None
 
 
 def is_complete(root: Path) -> bool:

@@ -83,7 +83,17 @@ def expand_paths(spec: str) -> list[Path]:
             f"no data file matches {spec!r} (supported: {', '.join(SUPPORTED_SUFFIXES)}, "
             "or a directory saved with datasets' save_to_disk)"
         )
+    for path in paths:
+        refuse_special(path)
     return sorted(paths)
+
+
+def refuse_special(path: Path) -> None:
+    """A ``DataError`` for a data file that is no regular file (a FIFO, device or socket), before anything opens it:
+    opening a FIFO waits for a writer forever, a device never ends."""
+    if not path.is_dir() and not path.is_file() and os.path.lexists(path):
+        target = "a symbolic link to a missing file" if not path.exists() else "not a regular file (a device, pipe or socket)"
+        raise DataError(f"{path} is {target}; give a data file (copy the data into a file first)")
 
 
 def _files_below(root: Path) -> list[Path]:
@@ -95,10 +105,11 @@ def _files_below(root: Path) -> list[Path]:
             if saved_dataset_kind(here / name):
                 found.append(here / name)
                 dirnames.remove(name)  # its own files are not read one by one
-        found.extend(
-            here / f for f in filenames
-            if is_data_file(Path(f)) and f not in METADATA_FILES and (here / f).is_file()
-        )
+        named = [here / f for f in filenames if is_data_file(Path(f)) and f not in METADATA_FILES]
+        for path in named:  # a FIFO named like data would hang the read; a dangling link is skipped as before
+            if path.exists():
+                refuse_special(path)
+        found.extend(path for path in named if path.is_file())
     return found
 
 

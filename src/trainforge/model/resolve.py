@@ -24,6 +24,7 @@ from ..config_yaml import load_yaml, read_config_text
 from ..errors import TrainforgeError
 from ..hardware import Precision
 from ..hf_dir import TOKENIZER_FILES, dir_is_encoder_decoder, has_any, refuse_custom_code
+from ..hf_weights import check_weights
 
 RUN_CONFIG = "config.yaml"
 FINAL = "final"
@@ -120,8 +121,10 @@ def resolve_source(path: str | Path) -> ModelSource:
     # never run a directory's code (auto_map) nor guess at an architecture transformers lacks; loads pass
     # trust_remote_code=False besides, so transformers can neither prompt nor import the directory's files
     refuse_custom_code(weights)
+    check_weights(weights)  # a damaged header or a pickle that needs code: refused before anything loads (or is copied)
     if src.base is not None:
         refuse_custom_code(src.base)
+        check_weights(src.base)
     src.tokenizer_dir = _tokenizer_dir(src)
     if src.tokenizer_dir not in (weights, src.base):
         refuse_custom_code(src.tokenizer_dir)

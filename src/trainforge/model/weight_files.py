@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .. import hf_weights
+
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -26,12 +28,9 @@ class StoredTensor:
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files ``from_pretrained`` reads in ``path`` (one file or the shards of an index)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    single = path / "model.safetensors"
-    return [single] if single.is_file() else []
+    """The safetensors files ``from_pretrained`` reads in ``path`` (one file or the shards of an index), as
+    ``hf_weights`` finds (and the config's validation checks) them."""
+    return [f for f in hf_weights.weight_files(path) if f.suffix == ".safetensors"]
 
 
 def stored_tensors(path: Path) -> list[StoredTensor] | None:

@@ -24,6 +24,7 @@ The output is written to a temporary directory beside ``--out`` and renamed when
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 from collections.abc import Callable
@@ -49,6 +50,10 @@ def export(source: str | Path, out: Path, merge: bool, dtype: str | None, report
     hf_logging.disable_progress_bar()
     src = resolve_source(source)
     out = Path(out)
+    if out.is_symlink() and not out.exists():  # renaming the finished export onto it would fail at the end
+        raise ModelSourceError(
+            f"--out {out} is a symbolic link to a missing path ({os.readlink(out)}): remove the link, or give another --out"
+        )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ModelSourceError(f"--out {out} already exists and is not an empty directory; choose a new path")
     if dtype is not None and dtype not in DTYPES:
