@@ -138,7 +138,7 @@ def prepare(
     SIGTERM/SIGINT stops it at the next chunk of rows, nothing cached (exit 75)."""
     from .config import load_config
     from .data.plan import PREPARE_STOPPING, prepare_only
-    from .engine.preempt import StopRequest
+    from .stop import StopRequest
 
     with user_errors():
         cfg = load_config(config, set_ or [])

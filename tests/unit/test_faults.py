@@ -229,7 +229,7 @@ def test_first_signal_sets_the_flag_and_hands_both_signals_back_to_the_os():
     import os
     import signal
 
-    from trainforge.engine.preempt import StopRequest
+    from trainforge.stop import StopRequest
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with StopRequest() as stop:
@@ -246,7 +246,7 @@ def test_a_signal_during_set_up_stops_before_the_model_loads_and_saves_nothing(c
     stage, without a checkpoint, and before training a step the same holds for the evaluation before training."""
     import signal
 
-    from trainforge.engine.preempt import Interrupted, StopRequest
+    from trainforge.stop import Interrupted, StopRequest
 
     loads = []
     monkeypatch.setattr(engine_setup, "build_run_model", lambda *a, **k: loads.append(1))
@@ -279,7 +279,7 @@ def test_a_signal_while_tokenizing_stops_at_the_next_chunk_and_caches_nothing(co
     import signal
 
     import trainforge.data.prepare as prepare
-    from trainforge.engine.preempt import Interrupted, StopRequest
+    from trainforge.stop import Interrupted, StopRequest
 
     chunks = prepare._chunks
     monkeypatch.setattr(prepare, "_chunks", lambda rows: chunks(rows, 2))  # many chunks from the fixture's rows

@@ -16,7 +16,7 @@ from rich.console import Console
 
 import trainforge.engine.trainer as trainer
 from trainforge.config import ConfigError, LogSettings, RunConfig, load_config
-from trainforge.engine.preempt import Interrupted
+from trainforge.stop import Interrupted
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.engine.resume import fixed_settings
 from trainforge.metrics.sink import flat_config, scalars

@@ -236,7 +236,7 @@ def test_a_signal_between_paths_stops_the_run_before_the_next(selftest, tmp_path
     or raised KeyboardInterrupt past the results."""
     import signal
 
-    from trainforge.engine.preempt import Interrupted, StopRequest
+    from trainforge.stop import Interrupted, StopRequest
 
     stop = StopRequest()
     fresh = SelfTest("cpu", workdir=tmp_path, assets=selftest.assets)

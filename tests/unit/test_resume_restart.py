@@ -24,7 +24,7 @@ from test_resume import (  # noqa: F401 - fixtures
 )
 
 import trainforge.engine.trainer as trainer
-from trainforge.engine.preempt import Interrupted
+from trainforge.stop import Interrupted
 from trainforge.engine.resume import OutputDirError
 from trainforge.metrics.tracker import read_metrics
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..atomic import atomic_write_text
 from ..config import ModelSettings, RunConfig
 from ..config_preference import OBJECTIVES_FOR_DATA
-from ..engine.preempt import Interrupted, StopRequest
+from ..stop import Interrupted, StopRequest
 from ..metrics.console import ConsoleReporter
 from ..model.tokenizer import bpe_tokenizer_from_json, build_char_tokenizer, load_tokenizer, train_bpe_tokenizer
 from .cache import built_tokenizer_file

@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from ..errors import EXIT_OUT_OF_MEMORY, TrainforgeError
+from ..stop import STOP_SIGNALS  # the parent's to act on
 
 class WorkerDied(TrainforgeError):
     """A tokenizer worker ended without a stop being asked for: the out-of-memory killer, most often."""
@@ -32,7 +33,6 @@ class WorkerDied(TrainforgeError):
     exit_code = EXIT_OUT_OF_MEMORY
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the parent's to act on (engine/preempt.py)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 ORPHAN_EXIT_CODE = 70  # a worker whose parent was gone before it could watch for that (sysexits EX_SOFTWARE)
 PARENT_POLL_S = 1.0  # without PR_SET_PDEATHSIG: how often a worker checks that its parent lives

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from ..checkpoint import step_dir_name
 from ..dist import peer_failure
 from ..metrics.tracker import read_metrics
-from .preempt import Interrupted
+from ..stop import Interrupted
 from .run import Run
 
 

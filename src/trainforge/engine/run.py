@@ -21,7 +21,7 @@ from ..metrics.window import LogWindow
 from .advisor import Advisor
 from .compile_auto import CompileAuto
 from .nonfinite import NonFiniteGuard
-from .preempt import StopRequest
+from ..stop import StopRequest
 from .saver import Checkpointer
 from .state import Counters, Stateful, TrainedWeights, capture_rng, rank_seed, restore_rng, resumed_grad_accum
 from .step import TokenObjective

@@ -57,7 +57,7 @@ from .objective import build_objective, describe_objective
 from .reference import attach_reference
 from .oom import OutOfMemory
 from .optim import build_optimizer, check_optimizer, describe_optimizer
-from .preempt import StopRequest
+from ..stop import StopRequest
 from .resume import (
     CHECKPOINTS,
     ResumePlan,

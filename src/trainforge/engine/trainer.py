@@ -39,7 +39,7 @@ from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .ending import eval_stop, record_failure, stop_before_first_step, stop_on_signal, write_report
-from .preempt import Interrupted, StopRequest
+from ..stop import Interrupted, StopRequest
 from .resume import length_key, refuse_changed_settings, wrote_its_end
 from .run import Run, RunResult
 from .setup import setup

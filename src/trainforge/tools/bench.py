@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import ConfigError, RunConfig, load_config, parse_override
 from ..config_errors import shown
-from ..engine.preempt import STOP_SIGNALS, Interrupted, StopRequest
+from ..stop import STOP_SIGNALS, Interrupted, StopRequest
 
 BATCH_KEY = "train.micro_batch_size"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..engine.preempt import Interrupted, StopRequest
+from ..stop import Interrupted, StopRequest
 from ..profiles import GIB
 from .bench import as_measuring_child, bench_overrides, wait_for_variant
 

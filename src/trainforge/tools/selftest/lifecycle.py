@@ -34,7 +34,7 @@ def train_stopped_after_checkpoint(cfg, out: Path) -> None:
     """Train ``cfg`` into ``out`` and stop it after step ``CHECKPOINT_EVERY`` as the SIGTERM handler
     does, leaving that step's checkpoint; ``CheckFailed`` if the run does not stop there."""
     from ...engine import trainer
-    from ...engine.preempt import Interrupted, StopRequest
+    from ...stop import Interrupted, StopRequest
 
     stop = StopRequest()
     try:

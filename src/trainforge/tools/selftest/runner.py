@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ...engine.preempt import Interrupted, StopRequest
+from ...stop import Interrupted, StopRequest
 from ...hardware import cuda_has_native_bf16
 from .assets import Assets, build_assets
 from .cases import CHECKS, PRECISIONS, STEPS, Case, plan

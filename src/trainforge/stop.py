@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
-from ..errors import EXIT_INTERRUPTED, TrainforgeError
+from .errors import EXIT_INTERRUPTED, TrainforgeError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
