@@ -133,10 +133,8 @@ def probe_step(run: Run) -> None:
     checkpoints): for tools that trace or time a bare step. ``rewind_data`` puts the batches back."""
     if run.batches is None:
         run.batches = iter(run.loader)
-    loss = forward_backward(
-        run.train_model, fetch_step(run), run.precision, run.device, run.scaler, None, run.sync,
-        fused=run.cfg.train.fused_loss, objective=run.objective,
-    )
+    loss = forward_backward(run.train_model, fetch_step(run), run.precision, run.device, run.scaler, None, run.sync,
+                            fused=run.cfg.train.fused_loss, objective=run.objective)
     optimizer_step(run.params, run.optimizer, run.cfg.optim.max_grad_norm, run.scaler, loss)
 
 

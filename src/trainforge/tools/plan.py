@@ -22,15 +22,7 @@ from ..engine.evaluate import auto_eval_batches, planned_evals
 from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, allocator_overhead, fit_run, predict_load_memory, predict_memory
 from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
-from ..hardware import (
-    PRECISIONS,
-    Precision,
-    cpu_has_native_bf16,
-    emulated_precision,
-    pick_device,
-    resolve_precision,
-    this_profile,
-)
+from ..hardware import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
 from ..profiles import GIB, HardwareProfile, find_profile
 from .plan_kernels import attention_share, fp8_decision, fp8_problem, fp8_uncompiled, kernels_choice, planned_attention
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
