@@ -1,7 +1,9 @@
 """How close `trainforge plan` comes to the real thing, on this machine, config by config.
 
 For each config: `trainforge plan --measure --json` (the prediction, then real steps at the planned
-settings, longest rows first, in a fresh process: live tensor peak and process peak RSS), and
+settings, longest rows first, in a fresh process: the step's tensor peak as the allocator counts it, not
+plan's own tracer: `torch.cuda.max_memory_allocated` on a GPU; on a CPU the storages alive at the step's
+start plus the peak of c10's CPU allocator events during it, from torch.profiler; and process peak RSS), and
 `trainforge bench` on the same config (steady-state tokens/s). Two model sizes x full / LoRA / QLoRA
 x activation checkpointing on/off, plus one 2-process DDP run (`trainforge train --nproc 2`: peak RSS
 of the largest process and tokens/s from its metrics).
@@ -124,7 +126,8 @@ def run_one(workdir: Path, name: str, cfg: Path, ddp: bool = False) -> dict:
     measured = plan.get("measured", {})
     if "error" in measured:
         return {**row, "error": measured["error"]}
-    row["measured_tensors"] = measured["live_tensor_peak_bytes"]
+    row["measured_tensors"] = measured["allocated_step_peak_bytes"]  # the allocator's count
+    row["traced_tensors"] = measured["live_tensor_peak_bytes"]  # plan's tracer on the real step, for reference
     row["measured_process"] = measured["process_peak_bytes"]
     bench_out = workdir / f"bench-{name}.json"
     r = cli("bench", str(cfg), "--steps", "6", "--warmup", "2", "--out", str(bench_out), cwd=workdir)
@@ -136,7 +139,7 @@ def run_one(workdir: Path, name: str, cfg: Path, ddp: bool = False) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| config | tensors: predicted / measured GiB | ratio | process peak: predicted / measured GiB | ratio | tokens/s: predicted / bench | ratio |",
+        "| config | tensors: predicted / allocator GiB | ratio | process peak: predicted / measured GiB | ratio | tokens/s: predicted / bench | ratio |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -92,6 +92,9 @@ def test_plan_measure_with_auto_micro_batch_under_a_memory_cap(tmp_path):
     room = capacity - plan["hardware"]["fixed_bytes"]
     assert measured["process_peak_bytes"] <= capacity + 0.15 * room
     assert abs(plan["memory"]["peak_tensor_bytes"] / measured["live_tensor_peak_bytes"] - 1) < 0.15
+    # and against the allocator's own count of the same step (not the tracer's): storages alive + c10 allocations
+    assert "allocator" in measured["allocated_step_measure"]
+    assert abs(plan["memory"]["peak_tensor_bytes"] / measured["allocated_step_peak_bytes"] - 1) < 0.15
 
 
 def test_train_resolves_auto_settings_and_says_why(tmp_path):

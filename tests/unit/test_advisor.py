@@ -160,10 +160,59 @@ def test_an_impossible_mfu_reprobes_the_peak(cfg, tmp_path, monkeypatch):
     assert causes(advice) == ["impossible_mfu"]
     assert advice[0]["new_peak_flops"] > 1e9 and "measured again" in console
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "mfu" in r]
-    assert records[0]["mfu"] > 1 and records[-1]["mfu"] < 1  # divided by the new peak from then on
+    # measured again before the first record was written: no impossible figure on the console or in metrics.jsonl
+    assert all(r["mfu"] is None or r["mfu"] <= 1 for r in records) and "MFU 1" not in console.replace("MFU 1.", "")
+    assert records[-1]["mfu"] is not None and records[-1]["mfu"] < 1  # divided by the new peak from then on
     # and so is the whole run's in summary.json (the steps before the probe too: the first peak was wrong all along)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mfu"] < 1
+
+
+def test_an_impossible_mfu_that_cannot_be_measured_again_is_not_reported(cfg, tmp_path, monkeypatch):
+    """A GPU's peak comes from its profile: where that profile is wrong, MFU is left out, not printed at 4000%."""
+    monkeypatch.setattr(engine_setup, "peak_flops", lambda *a, **k: (1e6, "a wrong profile"))
+    monkeypatch.setattr(engine_setup, "peak_reprobe", lambda *a, **k: None)
+    cfg["train"]["max_steps"] = 6
+    summary, advice, console = run(cfg, tmp_path / "run")
+    assert causes(advice) == ["impossible_mfu"] and "MFU not reported" in console
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "mfu" in r]
+    assert records and all(r["mfu"] is None for r in records) and summary["mfu"] is None
+    assert "| MFU" not in console
+
+
+def test_mfu_follows_the_cpu_thread_count(cfg, tmp_path, monkeypatch):
+    """A run that started on 1 thread (a core was busy) and took 2 when the core came free kept dividing by one
+    thread's peak, and printed MFU 168.6%. The peak follows the count (the fake peak: 1e13 FLOP/s a thread)."""
+    from trainforge.cpu_threads import CpuThreads
+    from trainforge.engine import mfu as engine_mfu
+    import trainforge.cpu_threads as cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_threads, "RECHECK_S", 0.0)
+    machine = {"free": 1}
+
+    def for_device(setting, device):
+        return CpuThreads(setting, available=2, probe=lambda n: 0.016 if n > machine["free"] else 3e-4 / n,
+                          others=lambda: 2.0 - machine["free"])
+
+    def peak(*args, **kwargs):
+        machine["free"] = 2  # the other work ends once the run has started
+        return torch.get_num_threads() * 1e13, "matmul probe"
+
+    monkeypatch.setattr(engine_setup.CpuThreads, "for_device", staticmethod(for_device))
+    monkeypatch.setattr(engine_setup, "peak_flops", peak)
+    monkeypatch.setattr(engine_mfu, "peak_flops", peak)
+    cfg["train"]["max_steps"] = 9
+    before = torch.get_num_threads()
+    try:
+        summary, _, _ = run(cfg, tmp_path / "run")
+    finally:
+        torch.set_num_threads(before)
+    change = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["event"] == "cpu_threads"]
+    assert [e["threads"] for e in change] == [2] and change[0]["step"] == 3
+    for r in (r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "mfu" in r):
+        threads = 1 if r["step"] <= 3 else 2  # the window of the change ran on 1 thread; the count changed after it
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * summary["flops_per_token"] / (threads * 1e13), rel=1e-9)
 
 
 def test_a_slowdown_after_warm_up_is_named(cfg, tmp_path, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -34,6 +36,14 @@ def test_lora_frozen_weights_skip_weight_gradients(tiny_model_dir):
     assert flops_per_token(lora, 64) < flops_per_token(full, 64)
 
 
+def quick_check_only(rate: float):
+    """A fake matmul probe where the full probe must not run again: the half-size quick check reads ``rate``."""
+    def measure(dtype, n=1024, reps=5):
+        assert n < 1024, "re-measured"
+        return rate
+    return measure
+
+
 def test_cpu_peak_probe_is_cached(tmp_path, monkeypatch):
     import trainforge.hardware as hardware
 
@@ -41,8 +51,31 @@ def test_cpu_peak_probe_is_cached(tmp_path, monkeypatch):
     first = cpu_matmul_flops("fp32", tmp_path)
     assert first > 0 and (tmp_path / "cpu_peak.json").is_file()
 
-    monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
+    monkeypatch.setattr(hardware, "measure_matmul", quick_check_only(first / 2))
     assert cpu_matmul_flops("fp32", tmp_path) == first
+
+
+def test_a_cached_peak_that_a_quick_probe_beats_is_measured_again(tmp_path, monkeypatch):
+    """A peak cached while other work held the cores (the load average said quiet) reads low: every run divided
+    by it and printed MFU over 100%. A half-size matmul checks it at each use."""
+    import trainforge.hardware as hardware
+
+    monkeypatch.setattr(hardware, "load_per_core", lambda: 0.0)
+    monkeypatch.setattr(hardware, "measure_matmul", lambda dtype, n=1024, reps=5: 1.0e9)
+    assert cpu_matmul_flops("fp32", tmp_path) == 1.0e9  # taken while a core was busy
+    monkeypatch.setattr(hardware, "measure_matmul", lambda dtype, n=1024, reps=5: 5.0e10 if n == 1024 else 4.0e10)
+    assert cpu_matmul_flops("fp32", tmp_path) == 5.0e10  # the quick check saw 40x: measured again, and kept
+    monkeypatch.setattr(hardware, "measure_matmul", quick_check_only(4.5e10))
+    assert cpu_matmul_flops("fp32", tmp_path) == 5.0e10
+    # the real probes: a cached figure far below this machine is replaced
+    monkeypatch.undo()
+    monkeypatch.setattr(hardware, "load_per_core", lambda: 0.0)
+    (tmp_path / "cpu_peak.json").unlink()
+    real = cpu_matmul_flops("fp32", tmp_path)
+    table = json.loads((tmp_path / "cpu_peak.json").read_text())
+    table = {key: {"value": 1.0, "load_per_core": 0.0} for key in table}  # 1 FLOP/s: no machine is that slow
+    (tmp_path / "cpu_peak.json").write_text(json.dumps(table))
+    assert cpu_matmul_flops("fp32", tmp_path) > 1e6 and real > 1e6
 
 
 def test_probe_leaves_the_global_random_stream_alone(tmp_path):
@@ -71,11 +104,12 @@ def test_a_probe_taken_on_a_busy_machine_is_taken_again_when_quieter(tmp_path, m
     monkeypatch.setattr(hardware, "load_per_core", lambda: 2.0)  # a test suite shares the cores
     monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: 1.0e10)
     assert cpu_matmul_flops("fp32", tmp_path) == 1.0e10
-    monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: 4.0e10)
+    # the full probe could do better now, but the quick check, as busy, does not beat the cached figure
+    monkeypatch.setattr(hardware, "measure_matmul", lambda dtype, n=1024, reps=5: 4.0e10 if n == 1024 else 1.0e10)
     assert cpu_matmul_flops("fp32", tmp_path) == 1.0e10  # still as busy: the cached figure stands
     monkeypatch.setattr(hardware, "load_per_core", lambda: 0.1)
     assert cpu_matmul_flops("fp32", tmp_path) == 4.0e10  # quiet now: measured again, the better kept
-    monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: (_ for _ in ()).throw(AssertionError("re-measured")))
+    monkeypatch.setattr(hardware, "measure_matmul", quick_check_only(4.0e10))
     assert cpu_matmul_flops("fp32", tmp_path) == 4.0e10  # taken quietly: kept for good
     # a cost probe keeps the lower figure
     monkeypatch.setattr(hardware, "load_per_core", lambda: 2.0)

@@ -199,6 +199,16 @@ def test_granite_logits_scaling_takes_the_models_own_head():
     batch = Batch(ids, labels, None, 24, int((labels != -100).sum()), [0, 1])
     p = PRECISIONS["fp32"]
     assert fused_head(model) is None
-    torch.testing.assert_close(loss_sum(model, batch, p, fused=True), loss_sum(model, batch, p, fused=False))
+    scaled = loss_sum(model, batch, p, fused=True)  # asks for the fused head, gets the model's own
     model.config.logits_scaling = 1.0
     assert fused_head(model) is not None
+    fused = loss_sum(model, batch, p, fused=True)  # really through the chunked head now
+    torch.testing.assert_close(fused, loss_sum(model, batch, p, fused=False))  # which equals the model's own head
+    # and with the scaling of 8 the model's own head divides the logits, so the chunked head would train another
+    # loss: the run took the model's head there
+    model.config.logits_scaling = 8.0
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    own = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(scaled, own)
+    assert abs(fused.item() - own.item()) > 1e-3 * own.item()

@@ -6,6 +6,8 @@ dtype and bytes are what the run's precision says, adapters load back on fp32, b
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -133,9 +135,11 @@ def test_dora_and_rslora_reach_peft(tiny_model_dir, tok):
     assert model.get_base_model().model.layers[0].self_attn.q_proj.scaling["default"] == pytest.approx(32.0 / 4**0.5)
 
 
-bnb = pytest.importorskip("bitsandbytes", reason="QLoRA needs the qlora extra")
+# per test: a module-level importorskip here skipped the checkpointing and DoRA tests above too
+needs_bitsandbytes = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="QLoRA needs the qlora extra")
 
 
+@needs_bitsandbytes
 def test_qlora_stores_the_base_in_nf4_norms_in_fp32_and_adapters_in_fp32(tiny_model_dir, tok):
     model = model_for(tiny_model_dir, tok, "qlora", False, torch.bfloat16)
     s = weight_storage(model)
@@ -163,6 +167,7 @@ def llama64_dir(tmp_path_factory, tok):
     return path
 
 
+@needs_bitsandbytes
 def test_qlora_trains_with_checkpointing_and_final_loads_on_4bit_and_plain_bases(llama64_dir, tok, store, tmp_path):
     from peft import AutoPeftModelForCausalLM
     from transformers import BitsAndBytesConfig

@@ -98,7 +98,6 @@ class Advisor:
         if judged:
             found += self._data_wait(rec)
             found += self._slow(rec)
-        found += self._impossible_mfu(rec)
         found += self._overheads(times)
         found += self._memory(rec)
         if rec.get("tokens_per_s") and judged:
@@ -149,11 +148,13 @@ class Advisor:
             {"tokens_per_s": round(tps, 1), "best_tokens_per_s": round(best, 1), "load_per_core": round(load, 2)},
         )]
 
-    def _impossible_mfu(self, rec: dict[str, Any]) -> list[Advice]:
-        mfu = rec.get("mfu")
-        if mfu is None or mfu <= limit("impossible_mfu") or not self.judge_mfu:
-            return []
-        text = f"step {rec['step']}: MFU {mfu:.0%} cannot be true: the device peak it divides by is too low"
+    def impossible_mfu(self, step: int, mfu: float) -> Advice | None:
+        """Advice (once per run) for an MFU above 100%, with the peak measured again where it can be: the log
+        step asks before it writes the window's record, which never carries an impossible MFU."""
+        if mfu <= limit("impossible_mfu") or not self.judge_mfu or "impossible_mfu" in self.given:
+            return None
+        self.given.add("impossible_mfu")
+        text = f"step {step}: MFU {mfu:.0%} cannot be true: the device peak it divides by is too low"
         fields: dict[str, Any] = {"mfu": round(mfu, 3)}
         if self.reprobe is not None:
             peak, where = self.reprobe()
@@ -161,8 +162,8 @@ class Advisor:
             text += (f"; the peak probe was taken under load. Measured again now: {peak / 1e12:.3f} TFLOP/s ({where}); "
                      "MFU from here on divides by it")
         else:
-            text += "; the GPU's profile in trainforge/profiles.py does not match this device"
-        return [Advice("impossible_mfu", text, fields)]
+            text += "; the GPU's profile in trainforge/profiles.py does not match this device (MFU not reported)"
+        return Advice("impossible_mfu", text, fields)
 
     def _overheads(self, t: RunTimes) -> list[Advice]:
         found = []

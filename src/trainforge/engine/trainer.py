@@ -7,7 +7,6 @@ calls and never reach into a run's internals; ``setup`` (engine/setup.py) builds
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from ..runlock import OutputDirError, hold_run_dir
 from ..metrics.limits import describe_limits, rank_limits
 from .advisor import RunTimes
 from .evaluate import evaluate, planned_evals
+from .mfu import follow_threads, run_mfu, window_mfu
 from .nonfinite import final_weights_check
 from .objective import mean_metrics
 from .oom import fetch_step, forward_backward_adaptive
@@ -312,7 +312,7 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
         "tokens_per_s": tokens_per_s,  # real (non-pad) input tokens
         "samples_per_s": w.rows / span,
         "steps_per_s": w.steps / span,
-        "mfu": tokens_per_s * run.facts.flops_per_token / run.facts.peak_flops if run.facts.peak_flops else None,
+        "mfu": window_mfu(run, tokens_per_s),  # never above 100%: the peak is measured again first
         "data_wait_pct": 100.0 * w.data_wait_s / span,
         "peak_memory_bytes": peak_memory_bytes(run.device),
         "elapsed_s": run.counters.loop_time_s,
@@ -333,6 +333,7 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
     if note:
         run.reporter.info(note)
         run.metrics.event("cpu_threads", run.step, threads=torch.get_num_threads(), why=run.cpu_threads.why)
+        follow_threads(run)  # a CPU's peak is its matmul probe on the new count
     if run.dist.is_main:
         if run.advisor.windows == 0:  # the first estimate of this process, for doctor to hold against what happened
             run.metrics.event("estimate", run.step, eta_s=round(eta, 2),
@@ -351,11 +352,6 @@ def advise(run: Run, rec: dict, window_s: float) -> None:
     for advice in run.advisor.observe(rec, times, run.compiled):
         run.reporter.warn(advice.message)
         run.metrics.event("advice", run.step, cause=advice.cause, message=advice.message, **advice.fields)
-        if "new_peak_flops" in advice.fields:  # the peak was measured again: MFU divides by it from now on
-            run.facts = dataclasses.replace(run.facts, peak_flops=advice.fields["new_peak_flops"])
-            # ... and so does this process's share of the whole run's (the earlier peak was wrong all along)
-            c, before = run.counters, run.earlier
-            c.peak_flop_s = before.get("peak_flop_s", 0.0) + (c.loop_time_s - before.get("loop_time_s", 0.0)) * run.facts.peak_flops
 
 
 def run_environment(run: Run) -> dict[str, object]:
@@ -436,7 +432,7 @@ def finish(run: Run) -> RunResult:
         "tokens": c.tokens_seen,
         "tokens_per_s": tokens_per_s,
         # over the whole run: a resume on other processes or another device changed the peak part-way
-        "mfu": c.tokens_seen * facts.flops_per_token / c.peak_flop_s if facts.peak_flops and c.peak_flop_s else None,
+        "mfu": run_mfu(c.tokens_seen, facts, c.peak_flop_s),
         "flops_per_token": facts.flops_per_token,
         "compiled": run.compiled,
         "compile": run.compile_auto.measured(),

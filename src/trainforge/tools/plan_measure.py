@@ -68,6 +68,8 @@ def measure_steps(
         rewind_data(run, longest_first=True)
         probe_step(run)  # creates the optimizer state: the traced step is a steady-state one
         rewind_data(run)
+        allocated = allocated_step_peak(run)  # the same longest-rows step, counted apart from the tracer
+        rewind_data(run)
         tracer = StepTracer()
         tracer.track_training_state(run.model, run.optimizer, run.params)
         with tracer:
@@ -86,9 +88,49 @@ def measure_steps(
         "tokens_per_s": rec["tokens_per_s"],
         "live_tensor_peak_bytes": tracer.peak,
         "live_tensor_parts": tracer.peak_parts,
+        **allocated,
         "process_peak_bytes": process_peak,
         **gpu,
     }
+
+
+def allocated_step_peak(run) -> dict[str, Any]:
+    """One step on the next batches measured by the allocator, not by the tracer: on a GPU the caching
+    allocator's ``max_memory_allocated``; on a CPU the bytes of every tensor storage alive at the step's start
+    (found by the garbage collector) plus the peak of c10's CPU allocator events during it (torch.profiler's
+    memory records: each allocation and free as it happens)."""
+    import gc
+
+    from ..engine.trainer import probe_step
+
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+        torch.cuda.reset_peak_memory_stats(run.device)
+        probe_step(run)
+        torch.cuda.synchronize(run.device)
+        return {"allocated_step_peak_bytes": int(torch.cuda.max_memory_allocated(run.device)),
+                "allocated_step_measure": "torch.cuda.max_memory_allocated"}
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            try:
+                st = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+                continue
+            storages[st.data_ptr()] = st.nbytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        probe_step(run)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    now = peak = 0
+    for _, nbytes in events:
+        now += nbytes
+        peak = max(peak, now)
+    return {"allocated_step_peak_bytes": sum(storages.values()) + peak,
+            "allocated_step_measure": "live storages at the step's start + c10 CPU allocator events (torch.profiler)"}
 
 
 def gpu_process_peak(device: torch.device) -> dict[str, int]:
@@ -117,6 +159,7 @@ def render_measured(plan: dict[str, Any], measured: dict[str, Any], console) -> 
         table.add_column(col, justify="right")
     rows = [
         ("peak tensors (GiB)", m["peak_tensor_bytes"] / GIB, measured["live_tensor_peak_bytes"] / GIB),
+        ("peak tensors, by the allocator (GiB)", m["peak_tensor_bytes"] / GIB, measured["allocated_step_peak_bytes"] / GIB),
         ("process peak (GiB)", m["peak_process_bytes"] / GIB, measured["process_peak_bytes"] / GIB),
         ("tokens/s", t["tokens_per_s"], measured["tokens_per_s"]),
     ]
