@@ -1,8 +1,8 @@
 """Presets: named config overlays for the guides' "test vs production" split.
 
 - ``smoke`` proves a config end to end in about a minute: 20 steps on a small share of the data
-  (``data.max_documents``), eval on two batches, one checkpoint at the end, nothing compiled, a
-  metrics line every step.
+  (``data.max_documents``), a 2-step warmup, eval on two batches, one checkpoint at the end, nothing
+  compiled, a metrics line every step.
 - ``production`` is what a long run wants: ``compile: auto``, checkpoints every 30 minutes written
   in the background (``checkpoint.async``), and an eval schedule from the run's length
   (``train.eval_every: auto``: ten evaluations over the run).
@@ -26,6 +26,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smoke": {
         "data": {"max_documents": 200},
         "train": {"max_steps": 20, "compile": False, "eval_every": None, "eval_max_batches": 2},
+        "optim": {"warmup_steps": 2},  # a full run's warmup would outlast the 20 steps (and be warned about)
         "checkpoint": {"every_steps": 20, "every_minutes": None},
         "log": {"every_steps": 1},
     },

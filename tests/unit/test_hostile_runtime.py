@@ -210,7 +210,7 @@ def test_report_to_a_full_disk_is_a_report_error(tmp_path, monkeypatch):
     import trainforge.metrics.report as report
     from trainforge.metrics.report_data import ReportError
 
-    monkeypatch.setattr(report, "load_run", lambda p: type("R", (), {"name": "r", "path": p})())
+    monkeypatch.setattr(report, "load_run", lambda p: type("R", (), {"name": "r", "path": p, "unreadable": []})())
     monkeypatch.setattr(report, "render_html", lambda runs: "<html></html>")
     monkeypatch.setattr(report, "atomic_write_text", lambda path, text: (_ for _ in ()).throw(no_space(path)))
     with pytest.raises(ReportError, match=r"cannot write .*page\.html: No space left on device; free space there, or write it "
