@@ -55,4 +55,4 @@ class OptimSettings(Section):
             return None
         return (f"optim.warmup_steps {self.warmup_steps} is longer than the run's {max_steps} steps: the learning rate "
                 f"never reaches optim.lr {self.lr:g} (its last step trains at {self.lr * max_steps / self.warmup_steps:.3g})",
-                f"set optim.warmup_steps below {max_steps} (a few percent of the run is usual), or raise train.max_steps")
+                f"set optim.warmup_steps to {max_steps} or fewer (a few percent of the run is usual), or raise train.max_steps")

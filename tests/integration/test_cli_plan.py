@@ -167,12 +167,12 @@ def test_a_warmup_longer_than_the_run_is_warned_by_plan_and_train(tmp_path):
     finding = [f for f in json.loads(r.stdout)["findings"] if "warmup_steps" in f["message"]]
     assert [f["level"] for f in finding] == ["warn"], r.stdout
     assert "never reaches optim.lr 0.001 (its last step trains at 0.0003)" in finding[0]["message"]
-    assert "set optim.warmup_steps below 3" in finding[0]["fix"]
+    assert "set optim.warmup_steps to 3 or fewer" in finding[0]["fix"]
 
     r = run_cli(["train", cfg, "--output", tmp_path / "run", *warmup], tmp_path)
     assert r.returncode == 0, r.stderr
     said = " ".join((r.stdout + r.stderr).split())
-    assert "optim.warmup_steps 10 is longer than the run's 3 steps" in said and "set optim.warmup_steps below 3" in said
+    assert "optim.warmup_steps 10 is longer than the run's 3 steps" in said and "set optim.warmup_steps to 3 or fewer" in said
 
     r = run_cli(["plan", cfg, "--json", "--set", "optim.warmup_steps=3"], tmp_path)  # the last step reaches it
     assert not [f for f in json.loads(r.stdout)["findings"] if "warmup_steps" in f["message"]]
