@@ -242,9 +242,16 @@ def _check_source(spec: str) -> None:
     if not matches:
         raise ValueError(f"no file matches {shown(spec)} (a file, directory, glob, or one of {', '.join(BUILTINS)})")
     for match in matches:  # opening a FIFO would wait for a writer forever
-        if not os.path.isdir(match) and not os.path.isfile(match):
-            what = "not a regular file (a device, pipe or socket)" if os.path.exists(match) else "a symbolic link to a missing file"
+        if what := not_a_data_file(match):
             raise ValueError(f"{shown(match)} is {what}; give a data file (copy the data into a file first)")
+
+
+def not_a_data_file(path: str | os.PathLike) -> str | None:
+    """What ``path`` is where it is neither a directory nor a regular file (a FIFO, device or socket, which
+    opening would wait on forever, or a symbolic link to a missing file), or None."""
+    if os.path.isdir(path) or os.path.isfile(path) or not os.path.lexists(path):
+        return None
+    return "not a regular file (a device, pipe or socket)" if os.path.exists(path) else "a symbolic link to a missing file"
 
 
 class CheckpointSettings(Section):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import BUILTIN_FUNCTION_LABELS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB
+from ..config import BUILTIN_FUNCTION_LABELS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB, not_a_data_file
 from ..errors import TrainforgeError
 from . import textfiles
 from .splits import METADATA_FILES, TRAIN, by_split
@@ -91,9 +91,8 @@ def expand_paths(spec: str) -> list[Path]:
 def refuse_special(path: Path) -> None:
     """A ``DataError`` for a data file that is no regular file (a FIFO, device or socket), before anything opens it:
     opening a FIFO waits for a writer forever, a device never ends."""
-    if not path.is_dir() and not path.is_file() and os.path.lexists(path):
-        target = "a symbolic link to a missing file" if not path.exists() else "not a regular file (a device, pipe or socket)"
-        raise DataError(f"{path} is {target}; give a data file (copy the data into a file first)")
+    if what := not_a_data_file(path):
+        raise DataError(f"{path} is {what}; give a data file (copy the data into a file first)")
 
 
 def _files_below(root: Path) -> list[Path]:
