@@ -30,7 +30,7 @@ config = LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, nu
                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
 model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
 if lora:
-    from trainforge.config import LoraSettings
+    from trainforge.config.model import LoraSettings
     from trainforge.model.load import apply_lora
     model = apply_lora(model, LoraSettings(r=16, alpha=32))
 if mode != "eager":

@@ -43,7 +43,7 @@ def bench_tokenize(corpus: Path, tokenizer_dir: Path, workers: int, tmp: Path, r
     import datasets
     from transformers import AutoTokenizer
 
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.data.prepare import prepare_data
     from trainforge.model.tokenizer import load_tokenizer
 
@@ -77,7 +77,7 @@ def bench_tokenize(corpus: Path, tokenizer_dir: Path, workers: int, tmp: Path, r
 
 
 def bench_packing(corpus: Path, tokenizer_dir: Path, tmp: Path) -> dict:
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.data.loader import RowCollator, TrainLoader
     from trainforge.data.packing import build_rows
     from trainforge.data.prepare import prepare_data
@@ -100,7 +100,7 @@ def bench_packing(corpus: Path, tokenizer_dir: Path, tmp: Path) -> dict:
 def bench_data_wait(tmp: Path) -> dict:
     from rich.console import Console
 
-    from trainforge.config import RunConfig, load_config
+    from trainforge.config.run import RunConfig, load_config
     from trainforge.engine.trainer import train
     from trainforge.metrics.console import ConsoleReporter
 

@@ -64,7 +64,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         from trainforge.data.prepare import training_texts
-        from trainforge.config import DataSettings
+        from trainforge.config.data import DataSettings
         from trainforge.model.tokenizer import train_bpe_tokenizer
 
         texts = training_texts(DataSettings(train="builtin:python-stdlib", max_documents=300), "text")

@@ -198,7 +198,7 @@ def trace_last_step(phases: Phases) -> dict:
 def run_trainforge(s: dict, name: str, out: Path, phases: Phases) -> dict:
     from rich.console import Console
 
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
     from trainforge.engine.trainer import train
     from trainforge.metrics.console import ConsoleReporter
 

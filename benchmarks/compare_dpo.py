@@ -154,7 +154,7 @@ def child(name: str, spec_path: Path, result_path: Path) -> None:
 def run_trainforge(s: dict, out: Path, objective: str = "dpo") -> dict:
     import yaml
 
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
 
     (out / "config.yaml").write_text(yaml.safe_dump(trainforge_config(s, out / "cache", objective), sort_keys=False))
     sm, cpu_s = train_timed(load_config(out / "config.yaml"), out / "run")
@@ -204,12 +204,12 @@ def score(s: dict, adapter_dir: str | None, objective: str = "dpo") -> dict:
     from peft import AutoPeftModelForCausalLM
     from rich.console import Console
 
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
     from trainforge.data.loader import eval_batches
     from trainforge.data.plan import get_tokenizer, plan_data
     from trainforge.engine.evaluate import evaluate
     from trainforge.engine.objective import PairObjective
-    from trainforge.hardware import PRECISIONS
+    from trainforge.hardware.device import PRECISIONS
     from trainforge.metrics.console import ConsoleReporter
 
     import yaml

@@ -318,7 +318,7 @@ def train_timed(cfg, out: Path) -> tuple[dict, float | None]:
 def run_trainforge(s: dict, name: str, out: Path) -> dict:
     import yaml
 
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
 
     pair = "a" if name == "trainforge-blocks" else "b"
     cfg_dict = trainforge_config(s, pair, out / "cache", packing=not name.endswith("unpacked"))
@@ -501,7 +501,7 @@ def eval_batches_for(s: dict, pair: str, work: Path) -> list:
     """Held-out rows, one per row (padded, never packed), tokenized and masked by one pipeline for all runs."""
     import numpy as np
 
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.data.loader import RowCollator, eval_batches
     from trainforge.data.packing import build_rows
     from trainforge.data.prepare import prepare_data

@@ -207,7 +207,7 @@ def run_trainforge(s: dict, arch: str, out: Path) -> dict:
     import yaml
 
     import trainforge.engine.trainer as trainer_module
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
 
     (out / "config.yaml").write_text(yaml.safe_dump(trainforge_config(s, arch, out / "cache"), sort_keys=False))
     cfg = load_config(out / "config.yaml")
@@ -307,7 +307,7 @@ def eval_batches_for(s: dict, arch: str, work: Path) -> list:
     """Held-out rows as source -> target batches, tokenized and cut by one pipeline for every run."""
     import numpy as np
 
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.data.loader import eval_batches
     from trainforge.data.packing import build_rows
     from trainforge.data.prepare import prepare_data

@@ -375,7 +375,7 @@ def run_trainforge(spec: dict, variant: str) -> dict:
     import yaml
     from rich.console import Console
 
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
     from trainforge.engine.trainer import train
     from trainforge.metrics.console import ConsoleReporter
 
@@ -487,7 +487,7 @@ def plan_prediction(spec: dict, hardware: str) -> dict:
     """What ``trainforge plan --hardware`` predicts for the trainforge variant's config."""
     import yaml
 
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
     from trainforge.tools.plan import make_plan
 
     path = Path(spec["work"]) / "plan-config.yaml"
@@ -598,7 +598,7 @@ def gpu_profile_name() -> str:
     """The plan profile of this machine's GPU (an H200 is lent as often as an H100), h100 without one."""
     import torch
 
-    from trainforge.profiles import profile_for_gpu_name
+    from trainforge.hardware.profiles import profile_for_gpu_name
 
     found = profile_for_gpu_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     return found.name if found else "h100"
@@ -717,7 +717,7 @@ def main() -> int:
         return 0
     if args.tiny:
         args.warmup = min(args.warmup, 2)
-    from trainforge.profiles import find_profile
+    from trainforge.hardware.profiles import find_profile
 
     if args.hardware == "auto":
         args.hardware = gpu_profile_name()

@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .allocator import prefer_expandable_segments
+from .hardware.allocator import prefer_expandable_segments
 from .errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PLAN_ERROR, EXIT_UNEXPECTED, TrainforgeError, exit_codes_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
@@ -68,7 +68,7 @@ def train(
     ] = None,
 ) -> None:
     """Train a model and write config.yaml, metrics.jsonl, checkpoints/, final/ and summary.json."""
-    from .config import load_config
+    from .config.run import load_config
 
     with user_errors():
         cfg = load_config(config, set_ or [], preset=preset)
@@ -136,7 +136,7 @@ def prepare(
 ) -> None:
     """Tokenize, pack and cache the data only; a later `train` with the same data reuses the cache.
     SIGTERM/SIGINT stops it at the next chunk of rows, nothing cached (exit 75)."""
-    from .config import load_config
+    from .config.run import load_config
     from .data.plan import PREPARE_STOPPING, prepare_only
     from .stop import StopRequest
 
@@ -191,7 +191,7 @@ def selftest(
 
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         _fail(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
-    from .hardware import describe, pick_device
+    from .hardware.device import describe, pick_device
     from .tools.selftest import results_json, run_selftest
 
     _check_json_out(out)
@@ -226,14 +226,14 @@ def plan(
 
     from rich.console import Console
 
-    from .config import load_config
+    from .config.run import load_config
 
     console = Console(highlight=False, soft_wrap=True)
     if hardware.lower() == "list":
         from .tools.plan import render_profiles
 
         if json_out:
-            from .profiles import describe_profiles
+            from .hardware.profiles import describe_profiles
 
             typer.echo(json.dumps(describe_profiles(), indent=2))
         else:
@@ -274,7 +274,7 @@ def config(
     reference: Annotated[bool, typer.Option("--reference", help="print every key with its default, as Markdown")] = False,
 ) -> None:
     """Print the resolved config (every default spelled out), or the reference of all keys."""
-    from .config import load_config
+    from .config.run import load_config
 
     if reference:
         from .tools.config_reference import config_reference
@@ -443,7 +443,7 @@ def _write_json_out(out: Path | None, results: object) -> None:
     """``results`` as JSON at ``out`` (whole or not at all); a failure (disk full) names the path, exit 2."""
     import json
 
-    from .atomic import atomic_write_text
+    from .rundir.atomic import atomic_write_text
 
     if out is None:
         return

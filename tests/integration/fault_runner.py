@@ -33,7 +33,7 @@ import torch
 
 import trainforge.engine.step as step_module
 import trainforge.engine.trainer as trainer
-from trainforge.checkpoint import step_dir_name
+from trainforge.rundir.checkpoint import step_dir_name
 from trainforge.cli import main
 
 

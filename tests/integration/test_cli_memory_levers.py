@@ -44,7 +44,7 @@ def _train(tmp_path: Path, cfg: dict, name: str, *overrides: str, cli: bool = Tr
     else:
         from rich.console import Console
 
-        from trainforge.config import load_config
+        from trainforge.config.run import load_config
         from trainforge.engine.trainer import train
         from trainforge.metrics.console import ConsoleReporter
 

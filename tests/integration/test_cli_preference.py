@@ -38,12 +38,12 @@ def recomputed_eval(run: Path, model: torch.nn.Module, tokenizer, reference: tor
     the starting weights of a full fine-tune (a copy of ``model`` would be the trained weights)."""
     from rich.console import Console
 
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
     from trainforge.data.loader import eval_batches
     from trainforge.data.plan import plan_data
     from trainforge.engine.evaluate import evaluate
     from trainforge.engine.objective import PairObjective, build_objective
-    from trainforge.hardware import PRECISIONS
+    from trainforge.hardware.device import PRECISIONS
     from trainforge.metrics.console import ConsoleReporter
 
     cfg = load_config(run / "config.yaml")

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from integration_helpers import root_conftest, run_cli, show
 from seq2seq_models import build_t5, reverse_rows
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.metrics.console import ConsoleReporter
 
 conftest = root_conftest()

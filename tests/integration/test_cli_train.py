@@ -38,11 +38,11 @@ def _recompute_eval_loss(model: torch.nn.Module, tokenizer, run_config: Path) ->
     """Eval loss of ``model`` on the run's eval data, built exactly as the trainer builds it."""
     from rich.console import Console
 
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
     from trainforge.data.loader import eval_batches
     from trainforge.engine.evaluate import evaluate
     from trainforge.data.plan import plan_data
-    from trainforge.hardware import PRECISIONS
+    from trainforge.hardware.device import PRECISIONS
     from trainforge.metrics.console import ConsoleReporter
 
     cfg = load_config(run_config)
@@ -56,7 +56,7 @@ def _recompute_eval_loss(model: torch.nn.Module, tokenizer, run_config: Path) ->
 
 def _check_run_dir(run: Path, source_config: Path | None, overrides: list[str] = ()) -> tuple[dict, list[dict]]:
     """The files every run writes; returns (summary, metrics records)."""
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
 
     for name in ("config.yaml", "metrics.jsonl", "summary.json", "final"):
         assert (run / name).exists(), f"{name} missing from {run}: {sorted(p.name for p in run.iterdir())}"

@@ -24,10 +24,10 @@ import pytest
 import torch
 from integration_helpers import root_conftest, run_cli, show, start_cli
 
-from trainforge.checkpoint import scan_checkpoints
-from trainforge.config import RunConfig
-from trainforge.atomic import boot_id, host_name, process_tag
-from trainforge.runlock import LEASE_FILE, TIMEOUT_ENV
+from trainforge.rundir.checkpoint import scan_checkpoints
+from trainforge.config.run import RunConfig
+from trainforge.rundir.atomic import boot_id, host_name, process_tag
+from trainforge.rundir.lock import LEASE_FILE, TIMEOUT_ENV
 
 conftest = root_conftest()
 WAIT_S = 300  # liveness bound of every wait below (never a measure of speed)

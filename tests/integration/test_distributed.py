@@ -14,8 +14,8 @@ import torch
 from integration_helpers import root_conftest, run_cli, show
 from safetensors.torch import load_file
 
-from trainforge.checkpoint import scan_checkpoints
-from trainforge.config import RunConfig
+from trainforge.rundir.checkpoint import scan_checkpoints
+from trainforge.config.run import RunConfig
 from trainforge.engine.resume import ResumeError
 
 write_config = root_conftest().write_config
@@ -189,7 +189,7 @@ def test_preempted_on_two_processes_a_run_continues_on_one_with_the_same_global_
 def fake_back_off(step_dir: Path, micro_batch_size: int, grad_accum: int) -> None:
     """Make a checkpoint's state say the run backed off to ``micro_batch_size`` x ``grad_accum`` after running out of
     memory (as on a GPU; a CPU run never does), its checksum rewritten to match."""
-    from trainforge.checkpoint import file_checksum
+    from trainforge.rundir.checkpoint import file_checksum
 
     state = torch.load(step_dir / "state.pt", weights_only=False)
     state.update(micro_batch_size=micro_batch_size, grad_accum=grad_accum)

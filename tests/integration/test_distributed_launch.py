@@ -18,7 +18,7 @@ from integration_helpers import cli_command, root_conftest, run_cli, show
 from safetensors.torch import load_file
 from test_distributed import dist_config, final_weights, one_process_run, records
 
-from trainforge.checkpoint import scan_checkpoints
+from trainforge.rundir.checkpoint import scan_checkpoints
 
 write_config = root_conftest().write_config
 END_BOUND_S = 90  # a 2-step job of the tiny model ends in ~10 s; a hang at exit would run into this

@@ -70,7 +70,7 @@ def test_the_default_allocator_variant_runs_on_the_users_setting_which_trainforg
     default allocator asked for by name, as a user would, and trainforge's own request then stands aside."""
     import importlib.util
 
-    from trainforge.allocator import allocator_settings, prefer_expandable_segments
+    from trainforge.hardware.allocator import allocator_settings, prefer_expandable_segments
 
     spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
     suite = importlib.util.module_from_spec(spec)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from integration_helpers import root_conftest, run_cli, show
 
-from trainforge.checkpoint import scan_checkpoints
-from trainforge.config import RunConfig
+from trainforge.rundir.checkpoint import scan_checkpoints
+from trainforge.config.run import RunConfig
 
 write_config = root_conftest().write_config
 from trainforge.metrics.tracker import MEASURED_FIELDS

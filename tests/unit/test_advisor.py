@@ -13,7 +13,7 @@ import torch
 from rich.console import Console
 
 from conftest import write_jsonl
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.engine import setup as engine_setup
 from trainforge.engine import trainer
 from trainforge.engine.advisor import Advisor, RunTimes
@@ -183,9 +183,9 @@ def test_an_impossible_mfu_that_cannot_be_measured_again_is_not_reported(cfg, tm
 def test_mfu_follows_the_cpu_thread_count(cfg, tmp_path, monkeypatch):
     """A run that started on 1 thread (a core was busy) and took 2 when the core came free kept dividing by one
     thread's peak, and printed MFU 168.6%. The peak follows the count (the fake peak: 1e13 FLOP/s a thread)."""
-    from trainforge.cpu_threads import CpuThreads
+    from trainforge.hardware.cpu_threads import CpuThreads
     from trainforge.engine import mfu as engine_mfu
-    import trainforge.cpu_threads as cpu_threads
+    import trainforge.hardware.cpu_threads as cpu_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpu_threads, "RECHECK_S", 0.0)

@@ -11,8 +11,13 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from trainforge import allocator
-from trainforge.allocator import EXPANDABLE, TRAINFORGE_SET_ENV, allocator_settings, prefer_expandable_segments
+from trainforge.hardware import allocator
+from trainforge.hardware.allocator import (
+    EXPANDABLE,
+    TRAINFORGE_SET_ENV,
+    allocator_settings,
+    prefer_expandable_segments,
+)
 
 VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", TRAINFORGE_SET_ENV)
 
@@ -71,7 +76,7 @@ def test_every_cli_command_asks_before_it_runs(monkeypatch):
 
 def test_a_run_started_from_python_asks_at_set_up(monkeypatch):
     """``train()`` called without the CLI (a notebook, the GPU suite) asks in set-up, before the device is picked."""
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
     from trainforge.dist import DistContext
     from trainforge.engine.setup import choose_device_and_precision
     from trainforge.metrics.console import ConsoleReporter
@@ -94,7 +99,7 @@ def test_without_cuda_the_allocator_in_effect_is_unknown_not_an_error():
 def test_cuda_runs_with_expandable_segments_after_the_cli_asks():
     """On this GPU's torch, the variables trainforge sets do turn expandable segments on (the new name
     alone did not on 2.9-2.11), and a user's False keeps them off."""
-    code = ("from trainforge.allocator import prefer_expandable_segments as p, expandable_segments_in_effect as e\n"
+    code = ("from trainforge.hardware.allocator import prefer_expandable_segments as p, expandable_segments_in_effect as e\n"
             "p()\nimport torch\ntorch.zeros(1, device='cuda')\nprint(e())")
     clean = {k: v for k, v in os.environ.items() if k not in VARS}
     ours = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=120)
@@ -109,7 +114,7 @@ def test_plan_prices_fragmentation_by_the_allocator_the_run_will_have(monkeypatc
     default, and a user's own variable that asks for them), the default allocator's under a user's other
     setting; a CPU profile keeps its own."""
     from trainforge.engine.predict.fit import allocator_overhead
-    from trainforge.profiles import ALLOCATOR_OVERHEAD, EXPANDABLE_ALLOCATOR_OVERHEAD, find_profile
+    from trainforge.hardware.profiles import ALLOCATOR_OVERHEAD, EXPANDABLE_ALLOCATOR_OVERHEAD, find_profile
 
     h100 = find_profile("h100")
     clear(monkeypatch)

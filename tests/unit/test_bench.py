@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainforge.config import ConfigError, load_config
+from trainforge.config.run import ConfigError, load_config
 from trainforge.tools.bench import parse_sweep, variants
 
 

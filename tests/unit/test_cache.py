@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.atomic import staging_dir
+from trainforge.rundir.atomic import staging_dir
 from trainforge.data.cache import publish_entry
 
 
@@ -122,7 +122,7 @@ def test_a_tokenizer_trained_on_the_data_is_trained_once_and_loaded_after(tmp_pa
 
     from rich.console import Console
 
-    from trainforge.config import RunConfig
+    from trainforge.config.run import RunConfig
     from trainforge.data.cache import tokenizer_fingerprint
     from trainforge.data.plan import get_tokenizer
     from trainforge.metrics.console import ConsoleReporter
@@ -152,7 +152,7 @@ def test_later_field_names_leave_existing_keys_alone_until_renamed(toy_data_dir)
     """data.fields.chosen/rejected/label came after stores were keyed by the data settings: at their defaults
     they are not hashed, so a run started before keeps its store (and resumes: a checkpoint names its store's
     key); renaming one is a different store."""
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.data.cache import LATER_FIELD_NAMES, _settings, built_tokenizer_key, fingerprint
     from trainforge.model.tokenizer import build_char_tokenizer
 
@@ -175,7 +175,7 @@ def test_default_chat_template_is_part_of_a_chat_key(toy_data_dir, monkeypatch):
     different store (no stale tokens from an older one); a tokenizer's own template, or data.chat_template,
     keys the store instead, and text stores do not depend on it."""
     import trainforge.data.cache as cache
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer(["abc"])
@@ -197,7 +197,7 @@ def test_chat_rendering_rules_are_part_of_a_chat_key(toy_data_dir, monkeypatch):
     weight 0 turns, refused rows): stores of messages rendered before are stale; text and prompt/completion stores
     keep their keys."""
     import trainforge.data.cache as cache
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.model.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer(["abc"])

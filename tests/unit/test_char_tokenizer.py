@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_LLAMA_INIT, write_jsonl
 
-from trainforge.config import ConfigError, ModelSettings, load_config
+from trainforge.config.run import ConfigError, ModelSettings, load_config
 from trainforge.model.tokenizer import EOS_TOKEN, PAD_TOKEN, UNK_TOKEN, build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 from test_chat_templates import WHERE, tool_conversation
 from test_chat_tools import learned, tokenizer
 
-from trainforge.config import FieldNames
+from trainforge.config.data import FieldNames
 from trainforge.data.formats import DEFAULT_CHAT_TEMPLATE, Renderer
 from trainforge.data.sources import DataError, Row
 

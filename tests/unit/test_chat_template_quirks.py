@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from test_chat_templates import WEATHER_CALL, WHERE, decode, runs, tokenizer_for, tool_conversation
 
-from trainforge.config import FieldNames
+from trainforge.config.data import FieldNames
 from trainforge.data.formats import Renderer, tokenize_rendered
 from trainforge.data.sources import DataError, Row
 

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainforge.config import FieldNames
+from trainforge.config.data import FieldNames
 from trainforge.data.formats import Renderer, tokenize_rendered
 from trainforge.data.sources import DataError, Row
 

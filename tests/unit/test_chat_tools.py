@@ -14,7 +14,7 @@ import json
 import pytest
 from test_chat_templates import FIXTURES, WHERE, decode, runs, tokenizer_for, tokenizer_from
 
-from trainforge.config import FieldNames
+from trainforge.config.data import FieldNames
 from trainforge.data.formats import Renderer, tokenize_rendered
 from trainforge.data.sources import DataError, Row
 

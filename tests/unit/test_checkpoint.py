@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainforge.checkpoint import LATEST, atomic_write_dir, complete_checkpoints, save_checkpoint
+from trainforge.rundir.checkpoint import LATEST, atomic_write_dir, complete_checkpoints, save_checkpoint
 
 
 def test_save_moves_latest_and_keeps_last_k(tmp_path):
@@ -40,7 +40,7 @@ def test_partial_directories_are_ignored(tmp_path):
 def test_trainer_writes_checkpoints(finetune_config, tmp_path):
     from rich.console import Console
 
-    from trainforge.config import RunConfig
+    from trainforge.config.run import RunConfig
     from trainforge.engine.trainer import train
     from trainforge.metrics.console import ConsoleReporter
 
@@ -55,7 +55,7 @@ def test_trainer_writes_checkpoints(finetune_config, tmp_path):
 def test_every_minutes_saves_once_the_interval_has_passed(tmp_path):
     from rich.console import Console
 
-    from trainforge.config import CheckpointSettings
+    from trainforge.config.run import CheckpointSettings
     from trainforge.engine.saver import Checkpointer
     from trainforge.metrics.console import ConsoleReporter
 
@@ -75,7 +75,7 @@ def test_every_minutes_saves_once_the_interval_has_passed(tmp_path):
 
 
 def test_truncated_state_file_is_recognized(tmp_path):
-    from trainforge.checkpoint import inspect_checkpoint, scan_checkpoints
+    from trainforge.rundir.checkpoint import inspect_checkpoint, scan_checkpoints
 
     path = save_checkpoint(tmp_path, 3, {"w": torch.zeros(100)}, {}, keep_last=2)
     data = (path / "state.pt").read_bytes()
@@ -85,7 +85,7 @@ def test_truncated_state_file_is_recognized(tmp_path):
 
 
 def test_recover_hidden_removes_unfinished_and_restores_a_parked_checkpoint(tmp_path):
-    from trainforge.checkpoint import recover_hidden
+    from trainforge.rundir.checkpoint import recover_hidden
 
     path = save_checkpoint(tmp_path, 4, {"w": 1}, {}, keep_last=2)
     path.rename(tmp_path / ".step-00000004.old-node1-123-abcdef")  # died between the two renames of a replacement
@@ -102,7 +102,7 @@ def test_meta_records_the_checksum_of_state_pt_as_written(tmp_path):
     import json
     import zlib
 
-    from trainforge.checkpoint import inspect_checkpoint, verify_checkpoint
+    from trainforge.rundir.checkpoint import inspect_checkpoint, verify_checkpoint
 
     path = save_checkpoint(tmp_path, 3, {"w": torch.randn(1000), "n": 5}, {}, keep_last=2)
     record = json.loads((path / "meta.json").read_text())["files"]["state.pt"]
@@ -113,7 +113,7 @@ def test_meta_records_the_checksum_of_state_pt_as_written(tmp_path):
 
 @pytest.mark.parametrize("offset", [0, 100, -1])
 def test_any_flipped_byte_is_recognized(tmp_path, offset):
-    from trainforge.checkpoint import inspect_checkpoint, verify_checkpoint
+    from trainforge.rundir.checkpoint import inspect_checkpoint, verify_checkpoint
 
     path = save_checkpoint(tmp_path, 3, {"w": torch.randn(1000)}, {}, keep_last=2)
     data = bytearray((path / "state.pt").read_bytes())
@@ -126,7 +126,7 @@ def test_any_flipped_byte_is_recognized(tmp_path, offset):
 def test_meta_without_checksums_is_still_accepted(tmp_path):
     import json
 
-    from trainforge.checkpoint import has_checksums, inspect_checkpoint, verify_checkpoint
+    from trainforge.rundir.checkpoint import has_checksums, inspect_checkpoint, verify_checkpoint
 
     path = save_checkpoint(tmp_path, 3, {"w": torch.zeros(10)}, {}, keep_last=2)
     meta = json.loads((path / "meta.json").read_text())

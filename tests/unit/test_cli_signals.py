@@ -13,7 +13,7 @@ def test_a_signal_before_a_commands_own_handling_exits_75(monkeypatch, capfd, si
     """It exited 143 (SIGTERM's default) or with a KeyboardInterrupt traceback in the seconds before `train` installed
     its handler: exit 75 says "stopped, nothing saved, run it again", as the exit-code table promises."""
     import trainforge.cli as cli
-    import trainforge.config as config
+    import trainforge.config.run as config
 
     def signalled(*args, **kwargs):
         os.kill(os.getpid(), signum)  # arrives while the command is at work

@@ -8,7 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.engine.trainer import train
 from trainforge.metrics.console import ConsoleReporter
 import trainforge.engine.compile_auto as compile_auto
@@ -203,7 +203,7 @@ def test_repeated_layers_of_encoder_decoder_and_lora():
     """T5's blocks, and a PEFT-wrapped Llama's decoder layers, are found for regional compile."""
     from transformers import AutoModelForCausalLM, LlamaConfig, T5Config, T5ForConditionalGeneration
 
-    from trainforge.config import LoraSettings
+    from trainforge.config.run import LoraSettings
     from trainforge.model.compile import repeated_layers
     from trainforge.model.load import apply_lora
 
@@ -222,7 +222,7 @@ def test_regional_compile_of_lora_compiles_the_layer_once():
     import torch._dynamo
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from trainforge.config import LoraSettings
+    from trainforge.config.run import LoraSettings
     from trainforge.model.compile import compile_decoder
     from trainforge.model.load import apply_lora
 

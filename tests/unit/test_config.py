@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from trainforge.config import ConfigError, RunConfig, load_config, parse_override, resolve_max_steps
+from trainforge.config.run import ConfigError, RunConfig, load_config, parse_override, resolve_max_steps
 
 
 def test_default_config_is_valid_and_resolves_every_key():
@@ -245,7 +245,7 @@ def test_qlora_without_bitsandbytes_names_the_extra(monkeypatch, tiny_model_dir)
 
 
 def test_global_batch_size_derives_grad_accum_per_process_count():
-    from trainforge.config import resolve_grad_accum
+    from trainforge.config.run import resolve_grad_accum
 
     cfg = load_config(None, ["train.global_batch_size=32", "train.micro_batch_size=4"])
     assert resolve_grad_accum(cfg.train, 1) == 8 and resolve_grad_accum(cfg.train, 2) == 4 and resolve_grad_accum(cfg.train, 8) == 1
@@ -263,9 +263,9 @@ def test_global_batch_size_derives_grad_accum_per_process_count():
 
 import time  # noqa: E402
 
-from trainforge import config_yaml  # noqa: E402
-from trainforge.config_errors import MAX_ERRORS, SHOWN_CHARS, clip, shown  # noqa: E402
-from trainforge.config_yaml import InvalidYaml, load_yaml, read_config_text  # noqa: E402
+from trainforge.config import yaml_text as config_yaml  # noqa: E402
+from trainforge.config.errors import MAX_ERRORS, SHOWN_CHARS, clip, shown  # noqa: E402
+from trainforge.config.yaml_text import InvalidYaml, load_yaml, read_config_text  # noqa: E402
 
 
 def alias_bomb(levels: int = 10) -> str:
@@ -364,8 +364,9 @@ def test_an_override_that_is_not_yaml_is_its_text_and_validated_as_such():
 
 def _float_keys() -> list[str]:
     """Every key of the schema whose type admits a float (each section, SourceSpec and LoRA included)."""
-    from trainforge.config import CheckpointSettings, DataSettings, LogSettings, OptimSettings, TrainSettings
-    from trainforge.config_model import LoraSettings
+    from trainforge.config.run import CheckpointSettings, LogSettings, OptimSettings, TrainSettings
+    from trainforge.config.data import DataSettings
+    from trainforge.config.model import LoraSettings
 
     sections = {"data": DataSettings, "train": TrainSettings, "optim": OptimSettings, "checkpoint": CheckpointSettings,
                 "log": LogSettings, "model.lora": LoraSettings}
@@ -487,8 +488,8 @@ def test_set_on_one_key_of_a_pair_replaces_the_other_below(tmp_path, tiny_model_
 def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
     """PyYAML keeps the last of two equal keys: a second `train:` section dropped max_steps of the first, and a run
     of 4 steps became a whole epoch. Refused, naming the key and both lines; merge keys still override."""
-    from trainforge.config import ConfigError, load_config
-    from trainforge.config_yaml import load_yaml
+    from trainforge.config.run import ConfigError, load_config
+    from trainforge.config.yaml_text import load_yaml
 
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  train: builtin:python-stdlib\ntrain:\n  max_steps: 4\ntrain:\n  seed: 3\n")
@@ -505,7 +506,7 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
 @pytest.mark.parametrize("key", ["train.max_steps=yes", "optim.lr=true", "train.eval_max_batches=off", "data.max_length=on"])
 def test_a_boolean_for_a_number_is_refused(key):
     """pydantic took true as 1 for int and float fields, and YAML reads yes/on as true: `max_steps: yes` was one step."""
-    from trainforge.config import ConfigError, load_config
+    from trainforge.config.run import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=rf"{key.split('=')[0]}: (true|false) is a boolean \(YAML reads yes/no/on/off"):
         load_config(None, [key])
@@ -514,7 +515,7 @@ def test_a_boolean_for_a_number_is_refused(key):
 
 def test_an_error_of_the_file_is_not_blamed_on_an_unrelated_set(tmp_path):
     """"(from --set)" was added to a section's error whenever any key below it was --set."""
-    from trainforge.config import ConfigError, load_config
+    from trainforge.config.run import ConfigError, load_config
 
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  train: builtin:python-stdlib\ntrain:\n  max_steps: 5\n  epochs: 2\n")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.config import load_config
-from trainforge.profiles import PROFILES, find_profile, profile_for_gpu_name
+from trainforge.config.run import load_config
+from trainforge.hardware.profiles import PROFILES, find_profile, profile_for_gpu_name
 from trainforge.tools.plan import make_plan, plan_precision
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

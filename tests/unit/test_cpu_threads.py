@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from trainforge.config_train import TrainSettings
-from trainforge import cpu_threads
-from trainforge.cpu_threads import CpuThreads, candidates, probe_seconds, fastest_threads, other_work_cores
+from trainforge.config.train import TrainSettings
+from trainforge.hardware import cpu_threads
+from trainforge.hardware.cpu_threads import CpuThreads, candidates, probe_seconds, fastest_threads, other_work_cores
 
 
 @pytest.fixture(autouse=True)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from hostile_dirs import adapter_on, custom_code_model, custom_code_tokenizer, unknown_architecture
 
-from trainforge.config import ModelSettings
+from trainforge.config.run import ModelSettings
 from trainforge.errors import TrainforgeError
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 from trainforge.hf_dir import CustomCodeError, UnsupportedModelDir, refuse_custom_code
 from trainforge.model import load, resolve, tokenizer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import make_store, write_jsonl
-from trainforge.config import DataSettings, FieldNames
+from trainforge.config.data import DataSettings, FieldNames
 from trainforge.data.formats import IGNORE, Renderer, tokenize_rendered
 from trainforge.data.loader import RowCollator, TrainLoader
 from trainforge.data.packing import best_fit_decreasing, build_rows, concat_rows, weighted_indices
@@ -241,7 +241,7 @@ def test_packed_rows_restart_positions_and_pad_to_fixed_width(tmp_path):
 
 def test_packed_documents_are_isolated(tiny_model_dir, tmp_path):
     """Per-document losses of a packed row equal those of each document run alone (fp32, 1e-5)."""
-    from trainforge.config import ModelSettings
+    from trainforge.config.run import ModelSettings
     from trainforge.model.load import build_model
 
     tok = load_tokenizer(tiny_model_dir)
@@ -344,10 +344,10 @@ def test_empty_or_fully_masked_data_is_an_error(tmp_path, tok):
 
 def test_isolation_holds_for_a_model_whose_config_enables_the_kv_cache(tiny_model_dir, tmp_path):
     """A saved model has use_cache=True; the training forward must still isolate packed documents."""
-    from trainforge.config import ModelSettings
+    from trainforge.config.run import ModelSettings
     from trainforge.data.formats import IGNORE as _IGNORE
     from trainforge.engine.step import loss_sum
-    from trainforge.hardware import PRECISIONS
+    from trainforge.hardware.device import PRECISIONS
     from trainforge.model.load import build_model
 
     tok = load_tokenizer(tiny_model_dir)
@@ -410,7 +410,7 @@ def test_a_tokenizer_worker_killed_is_said_with_what_to_do(tmp_path, tok, toy_da
     """A worker ended by the OOM killer broke the pool: a BrokenProcessPool traceback and exit 1. Now exit 4 (out
     of memory) with data.num_workers to lower; nothing is cached."""
     import trainforge.data.prepare as prepare_module
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.data.workers import WorkerDied
 
     monkeypatch.setattr(prepare_module, "_tokenize_chunk", _killed_by_the_system)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import WORDS, write_jsonl
-from trainforge.config import DataSettings, FieldNames
+from trainforge.config.data import DataSettings, FieldNames
 from trainforge.data.formats import Renderer, tokenize_rendered
 from trainforge.data.holdout import held_out_blocks
 from trainforge.data.prepare import prepare_data

@@ -66,7 +66,7 @@ def test_attention_implementation_on_cuda_never_builds_a_row_mask(monkeypatch):
 
 
 def test_config_refuses_document_kernels_for_encoder_decoders():
-    from trainforge.config import RunConfig
+    from trainforge.config.run import RunConfig
 
     init = {"architecture": "t5", "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 1, "num_heads": 4}
     with pytest.raises(ValueError, match="model.attention: .*flex is for packed decoder-only rows"):
@@ -293,7 +293,7 @@ def test_a_sliding_window_shorter_than_the_documents_is_applied_within_each(tiny
     kernels mask the window too, so each document's logits equal its own run alone under transformers'
     stock SDPA with its sliding-window mask; without the window they would not. FlexAttention forward
     only: torch has no FlexAttention backward on a CPU."""
-    from trainforge.config import ModelSettings
+    from trainforge.config.run import ModelSettings
     from trainforge.model.load import build_model
     from trainforge.model.tokenizer import load_tokenizer
 
@@ -322,7 +322,7 @@ def test_soft_capped_attention_goes_to_eager_and_a_kernel_asked_for_by_name_is_r
     eager attention (with its document mask) and says so; packed_sdpa by name is refused."""
     from transformers import Gemma2Config, LlamaConfig, MistralConfig
 
-    from trainforge.config import ModelSettings
+    from trainforge.config.run import ModelSettings
     from trainforge.model.load import AttentionUnavailable, build_model
     from trainforge.model.tokenizer import load_tokenizer
 
@@ -337,7 +337,7 @@ def test_attention_sinks_go_to_eager(tiny_tokenizer_dir):
     class transformers gives no SDPA path trains on its eager attention under auto, as Gemma 2 does."""
     from transformers import GptOssConfig
 
-    from trainforge.config import ModelSettings
+    from trainforge.config.run import ModelSettings
     from trainforge.model.load import AttentionUnavailable, build_model
     from trainforge.model.tokenizer import load_tokenizer
 
@@ -363,7 +363,7 @@ def test_the_skeleton_of_a_soft_capped_model_takes_the_attention_its_run_takes(t
     """The plan's meta-device skeleton (built by every train before the model, and by plan) of Gemma 2 used the
     causal document kernel, which transformers refuses for a model without SDPA: train and plan stopped with a
     traceback before any work. It takes the stock attention training takes (eager) instead."""
-    from trainforge.config import ModelSettings
+    from trainforge.config.run import ModelSettings
     from conftest import TINY_LLAMA_INIT
     from trainforge.model.load import build_model_skeleton
     from trainforge.model.tokenizer import load_tokenizer
@@ -384,7 +384,7 @@ def test_the_skeleton_of_a_soft_capped_model_takes_the_attention_its_run_takes(t
 def test_sliding_windows_on_cuda(impl, tiny_tokenizer_dir):
     """An 8-token window inside packed documents on a GPU (varlen hands windowed layers to FlexAttention),
     bf16, against each document alone under transformers' SDPA with its window mask."""
-    from trainforge.config import ModelSettings
+    from trainforge.config.run import ModelSettings
     from trainforge.model.load import build_model
     from trainforge.model.tokenizer import load_tokenizer
 
@@ -412,7 +412,7 @@ def test_selftest_attention_check_runs_the_varlen_kernel_in_half_precision_only(
     """selftest's attention check computes its fp32 reference one document at a time: through the varlen
     kernel itself that reference handed the flash kernel fp32 queries, which it refuses (the check raised
     on every sm80+ GPU). The reference runs on stock SDPA; the packed rows still take the kernel."""
-    from trainforge.hardware import PRECISIONS
+    from trainforge.hardware.device import PRECISIONS
     from trainforge.tools.selftest.probes import packed_attention_gap
 
     calls = []

@@ -14,7 +14,7 @@ import pytest
 from test_resume import config, crash_in_step, flip_inside_largest_tensor, reference, reference_run, train  # noqa: F401 - fixtures
 
 from trainforge.stop import Interrupted
-from trainforge.runlock import hold_run_dir
+from trainforge.rundir.lock import hold_run_dir
 from trainforge.tools.doctor import diagnose, render
 
 

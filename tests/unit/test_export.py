@@ -34,7 +34,7 @@ def make_adapter(base_dir: Path, out: Path, use_dora: bool = False, quantized: b
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
-    from trainforge.config import dir_is_encoder_decoder
+    from trainforge.config.run import dir_is_encoder_decoder
     from trainforge.model.load import auto_model_class
 
     extra = {}
@@ -111,7 +111,7 @@ def test_qlora_merges_into_the_dequantized_base(tmp_path, tiny_model_dir):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM
 
-    from trainforge.hardware import PRECISIONS
+    from trainforge.hardware.device import PRECISIONS
     from trainforge.model.resolve import load_model, resolve_source
 
     run = tmp_path / "run"
@@ -179,7 +179,7 @@ def test_a_runs_chat_template_travels_with_final_and_its_export(tmp_path, tiny_m
     from conftest import finetune_settings, toy_prompt_completions, write_jsonl
     from transformers import AutoTokenizer
 
-    from trainforge.config import RunConfig
+    from trainforge.config.run import RunConfig
     from trainforge.engine.trainer import train
 
     template = (Path(__file__).parents[1] / "fixtures" / "chat_templates" / "HuggingFaceH4-zephyr-7b-beta.jinja").read_text()
@@ -204,7 +204,7 @@ def test_a_chat_run_on_a_tokenizer_without_a_template_saves_the_default_it_train
     from conftest import finetune_settings, toy_prompt_completions, write_jsonl
     from transformers import AutoTokenizer
 
-    from trainforge.config import RunConfig
+    from trainforge.config.run import RunConfig
     from trainforge.data.formats import DEFAULT_CHAT_TEMPLATE
     from trainforge.engine.trainer import train
     from trainforge.model.resolve import resolve_source

@@ -15,12 +15,12 @@ from rich.console import Console
 import trainforge.engine.step as step_module
 import trainforge.engine.setup as engine_setup
 import trainforge.engine.trainer as trainer
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.engine.predict.memory import GIB, estimate_memory, memory_warning
 from trainforge.engine.nonfinite import NonFiniteError, NonFiniteGuard, skip_update_if
 from trainforge.engine.oom import OutOfMemory, fetch_step, forward_backward_adaptive, smallest_factor
 from trainforge.engine.step import forward_backward
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.tracker import read_metrics
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from trainforge.config import LoraSettings, ModelSettings
-from trainforge.hardware import cpu_matmul_flops
+from trainforge.config.run import LoraSettings, ModelSettings
+from trainforge.hardware.device import cpu_matmul_flops
 from trainforge.metrics.flops import flops_per_token, linear_params
 from trainforge.model.load import apply_lora, build_model
 from trainforge.model.tokenizer import load_tokenizer
@@ -45,7 +45,7 @@ def quick_check_only(rate: float):
 
 
 def test_cpu_peak_probe_is_cached(tmp_path, monkeypatch):
-    import trainforge.hardware as hardware
+    import trainforge.hardware.device as hardware
 
     monkeypatch.setattr(hardware, "load_per_core", lambda: 0.0)  # a quiet machine (see the busy case below)
     first = cpu_matmul_flops("fp32", tmp_path)
@@ -58,7 +58,7 @@ def test_cpu_peak_probe_is_cached(tmp_path, monkeypatch):
 def test_a_cached_peak_that_a_quick_probe_beats_is_measured_again(tmp_path, monkeypatch):
     """A peak cached while other work held the cores (the load average said quiet) reads low: every run divided
     by it and printed MFU over 100%. A half-size matmul checks it at each use."""
-    import trainforge.hardware as hardware
+    import trainforge.hardware.device as hardware
 
     monkeypatch.setattr(hardware, "load_per_core", lambda: 0.0)
     monkeypatch.setattr(hardware, "measure_matmul", lambda dtype, n=1024, reps=5: 1.0e9)
@@ -88,7 +88,7 @@ def test_probe_leaves_the_global_random_stream_alone(tmp_path):
 
 def test_cpu_peak_probe_is_measured_again_on_another_cpu(tmp_path, monkeypatch):
     """Same host name, other hardware (a VM moved, a container image reused): the cached figure is not reused."""
-    import trainforge.hardware as hardware
+    import trainforge.hardware.device as hardware
 
     monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: 1.0e9)
     monkeypatch.setattr(hardware, "cpu_identity", lambda: "Old-CPU")
@@ -99,7 +99,7 @@ def test_cpu_peak_probe_is_measured_again_on_another_cpu(tmp_path, monkeypatch):
 
 
 def test_a_probe_taken_on_a_busy_machine_is_taken_again_when_quieter(tmp_path, monkeypatch):
-    import trainforge.hardware as hardware
+    import trainforge.hardware.device as hardware
 
     monkeypatch.setattr(hardware, "load_per_core", lambda: 2.0)  # a test suite shares the cores
     monkeypatch.setattr(hardware, "measure_matmul", lambda *a, **k: 1.0e10)
@@ -122,7 +122,7 @@ def test_a_probe_taken_on_a_busy_machine_is_taken_again_when_quieter(tmp_path, m
 def test_an_emulated_precision_divides_by_the_fp32_peak(tmp_path, monkeypatch, native_bf16):
     """fp16 on a CPU (and bf16 without native support) computes in fp32 underneath: its own probe timed the emulation
     (0.00 TFLOP/s) and the run reported MFU 245%. Its peak is the fp32 probe's, and the source says why."""
-    import trainforge.hardware as hardware
+    import trainforge.hardware.device as hardware
 
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: native_bf16)
     monkeypatch.setattr(hardware, "measure_matmul", lambda dtype, *a, **k: {torch.float32: 1e11}.get(dtype, 3e9))

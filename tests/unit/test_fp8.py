@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from rich.console import Console
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from trainforge.config import RunConfig
-from trainforge.config_train import TrainSettings
+from trainforge.config.run import RunConfig
+from trainforge.config.train import TrainSettings
 from trainforge.engine.trainer import train
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.tracker import read_metrics
@@ -202,9 +202,9 @@ def test_uncompiled_lora_under_fp8_is_warned(finetune_config, tmp_path):
 def test_plan_traces_the_fp8_layers_and_prices_their_matmuls_at_the_fp8_rate(finetune_config):
     from trainforge.engine.predict.timing import _roofline
     from trainforge.engine.predict.trace import trace_training_step
-    from trainforge.hardware import PRECISIONS
+    from trainforge.hardware.device import PRECISIONS
     from trainforge.model.tokenizer import load_tokenizer
-    from trainforge.profiles import find_profile
+    from trainforge.hardware.profiles import find_profile
 
     cfg = dict(finetune_config)
     cfg["train"] = {**cfg["train"], "precision": "bf16", "fp8": True}

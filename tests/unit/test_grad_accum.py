@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from trainforge.config import ModelSettings
+from trainforge.config.run import ModelSettings
 from conftest import make_store
 from trainforge.data.loader import RowCollator
 from trainforge.data.packing import single_rows
 from trainforge.engine.step import forward_backward, loss_sum
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 from trainforge.model.load import build_model
 from trainforge.model.tokenizer import load_tokenizer
 

@@ -6,7 +6,7 @@ import json
 import os
 
 from trainforge import hf_dir
-from trainforge.config import ModelSettings, RunConfig
+from trainforge.config.run import ModelSettings, RunConfig
 
 
 def write(path, name, data) -> None:

@@ -19,13 +19,13 @@ from test_faults import poison_steps
 import trainforge.engine.setup as engine_setup
 import trainforge.engine.trainer as trainer
 import trainforge.metrics.tracker as tracker
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.engine.nonfinite import NonFiniteError
 from trainforge.engine.oom import OutOfMemory
 from trainforge.engine.predict.memory import GIB, MemoryEstimate, memory_refusal, memory_warning
 from trainforge.errors import EXIT_BAD_INPUT, EXIT_OUT_OF_MEMORY
 from trainforge.metrics.console import ConsoleReporter
-from trainforge.rundir import RunDirWriteError, io_error, writing
+from trainforge.rundir.writing import RunDirWriteError, io_error, writing
 
 
 def train(config: dict, out: Path):

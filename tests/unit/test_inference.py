@@ -101,7 +101,7 @@ def test_kinds_of_directory_resolve(tmp_path, tiny_model_dir):
 def test_a_lora_run_resolves_from_any_directory(tmp_path, tiny_model_dir, toy_data_dir, monkeypatch):
     """A run started with a relative model.path: its config.yaml keeps the paths absolute (RunConfig.anchored),
     and a run written before that finds its base through adapter_config.json's absolute path."""
-    from trainforge.config import RunConfig
+    from trainforge.config.run import RunConfig
 
     monkeypatch.chdir(tiny_model_dir.parent)
     cfg = RunConfig.model_validate({"model": {"path": tiny_model_dir.name, "method": "lora"},
@@ -156,7 +156,7 @@ def test_unusable_directories_are_refused_naming_what_they_lack(tmp_path, tiny_m
 
 
 def test_eval_config_takes_the_runs_data_settings_and_reads_every_row(tmp_path, tiny_model_dir, toy_data_dir):
-    from trainforge.config import ConfigError
+    from trainforge.config.run import ConfigError
     from trainforge.tools.evaluate import eval_config
 
     run = tmp_path / "run"

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.engine.predict.fit import planned_kernels, predict_memory
 from trainforge.engine.predict.trace import trace_training_step
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 from trainforge.model.tokenizer import load_tokenizer
-from trainforge.profiles import find_profile
+from trainforge.hardware.profiles import find_profile
 
 pytest.importorskip("liger_kernel")
 H, I, L, ROWS, LENGTH = 64, 256, 2, 2, 128

@@ -50,7 +50,7 @@ def test_liger_that_cannot_run_is_refused_with_the_fix(monkeypatch):
 def test_config_takes_kernels():
     from pydantic import ValidationError
 
-    from trainforge.config import TrainSettings
+    from trainforge.config.run import TrainSettings
 
     assert TrainSettings().kernels == "auto"
     with pytest.raises(ValidationError, match="kernels"):

@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 import trainforge.engine.trainer as trainer
-from trainforge.config import ConfigError, LogSettings, RunConfig, load_config
+from trainforge.config.run import ConfigError, LogSettings, RunConfig, load_config
 from trainforge.stop import Interrupted
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.engine.resume import fixed_settings

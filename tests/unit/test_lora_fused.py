@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from trainforge.config import LoraSettings
+from trainforge.config.run import LoraSettings
 from trainforge.model.load import apply_lora
 from trainforge.model.lora_fused import fused_class, lora_layer_classes
 
@@ -168,7 +168,7 @@ def test_qlora_4bit_layers_are_fused_and_match_peft(tiny_model_dir):
     """QLoRA's 4-bit base (bitsandbytes' CPU backend here): the adapted layers are fused and give PEFT's
     loss and adapter gradients under bf16 autocast, as the trainer runs them, running each base layer once."""
     pytest.importorskip("bitsandbytes")
-    from trainforge.config import ModelSettings
+    from trainforge.config.run import ModelSettings
     from trainforge.model.load import build_model
     from trainforge.model.tokenizer import load_tokenizer
 

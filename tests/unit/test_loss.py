@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import make_store
-from trainforge.config import LoraSettings, ModelSettings
+from trainforge.config.run import LoraSettings, ModelSettings
 from trainforge.data.loader import RowCollator
 from trainforge.data.packing import build_rows
 from trainforge.engine import loss as loss_module
 from trainforge.engine.loss import fused_head
 from trainforge.engine.step import loss_sum
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 from trainforge.model.load import apply_lora, build_model
 from trainforge.model.tokenizer import load_tokenizer
 
@@ -148,7 +148,7 @@ def test_fp32_output_gemm_only_from_the_torch_that_takes_an_fp32_accumulator(ver
     """torch 2.8 and 2.9 have addmm's out_dtype but their CUDA kernel refuses an fp32 self beside bf16
     operands: a CUDA run there would fail at its first backward, so they take the general path. A plan's
     fake tensors raise on that overload until 2.13."""
-    from trainforge.hardware import fp32_out_addmm_in
+    from trainforge.hardware.device import fp32_out_addmm_in
 
     assert fp32_out_addmm_in(version) is real
     assert fp32_out_addmm_in(version, fake=True) is fake
@@ -157,7 +157,7 @@ def test_fp32_output_gemm_only_from_the_torch_that_takes_an_fp32_accumulator(ver
 def test_lora_targets_take_one_name_and_refuse_names_the_model_lacks(tiny_model_dir):
     """config.md says module names: a single name adapts that module (PEFT alone reads a string as a regex over
     full names and matched nothing), and a name no module has is a config error listing the linear layers."""
-    from trainforge.config import ConfigError
+    from trainforge.config.run import ConfigError
 
     tok = load_tokenizer(tiny_model_dir)
     model = apply_lora(build_model(ModelSettings(path=tiny_model_dir), tok, seed=0), LoraSettings(r=4, target_modules="q_proj"))
@@ -169,7 +169,7 @@ def test_lora_targets_take_one_name_and_refuse_names_the_model_lacks(tiny_model_
 
 
 def test_lora_over_a_tokenizer_with_added_tokens_says_their_rows_stay_untrained(tiny_model_dir, tmp_path):
-    from trainforge.config import ModelSettings as Settings
+    from trainforge.config.run import ModelSettings as Settings
 
     tok = load_tokenizer(tiny_model_dir)
     tok.add_special_tokens({"additional_special_tokens": ["<|turn_end|>"]})

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import make_store
-from trainforge.config import LoraSettings, ModelSettings
+from trainforge.config.run import LoraSettings, ModelSettings
 from trainforge.data.loader import RowCollator
 from trainforge.data.packing import packed_rows, single_rows
 from trainforge.engine.step import forward_backward
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 from trainforge.model.load import build_model, count_parameters, describe_storage, weight_storage
 from trainforge.model.tokenizer import load_tokenizer
 

@@ -12,15 +12,15 @@ import torch
 from conftest import make_store
 from test_preference import PAIRS, TOL, paper_losses, reference_logps, tiny_llama
 
-from trainforge.config import RunConfig
-from trainforge.config_preference import PreferenceSettings
+from trainforge.config.run import RunConfig
+from trainforge.config.preference import PreferenceSettings
 from trainforge.data.loader import RowCollator
 from trainforge.data.packing import pair_rows
 from trainforge.engine.objective import PAIRS as PAIR_COUNT
-from trainforge.config_preference import resolve_reference
+from trainforge.config.preference import resolve_reference
 from trainforge.engine.objective import PairObjective, mean_metrics
 from trainforge.engine.step import forward_backward
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 
 FP32 = PRECISIONS["fp32"]
 
@@ -157,7 +157,7 @@ def test_a_crashed_preference_run_resumes_exactly(objective, method, reference, 
 def test_an_objective_and_data_that_do_not_match_are_refused_naming_the_key(tmp_path):
     from types import SimpleNamespace
 
-    from trainforge.config import ConfigError, load_config
+    from trainforge.config.run import ConfigError, load_config
     from trainforge.data.plan import rows_for
     from trainforge.data.sources import DataError
 
@@ -305,7 +305,7 @@ def test_a_precomputed_reference_trains_as_the_frozen_copy_and_is_computed_once(
 ])
 def test_a_preference_key_the_objective_does_not_read_is_refused(objective, key):
     """A setting that would change nothing (a TRL user's SimPO label smoothing) is named, not silently dropped."""
-    from trainforge.config import ConfigError, load_config
+    from trainforge.config.run import ConfigError, load_config
 
     name = key.split("=")[0]
     with pytest.raises(ConfigError, match=f"preference.{name}: .* has no effect on train.objective {objective}"):
@@ -313,7 +313,7 @@ def test_a_preference_key_the_objective_does_not_read_is_refused(objective, key)
 
 
 def test_preference_keys_the_objective_reads_or_leaves_at_their_default_are_accepted():
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
 
     assert load_config(None, ["train.objective=dpo", "preference.label_smoothing=0.1"]).preference.label_smoothing == 0.1
     assert load_config(None, ["train.objective=simpo", "preference.simpo_gamma=1.0"]).preference.simpo_gamma == 1.0
@@ -357,7 +357,7 @@ def test_eval_of_full_weights_without_a_starting_model_says_what_to_give(tmp_pat
     and the error says so, not that "this run" did not load one; a run whose start is gone names that directory."""
     from pathlib import Path
 
-    from trainforge.config import ConfigError, load_config
+    from trainforge.config.run import ConfigError, load_config
     from trainforge.model.resolve import ModelSource
     from trainforge.tools.evaluate_preference import eval_objective
 

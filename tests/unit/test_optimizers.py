@@ -12,7 +12,7 @@ import torch
 from pydantic import ValidationError
 from rich.console import Console
 
-from trainforge.config import OptimSettings, RunConfig
+from trainforge.config.run import OptimSettings, RunConfig
 from trainforge.engine import optim as optim_module
 from trainforge.engine import trainer
 from trainforge.engine.optim import (

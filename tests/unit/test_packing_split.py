@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import WORDS, toy_documents, write_jsonl
-from trainforge.config import DataSettings
+from trainforge.config.data import DataSettings
 from trainforge.data.formats import IGNORE
 from trainforge.data.loader import RowCollator
 from trainforge.data.packing import build_rows, row_tokens, weighted_indices

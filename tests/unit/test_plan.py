@@ -8,17 +8,17 @@ import pytest
 import torch
 
 from conftest import TINY_LLAMA_INIT, WORDS
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.data.loader import Batch
 from trainforge.engine.optim import build_optimizer
 from trainforge.engine.predict.fit import FIT_MARGIN, fit_run, predict_memory
 from trainforge.engine.predict.timing import predict_step_time
 from trainforge.engine.predict.trace import StepTracer, _trace, trace_training_step
 from trainforge.engine.step import forward_backward, optimizer_step
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 from trainforge.model.load import build_model
 from trainforge.model.tokenizer import load_tokenizer
-from trainforge.profiles import GIB, PROFILES, HardwareProfile, find_profile, profile_for_gpu_name
+from trainforge.hardware.profiles import GIB, PROFILES, HardwareProfile, find_profile, profile_for_gpu_name
 from trainforge.tools.plan import VocabOnly, eval_batches_per_pass
 
 
@@ -217,7 +217,7 @@ def test_profiles_by_short_name_and_by_device_name():
 
 
 def test_memory_cap_from_the_environment(monkeypatch):
-    from trainforge.hardware import this_profile
+    from trainforge.hardware.device import this_profile
 
     monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", "1.5")
     assert this_profile(torch.device("cpu"), timing=False).memory_gib == 1.5
@@ -229,7 +229,7 @@ def test_memory_cap_from_the_environment(monkeypatch):
 def test_a_bad_memory_cap_is_a_config_error_naming_the_variable(monkeypatch, value):
     """A ValueError (a traceback, exit 1, from train); nan, 0 and negatives passed, nan as no cap at all."""
     from trainforge.errors import EXIT_BAD_INPUT, TrainforgeError
-    from trainforge.hardware import this_profile
+    from trainforge.hardware.device import this_profile
 
     monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", value)
     with pytest.raises(TrainforgeError) as e:
@@ -405,7 +405,7 @@ def test_a_prepared_cache_gives_the_plan_its_document_lengths(tmp_path, tiny_tok
 def test_rows_past_a_learned_position_table_are_refused_and_past_rotary_ones_warned():
     """GPT-2's n_positions is a table: a longer row indexes past it (an IndexError mid-step before); a rotary
     model runs on past max_position_embeddings, beyond its training, which is said."""
-    from trainforge.config import ConfigError, ModelSettings
+    from trainforge.config.run import ConfigError, ModelSettings
     from trainforge.model.load import check_positions, position_problem
 
     gpt2 = ModelSettings(init={"architecture": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 64})

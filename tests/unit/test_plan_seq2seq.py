@@ -7,12 +7,12 @@ import torch
 
 from conftest import TINY_LLAMA_INIT
 from seq2seq_models import build_bart, build_t5
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.data.loader import Batch
 from trainforge.engine.optim import build_optimizer
 from trainforge.engine.step import forward_backward, optimizer_step
 from trainforge.engine.predict.trace import StepTracer, _trace, trace_training_step
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 from trainforge.model.load import build_model
 from trainforge.model.tokenizer import load_tokenizer
 from trainforge.tools.plan import VocabOnly

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trainforge.hardware as hardware
-from trainforge.hardware import BF16_MIN_SPEEDUP, resolve_precision
+import trainforge.hardware.device as hardware
+from trainforge.hardware.device import BF16_MIN_SPEEDUP, resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -62,7 +62,7 @@ def test_forced_bf16_warns_where_the_cpu_emulates_it(native, finetune_config, tm
 
     from rich.console import Console
 
-    from trainforge.config import RunConfig
+    from trainforge.config.run import RunConfig
     from trainforge.engine import setup, trainer
     from trainforge.metrics.console import ConsoleReporter
 
@@ -78,7 +78,7 @@ def test_forced_bf16_warns_where_the_cpu_emulates_it(native, finetune_config, tm
 def test_bf16_on_a_gpu_needs_bf16_tensor_cores(monkeypatch, capability, refused):
     """torch's is_bf16_supported() says yes on a T4 or V100 (emulation), where Triton's kernels then
     refuse bf16 mid-run: precision bf16 is refused up front, naming the card and what to use."""
-    from trainforge.config import ConfigError
+    from trainforge.config.run import ConfigError
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")

@@ -201,7 +201,7 @@ def test_a_collated_batch_gives_each_pairs_log_probabilities_and_lora_off_is_the
 
     from trainforge.data.loader import RowCollator
     from trainforge.data.packing import pair_rows
-    from trainforge.hardware import PRECISIONS
+    from trainforge.hardware.device import PRECISIONS
 
     sequences = [(p + reply, [False] * len(p) + [True] * len(reply)) for p, c, r in PAIRS for reply in (c, r)]
     store = make_store(tmp_path / "store", sequences, vocab_size=64)

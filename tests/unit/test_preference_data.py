@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_chat_templates import EXPECT, decode, tokenizer_for
 
-from trainforge.config import FieldNames
+from trainforge.config.data import FieldNames
 from trainforge.data.formats import Renderer, detect_format, tokenize_rendered
 from trainforge.data.preference import PreferenceRenderer, preference_kind, split_shared_prefix
 from trainforge.data.sources import DataError, Row
@@ -213,7 +213,7 @@ def test_bad_rows_are_counted_under_skip_and_kto_labels_reach_the_store_and_batc
 
     from conftest import toy_kto_rows, toy_preference_pairs
 
-    from trainforge.config import RunConfig
+    from trainforge.config.run import RunConfig
     from trainforge.data.plan import plan_data
     from trainforge.metrics.console import ConsoleReporter
     from rich.console import Console
@@ -255,7 +255,7 @@ def test_kto_on_pairs_under_data_format_unpaired_splits_each_pair_into_two_label
     from conftest import toy_preference_pairs
     from rich.console import Console
 
-    from trainforge.config import RunConfig
+    from trainforge.config.run import RunConfig
     from trainforge.data.plan import check_objective_data, plan_data
     from trainforge.metrics.console import ConsoleReporter
     from trainforge.model.tokenizer import load_tokenizer

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from test_chat_templates import tokenizer_for
 
-from trainforge.config import FieldNames
+from trainforge.config.data import FieldNames
 from trainforge.data.formats import Renderer, detect_format, tokenize_rendered
 from trainforge.data.preference import PreferenceRenderer, preference_kind, tokenize_pairs
 from trainforge.data.sources import DataError, Row
@@ -126,7 +126,7 @@ def test_a_tokenizer_built_from_llama_factory_rows_sees_their_texts(tmp_path):
     """``model.tokenizer: char`` (or a BPE trained on the data) reads the turns, a top-level system and both replies."""
     import json
 
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.data.prepare import training_texts
 
     pairs = tmp_path / "dpo.json"

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from rich.console import Console
 
-from trainforge.config import ConfigError, RunConfig, load_config
-from trainforge.config_presets import PRESETS, overlay
+from trainforge.config.run import ConfigError, RunConfig, load_config
+from trainforge.config.presets import PRESETS, overlay
 from trainforge.engine import trainer
 from trainforge.metrics.console import ConsoleReporter
 

@@ -9,7 +9,7 @@ import torch
 
 from rich.console import Console
 
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.engine.trainer import train
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.profile import busy_seconds, describe_split, op_kind, time_split

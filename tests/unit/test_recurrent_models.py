@@ -25,7 +25,7 @@ def test_recurrent_layers_are_told_from_the_config(config, expected):
 
 
 def test_packing_resolves_to_false_for_a_recurrent_model_and_is_refused_when_given(tmp_path):
-    from trainforge.config import ConfigError, RunConfig
+    from trainforge.config.run import ConfigError, RunConfig
 
     model = tmp_path / "falcon"
     model.mkdir()
@@ -46,7 +46,7 @@ def test_layer_types_under_text_config_and_filled_in_by_the_config_class_are_see
     from its config class (the user names only the architecture): both were read as attention-only and packed."""
     from transformers import CONFIG_MAPPING
 
-    from trainforge.config import load_config
+    from trainforge.config.run import load_config
     from trainforge.hf_dir import init_kind
 
     CONFIG_MAPPING["qwen3_5"]().save_pretrained(tmp_path)

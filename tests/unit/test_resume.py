@@ -19,11 +19,11 @@ import pytest
 import torch
 from rich.console import Console
 
-import trainforge.atomic as atomic
-import trainforge.checkpoint as ckpt
+import trainforge.rundir.atomic as atomic
+import trainforge.rundir.checkpoint as ckpt
 import trainforge.engine.trainer as trainer
-from trainforge.checkpoint import LATEST, scan_checkpoints
-from trainforge.config import RunConfig
+from trainforge.rundir.checkpoint import LATEST, scan_checkpoints
+from trainforge.config.run import RunConfig
 from trainforge.engine.resume import OutputDirError, ResumeError
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.tracker import read_metrics
@@ -550,8 +550,8 @@ def test_another_process_count_is_refused_with_the_fix_that_applies():
     checkpoint's shards, which it has none of)."""
     from pathlib import Path
 
-    from trainforge.checkpoint import CheckpointInfo
-    from trainforge.config import load_config
+    from trainforge.rundir.checkpoint import CheckpointInfo
+    from trainforge.config.run import load_config
     from trainforge.engine.resume import ResumeError, check_world
 
     def info(world: int, mode: str) -> CheckpointInfo:
@@ -581,8 +581,8 @@ def test_other_base_weights_at_the_same_model_path_are_refused_and_a_moved_base_
     keeps a fingerprint of the base's weights; the weights decide."""
     import shutil
 
-    from trainforge.checkpoint import CheckpointInfo
-    from trainforge.config import load_config
+    from trainforge.rundir.checkpoint import CheckpointInfo
+    from trainforge.config.run import load_config
     from trainforge.engine.resume import ResumeError, check_settings, checkpoint_meta
     from trainforge.model.tokenizer import build_char_tokenizer
     from trainforge.model.weight_files import weights_fingerprint

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainforge.atomic import remove_stale_temps, staging_dir
+from trainforge.rundir.atomic import remove_stale_temps, staging_dir
 from trainforge.data.cache import publish_entry
-from trainforge.runlock import (
+from trainforge.rundir.lock import (
     LEASE_FILE,
     TIMEOUT_ENV,
     LeaseLost,

@@ -1,5 +1,5 @@
 """Selftest's assets when several selftests share one cache directory: each writer builds in a
-temporary of its own (``trainforge.atomic``), so two writers of the same asset both succeed and
+temporary of its own (``trainforge.rundir.atomic``), so two writers of the same asset both succeed and
 the asset that appears is complete, one writer's whole."""
 
 from __future__ import annotations

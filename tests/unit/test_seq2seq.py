@@ -15,7 +15,7 @@ from rich.console import Console
 import trainforge.engine.trainer as trainer
 from conftest import write_jsonl
 from seq2seq_models import bart_dir, build_bart, build_t5, reverse_rows, t5_dir  # noqa: F401 (fixtures)
-from trainforge.config import ConfigError, ModelSettings, RunConfig, is_encoder_decoder, load_config
+from trainforge.config.run import ConfigError, ModelSettings, RunConfig, is_encoder_decoder, load_config
 from trainforge.data.formats import FieldNames, Pair, Renderer, detect_format
 from trainforge.data.loader import TrainLoader
 from trainforge.data.packing import single_rows
@@ -24,7 +24,7 @@ from trainforge.data.seq2seq import Seq2SeqCollator, tokenize_pairs
 from trainforge.data.sources import Row
 from trainforge.engine.setup import fp16_safe_precision
 from trainforge.engine.step import forward_backward, loss_sum
-from trainforge.hardware import PRECISIONS
+from trainforge.hardware.device import PRECISIONS
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.tracker import MEASURED_FIELDS, read_metrics
 from trainforge.model.load import build_model, decoder_start_token_id

@@ -15,7 +15,7 @@ from rich.console import Console
 from conftest import write_jsonl
 from seq2seq_models import as_layout, bart_dir, reverse_rows, t5_dir, training_sources  # noqa: F401 (fixtures)
 from test_export import make_adapter
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.tools.export import export
 
@@ -168,7 +168,7 @@ def test_adapters_merge_into_a_plain_seq2seq_model_with_the_adapter_models_logit
     import yaml
     from transformers import AutoModelForSeq2SeqLM
 
-    from trainforge.hardware import PRECISIONS
+    from trainforge.hardware.device import PRECISIONS
     from trainforge.model.resolve import load_model, resolve_source
 
     base_dir = {"t5": t5_dir, "bart": bart_dir}[kind]

@@ -85,7 +85,7 @@ def test_saved_dataset_source_files_cover_its_arrow_and_json_files(tmp_path, dat
 
 
 def test_saved_dataset_edit_changes_the_cache_fingerprint(tmp_path, datasets, tiny_tokenizer_dir):
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.data.cache import fingerprint
     from trainforge.model.tokenizer import load_tokenizer
 
@@ -102,7 +102,7 @@ def test_saved_dataset_edit_changes_the_cache_fingerprint(tmp_path, datasets, ti
 
 
 def test_saved_dataset_is_accepted_by_the_config(tmp_path, datasets):
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
 
     datasets.Dataset.from_dict({"text": ["a"]}).save_to_disk(tmp_path / "ds")
     cfg = DataSettings(train=str(tmp_path / "ds"), eval=str(tmp_path / "ds"))
@@ -315,7 +315,7 @@ def test_binary_detection_leaves_text_alone(tmp_path):
 
 
 def test_binary_file_through_prepare_is_not_no_rows_found(tmp_path, tiny_tokenizer_dir):
-    from trainforge.config import DataSettings
+    from trainforge.config.data import DataSettings
     from trainforge.data.prepare import prepare_data
     from trainforge.model.tokenizer import load_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from trainforge.config import RunConfig
+from trainforge.config.run import RunConfig
 from trainforge.engine.trainer import train
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.metrics.tracker import read_metrics

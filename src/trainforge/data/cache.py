@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..atomic import publish_dir, remove_stale_temps
-from ..config import DataSettings, FieldNames, default_cache_dir
+from ..rundir.atomic import publish_dir, remove_stale_temps
+from ..config.data import DataSettings, FieldNames, default_cache_dir
 from ..errors import TrainforgeError
 from .formats import DEFAULT_CHAT_TEMPLATE
 from .holdout import holdout_kind

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import FieldNames
+from ..config.data import FieldNames
 from .chat import ChatLocator
 from .chat_messages import SHAREGPT_FIELD, conversation, learned_turns, tool_role_of
 from .chat_tools import row_tools

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_write_text
-from ..config import ModelSettings, RunConfig
-from ..config_preference import OBJECTIVES_FOR_DATA
+from ..rundir.atomic import atomic_write_text
+from ..config.run import ModelSettings, RunConfig
+from ..config.preference import OBJECTIVES_FOR_DATA
 from ..stop import Interrupted, StopRequest
 from ..metrics.console import ConsoleReporter
 from ..model.tokenizer import bpe_tokenizer_from_json, build_char_tokenizer, load_tokenizer, train_bpe_tokenizer

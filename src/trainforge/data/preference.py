@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import FieldNames
+from ..config.data import FieldNames
 from .chat_messages import SHAREGPT_FIELD, conversation
 from .chat_tools import row_tools
 from .formats import Rendered, Renderer, TokenizedChunk, tokenize_rendered

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import DataSettings, FieldNames
+from ..config.data import DataSettings, FieldNames
 from .cache import STATS_FILE, cache_entry, is_complete, publish_entry
 from .chat_messages import SHAREGPT_FIELD
 from .chat_tools import row_tools

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import BUILTIN_FUNCTION_LABELS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTIONS, BUILTIN_STDLIB, not_a_data_file
+from ..config.data import (
+    BUILTIN_FUNCTION_LABELS,
+    BUILTIN_FUNCTION_PAIRS,
+    BUILTIN_FUNCTIONS,
+    BUILTIN_STDLIB,
+    not_a_data_file,
+)
 from ..errors import TrainforgeError
 from . import textfiles
 from .splits import METADATA_FILES, TRAIN, by_split

@@ -118,7 +118,7 @@ def whole_file_limit() -> int | None:
     (None where it is not known)."""
     import torch
 
-    from ..hardware import available_memory_bytes
+    from ..hardware.device import available_memory_bytes
 
     available = available_memory_bytes(torch.device("cpu"))
     return None if available is None else available // WHOLE_FILE_SHARE

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..hardware import load_per_core
+from ..hardware.device import load_per_core
 from ..metrics.thresholds import limit
 
 HISTORY = 50  # steps in the running medians of loss and gradient norm
@@ -162,7 +162,7 @@ class Advisor:
             text += (f"; the peak probe was taken under load. Measured again now: {peak / 1e12:.3f} TFLOP/s ({where}); "
                      "MFU from here on divides by it")
         else:
-            text += "; the GPU's profile in trainforge/profiles.py does not match this device (MFU not reported)"
+            text += "; the GPU's profile in trainforge/hardware/profiles.py does not match this device (MFU not reported)"
         return Advice("impossible_mfu", text, fields)
 
     def _overheads(self, t: RunTimes) -> list[Advice]:

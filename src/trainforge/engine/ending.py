@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..checkpoint import step_dir_name
+from ..rundir.checkpoint import step_dir_name
 from ..dist import peer_failure
 from ..metrics.tracker import read_metrics
 from ..stop import Interrupted

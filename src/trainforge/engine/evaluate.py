@@ -10,7 +10,7 @@ import torch
 
 from ..data.loader import Batch
 from ..dist import DistContext
-from ..hardware import Precision
+from ..hardware.device import Precision
 from .objective import mean_metrics
 from .step import loss_sum
 

@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ..data.formats import IGNORE
-from ..hardware import cuda_has_native_bf16, fp32_out_addmm_in
+from ..hardware.device import cuda_has_native_bf16, fp32_out_addmm_in
 from ..model.kernels import liger_linear_cross_entropy, transforms_logits, uses_liger_loss
 
 CHUNK = 4096  # at most this many target positions per head matmul on GPU: large enough for efficient GEMMs

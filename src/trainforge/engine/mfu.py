@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..hardware import peak_flops
+from ..hardware.device import peak_flops
 from ..metrics.thresholds import limit
 from .run import Run, RunFacts
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..config_preference import REFERENCE_FREE, resolve_reference
+from ..config.preference import REFERENCE_FREE, resolve_reference
 from ..data.loader import Batch
-from ..hardware import Precision
+from ..hardware.device import Precision
 from . import preference as pref
 from .loss import fused_head
 from .step import TokenObjective

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import OptimSettings
+from ..config.run import OptimSettings
 from ..errors import TrainforgeError
 
 

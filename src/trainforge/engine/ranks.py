@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import RunConfig, resolve_grad_accum
+from ..config.run import RunConfig, resolve_grad_accum
 from ..data.loader import TrainLoader
 from ..dist import DistContext, choose_mode
-from ..hardware import available_memory_bytes
+from ..hardware.device import available_memory_bytes
 from ..metrics.console import ConsoleReporter
 from .predict.memory import MemoryEstimate
 from .resume import ResumePlan, bound_grad_accum, resumed_grad_accum

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..atomic import atomic_write_bytes
+from ..rundir.atomic import atomic_write_bytes
 from ..data.packing import pair_rows
-from ..hardware import Precision
+from ..hardware.device import Precision
 from .loss import fused_head
 from .preference import batch_pair_logps
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..checkpoint import (
+from ..rundir.checkpoint import (
     STEP_PREFIX,
     CheckpointInfo,
     has_checksums,
@@ -31,12 +31,12 @@ from ..checkpoint import (
     scan_checkpoints,
     verify_checkpoint,
 )
-from ..config import RunConfig, TrainSettings, resolve_grad_accum
+from ..config.run import RunConfig, TrainSettings, resolve_grad_accum
 from ..metrics.console import ConsoleReporter
 from ..metrics.sink import flat_config
 from ..metrics.tracker import EVENTS_FILE
 from ..model.weight_files import weights_fingerprint
-from ..runlock import RUN_MARKER, OutputDirError, probe_run_dir
+from ..rundir.lock import RUN_MARKER, OutputDirError, probe_run_dir
 from .nonfinite import checkpoint_tensors, describe, nonfinite_tensors
 from .state import ResumeError, resumed_grad_accum, trainable_state  # ResumeError is raised here and imported from here
 
@@ -301,7 +301,7 @@ def unfinished_without_checkpoint(out: Path) -> str | None:
     It can when it holds a trainforge run (its ``.trainforge-run`` marker) that did not finish (no summary.json
     nor final/): stopped or killed before its first checkpoint, nothing of it can be continued. Its settings
     bind nothing then (no trained state to be incompatible with), so another model, data or optimizer is fine.
-    A live holder never gets here: the run directory's lease refuses it first (runlock.py)."""
+    A live holder never gets here: the run directory's lease refuses it first (rundir/lock.py)."""
     if not (out / RUN_MARKER).is_file():  # metrics.jsonl without the marker: maybe another tool's directory
         return (f"{out} already holds a run (metrics.jsonl exists) but no complete checkpoint to resume from, and "
                 f"no {RUN_MARKER} marker to show trainforge wrote it; choose another --output")

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from ..config import RunConfig
-from ..cpu_threads import CpuThreads
+from ..config.run import RunConfig
+from ..hardware.cpu_threads import CpuThreads
 from ..data.loader import Batch, TrainLoader
 from ..dist import DistContext
-from ..hardware import Precision
+from ..hardware.device import Precision
 from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepTimer
 from ..metrics.tracker import MetricsLog

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import save_checkpoint, scan_checkpoints, step_dir_name
-from ..config import CheckpointSettings
+from ..rundir.checkpoint import save_checkpoint, scan_checkpoints, step_dir_name
+from ..config.run import CheckpointSettings
 from ..metrics.console import ConsoleReporter
-from ..runlock import check_writer
+from ..rundir.lock import check_writer
 
 StateFn = Callable[[], dict[str, Any]]
 Writer = Callable[[Path, int, dict[str, Any], dict[str, Any], int], Any]  # save_checkpoint's signature
@@ -85,7 +85,7 @@ class Checkpointer:
     def maybe_save(self, step: int, last: bool, state: StateFn, time_due: bool | None = None) -> None:
         """Report a finished background save; save when an interval (or the end) is reached.
 
-        Raises ``LeaseLost`` once another process took over the run directory (runlock.py)."""
+        Raises ``LeaseLost`` once another process took over the run directory (rundir/lock.py)."""
         check_writer(self.root)
         self._poll(wait=False)
         if self.due(step, last, time_due):

@@ -11,15 +11,16 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..allocator import prefer_expandable_segments
-from ..config import RunConfig, default_cache_dir, resolve_grad_accum, resolve_max_steps
-from ..cpu_threads import CpuThreads
+from ..hardware.allocator import prefer_expandable_segments
+from ..config.run import RunConfig, resolve_grad_accum, resolve_max_steps
+from ..config.data import default_cache_dir
+from ..hardware.cpu_threads import CpuThreads
 from ..data.examples import row_describer
 from ..data.loader import TrainLoader, eval_batches
 from ..data.plan import check_objective_data, describe_data, get_tokenizer, plan_data
 from ..dist import DistContext, device_for
 from ..errors import TrainforgeError
-from ..hardware import (
+from ..hardware.device import (
     PRECISIONS,
     Precision,
     available_memory_bytes,
@@ -45,7 +46,7 @@ from ..metrics.window import LogWindow
 from ..model.fp8 import resolve_fp8
 from ..model.kernels import resolve_kernels
 from ..model.load import build_model, check_positions, count_parameters, describe_storage, overflows_in_fp16, weight_storage
-from ..rundir import writing
+from ..rundir.writing import writing
 from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .ending import eval_stopped_at_checkpoint

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import save_checkpoint
+from ..rundir.checkpoint import save_checkpoint
 from ..dist import DistContext
 
 SHARDED_DIR = "sharded"
@@ -63,7 +63,7 @@ def _skip(*args: Any) -> None:
 def _save_fsdp(ctx: DistContext, root: Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from ..checkpoint import staging_dir, step_dir_name
+    from ..rundir.checkpoint import staging_dir, step_dir_name
 
     shards = {k: state[k] for k in SHARDED_KEYS}
     rest = {k: v for k, v in state.items() if k not in SHARDED_KEYS}

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..data.formats import IGNORE
 from ..data.loader import Batch
-from ..hardware import Precision
+from ..hardware.device import Precision
 from ..metrics.profile import NULL_TIMER, StepTimer
 from .loss import fused_head, linear_cross_entropy, seq2seq_fused_head
 from .nonfinite import skip_update_if

@@ -15,21 +15,21 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..allocator import allocator_settings, expandable_segments_in_effect
-from ..checkpoint import atomic_write_dir
-from ..config import RunConfig
+from ..hardware.allocator import allocator_settings, expandable_segments_in_effect
+from ..rundir.checkpoint import atomic_write_dir
+from ..config.run import RunConfig
 from ..data.formats import trained_chat_template
 from ..data.loader import Batch
 from ..data.prompt import sample_prompt
 from ..dist import init_distributed, shutdown
 from ..hf_dir import readable_like_config
-from ..hardware import describe, peak_memory_bytes, pick_device
+from ..hardware.device import describe, peak_memory_bytes, pick_device
 from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepProfile, describe_split
 from ..model.compile import compile_decoder
 from ..model.load import count_parameters, weight_storage
-from ..rundir import writing
-from ..runlock import OutputDirError, hold_run_dir
+from ..rundir.writing import writing
+from ..rundir.lock import OutputDirError, hold_run_dir
 from ..metrics.limits import describe_limits, rank_limits
 from .advisor import RunTimes
 from .evaluate import evaluate, planned_evals
@@ -88,7 +88,7 @@ def open_run(
     resume: str = "auto",
     stop: StopRequest | None = None,
 ) -> Iterator[Run]:
-    """Set up a run holding its run directory (one writer: runlock.py), under torchrun in its process
+    """Set up a run holding its run directory (one writer: rundir/lock.py), under torchrun in its process
     group; on leaving, close what it opened: pending checkpoint, console, report.html, metrics, the group.
 
     ``stop``: who asks the run to stop; by default SIGTERM/SIGINT do, for the block.
@@ -417,7 +417,7 @@ def finish(run: Run) -> RunResult:
 
     final_dir = out / "final"
     if run.dist.is_main:
-        with writing(final_dir):  # disk full: RunDirWriteError naming it (rundir.py)
+        with writing(final_dir):  # disk full: RunDirWriteError naming it (rundir/writing.py)
             atomic_write_dir(final_dir, write_final)
         run.reporter.info(f"saved {final_dir}")
     peak = int(run.dist.all_reduce(torch.tensor(peak_memory_bytes(run.device), device=run.device), "max").item())

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import yaml
 
-from ..atomic import atomic_write_text
+from ..rundir.atomic import atomic_write_text
 from .limits import ledger_from_files, rank_limits
 from .report_charts import CAPTIONS, figure_png, panels_for
 from .report_data import EVENT_LABELS, ReportError, RunData, config_differences, load_run

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config_errors import ConfigError
-from ..config_yaml import load_yaml, read_config_text
+from ..config.errors import ConfigError
+from ..config.yaml_text import load_yaml, read_config_text
 from ..errors import TrainforgeError
-from ..runlock import RUN_MARKER
+from ..rundir.lock import RUN_MARKER
 from .sink import flat_config
 from .tracker import EVENTS_FILE, read_events
 

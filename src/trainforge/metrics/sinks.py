@@ -12,7 +12,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config.run import ConfigError
 from .sink import Sink, flat_config, scalars  # noqa: F401  (scalars, flat_config: importable from here as before)
 from .tensorboard_sink import TensorBoardSink
 

@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write_bytes
+from ..rundir.atomic import atomic_write_bytes
 from .sink import Sink
 
 # fields measured from the clock or the machine: they differ between identical runs, everything else must not

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import TrainforgeError
-from ..hardware import fp32_out_addmm_in
+from ..hardware.device import fp32_out_addmm_in
 
 LIGER_LOSS = "trainforge_liger_loss"  # attribute set on an LM head whose loss goes through Liger
 # every layer kernel a Liger apply function takes: Gemma's MLP is GEGLU, Gemma 3's vision tower has

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, LoraSettings, ModelSettings
+from ..config.run import ConfigError, LoraSettings, ModelSettings
 from ..errors import TrainforgeError
 from ..hf_dir import init_kind, read_config, refuse_adapter, refuse_custom_code
 from .fp8 import apply_fp8

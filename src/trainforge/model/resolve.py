@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..config_yaml import load_yaml, read_config_text
+from ..config.yaml_text import load_yaml, read_config_text
 from ..errors import TrainforgeError
-from ..hardware import Precision
+from ..hardware.device import Precision
 from ..hf_dir import TOKENIZER_FILES, dir_is_encoder_decoder, has_any, refuse_custom_code
 from ..hf_weights import check_weights
 

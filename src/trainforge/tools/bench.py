@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, RunConfig, load_config, parse_override
-from ..config_errors import shown
+from ..config.run import ConfigError, RunConfig, load_config, parse_override
+from ..config.errors import shown
 from ..stop import STOP_SIGNALS, Interrupted, StopRequest
 
 BATCH_KEY = "train.micro_batch_size"

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from ..config import RunConfig
+from ..config.run import RunConfig
 
 INTRO = """# Configuration reference
 

@@ -17,12 +17,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointInfo, scan_checkpoints
-from ..config import ConfigError, load_config
+from ..rundir.checkpoint import CheckpointInfo, scan_checkpoints
+from ..config.run import ConfigError, load_config
 from ..engine.resume import ATTEMPTS, checkpoint_fault, unfinished_without_checkpoint
 from ..metrics.limits import describe_limits, ledger_from_files, rank_limits
 from ..metrics.report_data import RunData, load_run
-from ..runlock import LEASE_FILE, LeaseInfo, read_lease, stale_reason
+from ..rundir.lock import LEASE_FILE, LeaseInfo, read_lease, stale_reason
 
 
 VERIFY_BYTES = 2 << 30  # checkpoints up to this size are read and checked as train checks them; larger ones on --verify

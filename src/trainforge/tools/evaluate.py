@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
-from ..config import ConfigError, RunConfig, apply_override, parse_override
-from ..config_errors import format_errors
+from ..config.run import ConfigError, RunConfig, apply_override, parse_override
+from ..config.errors import format_errors
 from ..data.loader import eval_batches
 from ..data.plan import collator_for, lost_tokens_warning, rows_for
 from ..data.prepare import prepare_data
 from ..data.sources import DataError
 from ..engine.evaluate import evaluate
-from ..hardware import PRECISIONS, Precision, configure_backends, pick_device, resolve_precision
+from ..hardware.device import PRECISIONS, Precision, configure_backends, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
 from ..model.resolve import ModelSource, load_model, load_source_tokenizer, resolve_source, run_precision
 from .evaluate_preference import eval_objective, preference_figures, with_objective

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, RunConfig
-from ..config_preference import resolve_reference
+from ..config.run import ConfigError, RunConfig
+from ..config.preference import resolve_reference
 from ..engine.objective import PairObjective
-from ..hardware import Precision
+from ..hardware.device import Precision
 from ..model.resolve import ModelSource, load_model, resolve_source
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..atomic import atomic_write_dir
+from ..rundir.atomic import atomic_write_dir
 from ..hf_dir import readable_like_config
 from ..metrics.console import ConsoleReporter
 from ..model.load import auto_model_class

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..config.run import ConfigError
 from ..data.chat import ChatLocator
 from ..data.formats import DEFAULT_CHAT_TEMPLATE
 from ..data.prompt import fit_context, prompt_ids
 from ..data.sources import DataError
-from ..hardware import PRECISIONS, configure_backends, pick_device, resolve_precision
+from ..hardware.device import PRECISIONS, configure_backends, pick_device, resolve_precision
 from ..metrics.console import ConsoleReporter
 from ..model.generate import context_room, generate
 from ..model.resolve import ModelSource, load_model, load_source_tokenizer, resolve_source, run_precision

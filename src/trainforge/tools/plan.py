@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from ..config import RunConfig, resolve_grad_accum
-from ..cpu_threads import CpuThreads
+from ..config.run import RunConfig, resolve_grad_accum
+from ..hardware.cpu_threads import CpuThreads
 from ..engine.evaluate import auto_eval_batches, planned_evals
 from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, allocator_overhead, fit_run, predict_load_memory, predict_memory
 from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
-from ..hardware import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
-from ..profiles import GIB, HardwareProfile, find_profile
+from ..hardware.device import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
+from ..hardware.profiles import GIB, HardwareProfile, find_profile
 from .plan_kernels import attention_share, fp8_decision, fp8_problem, fp8_uncompiled, kernels_choice, planned_attention
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
 from .plan_preference import describe_reference, with_reference
@@ -482,7 +482,7 @@ def _duration(seconds: float) -> str:
 
 def render_profiles(console) -> None:
     """One line per profile: --hardware name, device, memory, peak TFLOP/s per precision, bandwidth, source."""
-    from ..profiles import describe_profiles
+    from ..hardware.profiles import describe_profiles
 
     console.print("hardware profiles (--hardware NAME; 'this' measures the local machine); dense TFLOP/s:")
     for p in describe_profiles():

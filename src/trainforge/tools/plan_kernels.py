@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from ..config import RunConfig
+from ..config.run import RunConfig
 from ..engine.predict.timing import document_attention_share
-from ..hardware import Precision
+from ..hardware.device import Precision
 from ..model.fp8 import fp8_recipe
-from ..profiles import FP8_TENSOR_CORES, HardwareProfile
+from ..hardware.profiles import FP8_TENSOR_CORES, HardwareProfile
 
 # packed rows: attention within each document only (packed_sdpa: documents batched by length, on a CPU)
 DOCUMENT_KERNELS = ("varlen", "flex", "flash_attention_2", "packed_sdpa")

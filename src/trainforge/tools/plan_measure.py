@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..stop import Interrupted, StopRequest
-from ..profiles import GIB
+from ..hardware.profiles import GIB
 from .bench import as_measuring_child, bench_overrides, wait_for_variant
 
 
@@ -56,10 +56,10 @@ def measure_steps(
     """In this process: one traced steady-state step on the longest rows, then timed steps (``stop``: see open_run)."""
     from rich.console import Console
 
-    from ..config import load_config
+    from ..config.run import load_config
     from ..engine.predict.trace import StepTracer
     from ..engine.trainer import open_run, probe_step, rewind_data, train_loop
-    from ..hardware import peak_memory_bytes
+    from ..hardware.device import peak_memory_bytes
     from ..metrics.console import ConsoleReporter
     from ..metrics.tracker import read_metrics
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import RunConfig
+from ..config.run import RunConfig
 from ..engine.predict.fit import MemoryPrediction
 from ..engine.predict.timing import StepTime
-from ..profiles import HardwareProfile
+from ..hardware.profiles import HardwareProfile
 
 HOST_LINK_EFFICIENCY = 0.8  # share of the PCIe link's datasheet rate large pinned copies reach
 HOST_ADAMW_BYTES_PER_VALUE = 28  # fused CPU AdamW reads and writes weight, grad and two moments (fp32)

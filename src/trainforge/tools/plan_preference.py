@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import RunConfig
-from ..config_preference import resolve_reference
+from ..config.run import RunConfig
+from ..config.preference import resolve_reference
 from ..engine.predict.fit import MemoryPrediction
 from ..engine.predict.timing import StepTime
 

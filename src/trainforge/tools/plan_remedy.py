@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import RunConfig
+from ..config.run import RunConfig
 from ..engine.predict.fit import MemoryPrediction, predict_memory
-from ..hardware import Precision
-from ..profiles import GIB, HardwareProfile
+from ..hardware.device import Precision
+from ..hardware.profiles import GIB, HardwareProfile
 
 
 def candidates(cfg: RunConfig) -> list[tuple[str, Any, RunConfig]]:

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...config import RunConfig
-from ...config_preference import resolve_reference
-from ...hardware import Precision
-from ...profiles import EXPANDABLE_ALLOCATOR_OVERHEAD, GIB, HardwareProfile
+from ...config.run import RunConfig
+from ...config.preference import resolve_reference
+from ...hardware.device import Precision
+from ...hardware.profiles import EXPANDABLE_ALLOCATOR_OVERHEAD, GIB, HardwareProfile
 from .memory import MemoryEstimate, estimate_memory
 from .trace import StepTrace, quantize_base_4bit, trace_training_step
 
@@ -80,7 +80,7 @@ def allocator_overhead(profile: HardwareProfile) -> float:
     """Reserved over allocated memory the run will see: on a GPU, a run with expandable segments (what
     trainforge asks for unless the user's own allocator variable says otherwise) wastes almost nothing to
     fragmentation; the profile's figure is the default allocator's."""
-    from ...allocator import allocator_settings
+    from ...hardware.allocator import allocator_settings
 
     if profile.kind != "gpu":
         return profile.allocator_overhead
@@ -105,7 +105,7 @@ def fixed_bytes(cfg: RunConfig, profile: HardwareProfile, loading: bool = False)
     beyond a full fine-tune."""
     fixed = (profile.load_fixed_gib if loading and profile.load_fixed_gib is not None else profile.fixed_gib) * GIB
     if profile.kind == "cpu" and cfg.model.method != "full":
-        from ...hardware import CPU_ADAPTER_EXTRA_GIB
+        from ...hardware.device import CPU_ADAPTER_EXTRA_GIB
 
         fixed += CPU_ADAPTER_EXTRA_GIB * GIB
     return fixed

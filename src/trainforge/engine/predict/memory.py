@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...hardware import Precision
+from ...hardware.device import Precision
 
 GIB = 1024**3
 REFUSE_FACTOR = 2.0

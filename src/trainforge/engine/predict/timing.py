@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ...profiles import HardwareProfile
+from ...hardware.profiles import HardwareProfile
 from .trace import ATTENTION_OPS, StepTrace
 
 _PRECISION_OF = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp32", "float8": "fp8"}

@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 if TYPE_CHECKING:
-    from ...config import RunConfig
-    from ...hardware import Precision
+    from ...config.run import RunConfig
+    from ...hardware.device import Precision
 
 KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
 FLOAT8_TENSOR = "Float8TrainingTensor"  # torchao's FP8 operand (train.fp8): its ops are priced at the FP8 rate

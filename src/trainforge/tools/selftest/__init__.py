@@ -30,7 +30,7 @@ Modules, one job each (no module imports the package itself):
     cases.py       the matrix: ``Case``, ``matrix``, ``CHECKS``, ``plan``, each case's run config
     tolerances.py  how far each precision may depart from fp32, and why
     results.py     ``Result``; ``CheckOutcome`` (``CheckFailed``, ``Skip``) that end a case or check early
-    assets.py      tokenizer, "pretrained" model and data, built once per cache (``trainforge.atomic``)
+    assets.py      tokenizer, "pretrained" model and data, built once per cache (``trainforge.rundir.atomic``)
     reporters.py   the silent reporter the training runs report to
     training.py    a training case: train, check, compare with the fp32 reference
     checks.py      the checks beside the training cases

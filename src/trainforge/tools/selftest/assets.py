@@ -1,7 +1,7 @@
 """The tiny tokenizer, "pretrained" model and data selftest trains on, built locally once per cache.
 
 Everything is made from fixed seeds (nothing is downloaded) into a directory named by a hash of
-its contents, and written through ``trainforge.atomic``: each writer fills a temporary of its own
+its contents, and written through ``trainforge.rundir.atomic``: each writer fills a temporary of its own
 (``.NAME.tmp-HOST-PID-RANDOM``) that then appears whole, so several selftests sharing one cache
 directory never touch each other's half-written files.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ...atomic import atomic_write_text, publish_dir, remove_stale_temps, staging_dir
+from ...rundir.atomic import atomic_write_text, publish_dir, remove_stale_temps, staging_dir
 from .reporters import quiet
 
 
@@ -127,7 +127,7 @@ def _pretrain(root: Path, tokenizer: Path, text: Path, model_dir: Path, cache_di
     """The "pretrained" model LoRA adapts: the tiny Llama (tied embeddings) trained briefly on
     forward word cycles. LoRA on random weights barely learns in a few steps. The run goes to a
     directory of this writer alone; its ``final/`` then appears at ``model_dir`` whole."""
-    from ...config import RunConfig
+    from ...config.run import RunConfig
     from ...engine.trainer import train
 
     out = staging_dir(root / "pretrain-run")

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ...hardware import cuda_has_native_bf16
+from ...hardware.device import cuda_has_native_bf16
 from .assets import MODEL_INIT, Assets, str_or_none
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -51,10 +51,10 @@ class Checks:
         """Fused vs standard LM-head loss: the loss and every gradient, on two packed rows with
         masked positions (prompts, a fully masked document, document ends, padding), for the
         untied full model and LoRA on the tied "pretrained" one."""
-        from ...config import LoraSettings, ModelSettings
+        from ...config.run import LoraSettings, ModelSettings
         from ...engine.loss import fused_head
         from ...engine.step import loss_sum
-        from ...hardware import PRECISIONS as MODES
+        from ...hardware.device import PRECISIONS as MODES
         from ...model.load import apply_lora, build_model
         from ...model.tokenizer import load_tokenizer
 
@@ -95,11 +95,11 @@ class Checks:
         with its reference as LoRA adapters off, SimPO without one, KTO on unpaired examples; packed pairs through the fused head
         vs each document run alone through the model's own logits, both in this precision: the loss and
         every gradient."""
-        from ...config import LoraSettings, ModelSettings
-        from ...config_preference import PreferenceSettings
+        from ...config.run import LoraSettings, ModelSettings
+        from ...config.preference import PreferenceSettings
         from ...engine import preference as pref
         from ...engine.objective import PairObjective
-        from ...hardware import PRECISIONS as MODES
+        from ...hardware.device import PRECISIONS as MODES
         from ...model.load import apply_lora, build_model
         from ...model.tokenizer import load_tokenizer
 
@@ -162,7 +162,7 @@ class Checks:
     def _check_resume(self, precision: str) -> str:
         """Stop a run after a checkpoint as SIGTERM does, resume it, and compare the final weights
         and every step's loss with the uninterrupted run of the same case."""
-        from ...config import RunConfig
+        from ...config.run import RunConfig
         from ...engine import trainer
         from ...metrics.tracker import read_metrics
 
@@ -203,7 +203,7 @@ class Checks:
     def _check_attention(self, precision: str) -> str:
         """Packed rows (several documents, position_ids restarting at 0) against each document run
         on its own, through every attention implementation that handles packed rows here."""
-        from ...hardware import PRECISIONS as MODES
+        from ...hardware.device import PRECISIONS as MODES
 
         mode, tol = MODES[precision], self.tolerance(ATTENTION_TOL, precision)
         notes = []
@@ -224,7 +224,7 @@ class Checks:
     def _check_nonfinite_guard(self, precision: str) -> str:
         """The non-finite guard as CUDA runs it (its streak read one step late, from pinned memory
         there) and the optimizer's update skip, on this device."""
-        from ...config import OptimSettings
+        from ...config.run import OptimSettings
         from ...engine.nonfinite import NonFiniteError, NonFiniteGuard, skip_update_if
         from ...engine.optim import build_optimizer
 
@@ -259,7 +259,7 @@ class Checks:
         """CUDA: training batches come from pinned host memory and arrive intact, asynchronously."""
         if self.device.type != "cuda":
             raise Skip("CUDA only: pinned host memory needs a GPU")
-        from ...config import RunConfig
+        from ...config.run import RunConfig
         from ...data.plan import get_tokenizer, plan_data
 
         case = Case("fp32", "chat", "full", "fused")
@@ -281,9 +281,9 @@ class Checks:
         emulates the FP8 matmuls, so the wiring is checked everywhere."""
         import importlib.util
 
-        from ...config import ModelSettings
+        from ...config.run import ModelSettings
         from ...engine.step import loss_sum
-        from ...hardware import PRECISIONS as MODES
+        from ...hardware.device import PRECISIONS as MODES
         from ...model.load import build_model
         from ...model.tokenizer import load_tokenizer
 
@@ -315,9 +315,9 @@ class Checks:
         the loss and every gradient, under ``precision``. CUDA with liger-kernel installed only."""
         from transformers.models.llama import modeling_llama
 
-        from ...config import ModelSettings
+        from ...config.run import ModelSettings
         from ...engine.step import loss_sum
-        from ...hardware import PRECISIONS as MODES
+        from ...hardware.device import PRECISIONS as MODES
         from ...model.kernels import liger_installed
         from ...model.load import build_model
         from ...model.tokenizer import load_tokenizer

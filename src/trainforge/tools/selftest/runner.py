@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ...stop import Interrupted, StopRequest
-from ...hardware import cuda_has_native_bf16
+from ...hardware.device import cuda_has_native_bf16
 from .assets import Assets, build_assets
 from .cases import CHECKS, PRECISIONS, STEPS, Case, plan
 from .checks import Checks
@@ -52,7 +52,7 @@ class SelfTest(TrainingCases, Checks):
         self.threads = threads if self.device.type == "cpu" else None
         self._assets = assets
         if self.device.type == "cuda":
-            from ...hardware import configure_backends
+            from ...hardware.device import configure_backends
 
             configure_backends(self.device)  # as every run does (TF32 matmuls on Ampere+): checks see the same numerics
         self.results: dict[str, Result] = {}
@@ -61,7 +61,7 @@ class SelfTest(TrainingCases, Checks):
     @property
     def assets(self) -> Assets:
         if self._assets is None:
-            from ...config import default_cache_dir
+            from ...config.data import default_cache_dir
 
             with self._threads():
                 self._assets = build_assets((self.cache_dir or default_cache_dir()) / "selftest", self.cache_dir)
@@ -169,7 +169,7 @@ def run_selftest(device: str = "auto", quick: bool = False, console=None, cache_
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers.utils import logging as hf_logging
 
-    from ...hardware import describe, pick_device
+    from ...hardware.device import describe, pick_device
 
     if console is None:
         console = Console(highlight=False)

@@ -25,10 +25,10 @@ class TrainingCases:
     weights: dict[str, dict[str, torch.Tensor]]
 
     def _train_case(self, case: Case, result: Result) -> None:
-        from ...config import RunConfig
+        from ...config.run import RunConfig
         from ...engine.trainer import train
-        from ...hardware import PRECISIONS as MODES
-        from ...hardware import cuda_has_native_bf16
+        from ...hardware.device import PRECISIONS as MODES
+        from ...hardware.device import cuda_has_native_bf16
         from ...metrics.tracker import read_metrics
         from ...data.prompt import sample_prompt
 
@@ -90,7 +90,7 @@ class TrainingCases:
         finite) was skipped and backed the scale off, exactly: the saved scale must be the initial
         one times the back-off factor once per overflow (no growth within ``STEPS`` steps).
         Other precisions: no loss scaling at all."""
-        from ...checkpoint import load_checkpoint_state
+        from ...rundir.checkpoint import load_checkpoint_state
 
         scaler = load_checkpoint_state(out / "checkpoints" / f"step-{STEPS:08d}").get("scaler")
         if case.precision != "fp16":

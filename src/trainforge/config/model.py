@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from . import hf_dir, hf_weights
-from .config_base import MAX_TOKENS, Section
-from .config_errors import clip, shown
-from .hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind
+from .. import hf_dir, hf_weights
+from .base import MAX_TOKENS, Section
+from .errors import clip, shown
+from ..hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind
 
 
 def _check_exists(path: Path | None, key: str) -> Path | None:

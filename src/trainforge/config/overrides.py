@@ -1,16 +1,16 @@
 """``--set KEY=VALUE`` overrides: each value parsed as YAML (numbers leniently) and set into the nested config mapping.
 
-A value that is not YAML is taken as its text; one over a limit of ``config_yaml`` (aliases expanded, nesting,
+A value that is not YAML is taken as its text; one over a limit of ``yaml_text`` (aliases expanded, nesting,
 integer digits) is a ``ConfigError`` naming the key. Setting one key of a pair that gives one setting two ways
-(``train.max_steps``/``epochs``, ``model.path``/``init``: ``config_presets.ONE_SETTING``) replaces the other below."""
+(``train.max_steps``/``epochs``, ``model.path``/``init``: ``presets.ONE_SETTING``) replaces the other below."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .config_errors import ConfigError, clip, shown
-from .config_presets import replaced_below
-from .config_yaml import MAX_DEPTH, InvalidYaml, load_yaml
+from .errors import ConfigError, clip, shown
+from .presets import replaced_below
+from .yaml_text import MAX_DEPTH, InvalidYaml, load_yaml
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from .runlock import OutputDirError
+from .lock import OutputDirError
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .config_base import Section
+from .base import Section
 
 OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto")
 """``train.objective`` values: next-token cross-entropy, then the preference objectives (engine/preference.py)."""

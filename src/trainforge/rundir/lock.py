@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import TMP_MARK, boot_id, host_name, parse_tag, process_alive, process_start_ticks, process_tag
-from .errors import TrainforgeError
+from ..errors import TrainforgeError
 
 LEASE_FILE = "lease.json"
 TAKEOVER_PREFIX = f".{LEASE_FILE}.takeover-"  # + the stale lease's token: the exclusive marker of its takeover

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .config_base import MAX_STEPS, Section
+from .base import MAX_STEPS, Section
 
 
 class OptimSettings(Section):

@@ -1,7 +1,7 @@
 """Checkpoints that are complete or invisible.
 
 A checkpoint is written into a hidden temporary directory named after the writing process
-(``.step-NNNNNNNN.tmp-HOST-PID-RANDOM``, see atomic.py), every file is flushed to disk,
+(``.step-NNNNNNNN.tmp-HOST-PID-RANDOM``, see rundir/atomic.py), every file is flushed to disk,
 and only then is the directory renamed to ``step-NNNNNNNN``; the ``latest`` pointer moves
 after that, and old checkpoints are pruned last. ``meta.json`` is written last inside the
 temporary directory and records the size of every file, so a directory that was cut short

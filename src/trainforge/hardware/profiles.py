@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 GIB = 1024**3
 GPU_CONTEXT_GIB = 0.6
 ALLOCATOR_OVERHEAD = 0.08  # reserved memory is about 8% above the peak of live tensors in steady training
-# the same with expandable segments (trainforge's CUDA default, allocator.py): reserved over allocated was
+# the same with expandable segments (trainforge's CUDA default, hardware/allocator.py): reserved over allocated was
 # 1.000 (Llama-1B full) and 1.006 (8B LoRA) on an H200 (2026-11-27), against 1.016 and 1.075 for HF's runs
 EXPANDABLE_ALLOCATOR_OVERHEAD = 0.02
 GPU_OP_OVERHEAD_S = 8e-6  # eager PyTorch: Python, dispatcher and kernel launch per op (a few microseconds)

@@ -12,7 +12,7 @@ built-in default), beneath ``--set``; ``preset: NAME`` inside a YAML file lays i
 own keys. Either way the run's ``config.yaml`` shows every resolved value and the preset's name.
 A layer that sets the run's length (``train.max_steps`` or ``train.epochs``), or the model a run starts
 from (``model.path`` or ``model.init``), replaces the other one of the layers below it: they are one
-setting (``ONE_SETTING``). ``--set`` is such a layer too (config_overrides.py).
+setting (``ONE_SETTING``). ``--set`` is such a layer too (config/overrides.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .config_errors import ConfigError
+from .errors import ConfigError
 
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": {

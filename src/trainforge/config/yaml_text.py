@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from .config_errors import ConfigError, clip
+from .errors import ConfigError, clip
 
 MAX_VALUES = 100_000
 """Values (scalars, lists, mappings) a document may hold, every alias expanded; a real config holds a few hundred."""

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from .errors import TrainforgeError
+from ..errors import TrainforgeError
 
 
 class ConfigError(TrainforgeError, ValueError):

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, default_cache_dir
-from .config_errors import shown
+from ..config.run import ConfigError
+from ..config.data import default_cache_dir
+from ..config.errors import shown
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def peak_flops(device: torch.device, precision: str, cache_dir: Path | None = No
         name = torch.cuda.get_device_name(device)
         profile = profile_for_gpu_name(name)
         if profile is None:
-            return 0.0, f"unknown GPU {name!r}: no profile in trainforge/profiles.py, MFU not reported"
+            return 0.0, f"unknown GPU {name!r}: no profile in trainforge/hardware/profiles.py, MFU not reported"
         return profile.peak_flops(precision, torch.backends.cuda.matmul.allow_tf32), f"profile {profile.name}"
     probed, where = cpu_peak_precision(precision)
     return cpu_matmul_flops(probed, cache_dir), where
@@ -400,7 +401,7 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
         props = torch.cuda.get_device_properties(device)
         known = profile_for_gpu_name(props.name)
         if known is None:
-            raise ValueError(f"no hardware profile for {props.name!r}: add it to trainforge/profiles.py, or plan with --hardware NAME")
+            raise ValueError(f"no hardware profile for {props.name!r}: add it to trainforge/hardware/profiles.py, or plan with --hardware NAME")
         return replace(known, name="this", title=f"{props.name} (this machine)", memory_gib=memory_cap_gib(props.total_memory / GIB))
     if timing:
         tflops = {p: cpu_matmul_flops(p, cache_dir) / 1e12 for p in ("fp32", "bf16", "fp16")}

@@ -8,9 +8,9 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from .config_base import MAX_ROWS, MAX_STEPS, Section
-from .config_errors import ConfigError
-from .config_preference import OBJECTIVES
+from .base import MAX_ROWS, MAX_STEPS, Section
+from .errors import ConfigError
+from .preference import OBJECTIVES
 
 
 class TrainSettings(Section):

@@ -1,0 +1,227 @@
+"""The data section of a run config: its sources (files, directories, globs, built-ins, weighted mixtures), field
+names, formats, lengths and packing, and the checks on a data path that run before anything opens it."""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from .base import MAX_TOKENS, Section
+from .errors import shown
+
+BUILTIN_STDLIB = "builtin:python-stdlib"
+"""Text source: the Python standard library's own sources, present on every install."""
+BUILTIN_FUNCTIONS = "builtin:python-functions"
+"""Prompt/completion source: stdlib functions, signature + docstring -> body."""
+BUILTIN_FUNCTION_PAIRS = "builtin:python-function-pairs"
+"""Preference source: stdlib functions, signature + docstring -> the real body (chosen) or its lines reversed (rejected)."""
+BUILTIN_FUNCTION_LABELS = "builtin:python-function-labels"
+"""Unpaired (KTO) source: the same functions, every other one with its real body (label true), the rest reversed (false)."""
+BUILTINS = (BUILTIN_STDLIB, BUILTIN_FUNCTIONS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTION_LABELS)
+
+
+def default_cache_dir() -> Path:
+    """Where token caches and machine probes live: $TRAINFORGE_CACHE, else ~/.cache/trainforge."""
+    return Path(os.environ.get("TRAINFORGE_CACHE") or Path.home() / ".cache" / "trainforge")
+
+
+class SourceSpec(Section):
+    """One training source with a sampling weight for mixing."""
+
+    path: str = Field(..., description="file, directory, glob, or " + BUILTIN_STDLIB)
+    weight: float = Field(
+        1.0, gt=0, le=1000, description="rows of this source per epoch = weight x its rows (fraction sampled, seeded)"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: str) -> str:
+        _check_source(v)
+        return v
+
+
+class FieldNames(Section):
+    """Names of the fields each format reads, for data whose columns are named otherwise."""
+
+    text: str = "text"
+    prompt: str = "prompt"
+    completion: str = "completion"
+    messages: str = "messages"
+    instruction: str = "instruction"
+    input: str = "input"
+    output: str = "output"
+    chosen: str = Field("chosen", description="preference pairs: the preferred reply (StackExchange-paired: response_j)")
+    rejected: str = Field("rejected", description="preference pairs: the other reply (StackExchange-paired: response_k)")
+    label: str = Field("label", description="unpaired (KTO) rows: true for a desirable completion, false otherwise")
+
+
+class DataSettings(Section):
+    train: str | list[str | SourceSpec] = Field(
+        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, {BUILTIN_FUNCTION_PAIRS}, {BUILTIN_FUNCTION_LABELS}, or a list of these / of {{path, weight}}"
+    )
+    eval: str | float | None = Field(
+        0.05,
+        description="a file/glob, or a fraction held out of the training data (seeded, by content): of the rows, "
+        "or of the blocks when too_long is split; null: none",
+    )
+    format: Literal["auto", "text", "prompt_completion", "chat", "alpaca", "source_target", "preference", "unpaired"] = Field(
+        "auto",
+        description="auto: from the fields of the first row; source_target: {source, target} or {input, output} "
+        "rows (a prompt and its completion); preference: chosen/rejected pairs (train.objective dpo, ipo, orpo, simpo); unpaired: completions with a "
+        "true/false label (train.objective kto), or pairs read as a desirable chosen and an undesirable rejected example",
+    )
+    fields: FieldNames = Field(default_factory=FieldNames)
+    chat_template: str | None = Field(
+        None, description="Jinja chat template, as text or a path to a template file (its text is kept in the run's "
+        "config.yaml); default: the tokenizer's, else trainforge's ChatML-style one",
+    )
+    train_on_prompt: bool = Field(
+        False, description="also learn prompt / user / system tokens (default: completion- / assistant-only)"
+    )
+    max_length: int = Field(
+        1024, gt=0, le=MAX_TOKENS, description="tokens per training row; encoder-decoder models: source tokens per example (the encoder's side)"
+    )
+    max_target_length: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_TOKENS,
+        description="encoder-decoder models only: target tokens per example (the decoder's side, its EOS "
+        "included); default: data.max_length",
+    )
+    too_long: Literal["truncate", "drop", "split"] | None = Field(
+        None,
+        description="examples longer than max_length: cut, skip, or (text only) split into blocks; "
+        "default: split for text, truncate for prompt/completion, chat and alpaca (encoder-decoder: a source over "
+        "max_length or a target over max_target_length, truncate keeping its EOS, or drop)",
+    )
+    packing: bool | Literal["concat"] = Field(
+        True,
+        description="true: pack examples into full rows, documents isolated; concat: classic joined stream "
+        "cut into blocks; false: one example per row, batches grouped by length (encoder-decoder models: "
+        "always false, and false when unset)",
+    )
+    txt_mode: Literal["file", "paragraph"] = Field("file", description=".txt files: one document per file or per blank-line block")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="skip: count bad rows and go on")
+    cache_dir: Path | None = Field(
+        None, description="token cache (default: $TRAINFORGE_CACHE or ~/.cache/trainforge)"
+    )
+    num_workers: int | None = Field(None, ge=1, le=1024, description="tokenizer processes (default: all cores)")
+    max_documents: int | None = Field(None, gt=0, le=10**12, description="read at most this many documents (quick tries)")
+
+    @field_validator("train")
+    @classmethod
+    def _train_exists(cls, v: str | list[str | SourceSpec]) -> str | list[str | SourceSpec]:
+        for spec in [v] if isinstance(v, str) else v:
+            if isinstance(spec, str):
+                _check_source(spec)
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, v: str | None) -> str | None:
+        if v is None or "{{" in v or "{%" in v:
+            return v
+        try:
+            path = Path(v).expanduser()
+            if path.is_file():
+                text = path.read_text(encoding="utf-8")
+                if "{{" in text or "{%" in text:
+                    return text
+                raise ValueError(f"{shown(v)} holds no Jinja template (no {{{{ }}}} or {{% %}})")
+        except OSError:  # a template's text too long to be a file name
+            pass
+        except UnicodeDecodeError:
+            raise ValueError(f"{shown(v)} is not a UTF-8 text file") from None
+        raise ValueError(
+            f"{shown(v)} is neither a Jinja template (it has no {{{{ }}}} or {{% %}}) nor a file; give the template's "
+            "text or a path to a .jinja file (a model's own template is used when this is unset)"
+        )
+
+    @field_validator("eval")
+    @classmethod
+    def _eval_valid(cls, v: str | float | None) -> str | float | None:
+        if isinstance(v, float) and not 0.0 < v < 1.0:
+            raise ValueError("a held-out fraction must be between 0 and 1 (exclusive), e.g. 0.05")
+        if isinstance(v, str):
+            _check_source(v)
+        return v
+
+    @model_validator(mode="after")
+    def _split_needs_text(self) -> "DataSettings":
+        if self.too_long == "split" and self.format not in ("auto", "text"):
+            raise ValueError(f"data.too_long: 'split' is for text only; data.format is {self.format!r}; use truncate or drop")
+        return self
+
+    def target_limit(self) -> int:
+        """Target tokens per example of an encoder-decoder model: ``max_target_length``, else ``max_length``."""
+        return self.max_target_length or self.max_length
+
+    def too_long_for(self, fmt: str) -> str:
+        """The too-long policy for data of format ``fmt``: the set one, else split for text, truncate otherwise."""
+        return self.too_long or ("split" if fmt == "text" else "truncate")
+
+    # how the user gave the sources and sets the objective, where a tool builds these settings itself
+    _named_as: str | None = PrivateAttr(default=None)
+    _objective_hint: str | None = PrivateAttr(default=None)
+    _setting_form: str | None = PrivateAttr(default=None)
+
+    def source_label(self) -> str:
+        """The training sources as the user gave them, for messages: ``data.train='x.jsonl'``, or what
+        ``named_as`` set (``trainforge eval``'s ``--data x.jsonl``: a key the user never wrote)."""
+        return self._named_as or f"data.train={self.train!r}"
+
+    def objective_hint(self, *objectives: str) -> str:
+        """What to do when the data want another objective: ``set train.objective to dpo, ipo or simpo``, or
+        ``named_as``'s hint with the first of ``objectives``."""
+        if self._objective_hint:
+            return self._objective_hint.format(objectives[0])
+        listed = objectives[0] if len(objectives) == 1 else ", ".join(objectives[:-1]) + " or " + objectives[-1]
+        return f"set train.objective to {listed}"
+
+    def setting(self, key: str, value: str) -> str:
+        """A setting to change, for messages: ``data.format: unpaired``, or in ``named_as``'s form
+        (``trainforge eval``: ``--set data.format=unpaired``)."""
+        return (self._setting_form or "{}: {}").format(key, value)
+
+    def named_as(self, label: str, objective_hint: str | None = None, setting_form: str | None = None) -> "DataSettings":
+        """A copy whose messages name the sources ``label``; ``objective_hint``: a format string for
+        ``objective_hint`` (``{}``: the objective), as the tool sets it; ``setting_form``: one for ``setting``
+        (``{}``: the key, then the value)."""
+        copy = self.model_copy()
+        copy._named_as, copy._objective_hint, copy._setting_form = label, objective_hint, setting_form
+        return copy
+
+    def sources(self) -> list[SourceSpec]:
+        """The training sources as specs with weights."""
+        items = [self.train] if isinstance(self.train, str) else self.train
+        return [SourceSpec(path=i) if isinstance(i, str) else i for i in items]
+
+
+def _check_source(spec: str) -> None:
+    if spec in BUILTINS:
+        return
+    try:
+        if Path(spec).is_dir():
+            return
+    except OSError as e:  # a name too long for the file system
+        raise ValueError(f"cannot use {shown(spec)}: {e.strerror}") from None
+    matches = glob.glob(spec)
+    if not matches:
+        raise ValueError(f"no file matches {shown(spec)} (a file, directory, glob, or one of {', '.join(BUILTINS)})")
+    for match in matches:  # opening a FIFO would wait for a writer forever
+        if what := not_a_data_file(match):
+            raise ValueError(f"{shown(match)} is {what}; give a data file (copy the data into a file first)")
+
+
+def not_a_data_file(path: str | os.PathLike) -> str | None:
+    """What ``path`` is where it is neither a directory nor a regular file (a FIFO, device or socket, which
+    opening would wait on forever, or a symbolic link to a missing file), or None."""
+    if os.path.isdir(path) or os.path.isfile(path) or not os.path.lexists(path):
+        return None
+    return "not a regular file (a device, pipe or socket)" if os.path.exists(path) else "a symbolic link to a missing file"
+
+
