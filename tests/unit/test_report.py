@@ -36,6 +36,7 @@ def make_run(path: Path, lr: float = 1e-3, steps: int = 12, finished: bool = Tru
     events = [
         {"event": "checkpoint", "step": 4, "time": 1.0, "pause_s": 0.25},
         {"event": "oom_backoff", "step": 5, "time": 2.0, "micro_batch_size": 2, "grad_accum": 4},
+        {"event": "checkpoint", "step": 8, "time": 3.0, "pause_s": 0.5},
         {"event": "stop", "step": 8, "time": 3.0, "signal": "SIGTERM", "saved": True},
         {"event": "resume", "step": 8, "time": 4.0, "checkpoint": "step-00000008"},
     ]
@@ -77,16 +78,18 @@ def test_one_run_report_has_every_plot_inlined_and_its_numbers(tmp_path):
     for row in ("<td>4</td><td>checkpoint</td><td>paused 0.25s</td>",
                 "<td>5</td><td>out-of-memory back-off</td><td>micro-batch 2 x accumulation 4</td>",
                 "<td>6</td><td>skipped steps</td>",
-                "<td>8</td><td>resume</td><td>from step-00000008</td>",
-                "<td>8</td><td>stopped by a signal</td><td>SIGTERM, checkpoint saved</td>"):
-        assert row in events, row
+                "<td>8</td><td>checkpoint</td><td>paused 0.50s</td></tr><tr><td>8</td><td>stopped by a signal</td>"
+                "<td>SIGTERM, checkpoint saved</td></tr><tr><td>8</td><td>resume</td><td>from step-00000008</td>"):
+        assert row in events, row  # a step's events in the order they happened: the resume comes last
+    # the pauses of both processes' saves, where summary.json's checkpoint_stall_s (0.25) is the resumed process's
+    assert "<td>2 saves, 0.75s</td>" in table
     assert "<summary>config of run-a</summary>" in page
 
 
 def test_marks_come_from_events_and_skipped_counts(tmp_path):
     run = load_run(make_run(tmp_path / "run", skipped_at=10))
     assert [s for s, _ in run.marks["resume"]] == [8]
-    assert [s for s, _ in run.marks["checkpoint"]] == [4]
+    assert [s for s, _ in run.marks["checkpoint"]] == [4, 8]
     assert [s for s, _ in run.marks["oom_backoff"]] == [5]
     assert [s for s, _ in run.marks["skipped"]] == [10]  # the record whose skipped_steps count went up
 

@@ -20,7 +20,7 @@ import yaml
 from ..rundir.atomic import atomic_write_text
 from .limits import ledger_from_files, rank_limits
 from .report_charts import CAPTIONS, figure_png, panels_for
-from .report_data import EVENT_LABELS, ReportError, RunData, config_differences, load_run
+from .report_data import EVENT_LABELS, EVENT_ORDER, ReportError, RunData, config_differences, load_run
 from .sink import flat_config
 
 __all__ = ["REPORT_FILE", "ReportError", "render_html", "write_report"]
@@ -70,7 +70,8 @@ def _summary_rows(run: RunData) -> dict[str, str]:
         if run.evals:
             s["eval_loss"] = run.evals[-1].get("eval_loss")
     checkpoints = [e for e in run.events if e.get("event") == "checkpoint"]
-    stall = s.get("checkpoint_stall_s", sum(e.get("pause_s", 0) for e in checkpoints) if checkpoints else None)
+    # every process's saves: summary.json's checkpoint_stall_s is only the process that wrote it (a resume's)
+    stall = sum(e.get("pause_s", 0) for e in checkpoints) if checkpoints else s.get("checkpoint_stall_s")
     ooms = len(run.marks.get("oom_backoff", []))
     resumes = [step for step, _ in run.marks.get("resume", [])]
     before, after = s.get("eval_loss_before"), s.get("eval_loss")
@@ -164,7 +165,8 @@ def _events_table(runs: list[RunData]) -> str:
                 rows.append((run.name, step, EVENT_LABELS[kind], note))
     if not rows:
         return "<p>No resumes, checkpoints, out-of-memory back-offs, skipped steps, stops or advice.</p>"
-    rows.sort(key=lambda r: (r[0], r[1]))
+    # one step's events in the order they happen: a stop saves its checkpoint, and the resume comes after both
+    rows.sort(key=lambda r: (r[0], r[1], EVENT_ORDER.index(r[2])))
     several = len(runs) > 1
     body = "".join(
         "<tr>" + (f"<td>{esc(name)}</td>" if several else "") + f"<td>{step}</td><td>{esc(kind)}</td><td>{esc(note)}</td></tr>"

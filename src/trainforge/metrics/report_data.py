@@ -30,6 +30,8 @@ EVENT_LABELS = {
     "stop": "stopped by a signal",
     "advice": "advice",
 }
+EVENT_ORDER = [EVENT_LABELS[k] for k in ("skipped", "oom_backoff", "advice", "checkpoint", "checkpoint_failed", "stop", "resume")]
+"""The order of the labels of events at one step, as a run meets them."""
 
 
 class ReportError(TrainforgeError, ValueError):
