@@ -179,15 +179,15 @@ def test_user_function_gets_every_row_field_as_lists(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("body", "message"), [
-    ("raise KeyError('solution')", r"score \(.*my_rewards.py\) raised KeyError: 'solution' at .*my_rewards.py line 3 "
-     r"scoring 2 completions \(first: prompts.jsonl line 7\)"),
+    ("raise KeyError('solution')", (r"score \(.*my_rewards.py\) raised KeyError: 'solution' at .*my_rewards.py "
+                                    r"line 3 scoring 2 completions \(first: prompts.jsonl line 7\)")),
     ("return [1.0]", r"returned 1 values for 2 completions \(first: prompts.jsonl line 7\)"),
     ("return 1.0", r"returned float 1.0; return a list of float \| None"),
     ("return [1.0, 'high']", r"returned str 'high' for completion 1 \(prompts.jsonl line 9\); return a float"),
     ("return [float('nan'), 1.0]", r"returned nan for completion 0 \(prompts.jsonl line 7\); return a finite float"),
     ("return [1.0, float('inf')]", r"returned inf for completion 1 \(prompts.jsonl line 9\)"),
-    ("import time\n    time.sleep(2)", r"did not return within rl.reward_timeout_s=0.2s scoring 2 completions "
-     r"\(first: prompts.jsonl line 7\); it is still running"),
+    ("import time\n    time.sleep(2)", (r"did not return within rl.reward_timeout_s=0.2s scoring 2 completions "
+                                        r"\(first: prompts.jsonl line 7\); it is still running")),
 ])
 def test_user_function_failures_name_the_function_and_the_row(tmp_path: Path, body: str, message: str) -> None:
     path = write(tmp_path, f"\ndef score(prompts, completions, **kw):\n    {body}\n")
@@ -212,17 +212,26 @@ def test_user_function_may_return_tuples_bools_and_numpy(tmp_path: Path) -> None
             return np.array([0.25, 2], dtype=np.float32)
     """)
     rs = reward_set({"function": f"{path}:a"}, {"function": f"{path}:b"})
+    assert rs._entries[0].reward.fn.__globals__ is rs._entries[1].reward.fn.__globals__  # the file ran once
     got = scores(rs, ["x", "y"], [{}, {}])
     assert got.each["a"][0] == 1.0 and math.isnan(got.each["a"][1])
     assert got.total == [1.25, 2.0]
 
 
-def test_user_file_errors_at_set_up(tmp_path: Path) -> None:
-    broken = write(tmp_path, "import nonexistent_module_xyz\n", "broken.py")
-    with pytest.raises(RewardError, match=r"loading the reward file .*broken.py raised ModuleNotFoundError: .*"
-                                          r"nonexistent_module_xyz.* line 1") as e:
+@pytest.mark.parametrize(("source", "message"), [
+    ("import nonexistent_module_xyz\n", r"raised ModuleNotFoundError: .*nonexistent_module_xyz.* at .*broken.py line 1"),
+    ("x = 1\ndef score(:\n", r"raised SyntaxError: .*line 2"),
+    ("import sys\nsys.exit(3)\n", r"raised SystemExit: 3 at .*broken.py line 2"),
+])
+def test_user_file_that_fails_to_load(tmp_path: Path, source: str, message: str) -> None:
+    broken = write(tmp_path, source, "broken.py")
+    with pytest.raises(RewardError, match=r"loading the reward file .*broken.py " + message) as e:
         reward_set({"function": f"{broken}:score"})
     assert e.value.exit_code == EXIT_BAD_INPUT
+    assert "run `python " in str(e.value)
+
+
+def test_user_file_without_the_function(tmp_path: Path) -> None:
     good = write(tmp_path, "LIMIT = 3\ndef helper(p, c):\n    return c\ndef score_b(p, c):\n    return c\n", "good.py")
     with pytest.raises(RewardError, match=r"does not define a function 'score'; the functions it defines: helper, "
                                           r"score_b; give function: .*good.py:NAME"):
@@ -303,6 +312,12 @@ def test_set_up_errors() -> None:
         RewardSet.from_settings([], 5.0)
     with pytest.raises(RewardError, match="rl.reward_timeout_s must be a positive number"):
         RewardSet.from_settings([RewardSettings(name="exact")], 0)
+
+
+def test_unique_names_skip_names_other_entries_have() -> None:
+    from trainforge.rl.rewards import _unique_names
+
+    assert _unique_names(["a", "a", "a_2", "b"]) == ["a", "a_3", "a_2", "b"]
 
 
 def test_empty_batch() -> None:

@@ -4,6 +4,7 @@ none executes it (python_syntax only parses it with ``ast``). docs/rewards.md de
 from __future__ import annotations
 
 import ast
+import math
 import re
 import warnings
 from collections.abc import Callable
@@ -25,7 +26,7 @@ _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([\d.,]+)\s*\}\s*\{\s*([\d.,]+)\s*\}")
 _LATEX_NOISE = re.compile(r"\\[!,; ]|\\left|\\right|\\\$|\$")  # thin spaces (1\,000), sizing, dollar signs
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _MINUS = "-\u2212"  # ASCII hyphen-minus and the Unicode minus sign
-_PY_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+_PY_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PY_TAGS = ("", "python", "py", "python3", "py3")
 
 Scorer = Callable[[list[str], list[dict[str, Any]]], list[float]]
@@ -106,7 +107,7 @@ def reference_number(value: Any) -> Fraction | None:
     if isinstance(value, int):
         return Fraction(value)
     if isinstance(value, float):
-        return Fraction(repr(value)) if value == value and abs(value) != float("inf") else None
+        return Fraction(repr(value)) if math.isfinite(value) else None
     if isinstance(value, str):
         return extract_number(value)
     return None

@@ -5,18 +5,22 @@ completion). It runs because the user's config names it (docs/security.md)."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from ..config.errors import clip, shown
 from ..config.rewards import check_function_spec, split_function
 from .reward_errors import RewardError, describe_row
+
+_LOADS = itertools.count()  # a fresh module name per load: two reward sets never share one in sys.modules
 
 RESERVED_FIELDS = ("prompts", "completions")
 """The names of the two positional arguments: a row field so named would clash with them."""
@@ -40,7 +44,7 @@ def load_module(path: str, modules: dict[str, ModuleType]) -> ModuleType:
     if real in modules:
         return modules[real]
     stem = "".join(ch if ch.isalnum() else "_" for ch in os.path.splitext(os.path.basename(path))[0])
-    module_name = f"trainforge_user_reward_{len(modules)}_{stem}"
+    module_name = f"trainforge_user_reward_{next(_LOADS)}_{stem}"
     spec = importlib.util.spec_from_file_location(module_name, real)
     if spec is None or spec.loader is None:
         raise RewardError(f"rl.rewards: {clip(path)} cannot be loaded as a Python module")
