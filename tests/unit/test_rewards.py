@@ -143,6 +143,8 @@ def test_weighted_sum_and_none_is_no_opinion(tmp_path: Path) -> None:
     rs = reward_set({"name": "final_number", "weight": 2.0}, {"function": f"{path}:picky", "weight": -1.0},
                     {"name": "regex", "pattern": "####", "weight": 0.25})
     assert rs.names == ["final_number", "picky", "regex"]
+    assert rs.describe() == f"final_number x2, picky ({path}) x-1, regex x0.25"
+    assert rs.weights == {"final_number": 2.0, "picky": -1.0, "regex": 0.25}
     got = scores(rs, ["#### 7", "seven", "8"], [{"answer": "7"}] * 3)
     assert got.each["final_number"] == [1.0, 0.0, 0.0]
     assert got.each["picky"][0] == 0.5 and math.isnan(got.each["picky"][1]) and got.each["picky"][2] == 0.5

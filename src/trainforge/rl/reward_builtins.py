@@ -26,7 +26,7 @@ _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([\d.,]+)\s*\}\s*\{\s*([\d.,]+)\s*\}")
 _LATEX_NOISE = re.compile(r"\\[!,; ]|\\left|\\right|\\\$|\$")  # thin spaces (1\,000), sizing, dollar signs
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _MINUS = "-\u2212"  # ASCII hyphen-minus and the Unicode minus sign
-_PY_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_PY_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PY_TAGS = ("", "python", "py", "python3", "py3")
 
 Scorer = Callable[[list[str], list[dict[str, Any]]], list[float]]
@@ -52,19 +52,24 @@ def _to_fraction(token: str) -> Fraction | None:
     return value
 
 
-def _numbers(text: str) -> list[Fraction]:
-    """Every number in ``text`` in order, signed where a minus sign stands right before it (and not after a word
-    or a number: 5-3 reads as 5 and 3)."""
-    found = []
-    for m in _NUMBER.finditer(text):
-        value = _to_fraction(m.group())
-        if value is None:
-            continue
-        start = m.start()
-        if start > 0 and text[start - 1] in _MINUS and (start < 2 or not text[start - 2].isalnum()):
-            value = -value
-        found.append(value)
-    return found
+def _signed(text: str, m: re.Match[str]) -> Fraction | None:
+    """The number matched by ``m``, negative where a minus sign stands right before it (and not after a word or a
+    number: 5-3 reads as 5 and 3)."""
+    value = _to_fraction(m.group())
+    start = m.start()
+    if value is not None and start > 0 and text[start - 1] in _MINUS and (start < 2 or not text[start - 2].isalnum()):
+        value = -value
+    return value
+
+
+def _number(text: str, last: bool) -> Fraction | None:
+    """The first (or last) number in ``text``; only that one is converted (a text of 100,000 numbers stays fast)."""
+    matches = reversed(list(_NUMBER.finditer(text))) if last else _NUMBER.finditer(text)
+    for m in matches:
+        value = _signed(text, m)
+        if value is not None:
+            return value
+    return None
 
 
 def _boxed(text: str) -> str | None:
@@ -87,16 +92,15 @@ def extract_number(text: str) -> Fraction | None:
     """The final answer of ``text`` as an exact number: after the last GSM8K "####", else in the last \\boxed{},
     else the last number in the text; None where there is none."""
     if "####" in text:
-        after = _numbers(_clean(text.rsplit("####", 1)[1]))
-        if after:
-            return after[0]
+        after = _number(_clean(text.rsplit("####", 1)[1]), last=False)
+        if after is not None:
+            return after
     boxed = _boxed(text)
     if boxed is not None:
-        inside = _numbers(_clean(boxed))
-        if inside:
-            return inside[-1]
-    every = _numbers(_clean(text))
-    return every[-1] if every else None
+        inside = _number(_clean(boxed), last=True)
+        if inside is not None:
+            return inside
+    return _number(_clean(text), last=True)
 
 
 def reference_number(value: Any) -> Fraction | None:

@@ -80,6 +80,14 @@ class RewardSet:
     def weights(self) -> dict[str, float]:
         return {e.name: e.weight for e in self._entries}
 
+    def describe(self) -> str:
+        """One line for the run's start: each reward with its weight, a user function with its file."""
+        parts = []
+        for e in self._entries:
+            label = f"{e.name} ({e.reward.spec.rpartition(':')[0]})" if isinstance(e.reward, UserFunction) else e.name
+            parts.append(f"{label} x{e.weight:g}")
+        return ", ".join(parts)
+
     @property
     def required_fields(self) -> set[str]:
         """The row fields the built-ins read (user functions receive every field and check their own)."""
