@@ -122,8 +122,10 @@ def test_length_in_tokens_uses_the_given_counter() -> None:
     settings = [RewardSettings(name="length", target=2, unit="tokens")]
     rs = RewardSet.from_settings(settings, 5.0, count_tokens=lambda text: len(text.split()))
     assert scores(rs, ["one two", "one two three four"], [{}, {}]).total == [1.0, 0.0]
+    unscored = RewardSet.from_settings(settings, 5.0)  # a set that only checks rows needs no tokenizer
+    unscored.check_row({"prompt": "p"}, "line 1")
     with pytest.raises(RewardError, match="unit: tokens needs the model's tokenizer"):
-        RewardSet.from_settings(settings, 5.0)
+        scores(unscored, ["one"], [{}])
 
 
 # ---- weighting, names, None ---------------------------------------------------------------------------------

@@ -190,10 +190,12 @@ def make_builtin(settings: RewardSettings, count_tokens: Callable[[str], int] | 
         return Builtin(name, None, lambda completions, rows: [float(parses(python_code(c))) for c in completions])
     if name == "length":
         lowest, highest = settings.length_range()
-        if settings.unit == "tokens" and count_tokens is None:
-            raise RewardError("rl.rewards: the length reward with unit: tokens needs the model's tokenizer, and none "
-                              "was given to the rewards; use unit: chars")
         measure = count_tokens if settings.unit == "tokens" else len
-        return Builtin(name, None, lambda completions, rows: [length_score(measure(c), lowest, highest)
-                                                              for c in completions])
+
+        def length(completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
+            if measure is None:  # a set built only to check rows (no tokenizer yet) scores nothing
+                raise RewardError("rl.rewards: the length reward with unit: tokens needs the model's tokenizer, and "
+                                  "none was given to the rewards; use unit: chars")
+            return [length_score(measure(c), lowest, highest) for c in completions]
+        return Builtin(name, None, length)
     raise RewardError(f"rl.rewards: unknown built-in reward {shown(name)}")
