@@ -207,6 +207,19 @@ def test_user_function_error_without_locations_shows_the_first_prompt(tmp_path: 
         reward_set({"function": f"{path}:score"}).score(["What is 2+2?"], ["4"], [{"answer": "4"}])
 
 
+def test_a_file_is_imported_once_while_unchanged(tmp_path: Path) -> None:
+    log = tmp_path / "imports.log"
+    source = f"open({str(log)!r}, 'a').write('x')\ndef f(prompts, completions, **kw):\n    return [VALUE] * len(completions)\n"
+    path = write(tmp_path, source.replace("VALUE", "1.0"))
+    first = reward_set({"function": f"{path}:f"})  # the set that checks rows, then the one that scores
+    second = reward_set({"function": f"{path}:f"})
+    assert log.read_text() == "x"
+    assert first.score(["p"], ["c"], [{}]).total == second.score(["p"], ["c"], [{}]).total == [1.0]
+    write(tmp_path, source.replace("VALUE", "2.50"))  # edited (its size changed): imported again
+    assert reward_set({"function": f"{path}:f"}).score(["p"], ["c"], [{}]).total == [2.5]
+    assert log.read_text() == "xx"
+
+
 def test_user_function_may_return_tuples_bools_and_numpy(tmp_path: Path) -> None:
     path = write(tmp_path, """
         import numpy as np

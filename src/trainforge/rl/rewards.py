@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 from ..config.errors import clip, shown
@@ -61,11 +60,10 @@ class RewardSet:
             raise RewardError("rl.rewards is empty; give at least one reward, e.g. - {name: final_number}")
         if not timeout_s > 0 or not math.isfinite(timeout_s):
             raise RewardError(f"rl.reward_timeout_s must be a positive number of seconds; given {timeout_s}")
-        modules: dict[str, ModuleType] = {}
         rewards: list[Builtin | UserFunction] = []
         for s in settings:
             if s.function is not None:
-                rewards.append(UserFunction.load(s.function, timeout_s, modules))
+                rewards.append(UserFunction.load(s.function, timeout_s))
             else:
                 rewards.append(make_builtin(s, count_tokens))
         names = _unique_names([r.name for r in rewards])

@@ -20,7 +20,10 @@ from ..config.errors import clip, shown
 from ..config.rewards import check_function_spec, split_function
 from .reward_errors import RewardError, describe_row
 
-_LOADS = itertools.count()  # a fresh module name per load: two reward sets never share one in sys.modules
+_LOADS = itertools.count()  # a fresh module name per load: two versions of a file never share one in sys.modules
+_LOADED: dict[tuple[str, int, int], ModuleType] = {}
+"""(real path, mtime in ns, size) -> the module: a file is imported once per process while it is unchanged, however
+many reward sets name it (the run checks rows with one set and scores with another)."""
 
 RESERVED_FIELDS = ("prompts", "completions")
 """The names of the two positional arguments: a row field so named would clash with them."""
@@ -37,12 +40,17 @@ def _exception_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {clip(str(exc), 300)}" if str(exc) else type(exc).__name__
 
 
-def load_module(path: str, modules: dict[str, ModuleType]) -> ModuleType:
-    """Import the Python file at ``path`` (once per real path, kept in ``modules``); its own directory is on
-    ``sys.path`` while its top level runs, so it can import a helper module beside it."""
+def load_module(path: str) -> ModuleType:
+    """Import the Python file at ``path`` (once while it is unchanged); its own directory is on ``sys.path`` while
+    its top level runs, so it can import a helper module beside it."""
     real = os.path.realpath(path)
-    if real in modules:
-        return modules[real]
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise RewardError(f"rl.rewards: the reward file {clip(path)} cannot be read: {e.strerror}") from None
+    key = (real, st.st_mtime_ns, st.st_size)
+    if key in _LOADED:
+        return _LOADED[key]
     stem = "".join(ch if ch.isalnum() else "_" for ch in os.path.splitext(os.path.basename(path))[0])
     module_name = f"trainforge_user_reward_{next(_LOADS)}_{stem}"
     spec = importlib.util.spec_from_file_location(module_name, real)
@@ -63,7 +71,7 @@ def load_module(path: str, modules: dict[str, ModuleType]) -> ModuleType:
     finally:
         if folder in sys.path:
             sys.path.remove(folder)
-    modules[real] = module
+    _LOADED[key] = module
     return module
 
 
@@ -89,14 +97,14 @@ class UserFunction:
         return split_function(self.spec)[1]
 
     @classmethod
-    def load(cls, spec: str, timeout_s: float, modules: dict[str, ModuleType]) -> UserFunction:
+    def load(cls, spec: str, timeout_s: float) -> UserFunction:
         """Check ``spec``, import its file and find the function; RewardError (exit 2) where any of it fails."""
         try:
             check_function_spec(spec)
         except ValueError as e:
             raise RewardError(f"rl.rewards: function {shown(spec)}: {e}") from None
         path, name = split_function(spec)
-        module = load_module(path, modules)
+        module = load_module(path)
         fn = getattr(module, name, None)
         if fn is None or not callable(fn):
             defined = sorted(k for k, v in vars(module).items()
