@@ -4,6 +4,7 @@ with its ``weight`` in the weighted sum and the keys the built-ins read. The fun
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from typing import Literal
@@ -87,12 +88,15 @@ class RewardSettings(Section):
         if (self.name is None) == (self.function is None):
             raise ValueError("give one of name (a built-in reward) or function (FILE.py:NAME)")
         if self.name is not None and self.name not in BUILTIN_REWARDS:
-            raise ValueError(f"unknown reward {shown(self.name)}; the built-ins are {', '.join(BUILTIN_REWARDS)}; "
+            close = difflib.get_close_matches(self.name, BUILTIN_REWARDS, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ValueError(f"unknown reward {shown(self.name)}; {hint}the built-ins are {', '.join(BUILTIN_REWARDS)}; "
                              "for your own, give function: FILE.py:NAME")
         reward = self.name or "a function"
         for key, readers in READ_BY.items():
             if key in self.model_fields_set and reward not in readers:
-                raise ValueError(f"{key} has no effect on {reward} (only {' and '.join(readers)} reads it); remove it")
+                verb = "reads" if len(readers) == 1 else "read"
+                raise ValueError(f"{key} has no effect on {reward} (only {' and '.join(readers)} {verb} it); remove it")
         if self.name == "regex" and self.pattern is None:
             raise ValueError("the regex reward needs pattern: a regular expression, e.g. pattern: '^<think>.*</think>'")
         if self.name == "length":
