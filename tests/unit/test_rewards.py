@@ -201,6 +201,15 @@ def test_user_function_failures_name_the_function_and_the_row(tmp_path: Path, bo
     assert e.value.exit_code == EXIT_BAD_INPUT
 
 
+@pytest.mark.parametrize("params", ["prompts, completions", "prompts, completions, solution, **kw", "prompts"])
+def test_user_function_that_cannot_take_the_arguments(tmp_path: Path, params: str) -> None:
+    path = write(tmp_path, f"def score({params}):\n    return [1.0] * len(prompts)\n")
+    with pytest.raises(RewardError, match=r"score \(.*\) cannot be called as score\(prompts, completions, \*\*row_fields\) "
+                                          r"with the fields of these rows \(answer, level; first: line 1\): .*; take the "
+                                          r"fields you need by name and add \*\*kwargs"):
+        reward_set({"function": f"{path}:score"}).score(["p"], ["c"], [{"answer": "1", "level": 2}], where=["line 1"])
+
+
 def test_user_function_error_without_locations_shows_the_first_prompt(tmp_path: Path) -> None:
     path = write(tmp_path, "def score(prompts, completions, **kw):\n    raise ValueError('bad')\n")
     with pytest.raises(RewardError, match=r"raised ValueError: bad .*first: the row with prompt 'What is 2\+2\?'"):

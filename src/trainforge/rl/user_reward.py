@@ -5,6 +5,7 @@ completion). It runs because the user's config names it (docs/security.md)."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 import math
 import os
@@ -121,6 +122,7 @@ class UserFunction:
         keys = list(dict.fromkeys(k for row in rows for k in row))  # every field of every row, first-seen order
         # fresh lists per call: a function that changes its arguments cannot change what the next one sees
         fields = {k: [row.get(k) for row in rows] for k in keys}
+        self._check_arguments(prompts, completions, fields, rows, where)
         outcome: dict[str, Any] = {}
 
         def run() -> None:
@@ -143,6 +145,22 @@ class UserFunction:
                               f"{_where_in(e, split_function(self.spec)[0])} scoring {len(completions)} completions "
                               f"(first: {first})")
         return self._checked(outcome.get("value"), prompts, rows, where)
+
+    def _check_arguments(self, prompts: list[str], completions: list[str], fields: dict[str, list[Any]],
+                         rows: list[dict[str, Any]], where: list[str] | None) -> None:
+        """RewardError where the function's parameters cannot take (prompts, completions, **fields): a missing
+        **kwargs is the usual cause, and the message says so rather than showing Python's TypeError alone."""
+        try:
+            signature = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a callable without a readable signature: the call itself will tell
+            return
+        try:
+            signature.bind(prompts, completions, **fields)
+        except TypeError as e:
+            first = self._row(0, prompts, rows, where) if rows else "an empty batch"
+            raise RewardError(f"the reward function {self._label} cannot be called as {self.name}(prompts, completions, "
+                              f"**row_fields) with the fields of these rows ({', '.join(fields) or 'none'}; first: "
+                              f"{first}): {e}; take the fields you need by name and add **kwargs for the rest") from None
 
     @property
     def _label(self) -> str:
