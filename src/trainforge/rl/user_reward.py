@@ -41,6 +41,10 @@ def _exception_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {clip(str(exc), 300)}" if str(exc) else type(exc).__name__
 
 
+def _completions(n: int) -> str:
+    return "1 completion" if n == 1 else f"{n} completions"
+
+
 def load_module(path: str) -> ModuleType:
     """Import the Python file at ``path`` (once while it is unchanged); its own directory is on ``sys.path`` while
     its top level runs, so it can import a helper module beside it."""
@@ -137,12 +141,12 @@ class UserFunction:
         first = self._row(0, prompts, rows, where) if rows else "an empty batch"
         if worker.is_alive():
             raise RewardError(f"the reward function {self._label} did not return within rl.reward_timeout_s="
-                              f"{self.timeout_s:g}s scoring {len(completions)} completions (first: {first}); it is "
+                              f"{self.timeout_s:g}s scoring {_completions(len(completions))} (first: {first}); it is "
                               "still running; make it faster, or raise rl.reward_timeout_s")
         if "error" in outcome:
             e = outcome["error"]
             raise RewardError(f"the reward function {self._label} raised {_exception_text(e)}"
-                              f"{_where_in(e, split_function(self.spec)[0])} scoring {len(completions)} completions "
+                              f"{_where_in(e, split_function(self.spec)[0])} scoring {_completions(len(completions))} "
                               f"(first: {first})")
         return self._checked(outcome.get("value"), prompts, rows, where)
 
@@ -177,7 +181,7 @@ class UserFunction:
             raise RewardError(f"the reward function {self._label} returned {type(value).__name__} {shown(value, 80)}; "
                               f"return a list of float | None, one per completion ({n} here)")
         if len(value) != n:
-            raise RewardError(f"the reward function {self._label} returned {len(value)} values for {n} completions "
+            raise RewardError(f"the reward function {self._label} returned {len(value)} values for {_completions(n)} "
                               f"(first: {self._row(0, prompts, rows, where) if n else 'none'}); return one float | "
                               "None per completion, in order")
         scores = []
