@@ -1,0 +1,1 @@
+"""Online reinforcement learning: rollouts, rewards and the GRPO family of losses."""
