@@ -79,10 +79,17 @@ def export(source: str | Path, out: Path, merge: bool, dtype: str | None, report
 
 def merge_adapter(src: ModelSource, out: Path, dtype: str | None, reporter: ConsoleReporter) -> str:
     """Base (dequantized for QLoRA) + adapter, merged, cast and saved in ``out``; returns the dtype name."""
+    target = DTYPES[dtype] if dtype else _stored_dtype(src.base)
+    merged, tokenizer = merged_model(src, reporter)
+    return _save_plain(merged, tokenizer, out, target)
+
+
+def merged_model(src: ModelSource, reporter: ConsoleReporter) -> tuple[torch.nn.Module, Any]:
+    """(the adapter folded into its base, in fp32, without PEFT; the tokenizer). QLoRA: the base is loaded
+    in 4-bit NF4 as it trained and dequantized to fp32 once before merging."""
     from peft import PeftModel
 
     tokenizer = load_source_tokenizer(src)
-    target = DTYPES[dtype] if dtype else _stored_dtype(src.base)
     auto_class = auto_model_class(src.encoder_decoder)
     if src.quantized:
         from ..model.load import nf4_config
@@ -100,7 +107,15 @@ def merge_adapter(src: ModelSource, out: Path, dtype: str | None, reporter: Cons
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = PeftModel.from_pretrained(base, str(src.weights))
     merged = model.merge_and_unload(safe_merge=True)  # safe_merge: refuses to write NaNs into the weights
-    return _save_plain(merged, tokenizer, out, target)
+    return merged, tokenizer
+
+
+def full_model(src: ModelSource, reporter: ConsoleReporter) -> tuple[torch.nn.Module, Any]:
+    """(the model ``src`` names in fp32, an adapter merged into its base; the tokenizer)."""
+    if src.adapter is not None:
+        return merged_model(src, reporter)
+    model = auto_model_class(src.encoder_decoder).from_pretrained(str(src.weights), dtype=torch.float32, trust_remote_code=False)
+    return model, load_source_tokenizer(src)
 
 
 def _save_plain(model: torch.nn.Module, tokenizer, out: Path, dtype: torch.dtype) -> str:
