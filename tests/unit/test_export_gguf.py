@@ -249,3 +249,64 @@ def test_llama3_rope_factors_are_transformers_frequency_ratios():
     dim = 128
     plain = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     np.testing.assert_allclose(llama3_rope_factors(config), (plain / scaled.double()).numpy(), rtol=1e-5)
+
+
+LLAMA3_TEMPLATE = (  # Meta-Llama-3-8B-Instruct's template
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def _render(tok, template: str):
+    return lambda messages, gen: tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                         add_generation_prompt=gen)
+
+
+def test_modelfile_for_a_chatml_template(tmp_path, tiny_tokenizer_dir):
+    from trainforge.tools.export_ollama import ollama_files
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    text, warnings = ollama_files(tmp_path / "out" / "m.gguf", tmp_path / "ollama", _render(tok, DEFAULT_CHAT_TEMPLATE), None, False)
+    assert warnings == []
+    assert text == (
+        "FROM ../out/m.gguf\n"
+        'TEMPLATE """{{ range .Messages }}'
+        '{{ if eq .Role "system" }}<|im_start|>system\n{{ .Content }}<|im_end|>\n'
+        '{{ else if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n'
+        '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n'
+        '{{ end }}{{ end }}<|im_start|>assistant\n"""\n'
+        'PARAMETER stop "<|im_end|>"\n'
+    )
+
+
+def test_modelfile_for_a_llama3_template_drops_the_bos_llama_cpp_adds(tmp_path, tiny_tokenizer_dir):
+    from trainforge.tools.export_ollama import chat_shape, ollama_files
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    tok.bos_token = "<|begin_of_text|>"
+    render = _render(tok, LLAMA3_TEMPLATE)
+    text, warnings = ollama_files(tmp_path / "m.gguf", tmp_path, render, tok.bos_token, True)
+    assert warnings == []
+    header = "<|start_header_id|>{role}<|end_header_id|>\n\n"
+    branches = "".join(f'{{{{ {kw} eq .Role "{r}" }}}}{header.format(role=r)}{{{{ .Content }}}}<|eot_id|>'
+                       for kw, r in (("if", "system"), ("else if", "user"), ("else if", "assistant")))
+    assert text == (f'FROM ./m.gguf\nTEMPLATE """{{{{ range .Messages }}}}{branches}{{{{ end }}}}{{{{ end }}}}'
+                    f'{header.format(role="assistant")}"""\nPARAMETER stop "<|eot_id|>"\n')
+    shape = chat_shape(render, tok.bos_token)  # the shape reproduces the Jinja rendering, BOS included
+    assert shape.render(TURNS, True) == render(TURNS, True)
+    kept, _ = ollama_files(tmp_path / "m.gguf", tmp_path, render, tok.bos_token, False)  # no BOS added by llama.cpp
+    assert 'TEMPLATE """<|begin_of_text|>{{ range' in kept
+
+
+def test_a_template_outside_the_role_content_shape_gets_no_template_and_a_warning(tmp_path, tiny_tokenizer_dir):
+    from trainforge.tools.export_ollama import ollama_files
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    fixtures = Path(__file__).parents[1] / "fixtures" / "chat_templates"
+    for name in ("mistralai-Mistral-7B-Instruct-v0.2.jinja", "Qwen-Qwen2.5-7B-Instruct.jinja"):  # merged system; default system
+        text, warnings = ollama_files(tmp_path / "m.gguf", tmp_path, _render(tok, (fixtures / name).read_text()), tok.bos_token, False)
+        assert text == "FROM ./m.gguf\n" and "no TEMPLATE" in warnings[0], name
+    text, warnings = ollama_files(tmp_path / "m.gguf", tmp_path, None, None, False)
+    assert text == "FROM ./m.gguf\n" and "no chat template" in warnings[0]
