@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from integration_helpers import root_conftest, run_cli, show
 
 pytest.importorskip("gguf")

@@ -23,11 +23,11 @@ from rich.console import Console
 
 pytest.importorskip("gguf")
 
-from trainforge.data.formats import DEFAULT_CHAT_TEMPLATE  # noqa: E402
-from trainforge.metrics.console import ConsoleReporter  # noqa: E402
-from trainforge.model.tokenizer import load_tokenizer  # noqa: E402
-from trainforge.tools.export_gguf import export_gguf  # noqa: E402
-from trainforge.tools.gguf_model import GGUFExportError, llama3_rope_factors  # noqa: E402
+from trainforge.data.formats import DEFAULT_CHAT_TEMPLATE
+from trainforge.metrics.console import ConsoleReporter
+from trainforge.model.tokenizer import load_tokenizer
+from trainforge.tools.export_gguf import export_gguf
+from trainforge.tools.gguf_model import GGUFExportError, llama3_rope_factors
 
 QUIET = ConsoleReporter(Console(quiet=True))
 F16_EPS = 2.0**-10
@@ -40,9 +40,9 @@ TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content":
 def _config(family: str, vocab: int, tok) -> object:
     from transformers import AutoConfig
 
-    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tok.eos_token_id,
-                 pad_token_id=tok.pad_token_id, rms_norm_eps=1e-5)
+    shape = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 256, "eos_token_id": tok.eos_token_id,
+             "pad_token_id": tok.pad_token_id, "rms_norm_eps": 1e-5}
     # Qwen3: an explicit head width (written as attention.key_length); transformers' reader ignores that key and
     # takes Qwen3Config's default 128, so the test model uses 128 for the round trip to mean anything
     extra = {"llama": {"rope_theta": 50000.0}, "mistral": {"sliding_window": None},

@@ -20,7 +20,16 @@ from ..metrics.console import ConsoleReporter
 from ..model.resolve import ModelSource, resolve_source
 from ..rundir.atomic import atomic_write_text, publish_new_file
 from .export_ollama import ollama_files
-from .gguf_model import QUANTS, GGUFExportError, Family, encode, family_of, file_type, gguf_tensors, write_hparams
+from .gguf_model import (
+    QUANTS,
+    Family,
+    GGUFExportError,
+    encode,
+    family_of,
+    file_type,
+    gguf_tensors,
+    write_hparams,
+)
 from .gguf_vocab import Vocab, read_vocab, write_vocab
 
 MODELFILE = "Modelfile"
@@ -83,8 +92,8 @@ def export_gguf(source: str | Path, out: Path, quant: str, ollama: Path | None, 
     """Write the model ``source`` names as one GGUF file ``out`` (and a Modelfile in ``ollama``)."""
     from transformers.utils import logging as hf_logging
 
-    from .export import full_model
     from .export_ollama import chat_shape
+    from .merge import full_model
 
     hf_logging.disable_progress_bar()
     out = Path(out)

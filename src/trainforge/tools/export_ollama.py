@@ -125,8 +125,8 @@ def ollama_files(gguf_path: Path, directory: Path, render: Render | None, bos_to
     shape = chat_shape(render, bos_token)
     template = go_template(shape, add_bos) if shape is not None else None
     if template is None:
-        return modelfile_text(gguf_path, directory, None, []), [
-            "the run's chat template is not the plain role/content shape a Go template can express (a default "
-            "system prompt, merged or rewritten turns, tools): the Modelfile has no TEMPLATE; write one by hand"]
+        why = ("the run's chat template is not the plain role/content shape a Go template can express (a default "
+               "system prompt, merged or rewritten turns, tools): the Modelfile has no TEMPLATE; write one by hand")
+        return modelfile_text(gguf_path, directory, None, []), [why]
     stops = [shape.end_of_turn] if shape.end_of_turn else []
     return modelfile_text(gguf_path, directory, template, stops), []

@@ -64,7 +64,9 @@ def _pre_name(pattern: str | None, own_regex: bool) -> str | None:
     """llama.cpp's name of this pre-tokenization (its names, as transformers' GGUF reader maps them to regexes)."""
     if pattern is None:
         return "gpt-2" if own_regex else None
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_PRE_TOKENIZER_SPLITS,
+    )
 
     for name, regex in GGUF_PRE_TOKENIZER_SPLITS.items():
         if regex == pattern:
