@@ -7,7 +7,7 @@ permutation round trip included), so the logits equal those of the model with f1
 accumulation noise (1e-5), and the original fp32 model's within 8 f16 epsilons (2^-10 each) of the largest
 logit: a weight's relative rounding is at most 2^-11, and on these 2-layer models a handful of roundings add
 up. q8_0: every weight read back is within one quantization step (its 32-block's max |w| / 127) of the
-original; the logits were measured at 0.3-0.9% of the largest logit on these models (seed-fixed), asserted
+original; the logits were measured at 0.84% of the largest logit on a tiny Llama (seed-fixed), asserted
 under 3% (docs/export.md)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from trainforge.tools.gguf_model import GGUFExportError, llama3_rope_factors
 
 QUIET = ConsoleReporter(Console(quiet=True))
 F16_EPS = 2.0**-10
-Q8_BOUND = 0.03  # of the largest |logit|; measured 0.003-0.009 on these models
+Q8_BOUND = 0.03  # of the largest |logit|; measured 0.0084 on a tiny Llama
 TEXTS = ["héllo wörld, naïve café — 日本語 🙂", "def f(x):\n    return {'a': x ** 2}  # ok\n", "  two  spaces\tand\n\nlines"]
 TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "continue: alpha beta"},
          {"role": "assistant", "content": "gamma delta"}, {"role": "user", "content": "and then?"}]
