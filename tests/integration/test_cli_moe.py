@@ -73,3 +73,45 @@ def test_model_dir_whose_config_routes_too_many_is_exit_2(tmp_path, tiny_tokeniz
     proc = run_cli(["train", write_config(tmp_path / "moe.yaml", settings), "--output", tmp_path / "run"], tmp_path)
     assert proc.returncode == 2, show(proc)
     assert "config.json" in proc.stderr and "num_experts_per_tok (6)" in proc.stderr, show(proc)
+
+
+def tiny_mixtral_dir(path: Path, tokenizer_dir: Path) -> Path:
+    import torch
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = MixtralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=128, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_mixtral_lora_adapts_experts_not_router_and_merges_to_the_same_logits(tmp_path, tiny_tokenizer_dir, toy_data_dir):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = tiny_mixtral_dir(tmp_path / "mixtral", tiny_tokenizer_dir)
+    settings = moe_config(tiny_tokenizer_dir, toy_data_dir)
+    settings["model"] = {"path": str(base), "method": "lora"}
+    settings["train"]["max_steps"] = 3
+    settings["optim"] = {"lr": 0.01}
+    proc = run_cli(["train", write_config(tmp_path / "lora.yaml", settings), "--output", tmp_path / "run"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
+    assert "gate" not in adapter["target_modules"]
+    proc = run_cli(["export", tmp_path / "run", "--merge", "--out", tmp_path / "merged"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "run" / "final").eval()
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, peft(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(".experts." in k for k in changed) and not any(k.endswith("gate.weight") for k in changed), changed
