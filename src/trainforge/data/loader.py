@@ -39,12 +39,14 @@ class Batch:
     n_documents: int = 0  # packed documents (preference rows: a pair's chosen and rejected are two)
     desirable: torch.Tensor | None = None  # KTO: each example's label, in the order of its pairs (example, KL sample)
     reference: torch.Tensor | None = None  # (P, 2) precomputed reference log-probabilities of each pair's two sides
+    real: torch.Tensor | None = None  # (B, S) bool: real input tokens, not a row's padding fill (the router loss counts them)
 
     def _map(self, fn) -> "Batch":
         t = lambda x: fn(x) if x is not None else None  # noqa: E731
         return Batch(
             fn(self.input_ids), fn(self.labels), t(self.position_ids), self.n_tokens, self.n_targets, self.indices,
             t(self.attention_mask), t(self.decoder_input_ids), self.n_documents, t(self.desirable), t(self.reference),
+            t(self.real),
         )
 
     def to(self, device: torch.device) -> "Batch":
@@ -117,6 +119,8 @@ class RowCollator:
             n_documents=sum(len(r) for r in rows) if self.packed else len(rows),
         )
         batch.desirable, batch.reference = self._pair_fields(rows)
+        lengths = torch.tensor([len(b[0]) for b in built])
+        batch.real = torch.arange(width)[None, :] < lengths[:, None]
         return batch.pinned() if self.pin else batch  # page-locked: the host-to-GPU copy is asynchronous
 
 
@@ -195,6 +199,8 @@ class TrainLoader:
         b = self.collate([self.rows[row]], [])
         b.labels.fill_(IGNORE)
         b.n_tokens, b.n_targets, b.n_documents = 0, 0, 0
+        if b.real is not None:
+            b.real.fill_(False)
         if b.desirable is not None:
             b.desirable = b.desirable[:0]  # no pairs: the documents' targets are gone
         if b.reference is not None:

@@ -18,24 +18,31 @@ from .nonfinite import skip_update_if
 from .optim import clip_gradients
 
 
-def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True) -> torch.Tensor:
+def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
+             router_logits: list | None = None) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32.
 
     ``fused``: through the chunked LM-head + cross-entropy (no full logits) where the model allows.
     Encoder-decoder batches (``decoder_input_ids`` set): cross-entropy of the decoder's predictions of the target.
+    ``router_logits``: a mixture-of-experts model's router logits of each layer are appended to it.
     """
     if batch.decoder_input_ids is not None:
         return seq2seq_loss_sum(model, batch, precision, fused)
     head = fused_head(model) if fused else None
     # use_cache=False: a KV cache is useless here, and with one transformers skips the
     # packed-document mask built from position_ids (documents would attend to each other)
+    extra = {"output_router_logits": True} if router_logits is not None else {}
     with precision.autocast(batch.input_ids.device):
         if head is not None:
             decoder, lm_head = head
-            hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
-            return linear_cross_entropy(hidden.flatten(0, 1), lm_head, batch.labels.flatten())
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+            out = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
+            if router_logits is not None:
+                router_logits.extend(out.router_logits or ())
+            return linear_cross_entropy(out.last_hidden_state.flatten(0, 1), lm_head, batch.labels.flatten())
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
+        if router_logits is not None:
+            router_logits.extend(out.router_logits or ())
+    return F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 class TokenObjective:
@@ -43,6 +50,9 @@ class TokenObjective:
     tokens; the preference objectives (engine/objective.py) answer the same three calls."""
 
     name, unit, reference = "sft", "token", "none"
+
+    def __init__(self, router: Any = None):
+        self.router = router  # a mixture-of-experts model's load-balancing loss (engine/router_loss.py), or None
 
     def units(self, batch: Batch) -> int:
         return batch.n_targets
@@ -52,7 +62,10 @@ class TokenObjective:
 
     def loss_sum(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
                  metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        return loss_sum(model, batch, precision, fused)  # this module's loss_sum, looked up at each call
+        if self.router is None or not torch.is_grad_enabled():
+            return loss_sum(model, batch, precision, fused)  # this module's loss_sum, looked up at each call
+        router_logits: list = []
+        return self.router.add(loss_sum(model, batch, precision, fused, router_logits), router_logits, batch, metrics)
 
 
 TOKENS = TokenObjective()

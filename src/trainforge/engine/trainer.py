@@ -36,6 +36,7 @@ from .evaluate import evaluate, planned_evals
 from .mfu import follow_threads, run_mfu, window_mfu
 from .nonfinite import final_weights_check
 from .objective import mean_metrics
+from .router_loss import router_means
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .ending import eval_stop, record_failure, stop_before_first_step, stop_on_signal, write_report
@@ -321,6 +322,7 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
     if run.device.type == "cuda":
         rec["reserved_memory_bytes"] = int(torch.cuda.max_memory_reserved(run.device))
     rec.update(mean_metrics(w.sums, reduce=run.dist.all_reduce))  # every rank: the sums are all-reduced
+    rec.update(router_means(w.sums, reduce=run.dist.all_reduce))  # a mixture-of-experts model's aux loss
     if run.cfg.log.example_indices:
         rec["example_indices"] = w.indices
     run.metrics.write(rec)
