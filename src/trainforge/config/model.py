@@ -76,6 +76,13 @@ class ModelSettings(Section):
         "router_aux_loss_coef to the training loss, as transformers does with output_router_logits (logged as aux_loss); "
         "false: cross-entropy only",
     )
+    experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = Field(
+        "auto", description="mixture-of-experts models: how transformers runs the routed experts. grouped_mm: tokens "
+        "sorted by expert, one grouped GEMM (torch's kernel on CUDA sm80+ with bf16 weights; a loop of GEMMs elsewhere); "
+        "eager: a Python loop over the experts hit; batched_mm: one weight matrix gathered per routed token (for "
+        "decoding: its memory grows with tokens x experts per token). auto: grouped_mm, except eager on a GPU whose "
+        "expert weights are not bf16 (a full fine-tune's fp32 masters: eager's matmuls get autocast's bf16)",
+    )
     attention: Literal["auto", "sdpa", "packed_sdpa", "varlen", "flex", "eager", "flash_attention_2"] = Field(
         "auto",
         description="attention kernel; auto: on CUDA varlen (torch's built-in Flash varlen kernel over packed "

@@ -21,20 +21,8 @@ from ..data.plan import check_objective_data, describe_data, get_tokenizer, plan
 from ..dist import DistContext, device_for
 from ..errors import TrainforgeError
 from ..hardware.device import (
-    PRECISIONS,
-    Precision,
-    available_memory_bytes,
-    configure_backends,
-    cpu_has_native_bf16,
-    cpu_matmul_flops,
-    cpu_peak_precision,
-    describe,
-    device_memory,
-    emulated_precision,
-    peak_flops,
-    pick_device,
-    resolve_precision,
-    this_profile,
+    PRECISIONS, Precision, available_memory_bytes, configure_backends, cpu_has_native_bf16, cpu_matmul_flops,
+    cpu_peak_precision, describe, device_memory, emulated_precision, peak_flops, pick_device, resolve_precision, this_profile,
 )
 from ..metrics.console import ConsoleReporter
 from ..metrics.flops import flops_per_token
@@ -43,6 +31,7 @@ from ..metrics.sinks import build_sinks, require_trackers
 from ..metrics.thresholds import limit
 from ..metrics.tracker import MetricsLog, NullMetricsLog
 from ..metrics.window import LogWindow
+from ..model.experts_impl import describe as describe_experts
 from ..model.fp8 import resolve_fp8
 from ..model.kernels import resolve_kernels
 from ..model.load import build_model, check_positions, count_parameters, describe_storage, overflows_in_fp16, weight_storage
@@ -357,7 +346,7 @@ def build_run_model(
         f"attention {model.config._attn_implementation}, kernels {'liger (' + ', '.join(used) + ')' if used else 'torch'}"
         + (f", fp8 {model.trainforge_fp8}" if getattr(model, "trainforge_fp8", None) else "")
         + (f", {model.trainforge_lora_fused} fused LoRA layers" if getattr(model, "trainforge_lora_fused", None) else "")
-        + (", activation checkpointing" if cfg.train.activation_checkpointing else "")
+        + describe_experts(model) + (", activation checkpointing" if cfg.train.activation_checkpointing else "")
     )
     reporter.info(f"weights: {describe_storage(weight_storage(model))}")
     return model
@@ -385,6 +374,7 @@ def run_facts(
         "kernels": getattr(model, "trainforge_kernels", []) or "torch",
         "fp8": getattr(model, "trainforge_fp8", None),
         "lora_fused_layers": getattr(model, "trainforge_lora_fused", None),
+        "experts_implementation": (getattr(model, "trainforge_experts", None) or (None,))[0],
     }
     return RunFacts(why, data_format, data_stats, per_token, peak, choices)
 

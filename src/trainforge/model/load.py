@@ -13,6 +13,7 @@ import torch
 from ..config.run import ConfigError, LoraSettings, ModelSettings
 from ..errors import TrainforgeError
 from ..hf_dir import init_kind, read_config, refuse_adapter, refuse_custom_code
+from .experts_impl import use_experts_implementation
 from .fp8 import apply_fp8
 from .kernels import apply_liger, restore_torch_layers
 from .lora_fused import fuse_lora_layers
@@ -219,7 +220,9 @@ def build_model(
     fp8_layers = apply_fp8(model, fp8) if fp8 else 0
     if fp8 and not fp8_layers:
         warn("train.fp8: no linear layer has sides that are multiples of 16 (FP8 tensor cores need them): the run is plain bf16")
+    experts = use_experts_implementation(model, cfg.experts_implementation, device or torch.device("cpu"))
     model = adapt(model, cfg, activation_checkpointing)
+    model.trainforge_experts = experts  # (implementation, why) of a mixture-of-experts model's routed experts
     model.trainforge_kernels = used
     model.trainforge_fp8 = f"{fp8} ({fp8_layers} linear layers)" if fp8 else None
     return model

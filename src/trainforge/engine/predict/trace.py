@@ -377,6 +377,7 @@ def _trace(
     from ..step import loss_sum, optimizer_step
     from ...model.fp8 import apply_fp8, fp8_recipe
     from .kernel_standins import use_liger_stand_ins
+    from .moe import trace_experts
 
     cpu = torch.device("cpu")
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing, layers)
@@ -389,6 +390,7 @@ def _trace(
             quantize_base_4bit(model, precision.autocast_dtype or torch.float32)
         if kernels == "liger":
             use_liger_stand_ins(model)
+        trace_experts(model, cfg.model.experts_implementation, device_type)  # MoE: routing of static shapes (moe.py)
         if fp8_recipe(cfg.train.fp8) and cfg.model.method != "qlora":
             apply_fp8(model, fp8_recipe(cfg.train.fp8))  # torchao's layers run on fake tensors: their casts are traced
         model.train()

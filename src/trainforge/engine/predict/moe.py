@@ -1,0 +1,118 @@
+"""Mixture-of-experts layers as a plan traces them: every expert held, each token routed to ``top_k`` of them.
+
+The experts' own forward cannot run on fake tensors: routing decides how many tokens each expert gets
+(transformers' eager loop branches on ``nonzero``), and torch's ``grouped_mm`` meta function accepts bf16
+only. During a trace each routed-experts module (transformers' ``@use_experts_implementation`` classes:
+3-D ``gate_up_proj``/``down_proj`` weights) instead runs a shape-static stand-in that routes every token to
+``top_k`` experts spread evenly: each expert gets ``tokens x top_k / experts`` rows (rounded up) and one
+``bmm`` does all experts' GEMMs. So:
+
+- memory holds every expert's weights (they are parameters; gradients and optimizer state where trained);
+  the routed rows are gathered, projected, gated and weighted as the grouped kernel does, and backward keeps
+  what it keeps (the gathered input of each GEMM);
+- time counts the routed FLOPs only (top-k of the experts), and the ``bmm``'s bytes read include every
+  expert's weights: with few tokens per expert the layer is priced memory-bound, as the grouped GEMM is.
+
+Precision follows the implementation the run will use (``model/experts_impl.py``): ``grouped_mm`` is not
+autocast (it multiplies in the weights' dtype: fp32 master weights stay fp32), eager's per-expert
+``linear`` is (its bf16 copies of the expert weights are kept for backward); ``batched_mm`` is shape-static
+already and is traced as it is (it gathers one weight matrix per routed token: a memory a plan must show).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+from ...errors import TrainforgeError
+from ...model.experts_impl import choose, expert_weight_dtype
+from ...model.moe import expert_modules
+
+STATIC_IMPLEMENTATIONS = ("batched_mm",)  # transformers' implementations that already trace on fake tensors
+
+
+def _balanced_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool, autocast: bool) -> torch.Tensor:
+    """``x`` (routed rows, sorted by expert) times each expert's weight, every expert taking an equal share of
+    the rows: one ``bmm`` over (experts, rows per expert, in) x (experts, in, out)."""
+    experts = weight.shape[0]
+    w = weight if transposed else weight.transpose(-2, -1)  # (experts, in, out)
+    rows = x.shape[0]
+    per = -(-rows // experts)
+    if per * experts != rows:  # uneven: pad to whole shares (at most experts - 1 rows; none for usual shapes)
+        x = torch.cat([x, x.new_zeros(per * experts - rows, x.shape[1])])
+    with contextlib.ExitStack() as stack:
+        if not autocast:  # grouped_mm is not an autocast op: it runs in the weights' dtype
+            stack.enter_context(torch.autocast(x.device.type, enabled=False))
+            x = x.to(w.dtype)
+        out = torch.bmm(x.view(experts, per, x.shape[1]), w).view(experts * per, w.shape[-1])
+    return out[:rows] if per * experts != rows else out
+
+
+def _static_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped experts forward (sort by expert, gather, project, gate, project, weight, sum),
+    with the grouped GEMM replaced by ``_balanced_linear``: the same tensors, of static shapes."""
+    autocast = self._trainforge_autocast
+    tokens, top_k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    _, perm = torch.sort(top_k_index.reshape(-1))
+    routed = hidden_states[perm // top_k]  # (tokens x top_k, hidden)
+    weights = top_k_weights.reshape(-1)[perm]
+    up = self.gate_up_proj if self.has_gate else self.up_proj  # read here: a LoRA parametrization applies
+    out = _balanced_linear(routed, up, self.is_transposed, autocast)
+    if self.has_bias:
+        out = out + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[top_k_index.reshape(-1)[perm]]
+    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
+    out = _balanced_linear(out, self.down_proj, self.is_transposed, autocast)
+    if self.has_bias:
+        out = out + self.down_proj_bias[top_k_index.reshape(-1)[perm]]
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    out = out * weights.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
+    return out[inverse].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def trace_experts(model: torch.nn.Module, setting: str, device_type: str) -> str | None:
+    """Prepare a traced model's routed experts as the run will run them on ``device_type``: the implementation
+    ``setting`` (``model.experts_implementation``) resolves to, through its shape-static stand-in. Returns that
+    implementation, or None for a dense model."""
+    dtype = expert_weight_dtype(model)
+    if dtype is None:
+        return None
+    choice, _ = choose(setting, device_type, dtype)
+    for module in expert_modules(model):
+        config = getattr(module, "config", None)
+        if config is not None:  # batched_mm runs transformers' own forward, which reads it
+            config._experts_implementation_internal = choice
+    use_static_routing(model, choice)
+    return choice
+
+
+def use_static_routing(model: torch.nn.Module, implementation: str) -> int:
+    """Give each routed-experts module of ``model`` the shape-static stand-in of ``implementation``, in place;
+    returns how many got one. ``batched_mm`` needs none; a module that is not transformers' experts interface
+    (no ``has_gate``) is one this plan cannot trace: ``UntraceableExperts``."""
+    if implementation in STATIC_IMPLEMENTATIONS:
+        return 0
+    swapped = 0
+    for module in expert_modules(model):
+        if not hasattr(module, "has_gate"):
+            raise UntraceableExperts(type(module).__name__)
+        module._trainforge_autocast = implementation == "eager"
+        module.forward = types.MethodType(_static_experts_forward, module)
+        swapped += 1
+    return swapped
+
+
+class UntraceableExperts(TrainforgeError, RuntimeError):
+    """A routed-experts module outside transformers' experts interface: its routing cannot be traced statically."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"plan: {name} keeps its experts outside transformers' experts interface (@use_experts_implementation), "
+            "so its routing cannot be traced on fake tensors; plan has no prediction for this architecture: "
+            "run `trainforge train` with a small train.max_steps to measure it instead")

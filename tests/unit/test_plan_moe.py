@@ -1,0 +1,99 @@
+"""plan on mixture-of-experts models: the traced step (static balanced routing, engine/predict/moe.py) against a
+real CPU step's live-tensor peak, in every precision and experts implementation, and its FLOPs the routed ones only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_plan import real_step_peak
+from trainforge.config.run import RunConfig
+from trainforge.engine.predict.trace import _trace, trace_training_step
+from trainforge.hardware.device import PRECISIONS
+from trainforge.metrics.flops import linear_params
+from trainforge.model.load import build_model
+from trainforge.tools.plan import VocabOnly
+
+VOCAB, ROWS, LENGTH = 64, 4, 64
+SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=128, num_experts_per_tok=2)
+FAMILIES = {
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=16, intermediate_size=48),
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=16, shared_expert_intermediate_size=24, intermediate_size=48),
+    "olmoe": dict(num_experts=8, intermediate_size=16),
+    "mixtral": dict(num_local_experts=8, intermediate_size=16),
+}
+
+
+def moe_dir(tmp_path, arch: str, **fields) -> str:
+    """A tiny random checkpoint of ``arch`` saved in bf16 (as published ones are)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = CONFIG_MAPPING[arch](vocab_size=VOCAB, **SHAPE, **FAMILIES[arch], **fields)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    path = tmp_path / arch
+    model.save_pretrained(path)
+    (path / "tokenizer_config.json").write_text("{}")  # a model directory has tokenizer files; none is read here
+    return str(path)
+
+
+def run_config(tmp_path, arch: str, method: str, from_dir: bool, experts: str = "auto", **model) -> RunConfig:
+    """``from_dir``: a bf16 checkpoint directory (its tokenizer: a stand-in file; plan and the step read only its size)."""
+    source = {"path": moe_dir(tmp_path, arch)} if from_dir else {
+        "init": {"architecture": arch, "vocab_size": VOCAB, **SHAPE, **FAMILIES[arch]}}
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "alpha beta"}\n')
+    return RunConfig.model_validate({
+        "model": {**source, "method": method, "experts_implementation": experts, **model},
+        "data": {"train": str(data), "max_length": LENGTH},
+    })
+
+
+@pytest.mark.parametrize("arch, method, precision, checkpointing, from_dir, experts", [
+    ("qwen3_moe", "full", "fp32", False, False, "auto"),
+    ("qwen2_moe", "lora", "bf16", False, True, "auto"),  # shared expert; LoRA on the 3-D experts too
+    ("olmoe", "full", "bf16", True, False, "auto"),
+    ("mixtral", "lora", "fp32", True, True, "auto"),
+    ("qwen3_moe", "full", "bf16", False, False, "eager"),  # eager under autocast: bf16 copies of expert weights
+    ("qwen3_moe", "lora", "fp32", False, True, "batched_mm"),  # traced as transformers runs it
+])
+def test_traced_moe_peak_matches_a_real_step(tmp_path, arch, method, precision, checkpointing, from_dir, experts):
+    cfg = run_config(tmp_path, arch, method, from_dir, experts)
+    cfg.train.activation_checkpointing = checkpointing
+    tok, prec = VocabOnly(VOCAB), PRECISIONS[precision]
+    predicted = trace_training_step(cfg, tok, prec, ROWS, checkpointing)
+    measured, parts = real_step_peak(cfg, tok, prec, ROWS)
+    assert predicted.parts["weights"] == parts["weights"]  # every expert held, in its real dtype
+    assert predicted.parts["optimizer"] == parts["optimizer"]
+    assert abs(predicted.peak / measured - 1) < 0.15, (predicted.parts, parts)
+
+
+@pytest.mark.parametrize("experts, precision", [
+    ("auto", "fp32"), ("grouped_mm", "bf16"), ("grouped_mm", "fp16"), ("eager", "fp16"), ("batched_mm", "bf16")])
+def test_every_precision_and_implementation_traces(tmp_path, precision, experts):
+    cfg = run_config(tmp_path, "qwen3_moe", "full", False, experts)
+    trace = trace_training_step(cfg, VocabOnly(VOCAB), PRECISIONS[precision], 2, False)
+    assert trace.peak > 0 and trace.flops > 0
+
+
+def matmul_flops(trace) -> float:
+    return sum(o.flops for o in trace.ops if o.name in ("mm", "addmm", "bmm"))
+
+
+def test_traced_flops_are_the_routed_ones(tmp_path):
+    """The step's matmul FLOPs are 6 x the active matrix parameters x tokens (top-k of the experts, the router,
+    attention and the head): the same with 8 or 16 experts, while the weights held double in the experts."""
+    traces, active = {}, {}
+    for experts in (8, 16):
+        cfg = run_config(tmp_path, "qwen3_moe", "full", False)
+        cfg.model.init["num_experts"] = experts
+        traces[experts] = _trace(cfg, VocabOnly(VOCAB), PRECISIONS["fp32"], ROWS, False, 1, "cpu", None)
+        model = build_model(cfg.model, VocabOnly(VOCAB), 0)
+        active[experts] = linear_params(model)[0]
+    tokens = ROWS * LENGTH
+    for experts in (8, 16):
+        assert matmul_flops(traces[experts]) == pytest.approx(6 * active[experts] * tokens, rel=1e-9)
+    router = 2 * 8 * 32  # the router grows with the experts (8 more rows of 32, two layers); the experts' share does not
+    assert active[16] - active[8] == router
+    assert traces[16].parts["weights"] > 1.8 * traces[8].parts["weights"] - 2 * VOCAB * 32 * 4
