@@ -24,6 +24,7 @@ from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
 from ..hardware.device import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
 from ..hardware.profiles import GIB, HardwareProfile, find_profile
+from .plan_moe import describe_moe, moe_decision, moe_facts, moe_findings, no_fit_fix
 from .plan_kernels import attention_share, fp8_decision, fp8_problem, fp8_uncompiled, kernels_choice, planned_attention
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
 from .plan_preference import describe_reference, with_reference
@@ -130,6 +131,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
     step = with_offload(step, optimizer)
     step, preference = with_reference(resolved, step, memory)  # a preference run's reference forward
     steps = run_steps(resolved, accum, world_size, data)
+    moe = moe_facts(resolved, tokenizer, precision, profile)  # None: a dense model
     plan: dict[str, Any] = {
         "hardware": {
             "name": profile.name, "title": profile.title, "memory_bytes": profile.memory_bytes,
@@ -164,7 +166,8 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
         "optimizer": optimizer,
         "preference": preference,
         "data": data,
-        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile),
+        "moe": moe,
+        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile) + moe_decision(moe),
     }
     plan["findings"] = findings(cfg, resolved, plan, memory, step, profile, device, precision, output)
     return plan
@@ -325,7 +328,7 @@ def findings(
         remedy = plan["memory"].get("one_change_to_fit")
         auto = given.train.micro_batch_size == "auto" and given.train.activation_checkpointing == "auto"
         smallest = cfg.train.micro_batch_size == 1 and cfg.train.activation_checkpointing is True  # nothing auto could lower
-        fix = remedy["text"] if remedy else (
+        fix = remedy["text"] if remedy else no_fit_fix(plan.get("moe"), cap) or (
             "no single change fits it: lower data.max_length and use model.method: qlora, or a card with more memory"
             if auto or smallest else "set train.micro_batch_size: auto (and keep train.activation_checkpointing: auto)")
         add("error", f"predicted peak {mem / GIB:.2f} GiB exceeds the {cap / GIB:.1f} GiB of {profile.title}", fix)
@@ -387,7 +390,7 @@ def findings(
     if cfg.train.micro_batch_size == 1 and cfg.train.grad_accum > 1 and given.train.micro_batch_size != "auto":
         add("warn", "micro-batch 1 with accumulation: each pass is too small to use the device well",
             "set train.micro_batch_size: auto with train.global_batch_size to keep the global batch")
-    return out
+    return out + moe_findings(cfg, plan.get("moe"))
 
 
 def eval_batches_per_pass(cfg: RunConfig, data: dict[str, Any], steps: int | None = None, world_size: int = 1) -> int:
@@ -440,6 +443,8 @@ def render(plan: dict[str, Any], console) -> None:
     for lever, value in m["levers"].items():
         console.print(f"  {LEVER_TITLES.get(lever, lever.replace('_', ' '))}: tensors {value / GIB:.3f} GiB "
                       f"({(value - m['peak_tensor_bytes']) / GIB:+.3f})")
+    for line in describe_moe(plan.get("moe")):
+        console.print(line)
     mfu = f", MFU {t['mfu']:.0%}" if t.get("mfu") else ""
     how = f"; {t['ops_measured']} distinct ops timed on this machine" if t["ops_measured"] else ""
     console.print(

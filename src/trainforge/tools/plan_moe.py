@@ -1,0 +1,85 @@
+"""What `trainforge plan` says about a mixture-of-experts model: its parameters (all held, the active ones per
+token), its routed experts' weights and their dtype, the experts implementation the run would use, and why a
+QLoRA of it stays large (bitsandbytes quantizes ``nn.Linear`` layers only, not transformers' 3-D expert weights).
+
+Counts come from the model built on the meta device at full depth (shapes only: nothing is allocated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config.run import RunConfig
+from ..hardware.device import Precision
+from ..hardware.profiles import GIB, HardwareProfile
+from ..metrics.flops import linear_params
+from ..model.experts_impl import choose
+from ..model.moe import expert_modules, routing
+
+
+def moe_facts(cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile) -> dict[str, Any] | None:
+    """Parameters of the base model (all of them, and the active ones a token runs through: top-k of the routed
+    experts, everything else in full, embeddings included), its routed experts (count, per token, parameters,
+    bytes in their stored dtype) and the experts implementation the run would use on ``profile``; None for a
+    dense model."""
+    from ..model.load import build_model_skeleton, storage_dtype
+
+    base = build_model_skeleton(cfg.model.model_copy(update={"method": "full"}), tokenizer, None, False)
+    found = routing(getattr(base, "config", None))
+    experts = [p for m in expert_modules(base) for p in m.parameters(recurse=False) if p.ndim == 3]
+    if found is None or not experts:
+        return None
+    # the dtype the run stores the experts in: a LoRA/QLoRA base in the compute dtype (bitsandbytes leaves
+    # 3-D weights as they are), a full fine-tune's fp32 masters; model.init builds fp32
+    dtype = torch.float32 if cfg.model.init is not None else storage_dtype(cfg.model, precision.autocast_dtype)
+    implementation, why = choose(cfg.model.experts_implementation, "cpu" if profile.kind == "cpu" else "cuda", dtype)
+    embeddings = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Embedding))
+    expert_params = sum(p.numel() for p in experts)
+    return {
+        "experts": found[1], "experts_per_token": found[2],
+        "total_parameters": sum(p.numel() for p in base.parameters()),
+        "active_parameters": int(sum(linear_params(base)) + embeddings),
+        "expert_parameters": expert_params,
+        "expert_bytes": expert_params * dtype.itemsize,
+        "expert_dtype": str(dtype).removeprefix("torch."),
+        "experts_implementation": implementation, "experts_implementation_why": why,
+    }
+
+
+def moe_decision(facts: dict[str, Any] | None) -> list[dict[str, str]]:
+    """The plan's decisions row for the experts implementation (none for a dense model)."""
+    if facts is None:
+        return []
+    return [{"setting": "experts_implementation", "choice": facts["experts_implementation"],
+             "why": facts["experts_implementation_why"]}]
+
+
+def moe_findings(cfg: RunConfig, facts: dict[str, Any] | None) -> list[dict[str, str]]:
+    """The plan's findings on an MoE model: a QLoRA of it keeps its routed experts in 16 bits."""
+    if facts is None or cfg.model.method != "qlora":
+        return []
+    return [{"level": "info",
+             "message": f"QLoRA quantizes linear layers only: the {facts['expert_parameters'] / 1e9:.1f}B parameters of "
+             f"the routed experts (3-D weights, {facts['expert_bytes'] / GIB:.1f} GiB) stay in {facts['expert_dtype']}",
+             "fix": "count them in the memory the run needs (model.method: lora holds them in the same bytes)"}]
+
+
+def describe_moe(facts: dict[str, Any] | None) -> list[str]:
+    """The plan's console line on an MoE model (none for a dense one)."""
+    if facts is None:
+        return []
+    return [f"mixture of experts: {facts['total_parameters'] / 1e9:.2f}B parameters held, "
+            f"{facts['active_parameters'] / 1e9:.2f}B active per token ({facts['experts_per_token']} of "
+            f"{facts['experts']} routed experts); the experts' weights {facts['expert_bytes'] / GIB:.1f} GiB in "
+            f"{facts['expert_dtype']}; time counts the active ones, memory all of them"]
+
+
+def no_fit_fix(facts: dict[str, Any] | None, capacity: int) -> str | None:
+    """The fix of a run no single change fits, where the routed experts alone are past the device's memory."""
+    if facts is None or facts["expert_bytes"] < capacity:
+        return None
+    return (f"the routed experts alone are {facts['expert_bytes'] / GIB:.1f} GiB in {facts['expert_dtype']}, more than "
+            f"the {capacity / GIB:.1f} GiB of the device (QLoRA does not quantize them): a GPU with more memory, or "
+            "several with train.distributed: fsdp (plan --nproc N)")
