@@ -97,3 +97,18 @@ def test_traced_flops_are_the_routed_ones(tmp_path):
     router = 2 * 8 * 32  # the router grows with the experts (8 more rows of 32, two layers); the experts' share does not
     assert active[16] - active[8] == router
     assert traces[16].parts["weights"] > 1.8 * traces[8].parts["weights"] - 2 * VOCAB * 32 * 4
+
+
+def test_experts_outside_transformers_interface_are_refused_naming_the_module():
+    from trainforge.engine.predict.moe import UntraceableExperts, use_static_routing
+    from trainforge.errors import EXIT_BAD_INPUT
+
+    class OwnExperts(torch.nn.Module):  # routed experts with a forward of their own (DBRX, JetMoE, Llama 4 keep theirs)
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = 4
+            self.w = torch.nn.Parameter(torch.zeros(4, 8, 8))
+
+    with pytest.raises(UntraceableExperts, match="OwnExperts") as caught:
+        use_static_routing(torch.nn.Sequential(OwnExperts()), "grouped_mm")
+    assert caught.value.exit_code == EXIT_BAD_INPUT
