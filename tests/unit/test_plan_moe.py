@@ -8,7 +8,9 @@ import torch
 
 from test_plan import real_step_peak
 from trainforge.config.run import RunConfig
+from trainforge.engine.predict.timing import predict_step_time
 from trainforge.engine.predict.trace import _trace, trace_training_step
+from trainforge.hardware.profiles import find_profile
 from trainforge.hardware.device import PRECISIONS
 from trainforge.metrics.flops import linear_params
 from trainforge.model.load import build_model
@@ -96,6 +98,10 @@ def test_traced_flops_are_the_routed_ones(tmp_path):
         assert matmul_flops(traces[experts]) == pytest.approx(6 * active[experts] * tokens, rel=1e-9)
     router = 2 * 8 * 32  # the router grows with the experts (8 more rows of 32, two layers); the experts' share does not
     assert active[16] - active[8] == router
+    # the plan's step time (its tokens/s and MFU) prices these FLOPs: twice the experts cost only the router's
+    h100 = find_profile("h100")
+    more = predict_step_time(traces[16], h100).flops - predict_step_time(traces[8], h100).flops
+    assert more == pytest.approx(6 * router * tokens, rel=1e-6)
     assert traces[16].parts["weights"] > 1.8 * traces[8].parts["weights"] - 2 * VOCAB * 32 * 4
 
 
