@@ -104,6 +104,8 @@ def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
 
     h = hashlib.blake2b(digest_size=16)
     settings = _settings(cfg, {"cache_dir", "num_workers"})
+    if isinstance(cfg.train, list):  # a mixture's shares, weights and names pick no text: changing them trains nothing again
+        settings["train"] = [s.path for s in cfg.sources()]
     key = {"v": BPE_VERSION, "tokenizers": tokenizers.__version__, "format": fmt, "vocab": vocab_size, "settings": settings}
     if fmt == "chat":
         key["chat_texts_v"] = CHAT_TEXTS_VERSION

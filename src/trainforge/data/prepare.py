@@ -313,14 +313,14 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
                     while pending is not None and pending[0] == k:
                         row = pending[1]
                         pending = next(rows, None)
-                        if holdout.keep(row):
+                        if holdout.keep(row, k):
                             yield row
 
                 yield of_source()
 
         train_counts = _write_store(out / ("all" if kind == "blocks" else "train"), train_side(), tok, bad, vocab)
         if kind == "rows":
-            eval_counts = _write_store(out / "eval", iter([holdout.held_out()]), tok, bad, vocab)
+            eval_counts = _write_store(out / "eval", holdout.held_out(n_sources), tok, bad, vocab)
     except BaseException:  # a stop or an error: the workers' remaining chunks would be thrown away
         tok.close(abort=True)
         raise

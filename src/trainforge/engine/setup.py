@@ -17,7 +17,7 @@ from ..config.data import default_cache_dir
 from ..hardware.cpu_threads import CpuThreads
 from ..data.examples import row_describer
 from ..data.loader import TrainLoader, eval_batches
-from ..data.plan import check_objective_data, describe_data, get_tokenizer, plan_data
+from ..data.plan import check_objective_data, describe_data, get_tokenizer, note_run_epochs, plan_data
 from ..dist import DistContext, device_for
 from ..errors import TrainforgeError
 from ..hardware.device import (
@@ -60,15 +60,8 @@ from .oom import OutOfMemory
 from .optim import build_optimizer, check_optimizer, describe_optimizer
 from ..stop import StopRequest
 from .resume import (
-    CHECKPOINTS,
-    ResumePlan,
-    bound_grad_accum,
-    check_fits_run,
-    checkpoint_meta,
-    choose_checkpoint,
-    resume_note,
-    resumes_a_checkpoint,
-    wrote_its_end,
+    CHECKPOINTS, ResumePlan, bound_grad_accum, check_fits_run, checkpoint_meta, choose_checkpoint, resume_note,
+    resumes_a_checkpoint, wrote_its_end,
 )
 from .ranks import batch_layout, wrap_for_ranks
 from .run import Run, RunFacts
@@ -156,6 +149,7 @@ def setup(
     if cfg.optim.name != "adamw" or cfg.optim.offload != "none":
         reporter.info(f"optimizer: {describe_optimizer(cfg.optim)}")
     max_steps = resolve_max_steps(cfg.train.model_copy(update={"grad_accum": accum}), loader.batches_per_epoch)
+    note_run_epochs(data_stats, len(data.train_rows), max_steps * micro * accum * ctx.world_size, reporter)
     if warmup := cfg.optim.warmup_problem(max_steps):  # the lr would never reach its value
         reporter.warn("; ".join(warmup))
     if cfg.train.eval_every == "auto":  # ten evaluations over the run

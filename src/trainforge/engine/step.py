@@ -12,30 +12,40 @@ import torch.nn.functional as F
 from ..data.formats import IGNORE
 from ..data.loader import Batch
 from ..hardware.device import Precision
+from ..metrics.by_source import add_by_source, source_sums
 from ..metrics.profile import NULL_TIMER, StepTimer
 from .loss import fused_head, linear_cross_entropy, seq2seq_fused_head
 from .nonfinite import skip_update_if
 from .optim import clip_gradients
 
 
-def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True) -> torch.Tensor:
+def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
+             by_source: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32.
 
     ``fused``: through the chunked LM-head + cross-entropy (no full logits) where the model allows.
     Encoder-decoder batches (``decoder_input_ids`` set): cross-entropy of the decoder's predictions of the target.
+    ``by_source``: a mixture's batch (``source_ids``) adds its loss and target count per source there, on the
+    device (``SOURCE_SUMS``: metrics/by_source.py reads it at log steps).
     """
     if batch.decoder_input_ids is not None:
         return seq2seq_loss_sum(model, batch, precision, fused)
     head = fused_head(model) if fused else None
+    sums = source_sums(by_source, batch)
+    groups = batch.source_ids.flatten() if sums is not None else None
     # use_cache=False: a KV cache is useless here, and with one transformers skips the
     # packed-document mask built from position_ids (documents would attend to each other)
     with precision.autocast(batch.input_ids.device):
         if head is not None:
             decoder, lm_head = head
             hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
-            return linear_cross_entropy(hidden.flatten(0, 1), lm_head, batch.labels.flatten())
+            return linear_cross_entropy(hidden.flatten(0, 1), lm_head, batch.labels.flatten(), None, groups, sums)
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    if sums is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="none")
+    add_by_source(sums, groups, losses.detach(), batch.labels.flatten() != IGNORE)
+    return losses.sum()
 
 
 class TokenObjective:
@@ -52,7 +62,7 @@ class TokenObjective:
 
     def loss_sum(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
                  metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        return loss_sum(model, batch, precision, fused)  # this module's loss_sum, looked up at each call
+        return loss_sum(model, batch, precision, fused, metrics)  # this module's loss_sum, looked up at each call
 
 
 TOKENS = TokenObjective()
