@@ -58,6 +58,14 @@ def test_shares_are_met_and_reported_per_source_and_a_changed_mixture_does_not_r
         assert math.isfinite(r["eval_loss/pc_train"]) and math.isfinite(r["eval_loss/long"]), r
     assert "| pc_train " in proc.stdout
 
+    # plan: the mixture's tokens per epoch and each source's epochs over the planned run, from the token cache
+    proc = run_cli(["plan", config, "--json"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    planned = json.loads(proc.stdout)["data"]
+    assert planned["mixture_tokens"] == sum(s["mixture_tokens"] for s in sources)
+    assert [s["share"] for s in planned["sources"]] == [s["share"] for s in sources]
+    assert all(s["epochs"] > 0 for s in planned["sources"]), planned
+
     # another share: the same token cache (nothing tokenized again), and the checkpoint refuses the changed mixture
     mixture_config["data"]["train"][0]["share"], mixture_config["data"]["train"][1]["share"] = 0.5, 0.5
     mixture_config["train"]["max_steps"] = 6

@@ -196,3 +196,31 @@ def missed_shares(figures: list[dict]) -> list[str]:
         "few or too long to land closer (split them, e.g. data.too_long: split with a lower data.max_length)"
         for f in figures if f["share_asked"] is not None and abs(f["share"] - f["share_asked"]) > SHARE_TOLERANCE
     ]
+
+
+def planned_mixture(cfg: DataSettings, train_store: Path, seed: int, paired: bool) -> dict:
+    """``plan``'s view of a mixture in the token cache: its tokens and sequences per epoch, and each source's
+    figures (empty for one source)."""
+    specs = cfg.sources()
+    if len(specs) < 2:
+        return {}
+    store = TokenStore(train_store)
+    index = mixture_indices(store, specs, seed, paired)
+    figures = figures_dicts(mixture_figures(store, specs, index, paired))
+    return {"mixture_tokens": sum(f["mixture_tokens"] for f in figures),
+            "mixture_sequences": sum(f["mixture_documents"] for f in figures), "sources": figures}
+
+
+def planned_epochs(data: dict, steps: int | None, rows_per_step: int, packed: bool, max_length: int) -> None:
+    """Each source's epochs over a planned run of ``steps`` (``data["sources"]``), as ``plan.run_steps`` counts rows."""
+    if "sources" not in data or not steps:
+        return
+    rows = data["mixture_sequences"] if not packed else -(-data["mixture_tokens"] // max_length)
+    add_run_epochs(data["sources"], rows, steps * rows_per_step)
+
+
+def describe_planned(data: dict) -> list[str]:
+    """``plan``'s lines for a mixture: its tokens per epoch, then one per source."""
+    if "sources" not in data:
+        return []
+    return [f"mixture: {data['mixture_tokens']:,} tokens per epoch", *describe_mixture(data["sources"])]

@@ -22,6 +22,7 @@ from ..engine.evaluate import auto_eval_batches, planned_evals
 from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, allocator_overhead, fit_run, predict_load_memory, predict_memory
 from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
+from ..data.mixture import describe_planned, planned_epochs, planned_mixture
 from ..hardware.device import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
 from ..hardware.profiles import GIB, HardwareProfile, find_profile
 from .plan_kernels import attention_share, fp8_decision, fp8_problem, fp8_uncompiled, kernels_choice, planned_attention
@@ -130,6 +131,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
     step = with_offload(step, optimizer)
     step, preference = with_reference(resolved, step, memory)  # a preference run's reference forward
     steps = run_steps(resolved, accum, world_size, data)
+    planned_epochs(data, steps, resolved.train.micro_batch_size * accum * world_size, resolved.data.packing is not False, resolved.data.max_length)
     plan: dict[str, Any] = {
         "hardware": {
             "name": profile.name, "title": profile.title, "memory_bytes": profile.memory_bytes,
@@ -258,7 +260,8 @@ def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
 
     stats = json.loads((root / STATS_FILE).read_text())
     keep = ("format", "train_rows", "train_sequences", "train_tokens", "train_token_squares", "eval_rows", "eval_sequences", "truncated", "lost_token_share")
-    return {"prepared": True, **{k: stats[k] for k in keep if k in stats}}
+    return {"prepared": True, **{k: stats[k] for k in keep if k in stats},
+            **planned_mixture(cfg.data, root / "train", cfg.train.seed, cfg.train.objective != "sft")}
 
 
 def run_steps(cfg: RunConfig, accum: int, world_size: int, data: dict[str, Any]) -> int | None:
@@ -269,10 +272,10 @@ def run_steps(cfg: RunConfig, accum: int, world_size: int, data: dict[str, Any])
         return None
     epochs = cfg.train.epochs or 1.0
     rows_per_step = cfg.train.micro_batch_size * accum * world_size
-    if cfg.data.packing is False:
-        rows = data["train_sequences"]
+    if cfg.data.packing is False:  # a mixture: its epoch's sequences and tokens
+        rows = data.get("mixture_sequences", data["train_sequences"])
     else:  # packed or concatenated: rows are about full
-        rows = math.ceil(data["train_tokens"] / cfg.data.max_length)
+        rows = math.ceil(data.get("mixture_tokens", data["train_tokens"]) / cfg.data.max_length)
     return max(1, math.ceil(epochs * rows / rows_per_step))
 
 
@@ -459,6 +462,8 @@ def render(plan: dict[str, Any], console) -> None:
     d = plan["data"]
     if d.get("prepared"):
         console.print(f"data: {d['format']}, {d['train_rows']:,} rows, {d['train_tokens']:,} training tokens")
+        for line in describe_planned(d):
+            console.print(line, markup=False, highlight=False)
     decisions_table = Table(title="decisions", title_justify="left")
     for col in ("setting", "choice", "why"):
         decisions_table.add_column(col)
