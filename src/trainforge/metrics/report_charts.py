@@ -116,7 +116,34 @@ def _accuracy(run: RunData, i: int, several: bool) -> list[Series]:
     return out
 
 
+def _source_names(run: RunData) -> list[str]:
+    """A mixture's sources, in the order its records name them (``loss/NAME``, ``eval_loss/NAME``)."""
+    names: dict[str, None] = {}
+    for r in run.train + run.evals:
+        for k in r:
+            if k.startswith(("loss/", "eval_loss/")):
+                names.setdefault(k.split("/", 1)[1])
+    return list(names)
+
+
+def _by_source(run: RunData, i: int, several: bool) -> list[Series]:
+    """A mixture's loss per source: train (solid) and eval (dashed), a color per source."""
+    prefix = f"{run.name}: " if several else ""
+    out = []
+    for j, name in enumerate(_source_names(run)):
+        color = RUN_COLORS[(i + j) % len(RUN_COLORS)]
+        xs, ys = _train_series(run, f"loss/{name}")
+        out.append(Series(prefix + name, xs, ys, {"color": color, "lw": 1.5}))
+        evals = [r for r in run.evals if f"eval_loss/{name}" in r]
+        if evals:
+            out.append(Series(f"{prefix}{name} eval", [r["step"] for r in evals], [_num(r[f"eval_loss/{name}"]) for r in evals],
+                              {"color": color, "lw": 1.2, "ls": "--", "marker": "o", "ms": 4}))
+    return out
+
+
 CAPTIONS = {
+    "Loss per source": "a mixture of sources: each source's mean loss over its own target tokens (train: the steps since "
+    "the previous record; eval: its held-out rows)",
     "Reward accuracy": "preference runs: the share of pairs whose chosen reply gets the higher implicit reward (KTO: of "
     "examples whose reward is on the side of beta x KL their label asks for) (train: the pairs since the previous "
     "record; eval: the eval pairs)",
@@ -155,9 +182,12 @@ PREFERENCE_PANELS: list[tuple[str, str, str, PanelFn, float | None]] = [
 
 def panels_for(runs: list[RunData]) -> list[tuple[str, str, str, PanelFn, float | None]]:
     """The report's panels: the preference ones after the loss when a run has reward metrics."""
+    panels = PANELS
     if any("reward_accuracy" in r for run in runs for r in run.train):
-        return PANELS[:2] + PREFERENCE_PANELS + PANELS[2:]
-    return PANELS
+        panels = PANELS[:2] + PREFERENCE_PANELS + PANELS[2:]
+    if any(_source_names(run) for run in runs):  # a mixture: its loss per source after the loss
+        panels = panels[:2] + [("Loss per source", "loss", "step", _by_source, None)] + panels[2:]
+    return panels
 
 
 def figure_png(title: str, ylabel: str, xaxis: str, series: list[Series], runs: list[RunData], log_ratio: float | None) -> str:
