@@ -105,4 +105,45 @@ def test_fused_loss_sums_each_source_apart_and_the_gradient_is_unchanged():
         mine = torch.where(groups == k, labels, torch.full_like(labels, -100))
         assert sums[0, k] == pytest.approx(linear_cross_entropy(hidden, head, mine).item(), rel=1e-5)
         assert sums[1, k] == int((mine != -100).sum())
-    assert float(sums[0].sum()) == pytest.approx(float(plain), rel=1e-5)
+    assert float(sums[0].sum()) == pytest.approx(plain.item(), rel=1e-5)
+
+
+# ---------------------------------------------------------------- a cache entry per source
+
+
+@pytest.fixture
+def tok(tiny_tokenizer_dir):
+    from trainforge.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_tokenizer_dir)
+
+
+def _prepare(tmp_path, tok, sources, **data):
+    from trainforge.data.prepare import prepare_data
+
+    said: list[str] = []
+    cfg = DataSettings(train=sources, cache_dir=tmp_path / "cache", num_workers=1, **data)
+    return prepare_data(cfg, tok, seed=0, log=said.append), said
+
+
+def test_adding_a_source_tokenizes_only_it_and_a_share_tokenizes_nothing(tmp_path, tok):
+    paths = [str(write_jsonl(tmp_path / f"{n}.jsonl", [{"text": f"{n} document {i} " * (1 + i % 4)} for i in range(30)]))
+             for n in ("a", "b", "c")]
+    two, said = _prepare(tmp_path, tok, [{"path": paths[0], "share": 0.5}, {"path": paths[1], "share": 0.5}], eval=0.1)
+    assert sum("tokenizing source" in s for s in said) == 2 and two.train.n_sources == 2 and two.eval.n_sources == 2
+    alone, said = _prepare(tmp_path, tok, paths[1], eval=0.1)  # the source alone: the entry the mixture made for it
+    assert said[0].startswith("data: cache hit") and alone.cache_hit
+    first_b = two.train.source_of(1)
+    assert np.array_equal(np.asarray(two.train.ids[two.train.offsets[first_b.start] : two.train.offsets[first_b.stop]]),
+                          np.asarray(alone.train.ids))
+
+    three, said = _prepare(tmp_path, tok, [{"path": p, "share": s} for p, s in zip(paths, (0.5, 0.3, 0.2))], eval=0.1)
+    assert [s.split(" into ")[0] for s in said if "tokenizing" in s] == [f"data: tokenizing source 2 ({paths[2]})"]
+    assert three.train.n_sources == 3 and len(three.train) == len(two.train) + len(three.train.source_of(2))
+
+    reshared, said = _prepare(tmp_path, tok, [{"path": p, "share": s} for p, s in zip(paths, (0.2, 0.3, 0.5))], eval=0.1)
+    assert said[0].startswith("data: cache hit") and reshared.cache_path == three.cache_path  # shares key nothing
+    dropped, said = _prepare(tmp_path, tok, [paths[0], paths[2]], eval=0.1)  # a source removed: joined, not tokenized
+    assert not any("tokenizing" in s for s in said) and any("joining 2 sources" in s for s in said)
+    assert dropped.cache_path != three.cache_path
+    assert dropped.stats["train_sequences"] == len(two.train.source_of(0)) + len(three.train.source_of(2))

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from ..config.data import DataSettings, FieldNames
-from .cache import STATS_FILE, cache_entry, is_complete, publish_entry
+from .cache import STATS_FILE, cache_entry, is_complete, per_source_entries, publish_entry, source_entries, source_settings
+from .mixture_cache import join_entries
 from .chat_messages import SHAREGPT_FIELD
 from .chat_tools import row_tools
 from .formats import Renderer, TokenizedChunk, chat_messages, detect_format, format_fields, tokenize_rendered
@@ -267,15 +268,37 @@ def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bo
     hit = is_complete(root)
     if hit:
         log(f"data: cache hit, reusing tokens from {root}")
+    elif per_source_entries(cfg):  # a mixture: an entry per source, tokenized only where missing, then joined
+        roots = source_entries(cfg, fmt, tokenizer, seed, seq2seq)
+        for k, sub in enumerate(roots):
+            _publish(source_settings(cfg, k), fmt, tokenizer, seed, sub, seq2seq, between_chunks, log, k)
+        log(f"data: joining {len(roots)} sources into {root}")
+        publish_entry(root, lambda tmp: join_entries(roots, tmp))
     else:
-        log(f"data: tokenizing into {root}")
-        if not publish_entry(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp, seq2seq, between_chunks)):
-            log(f"data: another process finished {root.name} first; using its tokens (the same ones)")
+        _publish(cfg, fmt, tokenizer, seed, root, seq2seq, between_chunks, log)
     stats = json.loads((root / STATS_FILE).read_text())
     stats["prepare_s"] = time.perf_counter() - start
     stats["cache_hit"] = hit
     eval_store = TokenStore(root / "eval") if (root / "eval" / "meta.json").is_file() else None
     return PreparedData(TokenStore(root / "train"), eval_store, fmt, stats, root, hit)
+
+
+def _publish(cfg: DataSettings, fmt: str, tokenizer, seed: int, root: Path, seq2seq: bool,
+             between_chunks: Callable[[], None] | None, log, source: int | None = None) -> None:
+    """Tokenize into the entry ``root`` unless it is complete; ``source``: the k-th source of a mixture (named in
+    what is said, and in its errors)."""
+    named = "" if source is None else f"source {source} ({cfg.sources()[0].path}) "
+    if is_complete(root):
+        log(f"data: {named}cache hit, reusing tokens from {root}")
+        return
+    log(f"data: tokenizing {named}into {root}")
+    try:
+        if not publish_entry(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp, seq2seq, between_chunks)):
+            log(f"data: another process finished {root.name} first; using its tokens (the same ones)")
+    except DataError as e:
+        if source is None:
+            raise
+        raise DataError(f"data.train[{source}] ({cfg.sources()[0].path!r}): {e}") from None
 
 
 def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq: bool = False,
