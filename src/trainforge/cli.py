@@ -356,18 +356,19 @@ def eval_(
 @app.command()
 def export(
     model: Annotated[Path, typer.Argument(help="a run directory, a LoRA adapter directory or a model directory")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="directory to write (must not exist, or be empty)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="directory to write (new, or empty); --format gguf: a new NAME.gguf")],
     merge: Annotated[bool, typer.Option("--merge", help="fold the LoRA/DoRA/QLoRA adapter into its base: a plain HF model (a full model is written as one)")] = False,
-    dtype: Annotated[
-        Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32 for the merged (or full) model; default: the base's")
-    ] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32 for the merged (or full) model; default: the base's")] = None,
+    format_: Annotated[str, typer.Option("--format", help="hf (a Hugging Face directory) or gguf (one file for llama.cpp / Ollama; adapters are merged)")] = "hf",
+    quant: Annotated[Optional[str], typer.Option("--quant", help="with --format gguf: f16 (default), bf16 or q8_0")] = None,
+    ollama: Annotated[Optional[Path], typer.Option("--ollama", help="with --format gguf: also write an Ollama Modelfile in this directory")] = None,
 ) -> None:
-    """Export a model: with --merge a plain Hugging Face directory (safetensors, config, generation config,
-    tokenizer) that loads without PEFT; without, the adapter or full model copied with its tokenizer."""
-    from .tools.export import export as run_export
+    """Export a model: with --merge a plain HF directory that loads without PEFT; without, the adapter or model copied
+    with its tokenizer; with --format gguf, one GGUF file (merged, tokenizer, chat template), optionally a Modelfile."""
+    from .tools.export import export_any
 
     with user_errors():
-        run_export(model, out, merge, dtype, _stderr_reporter())
+        export_any(model, out, merge, dtype, format_, quant, ollama, _stderr_reporter())
 
 
 def _stderr_reporter():

@@ -114,6 +114,11 @@ def init_kind(init: dict[str, Any]) -> ModelKind:
     return ModelKind(str(arch), bool(encoder_decoder), recurrent_layers(_built_config(str(arch), json.dumps(init, default=str))))
 
 
+def built_config(init: dict[str, Any]) -> dict[str, Any]:
+    """The config.json fields a model built from ``model.init`` gets (the class's defaults filled in)."""
+    return dict(_built_config(str(init["architecture"]), json.dumps(init, default=str)))
+
+
 @lru_cache(maxsize=64)
 def _built_config(arch: str, init_json: str) -> dict[str, Any]:
     """The config.json a model built from ``model.init`` gets: the config class fills in fields the user leaves out

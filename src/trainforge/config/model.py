@@ -20,6 +20,7 @@ from .. import hf_dir, hf_weights
 from .base import MAX_TOKENS, Section
 from .errors import clip, shown
 from ..hf_dir import TOKENIZER_FILES, WEIGHT_FILES, ModelKind
+from ..model.moe import routing_problem
 
 
 def _check_exists(path: Path | None, key: str) -> Path | None:
@@ -70,6 +71,11 @@ class ModelSettings(Section):
         "precision); qlora: the same on a 4-bit NF4 base (bitsandbytes)",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
+    router_aux_loss: bool = Field(
+        True, description="mixture-of-experts models: add the router load-balancing loss times the config's "
+        "router_aux_loss_coef to the training loss, as transformers does with output_router_logits (logged as aux_loss); "
+        "false: cross-entropy only",
+    )
     attention: Literal["auto", "sdpa", "packed_sdpa", "varlen", "flex", "eager", "flash_attention_2"] = Field(
         "auto",
         description="attention kernel; auto: on CUDA varlen (torch's built-in Flash varlen kernel over packed "
@@ -113,6 +119,9 @@ class ModelSettings(Section):
             plan_only = bool(info.context and info.context.get("plan"))
             _check_model_dir(self.path, needs_tokenizer=self.tokenizer is None and not plan_only, needs_weights=not plan_only)
             _refuse_custom_code(self.path, "model.path")
+            problem = routing_problem(hf_dir.read_config(self.path))
+            if problem is not None:
+                raise ValueError(f"model.path: {self.path}/config.json: {problem}; fix the directory's config.json")
             _check_weights(self.path)
         if isinstance(self.tokenizer, Path) and self.tokenizer.is_dir() and not hf_dir.has_any(self.tokenizer, TOKENIZER_FILES):
             raise ValueError(
@@ -210,6 +219,9 @@ def validate_init_fields(init: dict[str, Any]) -> None:
     bad = _non_finite(init)
     if bad is not None:
         raise ValueError(f"model.init.{bad}: must be a finite number (not inf or nan)")
+    problem = routing_problem({**init, **hf_dir.built_config(init)})  # the user's keys first, then the defaults
+    if problem is not None:
+        raise ValueError(f"model.init: {problem}")
 
 
 def _non_finite(value: Any, path: str = "") -> str | None:

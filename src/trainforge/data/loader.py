@@ -39,6 +39,7 @@ class Batch:
     n_documents: int = 0  # packed documents (preference rows: a pair's chosen and rejected are two)
     desirable: torch.Tensor | None = None  # KTO: each example's label, in the order of its pairs (example, KL sample)
     reference: torch.Tensor | None = None  # (P, 2) precomputed reference log-probabilities of each pair's two sides
+    real: torch.Tensor | None = None  # (B, S) bool: real input tokens, not a row's padding fill (the router loss counts them)
     # a mixture's source of each position (beside labels), for the loss per source (data/mixture.py); None: one source
     source_ids: torch.Tensor | None = None
     n_sources: int = 0
@@ -48,7 +49,7 @@ class Batch:
         return Batch(
             fn(self.input_ids), fn(self.labels), t(self.position_ids), self.n_tokens, self.n_targets, self.indices,
             t(self.attention_mask), t(self.decoder_input_ids), self.n_documents, t(self.desirable), t(self.reference),
-            t(self.source_ids), self.n_sources,
+            t(self.real), t(self.source_ids), self.n_sources,
         )
 
     def to(self, device: torch.device) -> "Batch":
@@ -132,6 +133,8 @@ class RowCollator:
             n_documents=sum(len(r) for r in rows) if self.packed else len(rows),
         )
         batch.desirable, batch.reference = self._pair_fields(rows)
+        lengths = torch.tensor([len(b[0]) for b in built])
+        batch.real = torch.arange(width)[None, :] < lengths[:, None]
         if sources is not None:
             ids_of = np.zeros((len(rows), width), dtype=np.int64)  # padding: no target, so any source
             for i, src in enumerate(sources):
@@ -215,6 +218,8 @@ class TrainLoader:
         b = self.collate([self.rows[row]], [])
         b.labels.fill_(IGNORE)
         b.n_tokens, b.n_targets, b.n_documents = 0, 0, 0
+        if b.real is not None:
+            b.real.fill_(False)
         if b.desirable is not None:
             b.desirable = b.desirable[:0]  # no pairs: the documents' targets are gone
         if b.reference is not None:

@@ -59,7 +59,7 @@ def evaluate(
         if pairs:
             summed = objective.loss_sum(model, batch, precision, fused, metrics if counted else scratch).double()
         else:
-            summed = loss_sum(model, batch, precision, fused, by_source if counted else scratch).double()
+            summed = loss_sum(model, batch, precision, fused, by_source=by_source if counted else scratch).double()
         if counted:
             total += summed
             n += objective.units(batches[i]) if pairs else batches[i].n_targets

@@ -20,6 +20,7 @@ from ..data.loader import Batch
 from ..hardware.device import Precision
 from . import preference as pref
 from .loss import fused_head
+from .router_loss import router_loss_for
 from .step import TokenObjective
 
 PAIRS = "pairs"  # the key of a metrics dict that counts the pairs its sums are over
@@ -156,7 +157,7 @@ def build_objective(cfg, model: torch.nn.Module) -> TokenObjective | PairObjecti
     before a checkpoint is loaded: the reference is the starting weights, on a resume too)."""
     name = cfg.train.objective
     if name == "sft":
-        return TokenObjective()
+        return TokenObjective(router_loss_for(model, cfg.model.router_aux_loss))
     reference = resolve_reference(name, cfg.preference.reference, cfg.model.method)
     frozen = None
     if reference == "model":

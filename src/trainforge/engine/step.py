@@ -20,11 +20,12 @@ from .optim import clip_gradients
 
 
 def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
-             by_source: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+             router_logits: list | None = None, by_source: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32.
 
     ``fused``: through the chunked LM-head + cross-entropy (no full logits) where the model allows.
     Encoder-decoder batches (``decoder_input_ids`` set): cross-entropy of the decoder's predictions of the target.
+    ``router_logits``: a mixture-of-experts model's router logits of each layer are appended to it.
     ``by_source``: a mixture's batch (``source_ids``) adds its loss and target count per source there, on the
     device (``SOURCE_SUMS``: metrics/by_source.py reads it at log steps).
     """
@@ -35,15 +36,20 @@ def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: 
     groups = batch.source_ids.flatten() if sums is not None else None
     # use_cache=False: a KV cache is useless here, and with one transformers skips the
     # packed-document mask built from position_ids (documents would attend to each other)
+    extra = {"output_router_logits": True} if router_logits is not None else {}
     with precision.autocast(batch.input_ids.device):
         if head is not None:
             decoder, lm_head = head
-            hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
-            return linear_cross_entropy(hidden.flatten(0, 1), lm_head, batch.labels.flatten(), None, groups, sums)
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+            out = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
+            if router_logits is not None:
+                router_logits.extend(out.router_logits or ())
+            return linear_cross_entropy(out.last_hidden_state.flatten(0, 1), lm_head, batch.labels.flatten(), None, groups, sums)
+        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
+        if router_logits is not None:
+            router_logits.extend(out.router_logits or ())
     if sums is None:
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="none")
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    losses = F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="none")
     add_by_source(sums, groups, losses.detach(), batch.labels.flatten() != IGNORE)
     return losses.sum()
 
@@ -54,6 +60,9 @@ class TokenObjective:
 
     name, unit, reference = "sft", "token", "none"
 
+    def __init__(self, router: Any = None):
+        self.router = router  # a mixture-of-experts model's load-balancing loss (engine/router_loss.py), or None
+
     def units(self, batch: Batch) -> int:
         return batch.n_targets
 
@@ -62,9 +71,12 @@ class TokenObjective:
 
     def loss_sum(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
                  metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        if batch.source_ids is None:  # this module's loss_sum, looked up at each call (tests stand in for it)
-            return loss_sum(model, batch, precision, fused)
-        return loss_sum(model, batch, precision, fused, metrics)  # a mixture: its loss per source to the metrics
+        router_logits = [] if self.router is not None and torch.is_grad_enabled() else None
+        by_source = metrics if batch.source_ids is not None else None  # a mixture: its loss per source to the metrics
+        if router_logits is None and by_source is None:
+            return loss_sum(model, batch, precision, fused)  # this module's loss_sum, looked up at each call
+        total = loss_sum(model, batch, precision, fused, router_logits, by_source)
+        return total if router_logits is None else self.router.add(total, router_logits, batch, metrics)
 
 
 TOKENS = TokenObjective()

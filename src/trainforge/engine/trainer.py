@@ -36,8 +36,9 @@ from .evaluate import evaluate, planned_evals
 from .mfu import follow_threads, run_mfu, window_mfu
 from .nonfinite import final_weights_check
 from .objective import mean_metrics
+from .router_loss import router_means
 from ..data.mixture import source_names
-from ..metrics.by_source import SOURCE_SUMS, describe_losses, source_losses
+from ..metrics.by_source import describe_losses, source_losses
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .ending import eval_stop, record_failure, stop_before_first_step, stop_on_signal, write_report
@@ -323,8 +324,8 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
     if run.device.type == "cuda":
         rec["reserved_memory_bytes"] = int(torch.cuda.max_memory_reserved(run.device))
     rec.update(mean_metrics(w.sums, reduce=run.dist.all_reduce))  # every rank: the sums are all-reduced
-    if SOURCE_SUMS in w.sums:  # a mixture: the loss per source (loss/NAME), summed on the device over the window
-        rec.update(source_losses(w.sums, source_names(run.cfg.data.sources()), reduce=run.dist.all_reduce))
+    rec.update(router_means(w.sums, reduce=run.dist.all_reduce))  # a mixture-of-experts model's aux loss
+    rec.update(source_losses(w.sums, lambda: source_names(run.cfg.data.sources()), reduce=run.dist.all_reduce))  # loss/NAME
     if run.cfg.log.example_indices:
         rec["example_indices"] = w.indices
     run.metrics.write(rec)

@@ -32,13 +32,15 @@ def add_by_source(sums: torch.Tensor, groups: torch.Tensor, losses: torch.Tensor
     sums[1].index_add_(0, groups, targets.float())
 
 
-def source_losses(sums: dict[str, torch.Tensor], names: Sequence[str], prefix: str = "loss/",
+def source_losses(sums: dict[str, torch.Tensor], names: Sequence[str] | Callable[[], Sequence[str]], prefix: str = "loss/",
                   reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-    """``{prefix + name: mean loss}`` of each source with targets (one host read); ``reduce`` sums the sums over
-    processes (every rank holds the key: every rank's batches come from the same mixture)."""
+    """``{prefix + name: mean loss}`` of each source with targets (one host read), empty without a mixture's sums;
+    ``names``: the sources' names, or a function giving them (asked only for a mixture). ``reduce`` sums the sums
+    over processes (every rank holds the key: every rank's batches come from the same mixture)."""
     t = sums.get(SOURCE_SUMS)
     if t is None:
         return {}
+    names = names() if callable(names) else names
     t = reduce(t) if reduce is not None else t
     loss, count = t.tolist()
     return {f"{prefix}{name}": s / n for name, s, n in zip(names, loss, count) if n > 0}

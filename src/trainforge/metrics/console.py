@@ -51,7 +51,9 @@ class ConsoleReporter:
         if "reward_accuracy" in rec:  # a preference objective: how often chosen wins, and by how much (KTO: its KL estimate)
             loss += f" | reward acc {rec['reward_accuracy']:.1%}" + (
                 f" margin {rec['reward_margin']:.3f}" if "reward_margin" in rec else f" kl {rec.get('kl', float('nan')):.3f}")
-        loss += describe_losses(rec)  # a mixture: each source's loss
+        if "aux_loss" in rec:  # a mixture-of-experts model's router load-balancing loss (before its coefficient)
+            loss += f" | aux {rec['aux_loss']:.4f}"
+        loss += describe_losses(rec)  # a mixture of sources: each source's loss
         self._print(
             f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {loss} | lr {rec['lr']:.2e} "
             f"| grad_norm {rec['grad_norm']:.3f} | {tps} tok/s{mfu}{wait}{eta}"

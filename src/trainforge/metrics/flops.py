@@ -3,6 +3,8 @@
 FLOPs per token (PaLM appendix B convention, matmuls only):
 - a weight matrix of n parameters costs 2n forward, 2n for the input gradient, and 2n
   for its weight gradient only when it is trained (LoRA: frozen weights skip that);
+- a mixture-of-experts layer's routed experts count top_k / experts of their weights (the experts a token
+  runs through); shared experts and the router run for every token and count in full;
 - attention scores and values cost 2 x 2 x layers x width x context forward, x3 with backward,
   counted over the full row length.
 MFU = achieved model FLOP/s / peak FLOP/s of the device in the precision used (``hardware.peak_flops``).
@@ -12,18 +14,26 @@ from __future__ import annotations
 
 import torch
 
-def linear_params(model: torch.nn.Module) -> tuple[int, int]:
-    """(trained, frozen) parameter counts of the matrices that multiply activations (not embeddings)."""
-    trained = frozen = 0
+from ..model.moe import active_share
+
+def linear_params(model: torch.nn.Module) -> tuple[float, float]:
+    """(trained, frozen) parameter counts of the matrices that multiply activations (not embeddings), as one token
+    sees them: a mixture-of-experts layer's routed experts (3-D weights) count top_k / experts of their size."""
+    trained = frozen = 0.0
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    routed = active_share(model)
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if p.ndim != 2 or id(p) in embeddings and not isinstance(module, torch.nn.Linear):
+            if id(p) in routed:
+                n = p.numel() * routed[id(p)]
+            elif p.ndim != 2 or id(p) in embeddings and not isinstance(module, torch.nn.Linear):
                 continue
-            if p.requires_grad:
-                trained += p.numel()
             else:
-                frozen += p.numel()
+                n = p.numel()
+            if p.requires_grad:
+                trained += n
+            else:
+                frozen += n
     return trained, frozen
 
 

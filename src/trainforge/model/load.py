@@ -16,6 +16,8 @@ from ..hf_dir import init_kind, read_config, refuse_adapter, refuse_custom_code
 from .fp8 import apply_fp8
 from .kernels import apply_liger, restore_torch_layers
 from .lora_fused import fuse_lora_layers
+from .lora_targets import lora_targets
+from .multimodal import describe_text_only, freeze_non_text, lora_exclusion
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -210,6 +212,9 @@ def build_model(
                      f"({', '.join(added)}{', ...' if n > 3 else ''}): their new rows start random and "
                      f"{cfg.method} trains none of them, so the model cannot learn to read or write them; use model.method: full, "
                      "or a tokenizer without added tokens (reuse an existing token as the marker)")
+    note = describe_text_only(model, freeze_non_text(model))  # an image-text checkpoint: its language model trains
+    if note:
+        warn(note)
     used = apply_liger(model, warn) if kernels == "liger" else []
     fp8_layers = apply_fp8(model, fp8) if fp8 else 0
     if fp8 and not fp8_layers:
@@ -334,7 +339,8 @@ def build_model_skeleton(
     else:
         check_model_dir(cfg.path)
         config = AutoConfig.from_pretrained(str(cfg.path.resolve()), trust_remote_code=False)
-        config.vocab_size = max(config.vocab_size, len(tokenizer))
+        text = config.get_text_config()  # an image-text checkpoint's vocabulary is its language model's
+        text.vocab_size = max(text.vocab_size, len(tokenizer))
     if layers is not None:
         depth = model_depth(cfg)
         for name in depth[0] if depth else ("num_hidden_layers",):
@@ -427,11 +433,14 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     inside the GEMM (``lora_fused.py``)."""
     from peft import LoraConfig, get_peft_model
 
+    modules, parameters = lora_targets(model, lora.target_modules)  # MoE: the experts' 3-D weights as parameters
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora_targets(model, lora.target_modules),
+        target_modules=modules or None,
+        target_parameters=parameters or None,
+        exclude_modules=lora_exclusion(model),  # an image-text model: adapters on its language model only
         use_dora=lora.use_dora,
         use_rslora=lora.use_rslora,
         task_type="SEQ_2_SEQ_LM" if getattr(model.config, "is_encoder_decoder", False) else "CAUSAL_LM",
@@ -442,25 +451,6 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     if lora.fused:
         model.trainforge_lora_fused = fuse_lora_layers(model)  # the update added inside the GEMM (lora_fused.py)
     return model
-
-
-def lora_targets(model: torch.nn.Module, targets: str | list[str]) -> str | list[str]:
-    """``model.lora.target_modules`` as PEFT takes it, checked against the model: a single name is a list of
-    one (PEFT would read a string as a regular expression over full module names, so ``q_proj`` matched
-    nothing), and a name no module ends with is refused listing the model's linear layers."""
-    if targets == "all-linear":
-        return targets
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    names = [name for name, _ in model.named_modules()]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
-    if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"} - {"lm_head"})
-        raise ConfigError(
-            f"model.lora.target_modules: {', '.join(missing)} names no module of this model; its linear layers are "
-            f"{', '.join(linear)} (or use all-linear)"
-        )
-    return targets
 
 
 def weight_storage(model: torch.nn.Module) -> dict[str, dict[str, int]]:

@@ -284,3 +284,27 @@ def atomic_write_bytes(path: Path, data: bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def publish_new_file(target: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp_file)`` on a per-process temporary name beside ``target``, flush it, and publish it
+    under ``target`` only if nothing is there (a hard link fails on an existing name, where a rename would
+    replace it): ``FileExistsError`` then, and the temporary is removed either way."""
+    target = Path(target)
+    tmp = target.parent / f".{target.name}{TMP_MARK}{process_tag()}"
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, target)  # atomic and never clobbers: readers see no file or the whole file
+        except FileExistsError:
+            raise
+        except OSError:  # a file system without hard links: a rename, after a last check
+            if target.exists():
+                raise FileExistsError(errno.EEXIST, "file exists", str(target)) from None
+            os.replace(tmp, target)
+        fsync_dir(target.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target

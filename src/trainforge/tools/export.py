@@ -19,6 +19,8 @@ Without ``--merge``: the run's ``final/`` (or the given directory) is copied as 
 or a full model, with the tokenizer beside it; ``--dtype`` re-saves a full model in that dtype.
 
 The output is written to a temporary directory beside ``--out`` and renamed when complete.
+
+``--format gguf``: one GGUF file for llama.cpp and Ollama (``export_gguf``), merged as above.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,26 @@ from ..hf_dir import readable_like_config
 from ..metrics.console import ConsoleReporter
 from ..model.load import auto_model_class
 from ..model.resolve import ModelSource, ModelSourceError, load_source_tokenizer, resolve_source
+from .merge import merged_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_SHARD_SIZE = "5GB"  # the hub's usual shard size: uploads and partial downloads stay manageable
+
+
+def export_any(source: str | Path, out: Path, merge: bool, dtype: str | None, format_: str, quant: str | None,
+               ollama: Path | None, reporter: ConsoleReporter) -> dict[str, Any]:
+    """``trainforge export``: a Hugging Face directory (``export``) or a GGUF file (``export_gguf.export_gguf``)."""
+    if format_ not in ("hf", "gguf"):
+        raise ModelSourceError(f"--format {format_!r}: use hf (a Hugging Face directory) or gguf (one GGUF file)")
+    if format_ == "gguf":
+        if dtype is not None:
+            raise ModelSourceError("--dtype applies to --format hf; a GGUF file's precision is --quant (f16, bf16 or q8_0)")
+        from .export_gguf import export_gguf
+
+        return export_gguf(source, out, quant or "f16", ollama, reporter)
+    if quant is not None or ollama is not None:
+        raise ModelSourceError("--quant and --ollama apply to --format gguf; add --format gguf")
+    return export(source, out, merge, dtype, reporter)
 
 
 def export(source: str | Path, out: Path, merge: bool, dtype: str | None, reporter: ConsoleReporter) -> dict[str, Any]:
@@ -79,27 +97,8 @@ def export(source: str | Path, out: Path, merge: bool, dtype: str | None, report
 
 def merge_adapter(src: ModelSource, out: Path, dtype: str | None, reporter: ConsoleReporter) -> str:
     """Base (dequantized for QLoRA) + adapter, merged, cast and saved in ``out``; returns the dtype name."""
-    from peft import PeftModel
-
-    tokenizer = load_source_tokenizer(src)
     target = DTYPES[dtype] if dtype else _stored_dtype(src.base)
-    auto_class = auto_model_class(src.encoder_decoder)
-    if src.quantized:
-        from ..model.load import nf4_config
-
-        reporter.info("QLoRA: loading the base in 4-bit NF4 as it trained, dequantizing it to fp32, then merging")
-        base = auto_class.from_pretrained(
-            str(src.base), dtype=torch.float32, quantization_config=nf4_config(torch.float32), trust_remote_code=False
-        )
-        base = base.dequantize(dtype=torch.float32)
-    else:
-        base = auto_class.from_pretrained(str(src.base), dtype=torch.float32, trust_remote_code=False)
-    if base.get_input_embeddings().num_embeddings < len(tokenizer):
-        base.resize_token_embeddings(len(tokenizer))  # as training did
-    with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        model = PeftModel.from_pretrained(base, str(src.weights))
-    merged = model.merge_and_unload(safe_merge=True)  # safe_merge: refuses to write NaNs into the weights
+    merged, tokenizer = merged_model(src, reporter)
     return _save_plain(merged, tokenizer, out, target)
 
 
