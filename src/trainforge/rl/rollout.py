@@ -26,6 +26,7 @@ class Sampling:
     top_k: int = 0
     min_p: float = 0.0
     stop_ids: tuple[int, ...] = ()
+    greedy: bool = False  # the most likely token every time (held-out evaluation); no draw
 
 
 @dataclass
@@ -74,16 +75,18 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
-        with autocast or contextlib.nullcontext():
+        with autocast or contextlib.nullcontext(), stock_attention(model):
             from transformers import DynamicCache
 
             cache = DynamicCache()
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
             last = positions[:, -1]
             for step in range(s.max_new_tokens):
-                logits = filter_logits(out.logits[:, -1, :].float(), s)
-                probs = torch.softmax(logits, dim=-1)
-                picked = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                if s.greedy:
+                    picked = out.logits[:, -1, :].argmax(-1)
+                else:
+                    probs = torch.softmax(filter_logits(out.logits[:, -1, :].float(), s), dim=-1)
+                    picked = torch.multinomial(probs, 1, generator=generator).squeeze(1)
                 done = torch.isin(picked, stops)
                 host_picked, host_done, host_alive = picked.tolist(), done.tolist(), alive.tolist()  # one sync per token
                 for row, (tok, end) in enumerate(zip(host_picked, host_done)):
@@ -104,6 +107,22 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
     finally:
         model.train(was_training)
     return Completions(tokens, finished)
+
+
+@contextlib.contextmanager
+def stock_attention(model: torch.nn.Module):
+    """transformers' SDPA while sampling: the packed-document paths (model/packed_attention.py, doc_attention.py)
+    build no padding mask, and a left-padded row decoding from its cache must not see its padding."""
+    config = model.config
+    before = config._attn_implementation
+    if before in ("sdpa", "eager", "flash_attention_2", "flash_attention_3"):
+        yield
+        return
+    config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def generator_for(device: torch.device, seed: int) -> torch.Generator:
