@@ -25,6 +25,7 @@ class Prompt:
     text: str
     fields: dict[str, Any]
     where: str
+    index: int = -1  # its position among the train prompts (the example index the engine's messages name)
 
 
 @dataclass
@@ -36,6 +37,11 @@ class PromptStore:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def describe(self, indices) -> str:
+        """The sentence the engine's messages append about a step's examples: the prompts, where they came from."""
+        shown = [f"{self.prompts[i].where} {self.prompts[i].text[:40]!r}" for i in dict.fromkeys(indices)][:5]
+        return f" Their prompts (source, first words): {'; '.join(shown)}." if shown else ""
 
 
 @dataclass
@@ -103,6 +109,8 @@ def plan_prompts(cfg: Any, tokenizer, reporter, pin: bool = False, between_chunk
     if not prompts:
         raise DataError(f"{d.source_label()}: no prompts")
     train, held = split_prompts(prompts, d.eval if isinstance(d.eval, float) else 0.0, cfg.train.seed)
+    for i, p in enumerate(train):
+        p.index = i
     digest = hashlib.blake2b("\n".join(p.text for p in prompts).encode(), digest_size=8).hexdigest()
     tokens = sum(len(p.ids) for p in train)
     stats = {"format": "prompt", "train_rows": len(train), "train_sequences": len(train), "train_tokens": tokens,

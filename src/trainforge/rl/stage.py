@@ -38,6 +38,7 @@ class Doc:
     reward: float
     each: dict[str, float]
     masked: bool  # truncated and rl.mask_truncated_completions: no targets
+    index: int = -1  # its prompt's index among the train prompts
     old: torch.Tensor | None = None  # per completion token, recorded at generation (num_iterations > 1)
     ref: torch.Tensor | None = None  # the reference's (beta > 0)
 
@@ -170,7 +171,7 @@ class RolloutLoader:
             start = self.cursor
             part = self.docs[start : start + self.batch_size]
             self.cursor += len(part)
-            batch = collate(part, self.capacity, list(range(start, start + len(part))))
+            batch = collate(part, self.capacity, [d.index for d in part])
             batch.host_sums = host_sums(part)
             if start == 0:  # the step's first micro-batch carries its generation seconds
                 batch.host_sums.update({"gen_s": self.generation_s, COUNT + "gen_s": 1.0})
@@ -203,7 +204,7 @@ class RolloutLoader:
         adv = advantages(total, g, self.s.scale_rewards)
         docs = [
             Doc(p.ids, c, fin, float(a), float(r), {k: float(v[i]) for k, v in scores.each.items()},
-                self.s.mask_truncated_completions and not fin)
+                self.s.mask_truncated_completions and not fin, p.index)
             for i, (p, c, fin, a, r) in enumerate(zip(flat, out.tokens, out.finished, adv, total))
         ]
         docs = [d if d.completion else _nonempty(d) for d in docs]
