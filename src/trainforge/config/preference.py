@@ -12,7 +12,7 @@ from .base import Section
 OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto", "grpo")
 """``train.objective`` values: next-token cross-entropy, the preference objectives (engine/preference.py), then online
 RL (grpo: the ``rl`` section, config/rl.py)."""
-OBJECTIVES_FOR_DATA = {"preference": tuple(o for o in OBJECTIVES if o not in ("sft", "kto")), "unpaired": ("kto",)}
+OBJECTIVES_FOR_DATA = {"preference": tuple(o for o in OBJECTIVES if o not in ("sft", "kto", "grpo")), "unpaired": ("kto",)}
 """The objectives that train on each kind of preference data (pairs; KTO's labelled rows)."""
 REFERENCE_FREE = ("orpo", "simpo")
 """Objectives that compare the policy with itself: no reference model runs."""
