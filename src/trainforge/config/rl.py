@@ -69,10 +69,11 @@ class RLSettings(Section):
 
 def check_rl(cfg: Any) -> None:
     """Raise ValueError naming the key when the ``rl`` section does not fit ``train.objective`` (a RunConfig being
-    validated): rl settings without grpo change nothing; grpo needs rewards and a decoder-only model."""
-    objective, given = cfg.train.objective, "rl" in cfg.model_fields_set
-    if objective != "grpo":
-        if given and cfg.rl.model_fields_set:
+    validated): rl settings away from their defaults without grpo change nothing; grpo needs rewards, a
+    decoder-only model, a numeric micro-batch and no FSDP."""
+    objective = cfg.train.objective
+    if objective != "grpo":  # a written config.yaml spells out the defaults: only a changed value is refused
+        if cfg.rl != RLSettings():
             raise ValueError(f"rl: the rl section is read by train.objective grpo only (this run trains {objective}); "
                              "remove it or set train.objective: grpo")
         return
