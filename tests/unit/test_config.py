@@ -11,7 +11,7 @@ from trainforge.config.run import ConfigError, RunConfig, load_config, parse_ove
 def test_default_config_is_valid_and_resolves_every_key():
     cfg = load_config(None)
     dumped = yaml.safe_load(cfg.to_yaml())
-    assert set(dumped) == {"model", "data", "train", "optim", "preference", "checkpoint", "log", "preset"}  # preset: null unless one applies
+    assert set(dumped) == {"model", "data", "train", "optim", "preference", "rl", "checkpoint", "log", "preset"}  # preset: null unless one applies
     assert dumped["preset"] is None
     assert dumped["model"]["init"]["architecture"] == "llama"
     assert RunConfig.model_validate(dumped) == cfg  # the written config.yaml reloads to the same run

@@ -21,7 +21,9 @@ BUILTIN_FUNCTION_PAIRS = "builtin:python-function-pairs"
 """Preference source: stdlib functions, signature + docstring -> the real body (chosen) or its lines reversed (rejected)."""
 BUILTIN_FUNCTION_LABELS = "builtin:python-function-labels"
 """Unpaired (KTO) source: the same functions, every other one with its real body (label true), the rest reversed (false)."""
-BUILTINS = (BUILTIN_STDLIB, BUILTIN_FUNCTIONS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTION_LABELS)
+BUILTIN_ARITHMETIC = "builtin:arithmetic"
+"""Prompt source with a checkable answer: sums of two numbers 0-19 (``{prompt, completion, answer}``), for grpo."""
+BUILTINS = (BUILTIN_STDLIB, BUILTIN_FUNCTIONS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTION_LABELS, BUILTIN_ARITHMETIC)
 
 
 def default_cache_dir() -> Path:
@@ -69,7 +71,7 @@ class FieldNames(Section):
 
 class DataSettings(Section):
     train: str | list[str | SourceSpec] = Field(
-        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, {BUILTIN_FUNCTION_PAIRS}, {BUILTIN_FUNCTION_LABELS}, or a list of these / of {{path, weight}} / of {{path, share}}"
+        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, {BUILTIN_FUNCTION_PAIRS}, {BUILTIN_FUNCTION_LABELS}, {BUILTIN_ARITHMETIC}, or a list of these / of {{path, weight}} / of {{path, share}}"
     )
     eval: str | float | None = Field(
         0.05,

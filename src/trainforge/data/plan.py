@@ -130,6 +130,8 @@ def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
     """``DataError`` when ``train.objective`` and the data's format ``fmt`` (default: the first row's) disagree: a
     preference objective on other data, or preference data without one. Checked before anything is tokenized."""
     d, objective = cfg.data, cfg.train.objective
+    if objective == "grpo":  # prompt rows, read by rl/prompts.py
+        return
     fmt = fmt or resolve_format(d)
     check_source_formats(d, fmt)  # a mixture's sources: all of its one format
     wanted = {"sft": None, "kto": "unpaired"}.get(objective, "preference")

@@ -16,26 +16,13 @@ from ..config.run import RunConfig, resolve_grad_accum, resolve_max_steps
 from ..config.data import default_cache_dir
 from ..hardware.cpu_threads import CpuThreads
 from ..data.examples import row_describer
-from ..data.loader import TrainLoader, eval_batches
-from ..data.plan import check_objective_data, describe_data, get_tokenizer, note_run_epochs, plan_data
+from ..data.loader import eval_batches
+from ..data.plan import check_objective_data, describe_data, get_tokenizer, note_run_epochs
 from ..dist import DistContext, device_for
 from ..errors import TrainforgeError
-from ..hardware.device import (
-    PRECISIONS,
-    Precision,
-    available_memory_bytes,
-    configure_backends,
-    cpu_has_native_bf16,
-    cpu_matmul_flops,
-    cpu_peak_precision,
-    describe,
-    device_memory,
-    emulated_precision,
-    peak_flops,
-    pick_device,
-    resolve_precision,
-    this_profile,
-)
+from ..hardware.device import (PRECISIONS, Precision, available_memory_bytes, configure_backends, cpu_has_native_bf16,
+                               cpu_matmul_flops, cpu_peak_precision, describe, device_memory, emulated_precision,
+                               peak_flops, pick_device, resolve_precision, this_profile)
 from ..metrics.console import ConsoleReporter
 from ..metrics.flops import flops_per_token
 from ..metrics.profile import StepTimer
@@ -47,6 +34,7 @@ from ..model.fp8 import resolve_fp8
 from ..model.kernels import resolve_kernels
 from ..model.load import build_model, check_positions, count_parameters, describe_storage, overflows_in_fp16, weight_storage
 from ..rundir.writing import writing
+from ..rl.wiring import bind_rollouts, data_planner, loader_type
 from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .ending import eval_stopped_at_checkpoint
@@ -112,7 +100,7 @@ def setup(
         refuse_what_cannot_fit(cfg, tokenizer, precision, device, ctx)  # before the data and the model cost anything
         laps("fit_check")
         # a signal stops tokenizing at the next chunk; bad data fails before the run dir exists
-        data = plan_data(cfg, tokenizer, reporter, device.type == "cuda", lambda: stop.stop_before_training(output_dir, ctx.enabled))
+        data = data_planner(cfg)(cfg, tokenizer, reporter, device.type == "cuda", lambda: stop.stop_before_training(output_dir, ctx.enabled))
         out = Path(output_dir)
         resume_plan = choose_checkpoint(out, cfg, resume, reporter, ctx.world_size, ctx.is_main)
         if resume_plan is None and ctx.is_main:
@@ -124,7 +112,7 @@ def setup(
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     laps("fit")
     cfg, micro, accum = batch_layout(cfg, ctx.world_size, resume_plan)
-    loader = TrainLoader(
+    loader = loader_type(cfg)(
         data.train_rows, data.collate, micro, cfg.train.seed, cfg.data.packing is False, rank=ctx.rank, world_size=ctx.world_size,
     )
     efficiency = loader.padding_efficiency()
@@ -133,6 +121,7 @@ def setup(
 
     model = build_run_model(cfg, tokenizer, precision, device, reporter)
     objective = build_objective(cfg, model)  # before any checkpoint loads: a frozen reference is the starting weights
+    bind_rollouts(cfg, loader, model, objective, tokenizer, precision, device, accum)  # grpo: the policy samples
     if objective.unit == "pair":
         reporter.info(describe_objective(objective, data.prepared.train.desirable))
     if objective.reference == "precompute":  # the starting weights' log-probabilities, once, from the cache after that

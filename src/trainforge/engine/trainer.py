@@ -197,7 +197,7 @@ def train_loop(run: Run, steps: int | None = None) -> None:
         t = time.perf_counter()
         with run.timer.phase("data"):
             micro_batches = fetch_step(run)
-        wait = time.perf_counter() - t
+        wait = time.perf_counter() - t - getattr(run.loader, "generation_s", 0.0)  # grpo: sampling is no data wait
         c.data_wait_s += wait
         # all ranks' counts of the loss divisor (target tokens, or pairs) and input tokens, and agreement on
         # stopping / a time-based save

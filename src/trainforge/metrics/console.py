@@ -48,7 +48,11 @@ class ConsoleReporter:
         eta = f" | ETA {_fmt_time(eta_s)}" if eta_s is not None else ""
         mfu = f" | MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
         wait = f" | data {rec['data_wait_pct']:.1f}%" if "data_wait_pct" in rec else ""
-        if "reward_accuracy" in rec:  # a preference objective: how often chosen wins, and by how much (KTO: its KL estimate)
+        if "completion_length" in rec:  # grpo: reward, completion length, KL, clipping, the share of time sampling
+            loss += f" | reward {rec['reward']:.3f} len {rec['completion_length']:.1f}" + (
+                f" kl {rec['kl']:.4f}" if "kl" in rec else "") + f" clip {rec.get('clip_ratio', 0.0):.1%}" + (
+                f" gen {min(rec['gen_s'] * rec['steps_per_s'], 1.0):.0%}" if "gen_s" in rec else "")
+        elif "reward_accuracy" in rec:  # a preference objective: how often chosen wins, and by how much (KTO: its KL estimate)
             loss += f" | reward acc {rec['reward_accuracy']:.1%}" + (
                 f" margin {rec['reward_margin']:.3f}" if "reward_margin" in rec else f" kl {rec.get('kl', float('nan')):.3f}")
         if "aux_loss" in rec:  # a mixture-of-experts model's router load-balancing loss (before its coefficient)
