@@ -205,7 +205,8 @@ def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None, stop: 
     def stop_if_asked() -> None:
         if stop is not None and stop.requested:
             raise Interrupted(f"{stop.name} while preparing the data: stopped before the token cache entry was "
-                              "complete, nothing of it saved; run the same command again to prepare the data", stop.name)
+                              "complete; run the same command again to prepare the data (a corpus of many files goes on from the files "
+                              "it finished)", stop.name)
 
     check_objective_data(cfg)  # from the first row: refused before a tokenizer is trained or anything tokenized
     tokenizer = get_tokenizer(cfg, reporter)
