@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -165,3 +166,24 @@ def test_unsupported_family_is_refused_with_the_list():
     config = AutoConfig.for_model("gpt2", vocab_size=80, n_embd=32, n_layer=1, n_head=4, n_positions=TOKENS)
     with pytest.raises(TiledMLPUnsupported, match="llama.*this model is gpt2"):
         apply_tiled_mlp(AutoModelForCausalLM.from_config(config))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="QLoRA needs the qlora extra")
+def test_qlora_base_with_lora_on_the_mlp(tiny_model_dir):
+    from trainforge.config.run import ModelSettings
+    from trainforge.model.load import build_model
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    settings = ModelSettings(path=tiny_model_dir, method="qlora", lora=LoraSettings(r=4, target_modules=["gate_proj", "down_proj"]))
+    model = build_model(settings, tok, seed=0, compute_dtype=torch.bfloat16).train()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.2)
+    ids = torch.randint(0, len(tok), (1, 96), generator=torch.Generator().manual_seed(5))
+    plain = step(model, ids, autocast=True)
+    apply_tiled_mlp(model, TILE)
+    assert type(decoder_mlps(model)[0]).__name__.startswith("Tiled")
+    got = step(model, ids, autocast=True)
+    assert any("gate_proj.lora_A" in n for n in got[1])
+    assert_same(got, plain, rtol=2e-2, atol=2e-3)
