@@ -1,8 +1,8 @@
 """Peak memory of one LoRA training step at long row lengths, with and without the long-context levers.
 
 Each (length, levers) runs in its own process, which builds a 4-layer Llama-shaped model (random weights,
-bf16 frozen base, LoRA r=16 on every linear layer, fp32 adapters), runs two training steps on one row of
-``length`` tokens (trainforge's chunked fused loss, autocast bf16) and reports its peak RSS
+bf16 frozen base, LoRA r=16 on every linear layer, fp32 adapters), runs training steps (two by default) on one row
+of ``length`` tokens (trainforge's chunked fused loss, autocast bf16) and reports its peak RSS
 (``ru_maxrss``) and the step's seconds. Levers: none; ckpt (activation checkpointing); tiled (checkpointing
 + tiled MLP). Activation offload acts on a GPU only (on a CPU it changes nothing) and is not measured here.
 
@@ -25,8 +25,8 @@ SHAPE = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidd
 LEVERS = {"none": (False, False), "ckpt": (True, False), "tiled": (True, True)}
 
 
-def one(length: int, levers: str) -> dict:
-    """One configuration in this process: peak RSS (GiB) and seconds of the second step."""
+def one(length: int, levers: str, steps: int = 2) -> dict:
+    """One configuration in this process: peak RSS (GiB) and seconds of the last of ``steps`` steps."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -55,7 +55,7 @@ def one(length: int, levers: str) -> dict:
     ids = torch.randint(0, SHAPE["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
     batch = Batch(ids, ids, None, length, length, [0])
     seconds = 0.0
-    for _ in range(2):
+    for _ in range(steps):
         start = time.perf_counter()
         loss = loss_sum(model, batch, PRECISIONS["bf16"], True)
         (loss / length).backward()
@@ -70,14 +70,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
+    ap.add_argument("--steps", type=int, default=2, help="steps per configuration (the last is timed; 1: peak only)")
     ap.add_argument("--one", nargs=2, metavar=("LENGTH", "LEVERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(int(args.one[0]), args.one[1])))
+        print(json.dumps(one(int(args.one[0]), args.one[1], args.steps)))
         return
     for length in args.lengths:
         for levers in args.levers:
-            out = subprocess.run([sys.executable, __file__, "--one", str(length), levers], capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "--one", str(length), levers, "--steps", str(args.steps)], capture_output=True, text=True)
             line = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else \
                 json.dumps({"length": length, "levers": levers, "error": out.stderr.strip().splitlines()[-1:]})
             print(line, flush=True)

@@ -180,13 +180,6 @@ def apply_tiled_mlp(model: torch.nn.Module, tile: int | None = None) -> int:
     return len(mlps)
 
 
-def remove_tiled_mlp(model: torch.nn.Module) -> None:
-    """Give every tiled MLP its own class back (exports and tests)."""
-    for mlp in decoder_mlps(model):
-        if type(mlp).__name__.startswith("Tiled"):
-            mlp.__class__ = type(mlp).__mro__[1]
-
-
 @contextlib.contextmanager
 def untiled(model: torch.nn.Module):
     """The model with its MLPs untiled for the duration (a comparison in a test, a benchmark)."""
