@@ -25,7 +25,7 @@ SHAPE = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidd
 LEVERS = {"none": (False, False), "ckpt": (True, False), "tiled": (True, True)}
 
 
-def one(length: int, levers: str, steps: int = 2) -> dict:
+def one(length: int, levers: str, steps: int = 2, precision: str = "bf16") -> dict:
     """One configuration in this process: peak RSS (GiB) and seconds of the last of ``steps`` steps."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -42,7 +42,8 @@ def one(length: int, levers: str, steps: int = 2) -> dict:
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPE)
     # causal SDPA without a materialized mask (what training's packed-attention path uses)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_causal()).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_causal())
+    model = model.to(torch.bfloat16) if precision == "bf16" else model
     if ckpt:
         enable_activation_checkpointing(model)
     model = apply_lora(model, LoraSettings(r=16, alpha=32, target_modules="all-linear"))
@@ -57,12 +58,12 @@ def one(length: int, levers: str, steps: int = 2) -> dict:
     seconds = 0.0
     for _ in range(steps):
         start = time.perf_counter()
-        loss = loss_sum(model, batch, PRECISIONS["bf16"], True)
+        loss = loss_sum(model, batch, PRECISIONS[precision], True)
         (loss / length).backward()
         model.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    return {"length": length, "levers": levers, "peak_rss_gib": round(peak / 2**30, 3), "step_s": round(seconds, 1),
+    return {"length": length, "levers": levers, "precision": precision, "peak_rss_gib": round(peak / 2**30, 3), "step_s": round(seconds, 1),
             "tokens_per_s": round(length / seconds)}
 
 
@@ -71,14 +72,16 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
     ap.add_argument("--steps", type=int, default=2, help="steps per configuration (the last is timed; 1: peak only)")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                    help="fp32 where the CPU has no native bf16 (emulated bf16 is several times slower)")
     ap.add_argument("--one", nargs=2, metavar=("LENGTH", "LEVERS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(int(args.one[0]), args.one[1], args.steps)))
+        print(json.dumps(one(int(args.one[0]), args.one[1], args.steps, args.precision)))
         return
     for length in args.lengths:
         for levers in args.levers:
-            out = subprocess.run([sys.executable, __file__, "--one", str(length), levers, "--steps", str(args.steps)], capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "--one", str(length), levers, "--steps", str(args.steps), "--precision", args.precision], capture_output=True, text=True)
             line = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else \
                 json.dumps({"length": length, "levers": levers, "error": out.stderr.strip().splitlines()[-1:]})
             print(line, flush=True)

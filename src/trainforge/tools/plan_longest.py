@@ -63,8 +63,8 @@ def render_longest(result: dict[str, Any], console) -> None:
         beyond = f"{row['beyond_gib']:.2f} GiB" if row["beyond_gib"] is not None else "-"
         console.print(f"  {row['levers']:<42} {row['longest']:>10,} {gain:>7} {peak:>11} {beyond:>12}")
         before = row["longest"] or None
-    console.print("  set data.max_length: auto to take the longest with the run's levers "
-                  "(train.tiled_mlp / activation_offload: auto turn on what it needs)")
+    console.print("  set data.max_length at most to the first line's length; train.tiled_mlp / activation_offload: auto "
+                  "turn on what a length needs")
 
 
 def print_longest(cfg: RunConfig, hardware: str, world_size: int, json_out: bool, console) -> None:
