@@ -38,6 +38,7 @@ from ..rl.wiring import bind_rollouts, data_planner, loader_type
 from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .ending import eval_stopped_at_checkpoint
+from .levers import apply_levers, resolve_run_levers
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run, rough_skeleton_estimate
 from .predict.memory import estimate_memory, memory_refusal, memory_warning
@@ -109,6 +110,7 @@ def setup(
     laps("data")
     stop.stop_before_training(out, ctx.enabled)  # a signal while tokenizing: no model, eval nor checkpoint
     reporter.info(f"output: {out}")
+    cfg = resolve_run_levers(cfg, tokenizer, precision, device, ctx, reporter.info)  # tiled MLP, offload: auto
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     laps("fit")
     cfg, micro, accum = batch_layout(cfg, ctx.world_size, resume_plan)
@@ -296,8 +298,7 @@ def refuse_what_cannot_fit(cfg: RunConfig, tokenizer, precision: Precision, devi
 def choose_device_and_precision(
     cfg: RunConfig, ctx: DistContext, reporter: ConsoleReporter
 ) -> tuple[torch.device, Precision, str, CpuThreads]:
-    """This process's device, the run's precision and why, and its CPU threads (``train.cpu_threads``);
-    backends configured for them, and said."""
+    """This process's device, the run's precision and why, its CPU threads; backends configured for them, and said."""
     prefer_expandable_segments()  # a run started from Python, not the CLI: still before CUDA's allocator starts
     device = device_for(pick_device(cfg.train.device), ctx)
     threads = CpuThreads.for_device(cfg.train.cpu_threads, device)
@@ -327,11 +328,11 @@ def build_run_model(
         reporter.warn("train.fp8 uncompiled: torchao's scales and casts run as separate kernels" + (
             ", and under LoRA it also computes the frozen base layers' weight gradients (one more FP8 matmul per layer, "
             "then discarded)" if cfg.model.method == "lora" else "") + "; compiled, they fuse: set train.compile: true or auto")
-    model = build_model(
+    model = apply_levers(build_model(
         cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None,
         compute_dtype=precision.autocast_dtype, activation_checkpointing=cfg.train.activation_checkpointing,
         kernels=kernels, fp8=fp8, warn=reporter.warn,
-    ).to(device)
+    ).to(device), cfg, device, reporter.info)  # tiled MLP, activation offload (engine/levers.py)
     model.train()
     trainable, total = count_parameters(model)
     used = getattr(model, "trainforge_kernels", [])
@@ -428,9 +429,8 @@ def fit_to_machine(
     cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx: DistContext, reporter: ConsoleReporter,
     resume_plan: Any = None,
 ) -> tuple[RunConfig, Fit]:
-    """Resolve ``micro_batch_size: auto`` and ``activation_checkpointing: auto`` from the plan of this
-    run on this machine (engine/fit.py); rank 0 decides for all processes. A resumed run keeps the
-    micro-batch its checkpoint was trained with (the global batch must not change mid-run)."""
+    """Resolve ``micro_batch_size``/``activation_checkpointing: auto`` from the plan of this run here (rank 0 decides
+    for all); a resumed run keeps its checkpoint's micro-batch (the global batch must not change mid-run)."""
     t = cfg.train
     saved = resume_plan.checkpoint.meta.get("fixed", {}).get("train.micro_batch_size") if resume_plan is not None else None
     if t.micro_batch_size == "auto" and isinstance(saved, int):
