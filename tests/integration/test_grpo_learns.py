@@ -11,6 +11,7 @@ import json
 import os
 import random
 
+import pytest
 import torch
 import yaml
 
@@ -18,7 +19,7 @@ from integration_helpers import run_cli, show
 
 MODEL = {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "max_position_embeddings": 32}
-SEED = int(os.environ.get("TF_GRPO_LEARNS_SEED", "0"))
+SEED = int(os.environ.get("TF_GRPO_LEARNS_SEED", "0"))  # another seed: the same rise (docs/rl.md has seeds 0-2)
 
 
 def numbers() -> tuple[list[int], list[int]]:
@@ -43,6 +44,7 @@ def heldout_reward(model_dir, held) -> float:
         return measure(model, tokenizer, prompts, rewards, 6, temperature=1.0, samples=4, seed=0)
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_heldout_reward_of_an_sft_model(tmp_path):
     train, held = numbers()
     rows = [{"prompt": f"{n}=", "completion": ending, "answer": str(n)} for n in train for ending in (str(n), f"{n}+1")]
@@ -50,12 +52,12 @@ def test_grpo_raises_the_heldout_reward_of_an_sft_model(tmp_path):
     log = {"every_steps": 5, "report": False, "tensorboard": False}
     sft = {"model": {"init": MODEL, "tokenizer": "char"},
            "data": {"train": "copy.jsonl", "eval": None, "max_length": 16, "format": "prompt_completion"},
-           "train": {"max_steps": int(os.environ.get("SFT_STEPS", "120")), "micro_batch_size": 32, "eval_every": None, "seed": SEED},
+           "train": {"max_steps": 120, "micro_batch_size": 32, "eval_every": None, "seed": SEED},
            "optim": {"lr": 3e-3, "warmup_steps": 10}, "log": log, "checkpoint": {"every_minutes": None}}
     grpo = {"model": {"path": str(tmp_path / "sft" / "final")},
             "data": {"train": "copy.jsonl", "eval": None, "max_length": 8},
-            "train": {"objective": "grpo", "max_steps": int(os.environ.get("GRPO_STEPS", "30")), "micro_batch_size": 64, "eval_every": None, "seed": SEED},
-            "optim": {"lr": float(os.environ.get("GRPO_LR", "5e-4")), "warmup_steps": 0, "schedule": "constant"},
+            "train": {"objective": "grpo", "max_steps": 30, "micro_batch_size": 64, "eval_every": None, "seed": SEED},
+            "optim": {"lr": 5e-4, "warmup_steps": 0, "schedule": "constant"},
             "rl": {"num_generations": 8, "max_completion_length": 6, "beta": 0.0, "rewards": [{"name": "final_number"}]},
             "log": log, "checkpoint": {"every_minutes": None}}
     for name, cfg in (("sft", sft), ("grpo", grpo)):
@@ -63,6 +65,7 @@ def test_grpo_raises_the_heldout_reward_of_an_sft_model(tmp_path):
         proc = run_cli(["train", f"{name}.yaml", "--output", tmp_path / name], tmp_path)
         assert proc.returncode == 0, show(proc)
     before, after = heldout_reward(tmp_path / "sft" / "final", held), heldout_reward(tmp_path / "grpo" / "final", held)
-    records = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    print("RESULT", SEED, before, after, [round(r["reward"], 3) for r in records if "reward" in r])
-    assert after >= before + 0.15, (before, after)
+    rewards = [json.loads(line).get("reward") for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r for r in rewards if r is not None]
+    assert rewards[-1] > rewards[0] + 0.15, rewards  # the training reward rose too (measured: 0.59-0.67 -> 0.92-0.97)
+    assert after >= before + 0.25, (before, after)  # measured: +0.43 to +0.47 over seeds 0-2; seed-to-seed spread ~0.03
