@@ -41,6 +41,9 @@ def test_grpo_run_logs_rewards_length_kl_and_writes_its_summary(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["objective"] == "grpo" and summary["steps"] == 4
     assert "reward" in proc.stdout and "gen " in proc.stdout  # the console line carries them too
+    # doctor reads the run: its written config.yaml (every rl default spelt out) validates
+    proc = run_cli(["doctor", tmp_path / "run"], tmp_path)
+    assert proc.returncode == 0 and "config.yaml: valid" in proc.stdout, show(proc)
 
 
 def test_prompt_rows_without_the_field_a_reward_reads_are_exit_2_naming_the_row(tmp_path):
