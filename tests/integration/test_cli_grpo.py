@@ -8,7 +8,6 @@ import json
 
 import torch
 import yaml
-
 from integration_helpers import run_cli, show
 
 KEYS = {"reward", "reward_final_number", "completion_length", "truncated", "kl", "clip_ratio", "gen_s"}
@@ -68,7 +67,7 @@ def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_same_weights(tmp_path):
     cfg["train"]["max_steps"], cfg["log"]["every_steps"] = 6, 1
     cfg["checkpoint"] = {"every_minutes": None, "every_steps": 100}
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(cfg))
-    cli = lambda run, faults=None: run_cli(["train", "grpo.yaml", "--output", tmp_path / run], tmp_path, faults=faults)  # noqa: E731
+    cli = lambda run, faults=None: run_cli(["train", "grpo.yaml", "--output", tmp_path / run], tmp_path, faults=faults)
     proc = cli("reference")
     assert proc.returncode == 0, show(proc)
     proc = cli("run", {"signal_in_step": [3, "SIGTERM"]})
@@ -81,6 +80,6 @@ def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_same_weights(tmp_path):
     for name, value in expected.items():
         assert torch.equal(got[name], value), f"weight {name} differs"
     timing = set(MEASURED_FIELDS) | {"gen_s"}
-    records = lambda r: [{k: v for k, v in json.loads(line).items() if k not in timing}  # noqa: E731
+    records = lambda r: [{k: v for k, v in json.loads(line).items() if k not in timing}
                          for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
     assert records("run") == records("reference")

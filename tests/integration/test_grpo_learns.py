@@ -14,7 +14,6 @@ import random
 import pytest
 import torch
 import yaml
-
 from integration_helpers import run_cli, show
 
 MODEL = {"architecture": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
