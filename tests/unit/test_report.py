@@ -186,3 +186,30 @@ def test_a_mixtures_loss_per_source_gets_its_panel(tmp_path):
     page = write_report([run]).read_text()
     assert list(images(page))[:3] == ["Loss against steps", "Loss against tokens", "Loss per source"]
     assert 'alt="Loss per source"' not in write_report([make_run(tmp_path / "one")]).read_text()
+
+
+def test_a_grpo_runs_report_plots_its_reward_each_function_and_completion_length(tmp_path):
+    """grpo logs reward, reward_NAME per function and completion_length: the report gets Reward and Completion
+    length panels after the loss (none for an SFT run)."""
+    from trainforge.metrics.report_charts import RL_PANELS, panels_for
+
+    run = make_run(tmp_path / "grpo")
+    assert not any(title == "Reward" for title, *_ in panels_for([load_run(run)]))
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        if "loss" in r:
+            r.update(reward=0.05 * r["step"], reward_final_number=0.04 * r["step"], reward_length=0.01 * r["step"],
+                     completion_length=10.0 - 0.5 * r["step"], truncated=0.0)
+        else:
+            r["eval_reward"] = 0.03 * r["step"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    data = load_run(run)
+    assert [title for title, *_ in panels_for([data])][2:4] == ["Reward", "Completion length"]
+    panels = {title: fn for title, _, _, fn, _ in RL_PANELS}
+    series = panels["Reward"](data, 0, False)
+    assert [s.label for s in series] == ["reward", "final_number", "length", "held-out"]
+    assert series[0].y == pytest.approx([0.05 * s for s in range(2, 13, 2)])
+    assert series[-1].y == pytest.approx([0.03 * r["step"] for r in lines if "eval_reward" in r])
+    assert panels["Completion length"](data, 0, False)[0].y[-1] == pytest.approx(4.0)
+    page = write_report([run]).read_text()
+    assert 'alt="Reward"' in page and 'alt="Completion length"' in page

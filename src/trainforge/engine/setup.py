@@ -197,6 +197,7 @@ def setup(
         advisor=Advisor(
             device_memory(device)[0], peak_reprobe(device, precision, cfg.data.cache_dir, ctx.world_size),
             judge_mfu=not (device.type == "cpu" and emulated_precision(precision.name, cpu_has_native_bf16())), describe=describe,
+            judge_loss=cfg.train.objective != "grpo",
         ),
     )
     laps("services")
