@@ -16,14 +16,15 @@ from trainforge.hardware.profiles import GIB, HardwareProfile
 from trainforge.tools.plan import VocabOnly
 
 VOCAB = VocabOnly(256)
+TABLE_GIB = 0.125  # the lever table's device: small, so that each row's longest length (and each trace) stays short
 SHAPE = {"architecture": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1 << 20}
 
 
-def config(tmp_path, **train) -> RunConfig:
+def config(tmp_path, shape: dict | None = None, **train) -> RunConfig:
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "alpha beta gamma"}\n')
-    return RunConfig.model_validate({"model": {"init": SHAPE}, "data": {"train": str(data), "max_length": 2048},
+    return RunConfig.model_validate({"model": {"init": shape or SHAPE}, "data": {"train": str(data), "max_length": 2048},
                                      "train": train})
 
 
@@ -38,7 +39,9 @@ def tensors(cfg: RunConfig, levers: Levers, length: int, profile: HardwareProfil
 
 
 def test_each_lever_lowers_the_peak_and_the_peak_grows_linearly(tmp_path):
-    cfg = config(tmp_path)
+    # an MLP four times wider than the vocabulary: its intermediates, not the head's logits, set the checkpointed peak
+    shape = {**SHAPE, "intermediate_size": 1024}
+    cfg = config(tmp_path, shape)
     ladder = [Levers(), Levers(True), Levers(True, True), Levers(True, True, True)]
     at = {n: [tensors(cfg, lv, n) for lv in ladder] for n in (4096, 8192)}
     for n, peaks in at.items():
@@ -48,7 +51,7 @@ def test_each_lever_lowers_the_peak_and_the_peak_grows_linearly(tmp_path):
         first, second = at[4096][i] - short[i - 1], at[8192][i] - at[4096][i]  # (quadratic would be four times)
         assert 0 < second <= 2.05 * first, lv
     # tiling takes the MLP's intermediates out of the recomputed layer: at least 3 of its 4 bf16 intermediates
-    assert at[8192][1] - at[8192][2] >= 3 * 8192 * SHAPE["intermediate_size"] * 2
+    assert at[8192][1] - at[8192][2] >= 3 * 8192 * shape["intermediate_size"] * 2
     # offload takes each layer's input (a bf16 hidden-size row per token) off the device
     assert at[8192][2] - at[8192][3] >= SHAPE["num_hidden_layers"] * 8192 * SHAPE["hidden_size"] * 2 * 0.9
 
@@ -72,9 +75,9 @@ def test_the_sampled_tile_trace_equals_tracing_every_tile(tmp_path, monkeypatch)
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
-    """The lever table of the tiny model on a 0.5 GiB GPU (one search per row), shared by the tests below."""
+    """The lever table of the tiny model on a TABLE_GIB GPU (one search per row), shared by the tests below."""
     cfg = config(tmp_path_factory.mktemp("long"), activation_checkpointing="auto", micro_batch_size=1)
-    return cfg, lever_table(cfg, VOCAB, PRECISIONS["bf16"], device(0.5))
+    return cfg, lever_table(cfg, VOCAB, PRECISIONS["bf16"], device(TABLE_GIB))
 
 
 def test_the_lever_table_grows_down_the_ladder_and_each_row_is_the_last_that_fits(table):
@@ -82,13 +85,13 @@ def test_the_lever_table_grows_down_the_ladder_and_each_row_is_the_last_that_fit
     assert [r.levers for r in rows] == [Levers(), Levers(True), Levers(True, True), Levers(True, True, True)]
     lengths = [r.length for r in rows]
     assert all(b > a for a, b in zip(lengths, lengths[1:])), lengths
-    budget = 0.9 * device(0.5).memory_bytes
+    budget = 0.9 * device(TABLE_GIB).memory_bytes
     for found in rows:
         assert found.length > 0 and found.length % GRANULE == 0
         assert found.memory.process <= budget < found.beyond.process  # one GRANULE more does not fit
         assert len(found.traced) <= 10  # a handful of traces, not a scan
     last = rows[-1]  # plan's own prediction agrees at that length and one step beyond
-    at = lambda n: predict_memory(with_levers(cfg, last.levers, n), VOCAB, PRECISIONS["bf16"], device(0.5), 1, True)  # noqa: E731
+    at = lambda n: predict_memory(with_levers(cfg, last.levers, n), VOCAB, PRECISIONS["bf16"], device(TABLE_GIB), 1, True)  # noqa: E731
     assert at(last.length).fits(0.9) and not at(last.length + GRANULE).fits(0.9)
 
 
@@ -96,15 +99,15 @@ def test_auto_turns_levers_on_only_when_needed(table):
     cfg, rows = table
     longest = {r.levers: r.length for r in rows}
     at = lambda n: cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": n})})  # noqa: E731
-    choice = resolve_levers(at(longest[Levers(True)]), VOCAB, PRECISIONS["bf16"], device(0.5))
+    choice = resolve_levers(at(longest[Levers(True)]), VOCAB, PRECISIONS["bf16"], device(TABLE_GIB))
     assert choice.levers == Levers(True) and choice.why_tiled.startswith("off: the run fits")
-    choice = resolve_levers(at(longest[Levers(True, True)]), VOCAB, PRECISIONS["bf16"], device(0.5))
+    choice = resolve_levers(at(longest[Levers(True, True)]), VOCAB, PRECISIONS["bf16"], device(TABLE_GIB))
     assert choice.levers == Levers(True, True) and choice.why_tiled.startswith("on: without it")
     assert choice.why_offload.startswith("off: the run fits")
-    choice = resolve_levers(at(longest[Levers(True, True, True)]), VOCAB, PRECISIONS["bf16"], device(0.5))
+    choice = resolve_levers(at(longest[Levers(True, True, True)]), VOCAB, PRECISIONS["bf16"], device(TABLE_GIB))
     assert choice.levers == Levers(True, True, True) and choice.why_offload.startswith("on: without it")
     assert resolved_config(cfg, choice).train.tiled_mlp is True
-    cpu = resolve_levers(at(longest[Levers(True, True)]), VOCAB, PRECISIONS["bf16"], device(0.5, "cpu"))
+    cpu = resolve_levers(at(longest[Levers(True, True)]), VOCAB, PRECISIONS["bf16"], device(TABLE_GIB, "cpu"))
     assert cpu.levers.offload is False and "CPU" in cpu.why_offload
 
 
