@@ -49,14 +49,8 @@ def train(
         Optional[str], typer.Option("--preset", help="smoke (prove the config in about a minute) or production: laid over the config, beneath --set")
     ] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="run directory (default: runs/NAME-TIME)")] = None,
-    resume: Annotated[
-        str,
-        typer.Option(
-            "--resume",
-            help="auto: continue from the newest complete checkpoint in --output; never: refuse a directory "
-            "that holds a run; or a checkpoint / run directory to continue from",
-        ),
-    ] = "auto",
+    resume: Annotated[str, typer.Option("--resume", help="auto: continue from the newest complete checkpoint in --output; never: "
+                                         "refuse a directory that holds a run; or a checkpoint / run directory to continue from")] = "auto",
     nproc: Annotated[
         Optional[int],
         typer.Option(
@@ -219,6 +213,7 @@ def plan(
         bool, typer.Option("--measure", help="then run a few real steps at the planned settings here, longest rows first, and compare")
     ] = False,
     measure_steps: Annotated[int, typer.Option("--measure-steps", min=1, help="timed steps of --measure")] = 5,
+    longest: Annotated[bool, typer.Option("--longest", help="only the longest data.max_length that fits at micro-batch 1, and what each lever buys")] = False,
 ) -> None:
     """Predict peak memory, speed and run time before training, on this machine or any hardware profile;
     print the decisions the run would take and what in the config will fail or waste time."""
@@ -243,6 +238,11 @@ def plan(
         _fail("--measure runs real steps on this machine in one process: use it with --hardware this and no --nproc")
     with user_errors():
         cfg = load_config(config, set_ or [], plan_only=not measure, preset=preset)
+    if longest:  # a search over the memory model alone (tools/plan_longest.py)
+        from .tools.plan_longest import print_longest
+
+        with user_errors(ValueError):  # an unknown --hardware profile is a ValueError
+            return print_longest(cfg, hardware, nproc, json_out, console)
     from .tools.plan import make_plan, render
     from .tools.plan_measure import measure as run_measure
     from .tools.plan_measure import render_measured

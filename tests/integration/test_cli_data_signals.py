@@ -108,7 +108,7 @@ def test_signal_while_prepare_tokenizes_stops_it_and_its_workers(tmp_path, big_d
     name = signal.Signals(signum).name
     assert code == 75, f"exit {code}\n{out}\n{err}"
     message = " ".join(err.split())
-    assert f"{name} while preparing the data" in message and "nothing of it saved" in message, err
+    assert f"{name} while preparing the data" in message and "before the token cache entry was complete" in message, err
     assert "run the same command again" in message and "Traceback" not in err, err
     assert_nothing_cached(tmp_path / "cache")
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 
-from integration_helpers import root_conftest, run_cli, show
+from integration_helpers import root_conftest, run_cli, show, start_cli
 
 write_config = root_conftest().write_config
 
@@ -40,3 +42,46 @@ def test_prepare_skip_bad_rows_reports_them(tmp_path, finetune_config, toy_data_
     config = write_config(tmp_path / "run.yaml", finetune_config)
     proc = run_cli(["prepare", config], tmp_path, timeout=120)
     assert proc.returncode == 2 and "bad.jsonl:3: malformed JSON" in proc.stderr, show(proc)
+
+
+def test_a_killed_prepare_goes_on_from_its_finished_shards(tmp_path, finetune_config):
+    """SIGKILL once the manifest lists a finished shard; the same command reuses the shards and ends with the bytes of
+    an uninterrupted prepare."""
+    conftest = root_conftest()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shards = 8
+    for s in range(shards):
+        conftest.write_jsonl(corpus / f"part-{s:02d}.jsonl", conftest.toy_prompt_completions(500, seed=s))
+    finetune_config["data"].update(train=str(corpus), eval=0.05, num_workers=2, cache_dir=str(tmp_path / "cache"))
+    config = write_config(tmp_path / "run.yaml", finetune_config)
+    proc = start_cli(["prepare", config], tmp_path)
+    deadline = time.monotonic() + 120
+    listed = 0
+    while listed == 0 and proc.poll() is None and time.monotonic() < deadline:
+        for manifest in (tmp_path / "cache" / "data").glob(".*.units/manifest.json"):
+            listed = len(json.loads(manifest.read_text())["units"])  # written atomically: never half a file
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=30)
+    assert listed >= 1 and proc.returncode == -signal.SIGKILL, f"{proc.returncode}\n{out}\n{err}"
+    entries = [p for p in (tmp_path / "cache" / "data").iterdir() if not p.name.startswith(".")]
+    assert entries == [], "the entry was published before the kill; the test needs more or larger shards"
+    again = run_cli(["prepare", config], tmp_path, timeout=180)
+    assert again.returncode == 0, show(again)
+    reused = int(again.stdout.split("reusing ")[1].split(" of ")[0])
+    assert listed <= reused < shards and f"of {shards} shards" in again.stdout, show(again)
+    assert again.stdout.count(" done: ") == shards - reused and "tokens/s, ETA" in again.stdout, show(again)
+    # the uninterrupted prepare, in this process (a third CLI start would double the test's time)
+    from trainforge.config.run import load_config
+    from trainforge.data.plan import prepare_only
+
+    finetune_config["data"]["cache_dir"] = str(tmp_path / "fresh")
+    prepare_only(load_config(write_config(tmp_path / "fresh.yaml", finetune_config), []))
+    (entry,) = [p for p in (tmp_path / "cache" / "data").iterdir() if not p.name.startswith(".")]
+    (fresh_entry,) = (tmp_path / "fresh" / "data").iterdir()
+    assert entry.name == fresh_entry.name
+    files = sorted(p.relative_to(entry) for p in entry.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(fresh_entry) for p in fresh_entry.rglob("*") if p.is_file())
+    assert all((entry / f).read_bytes() == (fresh_entry / f).read_bytes() for f in files)
+    assert not list((tmp_path / "cache" / "data").glob(".*.units"))  # published: the shards are removed

@@ -252,3 +252,17 @@ def test_summary_time_is_json(cfg, tmp_path):
     run(cfg, tmp_path / "run")
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert isinstance(s["limits"], list) and isinstance(s["time"]["startup"], dict)
+
+
+def test_a_grpo_loss_near_zero_is_not_judged_for_spikes_its_grad_norm_is():
+    """grpo's loss sits near 0 with either sign: 7x its median is no spike (judge_loss False); the grad norm still is."""
+    def window(advisor):
+        for step in range(1, 30):
+            spike = step == 25
+            advisor.record_step(step, torch.tensor(1e-8 if spike else 1e-9), torch.tensor(50.0 if spike else 1.0), [step])
+        times = RunTimes(wall_s=10, train_s=5, eval_s=0, evals_done=0, evals_planned=0, checkpoint_s=0, steps_done=29,
+                         max_steps=30)
+        return sorted(a.cause for a in advisor.observe({"step": 29}, times))
+
+    assert window(Advisor(None)) == ["grad_norm_spike", "loss_spike"]
+    assert window(Advisor(None, judge_loss=False)) == ["grad_norm_spike"]

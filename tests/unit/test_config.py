@@ -11,7 +11,7 @@ from trainforge.config.run import ConfigError, RunConfig, load_config, parse_ove
 def test_default_config_is_valid_and_resolves_every_key():
     cfg = load_config(None)
     dumped = yaml.safe_load(cfg.to_yaml())
-    assert set(dumped) == {"model", "data", "train", "optim", "preference", "checkpoint", "log", "preset"}  # preset: null unless one applies
+    assert set(dumped) == {"model", "data", "train", "optim", "preference", "rl", "checkpoint", "log", "preset"}  # preset: null unless one applies
     assert dumped["preset"] is None
     assert dumped["model"]["init"]["architecture"] == "llama"
     assert RunConfig.model_validate(dumped) == cfg  # the written config.yaml reloads to the same run
@@ -159,7 +159,7 @@ def test_a_bad_entry_of_a_source_list_is_named_alone_with_its_line(tmp_path):
     ]
     msg = error_of([f"data.train=[{{path: builtin:python-stdlib, wieght: 2}}]"], path=path)
     assert msg.splitlines()[1:] == [
-        "  data.train.0.wieght: unknown key; did you mean 'weight'? allowed here: path, weight (from --set)"
+        "  data.train.0.wieght: unknown key; did you mean 'weight'? allowed here: path, weight, share, name (from --set)"
     ]
 
 

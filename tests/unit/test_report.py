@@ -166,3 +166,50 @@ def test_a_kto_runs_rewards_panel_plots_its_desirable_and_undesirable_rewards(tm
     assert [s.label for s in series] == ["desirable", "undesirable"]
     assert series[0].y == [0.01 * s for s in range(2, 13, 2)] and series[1].y[-1] == pytest.approx(-0.12)
     assert 'alt="Rewards"' in write_report([run]).read_text()
+
+
+def test_a_mixtures_loss_per_source_gets_its_panel(tmp_path):
+    """A mixture logs loss/NAME and eval_loss/NAME: the report plots each source's train and eval loss."""
+    from trainforge.metrics.report_charts import _by_source
+
+    run = make_run(tmp_path / "mix")
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        if "loss" in r:
+            r.update({"loss/chat": r["loss"] - 0.5, "loss/code": r["loss"] + 0.5})
+        else:
+            r.update({"eval_loss/chat": r["eval_loss"] - 0.5, "eval_loss/code": r["eval_loss"] + 0.5})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    series = _by_source(load_run(run), 0, False)
+    assert [s.label for s in series] == ["chat", "chat eval", "code", "code eval"]
+    assert series[2].y == [5.5 - 0.2 * s for s in range(2, 13, 2)] and series[3].x == [4, 8, 12]
+    page = write_report([run]).read_text()
+    assert list(images(page))[:3] == ["Loss against steps", "Loss against tokens", "Loss per source"]
+    assert 'alt="Loss per source"' not in write_report([make_run(tmp_path / "one")]).read_text()
+
+
+def test_a_grpo_runs_report_plots_its_reward_each_function_and_completion_length(tmp_path):
+    """grpo logs reward, reward_NAME per function and completion_length: the report gets Reward and Completion
+    length panels after the loss (none for an SFT run)."""
+    from trainforge.metrics.report_charts import RL_PANELS, panels_for
+
+    run = make_run(tmp_path / "grpo")
+    assert not any(title == "Reward" for title, *_ in panels_for([load_run(run)]))
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        if "loss" in r:
+            r.update(reward=0.05 * r["step"], reward_final_number=0.04 * r["step"], reward_length=0.01 * r["step"],
+                     completion_length=10.0 - 0.5 * r["step"], truncated=0.0)
+        else:
+            r["eval_reward"] = 0.03 * r["step"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    data = load_run(run)
+    assert [title for title, *_ in panels_for([data])][2:4] == ["Reward", "Completion length"]
+    panels = {title: fn for title, _, _, fn, _ in RL_PANELS}
+    series = panels["Reward"](data, 0, False)
+    assert [s.label for s in series] == ["reward", "final_number", "length", "held-out"]
+    assert series[0].y == pytest.approx([0.05 * s for s in range(2, 13, 2)])
+    assert series[-1].y == pytest.approx([0.03 * r["step"] for r in lines if "eval_reward" in r])
+    assert panels["Completion length"](data, 0, False)[0].y[-1] == pytest.approx(4.0)
+    page = write_report([run]).read_text()
+    assert 'alt="Reward"' in page and 'alt="Completion length"' in page

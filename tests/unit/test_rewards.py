@@ -334,6 +334,14 @@ def test_config_errors_are_actionable(entry: dict, message: str) -> None:
         RewardSettings(**entry)
 
 
+def test_an_entry_spelling_every_default_out_validates() -> None:
+    # a run's written config.yaml does, and doctor and resume read it back
+    written = RewardSettings(name="final_number").model_dump()
+    assert written["pattern"] is None and RewardSettings(**written).name == "final_number"
+    with pytest.raises(ValidationError, match="unit has no effect on final_number"):
+        RewardSettings(**{**written, "unit": "tokens"})
+
+
 def test_set_up_errors() -> None:
     with pytest.raises(RewardError, match="rl.rewards is empty"):
         RewardSet.from_settings([], 5.0)

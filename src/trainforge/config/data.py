@@ -21,7 +21,9 @@ BUILTIN_FUNCTION_PAIRS = "builtin:python-function-pairs"
 """Preference source: stdlib functions, signature + docstring -> the real body (chosen) or its lines reversed (rejected)."""
 BUILTIN_FUNCTION_LABELS = "builtin:python-function-labels"
 """Unpaired (KTO) source: the same functions, every other one with its real body (label true), the rest reversed (false)."""
-BUILTINS = (BUILTIN_STDLIB, BUILTIN_FUNCTIONS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTION_LABELS)
+BUILTIN_ARITHMETIC = "builtin:arithmetic"
+"""Prompt source with a checkable answer: sums of two numbers 0-19 (``{prompt, completion, answer}``), for grpo."""
+BUILTINS = (BUILTIN_STDLIB, BUILTIN_FUNCTIONS, BUILTIN_FUNCTION_PAIRS, BUILTIN_FUNCTION_LABELS, BUILTIN_ARITHMETIC)
 
 
 def default_cache_dir() -> Path:
@@ -30,11 +32,19 @@ def default_cache_dir() -> Path:
 
 
 class SourceSpec(Section):
-    """One training source with a sampling weight for mixing."""
+    """One training source of a mixture: a row multiplier (``weight``) or a share of the tokens (``share``)."""
 
     path: str = Field(..., description="file, directory, glob, or " + BUILTIN_STDLIB)
     weight: float = Field(
         1.0, gt=0, le=1000, description="rows of this source per epoch = weight x its rows (fraction sampled, seeded)"
+    )
+    share: float | None = Field(
+        None, gt=0, le=1, description="this source's share of the training tokens per epoch of the mixture (every "
+        "source of the list gives one, they sum to 1; rows repeated or subsampled, seeded); not with weight",
+    )
+    name: str | None = Field(
+        None, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the source's name in per-source figures and losses (loss/NAME); default: from its path",
     )
 
     @field_validator("path")
@@ -61,7 +71,7 @@ class FieldNames(Section):
 
 class DataSettings(Section):
     train: str | list[str | SourceSpec] = Field(
-        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, {BUILTIN_FUNCTION_PAIRS}, {BUILTIN_FUNCTION_LABELS}, or a list of these / of {{path, weight}}"
+        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, {BUILTIN_FUNCTION_PAIRS}, {BUILTIN_FUNCTION_LABELS}, {BUILTIN_ARITHMETIC}, or a list of these / of {{path, weight}} / of {{path, share}}"
     )
     eval: str | float | None = Field(
         0.05,
@@ -151,6 +161,11 @@ class DataSettings(Section):
         return v
 
     @model_validator(mode="after")
+    def _mixture_valid(self) -> "DataSettings":
+        check_mixture(self.sources())
+        return self
+
+    @model_validator(mode="after")
     def _split_needs_text(self) -> "DataSettings":
         if self.too_long == "split" and self.format not in ("auto", "text"):
             raise ValueError(f"data.too_long: 'split' is for text only; data.format is {self.format!r}; use truncate or drop")
@@ -199,6 +214,29 @@ class DataSettings(Section):
         """The training sources as specs with weights."""
         items = [self.train] if isinstance(self.train, str) else self.train
         return [SourceSpec(path=i) if isinstance(i, str) else i for i in items]
+
+
+SHARE_SUM_TOLERANCE = 1e-3  # 0.7 + 0.2 + 0.1 written in floats is 0.9999999999999999
+
+
+def check_mixture(specs: list[SourceSpec]) -> None:
+    """A mixture gives shares on every source or on none, never beside a weight; shares sum to 1 (they are
+    refused otherwise, not normalized: a typo in one share would silently shift all the others)."""
+    sharing = [s for s in specs if s.share is not None]
+    if not sharing:
+        return
+    for k, s in enumerate(specs):
+        if s.share is None:
+            raise ValueError(f"data.train[{k}] ({shown(s.path)}) has no share while other sources give one: give every "
+                             "source a share (summing to 1), or use weight on all of them")
+        if "weight" in s.model_fields_set:
+            raise ValueError(f"data.train[{k}] ({shown(s.path)}) gives both share and weight: a mixture takes one of "
+                             "the two (share: a share of the tokens; weight: a multiple of the rows)")
+    total = sum(s.share for s in sharing)
+    if abs(total - 1.0) > SHARE_SUM_TOLERANCE:
+        listed = ", ".join(f"{shown(s.path)} {s.share:g}" for s in specs)
+        raise ValueError(f"data.train shares sum to {total:g} ({listed}), not 1: make them sum to 1 (they are not "
+                         "rescaled)")
 
 
 def _check_source(spec: str) -> None:

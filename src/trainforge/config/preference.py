@@ -9,9 +9,10 @@ from pydantic import Field
 
 from .base import Section
 
-OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto")
-"""``train.objective`` values: next-token cross-entropy, then the preference objectives (engine/preference.py)."""
-OBJECTIVES_FOR_DATA = {"preference": tuple(o for o in OBJECTIVES if o not in ("sft", "kto")), "unpaired": ("kto",)}
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto", "grpo")
+"""``train.objective`` values: next-token cross-entropy, the preference objectives (engine/preference.py), then online
+RL (grpo: the ``rl`` section, config/rl.py)."""
+OBJECTIVES_FOR_DATA = {"preference": tuple(o for o in OBJECTIVES if o not in ("sft", "kto", "grpo")), "unpaired": ("kto",)}
 """The objectives that train on each kind of preference data (pairs; KTO's labelled rows)."""
 REFERENCE_FREE = ("orpo", "simpo")
 """Objectives that compare the policy with itself: no reference model runs."""
@@ -48,6 +49,11 @@ def check_objective(cfg: Any) -> None:
     """Raise ValueError naming the key when ``train.objective`` of ``cfg`` (a RunConfig being validated) does not
     fit the model or the data settings."""
     objective = cfg.train.objective
+    if objective == "grpo":  # prompts and rewards: config/rl.py checks them
+        if cfg.data.format in ("preference", "unpaired"):
+            raise ValueError(f"data.format: {cfg.data.format} rows train a preference objective; grpo reads prompt rows "
+                             "({prompt, ...} or {messages, ...}): set data.format: auto")
+        return
     if objective == "sft":
         if cfg.data.format in ("preference", "unpaired"):
             raise ValueError(f"data.format: {cfg.data.format} rows train a preference objective; set train.objective to "

@@ -94,7 +94,9 @@ class RewardSettings(Section):
                              "for your own, give function: FILE.py:NAME")
         reward = self.name or "a function"
         for key, readers in READ_BY.items():
-            if key in self.model_fields_set and reward not in readers:
+            # a value equal to the default is no setting: a run's written config.yaml spells every default out
+            if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default \
+                    and reward not in readers:
                 verb = "reads" if len(readers) == 1 else "read"
                 raise ValueError(f"{key} has no effect on {reward} (only {' and '.join(readers)} {verb} it); remove it")
         if self.name == "regex" and self.pattern is None:

@@ -26,6 +26,7 @@ from .model import LoraSettings, ModelSettings, input_kind, is_encoder_decoder, 
 from .optim import OptimSettings
 from .presets import apply_presets
 from .preference import PreferenceSettings, check_objective
+from .rl import RLSettings, check_rl
 from .train import TrainSettings, resolve_grad_accum, resolve_max_steps
 from .overrides import apply_override, apply_overrides, parse_override
 from .yaml_text import load_yaml, read_config_text
@@ -115,6 +116,7 @@ class RunConfig(Section):
     train: TrainSettings = Field(default_factory=TrainSettings)
     optim: OptimSettings = Field(default_factory=OptimSettings)
     preference: PreferenceSettings = Field(default_factory=PreferenceSettings)
+    rl: RLSettings = Field(default_factory=RLSettings)
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     preset: Literal["smoke", "production"] | None = Field(
@@ -149,6 +151,7 @@ class RunConfig(Section):
         """Settings that depend on whether the model is decoder-only or encoder-decoder (T5, BART, ...)."""
         d, kind = self.data, self.model.kind
         check_objective(self)
+        check_rl(self)
         if not kind.encoder_decoder:
             if kind.recurrent and d.packing is True:  # given: an unset one resolved to false
                 raise ValueError(

@@ -41,6 +41,18 @@ class TrainSettings(Section):
         description="recompute each decoder layer's activations in backward: less memory, ~1/3 more compute; "
         "auto: on only when the plan predicts the run does not fit without it",
     )
+    tiled_mlp: bool | Literal["auto"] = Field(
+        "auto",
+        description="run each decoder layer's MLP over the sequence in tiles, each tile's intermediate recomputed in "
+        "backward: the MLP keeps one tile's intermediate instead of the row's (long rows; Llama, Mistral, Qwen2/3, "
+        "Gemma, Phi-3); auto: on only when the plan predicts the run does not fit without it (docs/long-context.md)",
+    )
+    activation_offload: bool | Literal["auto"] = Field(
+        "auto",
+        description="keep the checkpointed layers' inputs in host memory (pinned, copied on a side stream) instead of "
+        "on the GPU; needs activation checkpointing (true turns it on); changes nothing on a CPU; auto: on only when "
+        "the plan predicts the run does not fit without it (docs/long-context.md)",
+    )
     fused_loss: bool = Field(
         True,
         description="LM head and cross-entropy fused and chunked over target positions only (no full logits "

@@ -104,6 +104,8 @@ def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
 
     h = hashlib.blake2b(digest_size=16)
     settings = _settings(cfg, {"cache_dir", "num_workers"})
+    if isinstance(cfg.train, list):  # a mixture's shares, weights and names pick no text: changing them trains nothing again
+        settings["train"] = [s.path for s in cfg.sources()]
     key = {"v": BPE_VERSION, "tokenizers": tokenizers.__version__, "format": fmt, "vocab": vocab_size, "settings": settings}
     if fmt == "chat":
         key["chat_texts_v"] = CHAT_TEXTS_VERSION
@@ -133,8 +135,32 @@ def _hash_sources(h, specs: list[str]) -> None:
 
 def cache_entry(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool = False) -> Path:
     """Where the token store of these settings lives (``entry_dir`` of its ``fingerprint``): what ``prepare_data``
-    builds and what ``plan`` looks up."""
+    builds and what ``plan`` looks up. A mixture's entry is joined from one entry per source (``source_entries``),
+    keyed by theirs: adding a source tokenizes only it, a share or weight keys nothing."""
+    if per_source_entries(cfg):
+        keys = [p.name for p in source_entries(cfg, fmt, tokenizer, seed, seq2seq)]
+        mix = hashlib.blake2b(json.dumps({"v": MIXTURE_VERSION, "sources": keys}).encode(), digest_size=16).hexdigest()
+        return entry_dir(cfg, f"mix-{mix}")
     return entry_dir(cfg, fingerprint(cfg, fmt, tokenizer, seed, seq2seq))
+
+
+MIXTURE_VERSION = 1  # bump when a mixture's entry is joined otherwise (data/mixture_cache.py)
+
+
+def per_source_entries(cfg: DataSettings) -> bool:
+    """Whether the training sources get an entry each: a list of two or more, read whole (``max_documents`` counts
+    rows across the sources: a source's rows would depend on the ones before it)."""
+    return isinstance(cfg.train, list) and len(cfg.train) > 1 and not cfg.max_documents
+
+
+def source_settings(cfg: DataSettings, k: int) -> DataSettings:
+    """The data settings of the training source ``k`` alone (its own entry)."""
+    return cfg.model_copy(update={"train": cfg.sources()[k].path})
+
+
+def source_entries(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool = False) -> list[Path]:
+    """The entry of each training source of a mixture: the entry a run on that source alone has."""
+    return [cache_entry(source_settings(cfg, k), fmt, tokenizer, seed, seq2seq) for k in range(len(cfg.sources()))]
 
 
 def entry_dir(cfg: DataSettings, key: str) -> Path:

@@ -48,6 +48,9 @@ def row_describer(store: TokenStore, rows: Sequence[np.ndarray], sources: Sequen
     """``describe_rows`` bound to one run's training rows, as the sentence the engine's messages append
     (``""`` for no rows)."""
 
+    if hasattr(store, "describe"):  # grpo's prompts (rl/prompts.py) say themselves
+        return store.describe
+
     def sentence(indices: Sequence[int]) -> str:
         return f" Their documents (source, first words): {describe_rows(store, rows, sources, tokenizer, indices)}." if indices else ""
 

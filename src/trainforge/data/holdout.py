@@ -59,15 +59,16 @@ class SpilledRows:
         self.path = path
         self._file = open(path, "w", encoding="utf-8")
 
-    def add(self, row: Row) -> None:
-        self._file.write(json.dumps([row.where, row.data], ensure_ascii=False, default=str) + "\n")
+    def add(self, row: Row, source: int = 0) -> None:
+        self._file.write(json.dumps([row.where, row.data, source], ensure_ascii=False, default=str) + "\n")
 
-    def rows(self) -> Iterator[Row]:
+    def rows(self) -> Iterator[tuple[int, Row]]:
+        """(source, row) of each held-out row, in the order they were added."""
         self._file.close()
         with open(self.path, encoding="utf-8") as f:
             for line in f:
-                where, data = json.loads(line)
-                yield Row(data, where)
+                where, data, source = json.loads(line)
+                yield source, Row(data, where)
         self.path.unlink()
 
 
@@ -92,22 +93,34 @@ class RowHoldout:
         """``fraction`` of the training rows (``rows``: a first pass over them) held out, spilled to ``spill``."""
         return cls(seed, threshold=row_threshold(rows, fraction, seed), spill=spill)
 
-    def keep(self, row: Row) -> bool:
-        """Whether ``row`` trains; a held-out row is spilled, a copy of an eval row counted."""
+    def keep(self, row: Row, source: int = 0) -> bool:
+        """Whether ``row`` (of training source ``source``) trains; a held-out row is spilled, a copy of an eval row
+        counted."""
         if self.spill is None and not self.eval_hashes:
             return True
         h = row_hash(row, self.seed)
         if self.spill is not None and h <= self.threshold:
-            self.spill.add(row)  # identical rows share a hash: never on both sides
+            self.spill.add(row, source)  # identical rows share a hash: never on both sides
             return False
         if h in self.eval_hashes:
             self.overlap += 1
             return False
         return True
 
-    def held_out(self) -> Iterator[Row]:
-        """The held-out rows, once, after every training row went by."""
-        return self.spill.rows() if self.spill is not None else iter(())
+    def held_out(self, n_sources: int = 1) -> Iterator[Iterator[Row]]:
+        """The held-out rows, once, after every training row went by: an iterator of each training source's (rows
+        are spilled in source order), so the eval store keeps the sources apart for a loss per source."""
+        rows = self.spill.rows() if self.spill is not None else iter(())
+        pending = next(rows, None)
+        for k in range(n_sources):
+
+            def of_source() -> Iterator[Row]:
+                nonlocal pending
+                while pending is not None and pending[0] == k:
+                    yield pending[1]
+                    pending = next(rows, None)
+
+            yield of_source()
 
 
 def held_out_blocks(store: TokenStore, fraction: float, seed: int) -> np.ndarray:

@@ -40,13 +40,16 @@ class Batch:
     desirable: torch.Tensor | None = None  # KTO: each example's label, in the order of its pairs (example, KL sample)
     reference: torch.Tensor | None = None  # (P, 2) precomputed reference log-probabilities of each pair's two sides
     real: torch.Tensor | None = None  # (B, S) bool: real input tokens, not a row's padding fill (the router loss counts them)
+    # a mixture's source of each position (beside labels), for the loss per source (data/mixture.py); None: one source
+    source_ids: torch.Tensor | None = None
+    n_sources: int = 0
 
     def _map(self, fn) -> "Batch":
         t = lambda x: fn(x) if x is not None else None  # noqa: E731
         return Batch(
             fn(self.input_ids), fn(self.labels), t(self.position_ids), self.n_tokens, self.n_targets, self.indices,
             t(self.attention_mask), t(self.decoder_input_ids), self.n_documents, t(self.desirable), t(self.reference),
-            t(self.real),
+            t(self.real), t(self.source_ids), self.n_sources,
         )
 
     def to(self, device: torch.device) -> "Batch":
@@ -66,6 +69,8 @@ class RowCollator:
         self.concat, self.packed = mode == "concat", mode is True
         # preference.reference: precompute: the reference's log-probability of every stored sequence (float32)
         self.reference: np.ndarray | None = None
+        # where each source's tokens begin in the flat arrays: a segment's source, for the loss per source
+        self.source_tokens = store.offsets[store.source_starts[:-1]] if store.n_sources > 1 else None
 
     def _row(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         ids, learn = self.store.ids, self.store.learn
@@ -80,6 +85,14 @@ class RowCollator:
             labels.append(np.where(learn[s + 1 : e].astype(bool), toks[1:], IGNORE))
             positions.append(np.arange(e - s - 1))
         return np.concatenate(inputs), np.concatenate(labels), np.concatenate(positions)
+
+    def _sources(self, row: np.ndarray) -> np.ndarray:
+        """The source of each input position of a row, aligned with ``_row``'s labels."""
+        of = np.searchsorted(self.source_tokens, row[:, 0], "right") - 1
+        lengths = row[:, 1] - row[:, 0]
+        if self.concat:  # one stream: targets are all its tokens but the first
+            return np.repeat(of, lengths)[1:]  # the source of each target token
+        return np.repeat(of, lengths - 1)
 
     def pair_sequences(self, rows: Sequence[np.ndarray]) -> np.ndarray:
         """The stored index of each pair's first sequence in pair rows, in row-major order."""
@@ -98,6 +111,7 @@ class RowCollator:
 
     def __call__(self, rows: Sequence[np.ndarray], indices: list[int]) -> Batch:
         built = [self._row(r) for r in rows]
+        sources = [self._sources(r) for r in rows] if self.source_tokens is not None else None
         longest = max(len(b[0]) for b in built)
         width = self.max_length if (self.packed or self.concat) else padded_width(longest)
         ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
@@ -121,6 +135,11 @@ class RowCollator:
         batch.desirable, batch.reference = self._pair_fields(rows)
         lengths = torch.tensor([len(b[0]) for b in built])
         batch.real = torch.arange(width)[None, :] < lengths[:, None]
+        if sources is not None:
+            ids_of = np.zeros((len(rows), width), dtype=np.int64)  # padding: no target, so any source
+            for i, src in enumerate(sources):
+                ids_of[i, : len(src)] = src
+            batch.source_ids, batch.n_sources = torch.from_numpy(ids_of), len(self.source_tokens)
         return batch.pinned() if self.pin else batch  # page-locked: the host-to-GPU copy is asynchronous
 
 

@@ -22,7 +22,11 @@ from ..model.tokenizer import bpe_tokenizer_from_json, build_char_tokenizer, loa
 from .cache import built_tokenizer_file
 from .formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
 from .loader import RowCollator, TrainLoader
-from .packing import build_rows, pair_rows, weighted_indices
+from .mixture import (
+    add_run_epochs, check_source_formats, check_sources_filled, describe_mixture, figures_dicts, missed_shares, mixture_figures,
+    mixture_indices,
+)
+from .packing import build_rows, pair_rows
 from .prepare import PreparedData, prepare_data, resolve_format, training_texts
 from .seq2seq import Seq2SeqCollator
 from .sources import DataError
@@ -96,8 +100,16 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     if (warning := lost_tokens_warning(prepared.stats, d.max_length)) is not None:
         reporter.warn(warning)
     collator = collator_for(cfg, tokenizer)
-    weights = [s.weight for s in d.sources()]
-    index = weighted_indices(prepared.train, weights, cfg.train.seed)
+    specs = d.sources()
+    check_sources_filled(prepared.train, specs)
+    paired = cfg.train.objective != "sft"  # rows_for reads pairs by their even index
+    index = mixture_indices(prepared.train, specs, cfg.train.seed, paired)
+    if len(specs) > 1:  # per source: what it holds and what an epoch of the mixture takes (summary.json: data.sources)
+        prepared.stats["sources"] = figures_dicts(mixture_figures(prepared.train, specs, index, paired))
+        for line in describe_mixture(prepared.stats["sources"]):
+            reporter.info(line)
+        for line in missed_shares(prepared.stats["sources"]):
+            reporter.warn(line)
     rows = rows_for(cfg, prepared)
     train_rows = rows(prepared.train, index)
     eval_rows, eval_collate = [], None
@@ -107,11 +119,21 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     return DataPlan(prepared, train_rows, eval_rows, collator(prepared.train, pin), eval_collate)
 
 
+def note_run_epochs(data_stats: dict[str, Any], rows_per_epoch: int, rows_over_run: int, reporter: ConsoleReporter) -> None:
+    """A mixture's epochs over the run, per source (``data_stats["sources"]``: summary.json), said on the console."""
+    if "sources" in data_stats:
+        add_run_epochs(data_stats["sources"], rows_per_epoch, rows_over_run)
+        reporter.info("mixture over the run: " + ", ".join(f"{f['name']} {f['epochs']:.2f} epochs" for f in data_stats["sources"]))
+
+
 def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
     """``DataError`` when ``train.objective`` and the data's format ``fmt`` (default: the first row's) disagree: a
     preference objective on other data, or preference data without one. Checked before anything is tokenized."""
     d, objective = cfg.data, cfg.train.objective
+    if objective == "grpo":  # prompt rows, read by rl/prompts.py
+        return
     fmt = fmt or resolve_format(d)
+    check_source_formats(d, fmt)  # a mixture's sources: all of its one format
     wanted = {"sft": None, "kto": "unpaired"}.get(objective, "preference")
     held = fmt if fmt in ("preference", "unpaired") else None
     if wanted == held:
@@ -183,7 +205,8 @@ def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None, stop: 
     def stop_if_asked() -> None:
         if stop is not None and stop.requested:
             raise Interrupted(f"{stop.name} while preparing the data: stopped before the token cache entry was "
-                              "complete, nothing of it saved; run the same command again to prepare the data", stop.name)
+                              "complete; run the same command again to prepare the data (a corpus of many files goes on from the files "
+                              "it finished)", stop.name)
 
     check_objective_data(cfg)  # from the first row: refused before a tokenizer is trained or anything tokenized
     tokenizer = get_tokenizer(cfg, reporter)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from ..config.data import DataSettings, FieldNames
-from .cache import STATS_FILE, cache_entry, is_complete, publish_entry
+from .cache import STATS_FILE, cache_entry, is_complete, per_source_entries, publish_entry, source_entries, source_settings
+from .mixture_cache import join_entries
 from .chat_messages import SHAREGPT_FIELD
 from .chat_tools import row_tools
 from .formats import Renderer, TokenizedChunk, chat_messages, detect_format, format_fields, tokenize_rendered
@@ -32,6 +34,7 @@ from .preference import tokenize_unpaired
 from .holdout import RowHoldout, holdout_kind, split_off_blocks
 from .sources import BadRows, DataError, Row, iter_source
 from .seq2seq import tokenize_pairs
+from .shards import ShardStage, shard_units, units_dir
 from .store import StoreWriter, TokenStore
 from .workers import WorkerDied, stop_pool, worker_pool
 
@@ -235,25 +238,52 @@ class _Counts:
         self.target_truncated += chunk.target_truncated
         self.target_dropped_too_long += chunk.target_dropped_too_long
 
+    def merge(self, part: dict[str, Any]) -> None:
+        """Add the counts of a shard (``asdict`` of another ``_Counts``)."""
+        for name, value in part.items():
+            if name != "seq2seq":
+                setattr(self, name, getattr(self, name) + int(value))
+
 
 def _write_store(path: Path, rows_by_source: Iterator[Iterator[Row]], tok: ChunkTokenizer, bad: BadRows, vocab: int) -> _Counts:
     writer = StoreWriter(path, vocab)
     counts = _Counts(seq2seq=tok.seq2seq)
     for rows in rows_by_source:
         writer.start_source()
-
-        def counted(it: Iterator[Row]) -> Iterator[Row]:
-            for row in it:
-                counts.rows += 1
-                yield row
-
-        for chunk, bad_messages in tok.map(_chunks(counted(rows))):
-            for message in bad_messages:
-                bad.report(message)
-            writer.append(chunk.ids, chunk.learn, chunk.lengths, chunk.continues, chunk.desirable)
-            counts.add(chunk)
+        _write_rows(rows, writer, tok, bad, counts)
     writer.close({"rows": counts.rows})
     return counts
+
+
+def _write_rows(rows: Iterator[Row], writer: StoreWriter, tok: ChunkTokenizer, bad: BadRows, counts: _Counts) -> None:
+    """Tokenize ``rows`` in chunks onto ``writer``, counting them into ``counts``."""
+
+    def counted(it: Iterator[Row]) -> Iterator[Row]:
+        for row in it:
+            counts.rows += 1
+            yield row
+
+    for chunk, bad_messages in tok.map(_chunks(counted(rows))):
+        for message in bad_messages:
+            bad.report(message)
+        writer.append(chunk.ids, chunk.learn, chunk.lengths, chunk.continues, chunk.desirable)
+        counts.add(chunk)
+
+
+def _write_shards(stage: ShardStage, path: Path, tok: ChunkTokenizer, bad: BadRows, vocab: int, cfg: DataSettings,
+                  holdout: RowHoldout) -> _Counts:
+    """The training store at ``path``, tokenized file by file, each finished file kept for a resume (data/shards.py)."""
+
+    def tokenize(rows: Iterator[Row], writer: StoreWriter, part: BadRows) -> dict[str, Any]:
+        counts = _Counts(seq2seq=tok.seq2seq)
+        _write_rows(rows, writer, tok, part, counts)
+        return asdict(counts)
+
+    keep = holdout.keep if holdout.spill is not None or holdout.eval_hashes else None  # else it keeps every row
+    total = _Counts(seq2seq=tok.seq2seq)
+    for part in stage.write(path, vocab, len(cfg.sources()), tokenize, bad, cfg.txt_mode, keep):
+        total.merge(part)
+    return total
 
 
 def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bool = False,
@@ -267,10 +297,14 @@ def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bo
     hit = is_complete(root)
     if hit:
         log(f"data: cache hit, reusing tokens from {root}")
+    elif per_source_entries(cfg):  # a mixture: an entry per source, tokenized only where missing, then joined
+        roots = source_entries(cfg, fmt, tokenizer, seed, seq2seq)
+        for k, sub in enumerate(roots):
+            _publish(source_settings(cfg, k), fmt, tokenizer, seed, sub, seq2seq, between_chunks, log, k)
+        log(f"data: joining {len(roots)} sources into {root}")
+        publish_entry(root, lambda tmp: join_entries(roots, tmp))
     else:
-        log(f"data: tokenizing into {root}")
-        if not publish_entry(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp, seq2seq, between_chunks)):
-            log(f"data: another process finished {root.name} first; using its tokens (the same ones)")
+        _publish(cfg, fmt, tokenizer, seed, root, seq2seq, between_chunks, log)
     stats = json.loads((root / STATS_FILE).read_text())
     stats["prepare_s"] = time.perf_counter() - start
     stats["cache_hit"] = hit
@@ -278,8 +312,34 @@ def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bo
     return PreparedData(TokenStore(root / "train"), eval_store, fmt, stats, root, hit)
 
 
+def _publish(cfg: DataSettings, fmt: str, tokenizer, seed: int, root: Path, seq2seq: bool,
+             between_chunks: Callable[[], None] | None, log, source: int | None = None) -> None:
+    """Tokenize into the entry ``root`` unless it is complete; ``source``: the k-th source of a mixture (named in
+    what is said, and in its errors)."""
+    named = "" if source is None else f"source {source} ({cfg.sources()[0].path}) "
+    if is_complete(root):
+        log(f"data: {named}cache hit, reusing tokens from {root}")
+        shutil.rmtree(units_dir(root), ignore_errors=True)  # shards a prepare killed after publishing left
+        return
+    log(f"data: tokenizing {named}into {root}")
+    try:
+        if not publish_entry(root, lambda tmp: _build(cfg, fmt, tokenizer, seed, tmp, seq2seq, between_chunks, root, log)):
+            log(f"data: another process finished {root.name} first; using its tokens (the same ones)")
+    except DataError as e:
+        if source is None:
+            raise
+        raise DataError(f"data.train[{source}] ({cfg.sources()[0].path!r}): {e}") from None
+    except OSError:
+        if not is_complete(root):
+            raise
+        # another prepare of this entry published it and removed the shards this one was joining: its tokens serve
+        log(f"data: another process finished {root.name} first; using its tokens (the same ones)")
+    shutil.rmtree(units_dir(root), ignore_errors=True)  # the entry is published: its shards are no longer needed
+
+
 def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq: bool = False,
-           between_chunks: Callable[[], None] | None = None) -> None:
+           between_chunks: Callable[[], None] | None = None, root: Path | None = None, log=print) -> None:
+    """Tokenize into ``out``; ``root``: the entry it becomes, where finished shards wait for a resume (None: one stream)."""
     bad = BadRows(cfg.on_bad_row)
     renderer = Renderer(fmt, cfg.fields, tokenizer, cfg.chat_template, cfg.train_on_prompt)
     too_long = cfg.too_long_for(fmt)
@@ -313,14 +373,19 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
                     while pending is not None and pending[0] == k:
                         row = pending[1]
                         pending = next(rows, None)
-                        if holdout.keep(row):
+                        if holdout.keep(row, k):
                             yield row
 
                 yield of_source()
 
-        train_counts = _write_store(out / ("all" if kind == "blocks" else "train"), train_side(), tok, bad, vocab)
+        train_dir = out / ("all" if kind == "blocks" else "train")
+        units = shard_units(cfg, fmt) if root is not None else None
+        if units:
+            train_counts = _write_shards(ShardStage(root, units, log), train_dir, tok, bad, vocab, cfg, holdout)
+        else:
+            train_counts = _write_store(train_dir, train_side(), tok, bad, vocab)
         if kind == "rows":
-            eval_counts = _write_store(out / "eval", iter([holdout.held_out()]), tok, bad, vocab)
+            eval_counts = _write_store(out / "eval", holdout.held_out(n_sources), tok, bad, vocab)
     except BaseException:  # a stop or an error: the workers' remaining chunks would be thrown away
         tok.close(abort=True)
         raise

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..config.data import (
     BUILTIN_FUNCTION_LABELS,
+    BUILTIN_ARITHMETIC,
     BUILTIN_FUNCTION_PAIRS,
     BUILTIN_FUNCTIONS,
     BUILTIN_STDLIB,
@@ -457,6 +458,18 @@ def iter_stdlib_sources() -> Iterator[Row]:
             yield Row({"text": text}, str(path))
 
 
+ARITHMETIC_MAX = 19  # operands 0..19: 400 sums a model of a few hundred thousand parameters learns on a CPU in minutes
+
+
+def iter_arithmetic() -> Iterator[Row]:
+    """Sums with a checkable answer, in a fixed shuffled order: ``{prompt: "7+12=", completion: "19", answer: "19"}``
+    (the completion for SFT, the answer for ``final_number`` under grpo)."""
+    pairs = [(a, b) for a in range(ARITHMETIC_MAX + 1) for b in range(ARITHMETIC_MAX + 1)]
+    random.Random(3).shuffle(pairs)
+    for k, (a, b) in enumerate(pairs):
+        yield Row({"prompt": f"{a}+{b}=", "completion": str(a + b), "answer": str(a + b)}, f"{BUILTIN_ARITHMETIC}:{k}")
+
+
 def source_files(spec: str) -> list[Path]:
     """The files a source spec reads (for fingerprinting); the built-in corpus lists its own, a saved
     dataset its Arrow and JSON files."""
@@ -471,5 +484,5 @@ def source_files(spec: str) -> list[Path]:
 BUILTIN_ROWS_VERSION = 1  # bump when a built-in source yields other rows (it keys the token and tokenizer caches)
 BUILTIN_SOURCES = {
     BUILTIN_STDLIB: iter_stdlib_sources, BUILTIN_FUNCTIONS: iter_python_functions, BUILTIN_FUNCTION_PAIRS: iter_python_function_pairs,
-    BUILTIN_FUNCTION_LABELS: iter_python_function_labels,
+    BUILTIN_FUNCTION_LABELS: iter_python_function_labels, BUILTIN_ARITHMETIC: iter_arithmetic,
 }

@@ -129,7 +129,7 @@ _COPY_TOKENS = 1 << 24
 
 
 def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_path: Path, vocab_size: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Write ``src``'s sequences into a train store (sources kept) and an eval store (``to_eval``), in order.
+    """Write ``src``'s sequences into a train store and an eval store (``to_eval``), in order, sources kept on both.
 
     A split continuation stays one only when the sequence before it went to the same side.
     Returns each side's counts: sequences, input tokens (and their per-sequence squares) and target tokens.
@@ -139,7 +139,6 @@ def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_pat
     continues[1:] &= side[1:] == side[:-1]
     writers = (StoreWriter(train_path, vocab_size), StoreWriter(eval_path, vocab_size))
     counts = tuple({"sequences": 0, "tokens": 0, "token_squares": 0, "target_tokens": 0} for _ in range(2))
-    writers[1].start_source()
     source = np.searchsorted(src.source_starts, np.arange(len(src)), "right") - 1  # source of each sequence
     lengths = src.lengths
     k = -1
@@ -150,8 +149,9 @@ def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_pat
         key = side[i0:j0] * (src.n_sources + 1) + source[i0:j0]
         bounds = [i0, *(i0 + 1 + np.flatnonzero(key[1:] != key[:-1])).tolist(), j0]
         for i, j in zip(bounds[:-1], bounds[1:]):
-            while k < source[i]:  # sources with no sequences still get their (empty) range
+            while k < source[i]:  # sources with no sequences still get their (empty) range, on both sides
                 writers[0].start_source()
+                writers[1].start_source()
                 k += 1
             a, b = int(src.offsets[i]) - base, int(src.offsets[j]) - base
             s = int(side[i])
@@ -163,6 +163,7 @@ def split_store(src: TokenStore, to_eval: np.ndarray, train_path: Path, eval_pat
             c["target_tokens"] += int(learn[a:b].sum()) - int(learn[src.offsets[i:j] - base].sum())
     while k < src.n_sources - 1:
         writers[0].start_source()
+        writers[1].start_source()
         k += 1
     writers[0].close({"held_out": "blocks"})
     writers[1].close({"held_out": "blocks"})

@@ -56,9 +56,12 @@ class Advisor:
 
     def __init__(
         self, capacity: int | None, reprobe: Callable[[], tuple[float, str]] | None = None, judge_mfu: bool = True,
-        describe: Callable[[list[int]], str] | None = None,
+        describe: Callable[[list[int]], str] | None = None, judge_loss: bool = True,
     ):
-        """``describe``: example indices -> a sentence naming their documents' sources and first words (a spike's message)."""
+        """``describe``: example indices -> a sentence naming their documents' sources and first words (a spike's message);
+        ``judge_loss``: False where the loss has no scale a spike could be measured against (grpo's policy-gradient loss
+        sits near 0 with either sign, so a step 5x its median means nothing; its gradient norm is still judged)."""
+        self.judge_loss = judge_loss
         self.capacity = capacity
         self.describe = describe
         self.reprobe = reprobe
@@ -212,7 +215,7 @@ class Advisor:
         found = []
         for (step, _, _, indices), (loss, grad_norm) in zip(pending, values, strict=True):
             for name, value, history in (("loss", loss, self.losses), ("grad_norm", grad_norm, self.grad_norms)):
-                if value != value or value in (float("inf"), float("-inf")):
+                if value != value or value in (float("inf"), float("-inf")) or (name == "loss" and not self.judge_loss):
                     continue  # non-finite steps are the non-finite guard's (skipped and named there)
                 if len(history) >= limit("spike_history"):
                     median = statistics.median(history)

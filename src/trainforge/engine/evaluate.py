@@ -11,6 +11,7 @@ import torch
 from ..data.loader import Batch
 from ..dist import DistContext
 from ..hardware.device import Precision
+from ..metrics.by_source import SOURCE_SUMS, source_losses
 from .objective import mean_metrics
 from .step import loss_sum
 
@@ -25,11 +26,13 @@ def evaluate(
     fused: bool = True,
     objective: Any = None,
     stop: Callable[[], None] | None = None,
+    source_names: Sequence[str] = (),
 ) -> dict:
     """Token-weighted mean loss over all eval batches (one host sync, at the end); with a pair ``objective``
     (engine/objective.py) the mean loss per pair, and its metrics as ``eval_<name>`` (no perplexity).
 
     ``stop``: called before each batch; it raises to end the evaluation on a signal.
+    ``source_names``: a mixture's sources, each evaluated apart as ``eval_loss/NAME`` where the eval set keeps them.
     Data-parallel: rank r evaluates batches r, r + world, ... and the sums are all-reduced.
     Every rank runs the same number of forward passes (a rank short of one repeats a batch
     and does not count it): FSDP's forward is a collective.
@@ -41,6 +44,8 @@ def evaluate(
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
     n, metrics, scratch = 0, {}, {}  # scratch: the metrics of repeated batches, not counted
+    # a mixture's sums per source; zeros first, so every rank all-reduces the same keys
+    by_source = {SOURCE_SUMS: torch.zeros(2, batches[0].n_sources, device=device)} if batches[0].source_ids is not None else {}
     pairs = objective is not None and objective.unit == "pair"
     rounds = -(-len(batches) // ctx.world_size)
     mine = range(ctx.rank, rounds * ctx.world_size, ctx.world_size)
@@ -54,7 +59,7 @@ def evaluate(
         if pairs:
             summed = objective.loss_sum(model, batch, precision, fused, metrics if counted else scratch).double()
         else:
-            summed = loss_sum(model, batch, precision, fused).double()
+            summed = loss_sum(model, batch, precision, fused, by_source=by_source if counted else scratch).double()
         if counted:
             total += summed
             n += objective.units(batches[i]) if pairs else batches[i].n_targets
@@ -66,7 +71,8 @@ def evaluate(
     if pairs:
         metrics = metrics or {k: torch.zeros_like(v) for k, v in scratch.items()}  # the same keys in every rank's all-reduce
         return {"eval_loss": loss, **mean_metrics(metrics, "eval_", ctx.all_reduce), "eval_pairs": n}
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n}
+    per_source = source_losses(by_source, source_names, "eval_loss/", ctx.all_reduce if ctx.enabled else None)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": n, **per_source}
 
 
 def planned_evals(max_steps: int, eval_every: int | None) -> int:

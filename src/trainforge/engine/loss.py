@@ -80,7 +80,7 @@ def _fp32_out_gemm(t: torch.Tensor) -> bool:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, compute_dtype):  # no annotations: autograd.Function checks none
+    def forward(ctx, hidden, weight, bias, labels, compute_dtype, groups=None, group_sums=None):  # no annotations: autograd.Function checks none
         # the head's matmuls run in ``compute_dtype`` (bf16/fp16 under mixed precision: that is their speed);
         # logits, softmax statistics, the loss and the weight-gradient accumulator stay fp32
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here; autocast would recast per chunk
@@ -89,6 +89,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dense = keep is None or len(keep) == len(labels)  # every position a target (pretraining): slices, no gather/scatter
             h_all = hidden if dense else hidden.index_select(0, keep)
             y_all = labels if dense else labels.index_select(0, keep)
+            # a mixture's loss per source: each target's loss added to its group's sum (group_sums: (2, K), no grad)
+            g_all = None if groups is None else (groups if dense else groups.index_select(0, keep))
             h_all = h_all.to(compute_dtype)
             w = weight.to(compute_dtype)  # cast once per call, not once per chunk
             b = bias.to(compute_dtype) if bias is not None else None
@@ -101,7 +103,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 h, y = h_all[s : s + chunk], y_all[s : s + chunk]
                 # one fused pass from the (bf16) logits to fp32 log-probabilities: no separate upcast copy
                 log_p = torch.log_softmax(torch.nn.functional.linear(h, w, b), dim=-1, dtype=torch.float32)
-                total -= log_p.gather(1, y[:, None]).sum()
+                picked = log_p.gather(1, y[:, None]).squeeze(1)
+                total -= picked.sum()
+                if g_all is not None:
+                    g_chunk = g_all[s : s + chunk]
+                    group_sums[0].index_add_(0, g_chunk, -picked)
+                    group_sums[1].index_add_(0, g_chunk, torch.ones_like(picked))
                 # d(sum CE)/d logits = softmax - onehot, computed in place over the fp32 chunk
                 g = log_p.exp_()
                 g[torch.arange(len(y), device=g.device), y] -= 1.0
@@ -126,6 +133,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h * grad_out.to(grad_h.dtype),
             grad_w * grad_out if grad_w is not None else None,
             grad_b * grad_out if grad_b is not None else None,
+            None,
+            None,
             None,
             None,
         )
@@ -198,19 +207,22 @@ def linear_token_logprobs(
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, bias: torch.Tensor | None = None
+    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, bias: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None, group_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum of next-token cross-entropy over positions whose label is not IGNORE, as an fp32 scalar.
 
     ``hidden``: (N, H) final hidden states; ``labels``: (N,) targets aligned with them. Under
     autocast the head's matmuls run in the autocast dtype, as ``head(hidden)`` would.
     ``bias``: added to the logits instead of the head's own (BART's ``final_logits_bias``).
+    ``groups`` (N,) and ``group_sums`` (2, K): each target's loss and a count of 1 are added in place to its group's
+    column (a mixture's loss per source); not under liger's kernel, which gives no per-token losses.
     """
     device_type = hidden.device.type
     compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     if uses_liger_loss(head, hidden):  # train.kernels: liger on CUDA (model/kernels.py marked the head)
         return liger_linear_cross_entropy(hidden, head.weight, head.bias if bias is None else bias, labels, compute_dtype, IGNORE)
-    return _LinearCrossEntropy.apply(hidden, head.weight, head.bias if bias is None else bias, labels, compute_dtype)
+    return _LinearCrossEntropy.apply(hidden, head.weight, head.bias if bias is None else bias, labels, compute_dtype, groups, group_sums)
 
 
 def _plain_base(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -20,6 +20,7 @@ from ..data.loader import Batch
 from ..hardware.device import Precision
 from . import preference as pref
 from .loss import fused_head
+from .grpo import GRPOObjective
 from .router_loss import router_loss_for
 from .step import TokenObjective
 
@@ -152,18 +153,24 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def build_objective(cfg, model: torch.nn.Module) -> TokenObjective | PairObjective:
+def build_objective(cfg, model: torch.nn.Module) -> TokenObjective | PairObjective | GRPOObjective:
     """The run's objective; a full fine-tune's reference is a frozen copy of ``model`` as it is now (call it
     before a checkpoint is loaded: the reference is the starting weights, on a resume too)."""
     name = cfg.train.objective
     if name == "sft":
         return TokenObjective(router_loss_for(model, cfg.model.router_aux_loss))
+    if name == "grpo":  # beta > 0: the reference of DPO (adapters off, or a frozen copy); 0: none runs
+        reference = "none" if cfg.rl.beta == 0 else resolve_reference("dpo", "auto", cfg.model.method)
+        return GRPOObjective(cfg.rl, reference, _frozen(model) if reference == "model" else None)
     reference = resolve_reference(name, cfg.preference.reference, cfg.model.method)
-    frozen = None
-    if reference == "model":
-        frozen = copy.deepcopy(model).eval()
-        frozen.requires_grad_(False)
-    return PairObjective(name, cfg.preference, reference, frozen)
+    return PairObjective(name, cfg.preference, reference, _frozen(model) if reference == "model" else None)
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of ``model`` as it is now: a full fine-tune's reference."""
+    frozen = copy.deepcopy(model).eval()
+    frozen.requires_grad_(False)
+    return frozen
 
 
 def describe_objective(objective: PairObjective, desirable=None) -> str:

@@ -16,8 +16,8 @@ from ..config.run import RunConfig, resolve_grad_accum, resolve_max_steps
 from ..config.data import default_cache_dir
 from ..hardware.cpu_threads import CpuThreads
 from ..data.examples import row_describer
-from ..data.loader import TrainLoader, eval_batches
-from ..data.plan import check_objective_data, describe_data, get_tokenizer, plan_data
+from ..data.loader import eval_batches
+from ..data.plan import check_objective_data, describe_data, get_tokenizer, note_run_epochs
 from ..dist import DistContext, device_for
 from ..errors import TrainforgeError
 from ..hardware.device import (
@@ -36,9 +36,11 @@ from ..model.fp8 import resolve_fp8
 from ..model.kernels import resolve_kernels
 from ..model.load import build_model, check_positions, count_parameters, describe_storage, overflows_in_fp16, weight_storage
 from ..rundir.writing import writing
+from ..rl.wiring import bind_rollouts, data_planner, loader_type
 from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .ending import eval_stopped_at_checkpoint
+from .levers import apply_levers, resolve_run_levers
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run, rough_skeleton_estimate
 from .predict.memory import estimate_memory, memory_refusal, memory_warning
@@ -49,15 +51,8 @@ from .oom import OutOfMemory
 from .optim import build_optimizer, check_optimizer, describe_optimizer
 from ..stop import StopRequest
 from .resume import (
-    CHECKPOINTS,
-    ResumePlan,
-    bound_grad_accum,
-    check_fits_run,
-    checkpoint_meta,
-    choose_checkpoint,
-    resume_note,
-    resumes_a_checkpoint,
-    wrote_its_end,
+    CHECKPOINTS, ResumePlan, bound_grad_accum, check_fits_run, checkpoint_meta, choose_checkpoint, resume_note,
+    resumes_a_checkpoint, wrote_its_end,
 )
 from .ranks import batch_layout, wrap_for_ranks
 from .run import Run, RunFacts
@@ -108,7 +103,7 @@ def setup(
         refuse_what_cannot_fit(cfg, tokenizer, precision, device, ctx)  # before the data and the model cost anything
         laps("fit_check")
         # a signal stops tokenizing at the next chunk; bad data fails before the run dir exists
-        data = plan_data(cfg, tokenizer, reporter, device.type == "cuda", lambda: stop.stop_before_training(output_dir, ctx.enabled))
+        data = data_planner(cfg)(cfg, tokenizer, reporter, device.type == "cuda", lambda: stop.stop_before_training(output_dir, ctx.enabled))
         out = Path(output_dir)
         resume_plan = choose_checkpoint(out, cfg, resume, reporter, ctx.world_size, ctx.is_main)
         if resume_plan is None and ctx.is_main:
@@ -117,10 +112,11 @@ def setup(
     laps("data")
     stop.stop_before_training(out, ctx.enabled)  # a signal while tokenizing: no model, eval nor checkpoint
     reporter.info(f"output: {out}")
+    cfg = resolve_run_levers(cfg, tokenizer, precision, device, ctx, reporter.info)  # tiled MLP, offload: auto
     cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     laps("fit")
     cfg, micro, accum = batch_layout(cfg, ctx.world_size, resume_plan)
-    loader = TrainLoader(
+    loader = loader_type(cfg)(
         data.train_rows, data.collate, micro, cfg.train.seed, cfg.data.packing is False, rank=ctx.rank, world_size=ctx.world_size,
     )
     efficiency = loader.padding_efficiency()
@@ -129,6 +125,7 @@ def setup(
 
     model = build_run_model(cfg, tokenizer, precision, device, reporter)
     objective = build_objective(cfg, model)  # before any checkpoint loads: a frozen reference is the starting weights
+    bind_rollouts(cfg, loader, model, objective, tokenizer, precision, device, accum)  # grpo: the policy samples
     if objective.unit == "pair":
         reporter.info(describe_objective(objective, data.prepared.train.desirable))
     if objective.reference == "precompute":  # the starting weights' log-probabilities, once, from the cache after that
@@ -145,6 +142,7 @@ def setup(
     if cfg.optim.name != "adamw" or cfg.optim.offload != "none":
         reporter.info(f"optimizer: {describe_optimizer(cfg.optim)}")
     max_steps = resolve_max_steps(cfg.train.model_copy(update={"grad_accum": accum}), loader.batches_per_epoch)
+    note_run_epochs(data_stats, len(data.train_rows), max_steps * micro * accum * ctx.world_size, reporter)
     if warmup := cfg.optim.warmup_problem(max_steps):  # the lr would never reach its value
         reporter.warn("; ".join(warmup))
     if cfg.train.eval_every == "auto":  # ten evaluations over the run
@@ -201,6 +199,7 @@ def setup(
         advisor=Advisor(
             device_memory(device)[0], peak_reprobe(device, precision, cfg.data.cache_dir, ctx.world_size),
             judge_mfu=not (device.type == "cpu" and emulated_precision(precision.name, cpu_has_native_bf16())), describe=describe,
+            judge_loss=cfg.train.objective != "grpo",
         ),
     )
     laps("services")
@@ -302,8 +301,7 @@ def refuse_what_cannot_fit(cfg: RunConfig, tokenizer, precision: Precision, devi
 def choose_device_and_precision(
     cfg: RunConfig, ctx: DistContext, reporter: ConsoleReporter
 ) -> tuple[torch.device, Precision, str, CpuThreads]:
-    """This process's device, the run's precision and why, and its CPU threads (``train.cpu_threads``);
-    backends configured for them, and said."""
+    """This process's device, the run's precision and why, its CPU threads; backends configured for them, and said."""
     prefer_expandable_segments()  # a run started from Python, not the CLI: still before CUDA's allocator starts
     device = device_for(pick_device(cfg.train.device), ctx)
     threads = CpuThreads.for_device(cfg.train.cpu_threads, device)
@@ -333,11 +331,11 @@ def build_run_model(
         reporter.warn("train.fp8 uncompiled: torchao's scales and casts run as separate kernels" + (
             ", and under LoRA it also computes the frozen base layers' weight gradients (one more FP8 matmul per layer, "
             "then discarded)" if cfg.model.method == "lora" else "") + "; compiled, they fuse: set train.compile: true or auto")
-    model = build_model(
+    model = apply_levers(build_model(
         cfg.model, tokenizer, cfg.train.seed, device, precision.autocast_dtype is not None,
         compute_dtype=precision.autocast_dtype, activation_checkpointing=cfg.train.activation_checkpointing,
         kernels=kernels, fp8=fp8, warn=reporter.warn,
-    ).to(device)
+    ).to(device), cfg, device, reporter.info)  # tiled MLP, activation offload (engine/levers.py)
     model.train()
     trainable, total = count_parameters(model)
     used = getattr(model, "trainforge_kernels", [])
@@ -435,9 +433,8 @@ def fit_to_machine(
     cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx: DistContext, reporter: ConsoleReporter,
     resume_plan: Any = None,
 ) -> tuple[RunConfig, Fit]:
-    """Resolve ``micro_batch_size: auto`` and ``activation_checkpointing: auto`` from the plan of this
-    run on this machine (engine/fit.py); rank 0 decides for all processes. A resumed run keeps the
-    micro-batch its checkpoint was trained with (the global batch must not change mid-run)."""
+    """Resolve ``micro_batch_size``/``activation_checkpointing: auto`` from the plan of this run here (rank 0 decides
+    for all); a resumed run keeps its checkpoint's micro-batch (the global batch must not change mid-run)."""
     t = cfg.train
     saved = resume_plan.checkpoint.meta.get("fixed", {}).get("train.micro_batch_size") if resume_plan is not None else None
     if t.micro_batch_size == "auto" and isinstance(saved, int):

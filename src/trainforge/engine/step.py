@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ..data.formats import IGNORE
 from ..data.loader import Batch
 from ..hardware.device import Precision
+from ..metrics.by_source import add_by_source, source_sums
 from ..metrics.profile import NULL_TIMER, StepTimer
 from .loss import fused_head, linear_cross_entropy, seq2seq_fused_head
 from .nonfinite import skip_update_if
@@ -19,16 +20,20 @@ from .optim import clip_gradients
 
 
 def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
-             router_logits: list | None = None) -> torch.Tensor:
+             router_logits: list | None = None, by_source: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32.
 
     ``fused``: through the chunked LM-head + cross-entropy (no full logits) where the model allows.
     Encoder-decoder batches (``decoder_input_ids`` set): cross-entropy of the decoder's predictions of the target.
     ``router_logits``: a mixture-of-experts model's router logits of each layer are appended to it.
+    ``by_source``: a mixture's batch (``source_ids``) adds its loss and target count per source there, on the
+    device (``SOURCE_SUMS``: metrics/by_source.py reads it at log steps).
     """
     if batch.decoder_input_ids is not None:
         return seq2seq_loss_sum(model, batch, precision, fused)
     head = fused_head(model) if fused else None
+    sums = source_sums(by_source, batch)
+    groups = batch.source_ids.flatten() if sums is not None else None
     # use_cache=False: a KV cache is useless here, and with one transformers skips the
     # packed-document mask built from position_ids (documents would attend to each other)
     extra = {"output_router_logits": True} if router_logits is not None else {}
@@ -38,11 +43,15 @@ def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: 
             out = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
             if router_logits is not None:
                 router_logits.extend(out.router_logits or ())
-            return linear_cross_entropy(out.last_hidden_state.flatten(0, 1), lm_head, batch.labels.flatten())
+            return linear_cross_entropy(out.last_hidden_state.flatten(0, 1), lm_head, batch.labels.flatten(), None, groups, sums)
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
         if router_logits is not None:
             router_logits.extend(out.router_logits or ())
-    return F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    if sums is None:
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    losses = F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="none")
+    add_by_source(sums, groups, losses.detach(), batch.labels.flatten() != IGNORE)
+    return losses.sum()
 
 
 class TokenObjective:
@@ -62,10 +71,12 @@ class TokenObjective:
 
     def loss_sum(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
                  metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        if self.router is None or not torch.is_grad_enabled():
+        router_logits = [] if self.router is not None and torch.is_grad_enabled() else None
+        by_source = metrics if batch.source_ids is not None else None  # a mixture: its loss per source to the metrics
+        if router_logits is None and by_source is None:
             return loss_sum(model, batch, precision, fused)  # this module's loss_sum, looked up at each call
-        router_logits: list = []
-        return self.router.add(loss_sum(model, batch, precision, fused, router_logits), router_logits, batch, metrics)
+        total = loss_sum(model, batch, precision, fused, router_logits, by_source)
+        return total if router_logits is None else self.router.add(total, router_logits, batch, metrics)
 
 
 TOKENS = TokenObjective()

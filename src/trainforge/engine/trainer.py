@@ -37,6 +37,8 @@ from .mfu import follow_threads, run_mfu, window_mfu
 from .nonfinite import final_weights_check
 from .objective import mean_metrics
 from .router_loss import router_means
+from ..data.mixture import source_names
+from ..metrics.by_source import describe_losses, source_losses
 from .oom import fetch_step, forward_backward_adaptive
 from .optim import measured_state_bytes
 from .ending import eval_stop, record_failure, stop_before_first_step, stop_on_signal, write_report
@@ -152,7 +154,7 @@ def run_eval(run: Run, label: str) -> dict[str, float]:
     """Evaluate, log to metrics.jsonl and the console; its seconds to the counters and events.jsonl."""
     t = time.perf_counter()
     result = evaluate(run.model, run.eval_set, run.precision, run.device, run.dist, run.cfg.train.fused_loss, run.objective,
-                      eval_stop(run, label))
+                      eval_stop(run, label), source_names(run.cfg.data.sources()))
     if result:
         took = time.perf_counter() - t
         run.counters.eval_s += took
@@ -163,7 +165,7 @@ def run_eval(run: Run, label: str) -> dict[str, float]:
         extra = f"(ppl {result['eval_ppl']:.1f})" if "eval_ppl" in result else (
             f"(reward accuracy {result['eval_reward_accuracy']:.1%}, "
             + (f"margin {result['eval_reward_margin']:.3f})" if "eval_reward_margin" in result else f"kl {result['eval_kl']:.3f})"))
-        run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} {extra}")
+        run.reporter.info(f"eval {label}: loss {result['eval_loss']:.4f} {extra}{describe_losses(result, 'eval_loss/')}")
         run.counters.last_eval = result
     return result
 
@@ -195,7 +197,7 @@ def train_loop(run: Run, steps: int | None = None) -> None:
         t = time.perf_counter()
         with run.timer.phase("data"):
             micro_batches = fetch_step(run)
-        wait = time.perf_counter() - t
+        wait = time.perf_counter() - t - getattr(run.loader, "generation_s", 0.0)  # grpo: sampling is no data wait
         c.data_wait_s += wait
         # all ranks' counts of the loss divisor (target tokens, or pairs) and input tokens, and agreement on
         # stopping / a time-based save
@@ -323,6 +325,7 @@ def log_step(run: Run, lr: float, grad_norm: torch.Tensor, eta: float) -> None:
         rec["reserved_memory_bytes"] = int(torch.cuda.max_memory_reserved(run.device))
     rec.update(mean_metrics(w.sums, reduce=run.dist.all_reduce))  # every rank: the sums are all-reduced
     rec.update(router_means(w.sums, reduce=run.dist.all_reduce))  # a mixture-of-experts model's aux loss
+    rec.update(source_losses(w.sums, lambda: source_names(run.cfg.data.sources()), reduce=run.dist.all_reduce))  # loss/NAME
     if run.cfg.log.example_indices:
         rec["example_indices"] = w.indices
     run.metrics.write(rec)

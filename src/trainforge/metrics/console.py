@@ -7,6 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from .by_source import describe_losses
+
 
 class ConsoleReporter:
     def __init__(self, console: Console | None = None):
@@ -46,11 +48,16 @@ class ConsoleReporter:
         eta = f" | ETA {_fmt_time(eta_s)}" if eta_s is not None else ""
         mfu = f" | MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
         wait = f" | data {rec['data_wait_pct']:.1f}%" if "data_wait_pct" in rec else ""
-        if "reward_accuracy" in rec:  # a preference objective: how often chosen wins, and by how much (KTO: its KL estimate)
+        if "completion_length" in rec:  # grpo: reward, completion length, KL, clipping, the share of time sampling
+            loss += f" | reward {rec['reward']:.3f} len {rec['completion_length']:.1f}" + (
+                f" kl {rec['kl']:.4f}" if "kl" in rec else "") + f" clip {rec.get('clip_ratio', 0.0):.1%}" + (
+                f" gen {min(rec['gen_s'] * rec['steps_per_s'], 1.0):.0%}" if "gen_s" in rec else "")
+        elif "reward_accuracy" in rec:  # a preference objective: how often chosen wins, and by how much (KTO: its KL estimate)
             loss += f" | reward acc {rec['reward_accuracy']:.1%}" + (
                 f" margin {rec['reward_margin']:.3f}" if "reward_margin" in rec else f" kl {rec.get('kl', float('nan')):.3f}")
         if "aux_loss" in rec:  # a mixture-of-experts model's router load-balancing loss (before its coefficient)
             loss += f" | aux {rec['aux_loss']:.4f}"
+        loss += describe_losses(rec)  # a mixture of sources: each source's loss
         self._print(
             f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {loss} | lr {rec['lr']:.2e} "
             f"| grad_norm {rec['grad_norm']:.3f} | {tps} tok/s{mfu}{wait}{eta}"

@@ -116,12 +116,62 @@ def _accuracy(run: RunData, i: int, several: bool) -> list[Series]:
     return out
 
 
+def _rl_rewards(run: RunData, i: int, several: bool) -> list[Series]:
+    """A grpo run's mean reward of its completions (solid), each reward function's mean when it has several
+    (dotted), and the held-out reward at its evaluations (eval_reward, dashed with markers)."""
+    color = RUN_COLORS[i % len(RUN_COLORS)]
+    prefix = f"{run.name}: " if several else ""
+    xs, ys = _train_series(run, "reward")
+    out = [Series(prefix + "reward", xs, ys, {"color": color, "lw": 1.6})]
+    each = sorted({k for r in run.train for k in r if k.startswith("reward_") and k != "reward_accuracy"})
+    for j, key in enumerate(each if len(each) > 1 else []):
+        xs, ys = _train_series(run, key)
+        out.append(Series(prefix + key[len("reward_"):], xs, ys, {"color": RUN_COLORS[(i + j + 1) % len(RUN_COLORS)],
+                                                                    "lw": 1.1, "ls": ":"}))
+    evals = [r for r in run.evals if "eval_reward" in r]
+    if evals:
+        out.append(Series(prefix + "held-out", [r["step"] for r in evals], [_num(r["eval_reward"]) for r in evals],
+                          {"color": color, "lw": 1.2, "ls": "--", "marker": "o", "ms": 4}))
+    return out
+
+
+def _source_names(run: RunData) -> list[str]:
+    """A mixture's sources, in the order its records name them (``loss/NAME``, ``eval_loss/NAME``)."""
+    names: dict[str, None] = {}
+    for r in run.train + run.evals:
+        for k in r:
+            if k.startswith(("loss/", "eval_loss/")):
+                names.setdefault(k.split("/", 1)[1])
+    return list(names)
+
+
+def _by_source(run: RunData, i: int, several: bool) -> list[Series]:
+    """A mixture's loss per source: train (solid) and eval (dashed), a color per source."""
+    prefix = f"{run.name}: " if several else ""
+    out = []
+    for j, name in enumerate(_source_names(run)):
+        color = RUN_COLORS[(i + j) % len(RUN_COLORS)]
+        xs, ys = _train_series(run, f"loss/{name}")
+        out.append(Series(prefix + name, xs, ys, {"color": color, "lw": 1.5}))
+        evals = [r for r in run.evals if f"eval_loss/{name}" in r]
+        if evals:
+            out.append(Series(f"{prefix}{name} eval", [r["step"] for r in evals], [_num(r[f"eval_loss/{name}"]) for r in evals],
+                              {"color": color, "lw": 1.2, "ls": "--", "marker": "o", "ms": 4}))
+    return out
+
+
 CAPTIONS = {
+    "Loss per source": "a mixture of sources: each source's mean loss over its own target tokens (train: the steps since "
+    "the previous record; eval: its held-out rows)",
     "Reward accuracy": "preference runs: the share of pairs whose chosen reply gets the higher implicit reward (KTO: of "
     "examples whose reward is on the side of beta x KL their label asks for) (train: the pairs since the previous "
     "record; eval: the eval pairs)",
     "Rewards": "preference runs: mean implicit reward (beta x log-ratio against the reference) of chosen and rejected, "
     "and the eval margin between them (KTO: of desirable and undesirable examples)",
+    "Reward": "grpo runs: mean reward of the step's sampled completions (the weighted sum of rl.rewards; with several, "
+    "each function's mean dotted), and the mean reward on held-out prompts at evaluations",
+    "Completion length": "grpo runs: mean tokens of the step's sampled completions, the end token included "
+    "(metrics.jsonl's truncated: the share that hit rl.max_completion_length)",
     "Loss against steps": "train: mean loss of the steps since the previous record; eval: loss on the eval set",
     "Loss against tokens": "the same against real (non-padding) tokens trained, for runs of different batch sizes",
     "Learning rate": "at each logged step, after warmup and schedule",
@@ -153,11 +203,24 @@ PREFERENCE_PANELS: list[tuple[str, str, str, PanelFn, float | None]] = [
 ]
 
 
+# shown only when a run of the report trained with online RL (train.objective: grpo)
+RL_PANELS: list[tuple[str, str, str, PanelFn, float | None]] = [
+    ("Reward", "reward", "step", _rl_rewards, None),
+    ("Completion length", "tokens", "step", _metric("completion_length", "completion length"), None),
+]
+
+
 def panels_for(runs: list[RunData]) -> list[tuple[str, str, str, PanelFn, float | None]]:
-    """The report's panels: the preference ones after the loss when a run has reward metrics."""
+    """The report's panels: the preference ones after the loss when a run has reward metrics, the RL ones when a
+    run logged completion lengths."""
+    panels = PANELS
     if any("reward_accuracy" in r for run in runs for r in run.train):
-        return PANELS[:2] + PREFERENCE_PANELS + PANELS[2:]
-    return PANELS
+        panels = PANELS[:2] + PREFERENCE_PANELS + PANELS[2:]
+    if any("completion_length" in r for run in runs for r in run.train):
+        panels = panels[:2] + RL_PANELS + panels[2:]
+    if any(_source_names(run) for run in runs):  # a mixture: its loss per source after the loss
+        panels = panels[:2] + [("Loss per source", "loss", "step", _by_source, None)] + panels[2:]
+    return panels
 
 
 def figure_png(title: str, ylabel: str, xaxis: str, series: list[Series], runs: list[RunData], log_ratio: float | None) -> str:

@@ -1,1 +1,1 @@
-"""Online reinforcement learning: rollouts, rewards and the GRPO family of losses."""
+"""Online reinforcement learning (train.objective: grpo): prompts, rollouts, the rewards that score them."""

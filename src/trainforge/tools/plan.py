@@ -22,9 +22,10 @@ from ..engine.evaluate import auto_eval_batches, planned_evals
 from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, allocator_overhead, fit_run, predict_load_memory, predict_memory
 from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
+from ..data.mixture import describe_planned, planned_epochs, planned_mixture
 from ..hardware.device import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
 from ..hardware.profiles import GIB, HardwareProfile, find_profile
-from .plan_moe import describe_moe, moe_decision, moe_facts, moe_findings, no_fit_fix
+from .plan_moe import moe_findings, no_fit_fix, with_moe
 from .plan_kernels import attention_share, fp8_decision, fp8_problem, fp8_uncompiled, kernels_choice, planned_attention
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
 from .plan_preference import describe_reference, with_reference
@@ -131,7 +132,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
     step = with_offload(step, optimizer)
     step, preference = with_reference(resolved, step, memory)  # a preference run's reference forward
     steps = run_steps(resolved, accum, world_size, data)
-    moe = moe_facts(resolved, tokenizer, precision, profile)  # None: a dense model
+    planned_epochs(data, steps, resolved.train.micro_batch_size * accum * world_size, resolved.data.packing is not False, resolved.data.max_length)
     plan: dict[str, Any] = {
         "hardware": {
             "name": profile.name, "title": profile.title, "memory_bytes": profile.memory_bytes,
@@ -166,10 +167,9 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
         "optimizer": optimizer,
         "preference": preference,
         "data": data,
-        "moe": moe,
-        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile) + moe_decision(moe),
+        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile),
     }
-    plan["findings"] = findings(cfg, resolved, plan, memory, step, profile, device, precision, output)
+    plan["findings"] = findings(cfg, resolved, with_moe(plan, resolved, tokenizer, precision, profile), memory, step, profile, device, precision, output)
     return plan
 
 
@@ -261,7 +261,8 @@ def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
 
     stats = json.loads((root / STATS_FILE).read_text())
     keep = ("format", "train_rows", "train_sequences", "train_tokens", "train_token_squares", "eval_rows", "eval_sequences", "truncated", "lost_token_share")
-    return {"prepared": True, **{k: stats[k] for k in keep if k in stats}}
+    return {"prepared": True, **{k: stats[k] for k in keep if k in stats},
+            **planned_mixture(cfg.data, root / "train", cfg.train.seed, cfg.train.objective != "sft")}
 
 
 def run_steps(cfg: RunConfig, accum: int, world_size: int, data: dict[str, Any]) -> int | None:
@@ -272,10 +273,10 @@ def run_steps(cfg: RunConfig, accum: int, world_size: int, data: dict[str, Any])
         return None
     epochs = cfg.train.epochs or 1.0
     rows_per_step = cfg.train.micro_batch_size * accum * world_size
-    if cfg.data.packing is False:
-        rows = data["train_sequences"]
+    if cfg.data.packing is False:  # a mixture: its epoch's sequences and tokens
+        rows = data.get("mixture_sequences", data["train_sequences"])
     else:  # packed or concatenated: rows are about full
-        rows = math.ceil(data["train_tokens"] / cfg.data.max_length)
+        rows = math.ceil(data.get("mixture_tokens", data["train_tokens"]) / cfg.data.max_length)
     return max(1, math.ceil(epochs * rows / rows_per_step))
 
 
@@ -443,8 +444,6 @@ def render(plan: dict[str, Any], console) -> None:
     for lever, value in m["levers"].items():
         console.print(f"  {LEVER_TITLES.get(lever, lever.replace('_', ' '))}: tensors {value / GIB:.3f} GiB "
                       f"({(value - m['peak_tensor_bytes']) / GIB:+.3f})")
-    for line in describe_moe(plan.get("moe")):
-        console.print(line)
     mfu = f", MFU {t['mfu']:.0%}" if t.get("mfu") else ""
     how = f"; {t['ops_measured']} distinct ops timed on this machine" if t["ops_measured"] else ""
     console.print(
@@ -464,6 +463,8 @@ def render(plan: dict[str, Any], console) -> None:
     d = plan["data"]
     if d.get("prepared"):
         console.print(f"data: {d['format']}, {d['train_rows']:,} rows, {d['train_tokens']:,} training tokens")
+        for line in describe_planned(d):
+            console.print(line, markup=False, highlight=False)
     decisions_table = Table(title="decisions", title_justify="left")
     for col in ("setting", "choice", "why"):
         decisions_table.add_column(col)

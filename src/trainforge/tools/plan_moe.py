@@ -48,12 +48,27 @@ def moe_facts(cfg: RunConfig, tokenizer, precision: Precision, profile: Hardware
     }
 
 
-def moe_decision(facts: dict[str, Any] | None) -> list[dict[str, str]]:
-    """The plan's decisions row for the experts implementation (none for a dense model)."""
-    if facts is None:
-        return []
-    return [{"setting": "experts_implementation", "choice": facts["experts_implementation"],
-             "why": facts["experts_implementation_why"]}]
+def with_moe(plan: dict[str, Any], cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile) -> dict[str, Any]:
+    """``plan`` with ``moe`` (``moe_facts``; None for a dense model) and, for an MoE model, two decision rows:
+    the parameters held and active, and the experts implementation."""
+    facts = moe_facts(cfg, tokenizer, precision, profile)
+    plan["moe"] = facts
+    if facts is not None:
+        plan["decisions"] = [*plan["decisions"], *moe_decisions(facts)]
+    return plan
+
+
+def moe_decisions(facts: dict[str, Any]) -> list[dict[str, str]]:
+    """The plan's decisions rows of an MoE model: what it holds and runs per token, and how its experts run."""
+    return [
+        {"setting": "mixture of experts",
+         "choice": f"{facts['total_parameters'] / 1e9:.2f}B held, {facts['active_parameters'] / 1e9:.2f}B active",
+         "why": f"{facts['experts_per_token']} of {facts['experts']} routed experts per token; the experts' weights "
+         f"{facts['expert_bytes'] / GIB:.1f} GiB in {facts['expert_dtype']}: memory holds all of them, time counts "
+         "the active parameters"},
+        {"setting": "experts_implementation", "choice": facts["experts_implementation"],
+         "why": facts["experts_implementation_why"]},
+    ]
 
 
 def moe_findings(cfg: RunConfig, facts: dict[str, Any] | None) -> list[dict[str, str]]:
@@ -64,16 +79,6 @@ def moe_findings(cfg: RunConfig, facts: dict[str, Any] | None) -> list[dict[str,
              "message": f"QLoRA quantizes linear layers only: the {facts['expert_parameters'] / 1e9:.1f}B parameters of "
              f"the routed experts (3-D weights, {facts['expert_bytes'] / GIB:.1f} GiB) stay in {facts['expert_dtype']}",
              "fix": "count them in the memory the run needs (model.method: lora holds them in the same bytes)"}]
-
-
-def describe_moe(facts: dict[str, Any] | None) -> list[str]:
-    """The plan's console line on an MoE model (none for a dense one)."""
-    if facts is None:
-        return []
-    return [f"mixture of experts: {facts['total_parameters'] / 1e9:.2f}B parameters held, "
-            f"{facts['active_parameters'] / 1e9:.2f}B active per token ({facts['experts_per_token']} of "
-            f"{facts['experts']} routed experts); the experts' weights {facts['expert_bytes'] / GIB:.1f} GiB in "
-            f"{facts['expert_dtype']}; time counts the active ones, memory all of them"]
 
 
 def no_fit_fix(facts: dict[str, Any] | None, capacity: int) -> str | None:

@@ -124,6 +124,7 @@ class StepTracer(TorchDispatchMode):
         self.peak, self.peak_parts = 0, dict(self.current)
         self.phase = "forward"
         self.ops: list[OpRecord] = []
+        self.tile_ops = self.ops  # the tiled MLP traces a few tiles and records the rest's ops here (model/tiled_mlp.py)
         self._hooks: list = []
         self._draws: dict[int, weakref.ref] = {}  # id -> scalar tensor drawn at random (or compared with one)
 
@@ -393,6 +394,7 @@ def _trace(
         trace_experts(model, cfg.model.experts_implementation, device_type)  # MoE: routing of static shapes (moe.py)
         if fp8_recipe(cfg.train.fp8) and cfg.model.method != "qlora":
             apply_fp8(model, fp8_recipe(cfg.train.fp8))  # torchao's layers run on fake tensors: their casts are traced
+        apply_traced_levers(model, cfg, activation_checkpointing, device_type)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         # torch's AdamW stands in for every optim.name (low-bit kernels do not run on fake tensors); its
@@ -439,6 +441,19 @@ def _trace(
         peak += on_device - parts["optimizer"]
         parts["optimizer"] = on_device
     return StepTrace(peak, parts, tracer.ops, batch.n_tokens, largest, grads)
+
+
+def apply_traced_levers(model: torch.nn.Module, cfg: "RunConfig", activation_checkpointing: bool, device_type: str) -> None:
+    """The long-context levers ``cfg`` sets to true, as the run applies them: the tiled MLP as it is, activation
+    offload (planned for a GPU, with checkpointing) as a stand-in whose boundaries leave the device."""
+    if cfg.train.tiled_mlp is True:
+        from ...model.tiled_mlp import apply_tiled_mlp
+
+        apply_tiled_mlp(model)
+    if cfg.train.activation_offload is True and activation_checkpointing and device_type == "cuda":
+        from ..offload import TracedOffload, install_offload
+
+        install_offload(model, TracedOffload())
 
 
 def to_empty_keeping_ties(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -1,0 +1,106 @@
+"""Tokenizing a corpus: `trainforge prepare` against Hugging Face `datasets` on the same fast tokenizer.
+
+    python benchmarks/bench_prepare.py --gb 0.05 0.2 [--workers 2] [--out r.json]
+
+For each size, writes a JSONL text corpus (bench_prepare_scale.write_corpus: ~2 KB rows of standard-library
+source), trains one byte-level BPE on it, then from cold caches runs, each in its own process:
+
+- trainforge: the real CLI, ``trainforge prepare`` (no eval held out, max_length 1024, ``--workers`` processes);
+- datasets: ``load_dataset("json", ...)["train"].map(tokenize, batched=True, num_proc=WORKERS)`` with the same
+  tokenizer loaded by ``AutoTokenizer`` (a fast tokenizer), written to its Arrow cache as ``datasets`` does.
+
+Reported per tool: seconds, tokens, tokens/s, and the peak resident memory of the whole process tree (the
+process and its workers, sampled every 0.2 s); then the ratio of tokens/s. Memory constant in corpus size shows
+as the same peak at both sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_prepare_scale import tokenizer_for, tree_rss, write_corpus  # noqa: E402
+
+HF_SCRIPT = """
+import json, sys
+from datasets import load_dataset
+from transformers import AutoTokenizer
+corpus, tok_dir, cache, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+tok = AutoTokenizer.from_pretrained(tok_dir)
+assert tok.is_fast
+ds = load_dataset("json", data_files=corpus, cache_dir=cache)["train"]
+out = ds.map(lambda b: tok(b["text"]), batched=True, num_proc=workers, remove_columns=["text"])
+print(json.dumps({"tokens": sum(len(ids) for ids in out.with_format(None)["input_ids"])}))
+"""
+
+
+def timed(cmd: list[str]) -> tuple[float, int, str]:
+    """(seconds, peak RSS of the process tree in bytes, output) of a command run to its end."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ps, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        peak = max(peak, tree_rss(ps)[1])
+        time.sleep(0.2)
+    seconds = time.perf_counter() - start
+    output = proc.stdout.read()
+    if proc.returncode:
+        sys.exit(f"{cmd[:4]} failed with exit code {proc.returncode}:\n{output[-3000:]}")
+    return seconds, peak, output
+
+
+def one_size(work: Path, gb: float, workers: int) -> dict:
+    corpus = work / "corpus.jsonl"
+    rows = write_corpus(corpus, gb, "text")
+    tok_dir = tokenizer_for(corpus, work / "tokenizer")
+    tf_cmd = [
+        sys.executable, "-m", "trainforge", "prepare",
+        "--set", f"data.train={corpus}", "--set", f"model.tokenizer={tok_dir}", "--set", "data.max_documents=null",
+        "--set", "data.eval=null", "--set", "data.max_length=1024", "--set", f"data.cache_dir={work / 'cache'}",
+        "--set", f"data.num_workers={workers}",
+    ]  # fmt: skip
+    tf_s, tf_rss, _ = timed(tf_cmd)
+    stats = json.loads(next((work / "cache" / "data").glob("*/stats.json")).read_text())
+    tf_tokens = stats["train_tokens"] + stats["train_sequences"]  # stored tokens (inputs + each sequence's last)
+    hf_s, hf_rss, out = timed([sys.executable, "-c", HF_SCRIPT, str(corpus), str(tok_dir), str(work / "hf"), str(workers)])
+    hf_tokens = json.loads(out.strip().splitlines()[-1])["tokens"]
+    return {
+        "gb": round(corpus.stat().st_size / 1e9, 3), "rows": rows, "workers": workers,
+        "trainforge": {"seconds": round(tf_s, 1), "tokens": tf_tokens, "tokens_per_s": round(tf_tokens / tf_s),
+                       "peak_rss_gib": round(tf_rss / 2**30, 3)},
+        "datasets": {"seconds": round(hf_s, 1), "tokens": hf_tokens, "tokens_per_s": round(hf_tokens / hf_s),
+                     "peak_rss_gib": round(hf_rss / 2**30, 3)},
+        "ratio_tokens_per_s": round((tf_tokens / tf_s) / (hf_tokens / hf_s), 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, nargs="+", default=[0.05, 0.2])
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    results = []
+    for gb in args.gb:
+        work = Path(tempfile.mkdtemp(prefix="tf-bench-prepare-"))
+        try:
+            results.append(one_size(work, gb, args.workers))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(json.dumps(results[-1], indent=2), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The long-context levers in a run: ``train.tiled_mlp`` and ``train.activation_offload`` resolved when auto
+(from the plan of this run on this machine: predict/levers.py) and applied to the built model."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..config.run import RunConfig
+from ..hardware.device import Precision
+from .offload import BoundaryOffload, install_offload
+
+CPU_OFFLOAD_NOTE = ("train.activation_offload: on a CPU the checkpointed layers' inputs already sit in host memory; "
+                    "nothing is moved (it acts on a GPU)")
+
+
+def resolve_run_levers(cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx, say: Callable[[str], None]) -> RunConfig:
+    """``cfg`` with ``tiled_mlp``/``activation_offload: auto`` decided by the plan of this run here (rank 0 decides,
+    the others take its answer), each decision said with its reason."""
+    t = cfg.train
+    if t.tiled_mlp != "auto" and t.activation_offload != "auto":
+        if t.activation_offload is True and t.activation_checkpointing == "auto" and device.type == "cuda":
+            say("activation checkpointing auto -> on: train.activation_offload moves its boundaries")
+            return cfg.model_copy(update={"train": t.model_copy(update={"activation_checkpointing": True})})
+        return cfg
+    from ..hardware.device import this_profile
+    from .predict.levers import resolve_levers, resolved_config
+
+    choice = None
+    if ctx.is_main:
+        profile = this_profile(device, cfg.data.cache_dir, timing=False)
+        choice = resolve_levers(cfg, tokenizer, precision, profile, ctx.world_size, "fsdp" if t.distributed == "fsdp" else "ddp")
+        choice.memory = None  # the figures are said; the trace stays here
+    choice = ctx.broadcast_object(choice)
+    if t.tiled_mlp == "auto":
+        say(f"tiled MLP auto -> {choice.why_tiled}")
+    if t.activation_offload == "auto":
+        say(f"activation offload auto -> {choice.why_offload}")
+    return resolved_config(cfg, choice)
+
+
+def apply_levers(model: torch.nn.Module, cfg: RunConfig, device: torch.device, say: Callable[[str], None]) -> torch.nn.Module:
+    """Tile the model's MLPs and offload its checkpoint boundaries where ``cfg`` says true (auto: resolved before)."""
+    t = cfg.train
+    if t.tiled_mlp is True:
+        from ..model.tiled_mlp import apply_tiled_mlp, decoder_mlps
+
+        n = apply_tiled_mlp(model)
+        say(f"tiled MLP: {n} decoder MLPs run in tiles of {decoder_mlps(model)[0].trainforge_tile_tokens} tokens")
+    if t.activation_offload is True:
+        if device.type != "cuda":
+            say(CPU_OFFLOAD_NOTE)
+        elif t.activation_checkpointing is not True:
+            say("train.activation_offload: activation checkpointing is off, so there are no boundaries to move")
+        else:
+            offload = BoundaryOffload(device)
+            n = install_offload(model, offload)
+            model.trainforge_offload = offload  # what it moved: count and bytes, for the summary
+            say(f"activation offload: the inputs of {n} checkpointed layers kept in pinned host memory")
+    return model

@@ -1,0 +1,127 @@
+"""The longest ``data.max_length`` that fits at micro-batch 1, by the memory model (no training), and what
+each long-context lever buys: ``trainforge plan --longest`` and ``data.max_length: auto``.
+
+A step's predicted peak grows with the row length (linearly where attention keeps no length x length
+matrix, which is what every path trainforge trains with does), so the search needs few traces: two
+lengths give a line, the line's crossing of the budget a first guess, and from there a bracketed
+search (the secant between the nearest lengths that fit and do not, bisection when that stalls) ends
+when the two differ by one ``GRANULE``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...config.base import MAX_TOKENS
+from ...config.run import RunConfig
+from ...hardware.device import Precision
+from ...hardware.profiles import HardwareProfile
+from .fit import FIT_MARGIN, MemoryPrediction, predict_memory
+from .levers import Levers, tiling_covers, with_levers
+
+GRANULE = 256  # lengths are searched in multiples of this
+FIRST = 4096  # the first length traced
+MAX_TRACES = 14  # a search that has not closed its bracket by then keeps the longest length that fit
+
+
+@dataclass
+class Longest:
+    """The longest row that fits with ``levers``, the prediction there and one ``GRANULE`` beyond."""
+
+    levers: Levers
+    length: int  # 0: not even ``GRANULE`` tokens fit
+    memory: MemoryPrediction | None  # at ``length``
+    beyond: MemoryPrediction | None  # at ``length + GRANULE`` (None when ``length`` is the cap)
+    capped: str | None = None  # why the search stopped at a limit other than memory
+    traced: dict[int, int] = field(default_factory=dict, repr=False)  # length -> predicted process bytes
+
+
+def length_cap(cfg: RunConfig) -> tuple[int, str | None]:
+    """The longest length the search may return: a learned position table's size, else ``MAX_TOKENS``."""
+    from ...model.load import position_limit
+
+    limit, learned = position_limit(cfg.model)
+    if learned and limit:
+        return limit, f"the model's learned position table ({limit} positions)"
+    return MAX_TOKENS, None
+
+
+def longest_length(
+    cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, levers: Levers,
+    margin: float = FIT_MARGIN, world_size: int = 1, mode: str = "ddp",
+) -> Longest:
+    """The longest multiple of ``GRANULE`` tokens per row whose step fits in ``margin`` of ``profile`` at one row
+    with ``levers``, searched over the memory model."""
+    budget = margin * profile.memory_bytes
+    cap, why_cap = length_cap(cfg)
+    cap = cap // GRANULE * GRANULE
+    predictions: dict[int, MemoryPrediction] = {}
+
+    def at(length: int) -> MemoryPrediction:
+        if length not in predictions:
+            run = with_levers(cfg, levers, length)
+            predictions[length] = predict_memory(run, tokenizer, precision, profile, 1, levers.checkpointing,
+                                                 cfg.train.grad_accum, world_size, mode)
+        return predictions[length]
+
+    lo, hi = 0, cap + GRANULE  # lo fits (0: nothing known), hi does not (cap + GRANULE: never traced)
+    first = min(FIRST, cap)
+    if at(first).fits(margin):
+        lo = first
+        second = min(2 * first, cap)
+        if second > first:
+            (lo, hi) = (second, hi) if at(second).fits(margin) else (lo, second)
+    else:
+        hi = first
+    while hi - lo > GRANULE and len(predictions) < MAX_TRACES:
+        guess = _next_guess(lo, hi, predictions, budget, cap)
+        if at(guess).fits(margin):
+            lo = guess
+        else:
+            hi = guess
+    beyond = at(lo + GRANULE) if lo + GRANULE <= cap else None
+    capped = why_cap if lo == cap else None
+    return Longest(levers, lo, predictions.get(lo), beyond, capped, {n: p.process for n, p in predictions.items()})
+
+
+def _next_guess(lo: int, hi: int, predictions: dict[int, MemoryPrediction], budget: float, cap: int) -> int:
+    """The next length to trace inside (lo, hi): where the line through the bracket's two ends (without one, nothing
+    traced failing yet: through the two longest traced lengths) crosses the budget; exact when memory is linear in
+    length, so that the next trace, one ``GRANULE`` beyond, closes the search. The middle, or double, when the line
+    says nothing; always at least a ``GRANULE`` past ``lo`` and short of ``hi``."""
+    known = sorted(predictions)
+    bracketed = hi <= cap
+    a, b = (lo, hi) if bracketed and lo in predictions else (known[-2], known[-1]) if len(known) > 1 else (None, None)
+    guess = None
+    if a is not None and b is not None:
+        slope = (predictions[b].process - predictions[a].process) / (b - a)
+        if slope > 0:
+            guess = a + (budget - predictions[a].process) / slope
+    if guess is None:
+        guess = (lo + hi) / 2 if bracketed else 2 * max(lo, GRANULE)
+    guess = int(guess) // GRANULE * GRANULE
+    return max(lo + GRANULE, min(guess, hi - GRANULE if bracketed else cap))
+
+
+def lever_table(
+    cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, margin: float = FIT_MARGIN,
+    world_size: int = 1, mode: str = "ddp",
+) -> list[Longest]:
+    """The longest length with no lever, with activation checkpointing, with the tiled MLP too, and with activation
+    offload too (rows a lever cannot act in, tiling an uncovered family, offload on a CPU, are left out)."""
+    ladder = [Levers(), Levers(True)]
+    if tiling_covers(cfg):
+        ladder.append(Levers(True, True))
+    if profile.kind == "gpu":
+        ladder.append(Levers(True, ladder[-1].tiled_mlp, True))
+    return [longest_length(cfg, tokenizer, precision, profile, levers, margin, world_size, mode) for levers in ladder]
+
+
+def run_levers(cfg: RunConfig, profile: HardwareProfile) -> Levers:
+    """The levers the run would use at its longest length: each one it sets true, and each it leaves to auto
+    that can act here (checkpointing; tiling where it covers the model; offload on a GPU with checkpointing)."""
+    t = cfg.train
+    ckpt = t.activation_checkpointing is not False
+    tiled = t.tiled_mlp is True or (t.tiled_mlp == "auto" and tiling_covers(cfg))
+    offload = ckpt and (t.activation_offload is True or (t.activation_offload == "auto" and profile.kind == "gpu"))
+    return Levers(ckpt, tiled, offload)

@@ -1,0 +1,34 @@
+"""The mean reward of greedy completions of held-out prompts: how well a policy does where it did not train."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..model.generate import stop_token_ids
+from .prompts import Prompt
+from .rollout import Sampling, sample
+
+
+def heldout_reward(model: torch.nn.Module, tokenizer, prompts: Sequence[Prompt], rewards: Any, max_new_tokens: int,
+                   temperature: float | None = None, samples: int = 1, seed: int = 0,
+                   autocast: contextlib.AbstractContextManager | None = None, batch: int = 64) -> float:
+    """Mean weighted reward (``rewards``: a RewardSet) of the policy's completions of ``prompts``: one greedy
+    completion each (``temperature`` None), or ``samples`` each drawn at ``temperature`` from a generator seeded
+    with ``seed`` (the reward the policy itself earns, which is what GRPO raises)."""
+    greedy = temperature is None
+    s = Sampling(max_new_tokens, temperature or 1.0, stop_ids=tuple(stop_token_ids(model, tokenizer)), greedy=greedy)
+    generator = torch.Generator(device=next(model.parameters()).device)
+    generator.manual_seed(seed)
+    prompts = [p for p in prompts for _ in range(1 if greedy else samples)]
+    totals: list[float] = []
+    for i in range(0, len(prompts), batch):
+        part = prompts[i : i + batch]
+        out = sample(model, [p.ids for p in part], s, generator, tokenizer.pad_token_id, autocast)
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in out.tokens]
+        totals += rewards.score([p.text for p in part], texts, [p.fields for p in part], [p.where for p in part]).total
+    return float(np.mean(totals))

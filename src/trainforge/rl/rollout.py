@@ -1,0 +1,132 @@
+"""Batched sampling with a KV cache from the policy's own weights: token ids in, completions' token ids out.
+
+One prefill over the left-padded prompts, then one token per step for the rows still running; a row that
+samples an end token leaves the batch (its cache rows are dropped), so finished rows cost nothing more. A LoRA
+model samples with its adapters on, unmerged: the same weights the step trains. Sampling draws from a
+``torch.Generator`` the caller owns, so a run that saves its state and loads it back samples the same tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are drawn: ``temperature`` scales the logits; ``top_k`` (0: off), ``top_p`` (1: off) and ``min_p``
+    (0: off) cut the distribution before the draw; ``stop_ids`` end a completion (kept as its last token)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop_ids: tuple[int, ...] = ()
+    greedy: bool = False  # the most likely token every time (held-out evaluation); no draw
+
+
+@dataclass
+class Completions:
+    """Each prompt's new tokens (a stop token included where one ended it) and whether a stop token ended it."""
+
+    tokens: list[list[int]]
+    finished: list[bool]
+
+
+def filter_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """(B, V) fp32 logits at temperature 1 -> the logits sampling draws from (cut tokens at -inf)."""
+    logits = logits / s.temperature
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < s.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if s.top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        mass = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = mass - torch.softmax(sorted_logits, dim=-1) >= s.top_p  # the mass before a token already reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling, generator: torch.Generator,
+           pad_id: int, autocast: contextlib.AbstractContextManager | None = None) -> Completions:
+    """Sample one completion for each of ``prompts`` (token ids); ``generator`` draws every token."""
+    device = next(model.parameters()).device
+    n = len(prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row's next token goes to the same column
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    stops = torch.tensor(list(s.stop_ids) or [-1], device=device)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    finished = [False] * n
+    alive = torch.arange(n, device=device)  # the prompt index of each row still in the batch
+    was_training = model.training
+    model.eval()  # no dropout while sampling
+    try:
+        with autocast or contextlib.nullcontext(), stock_attention(model):
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            last = positions[:, -1]
+            for step in range(s.max_new_tokens):
+                if s.greedy:
+                    picked = out.logits[:, -1, :].argmax(-1)
+                else:
+                    probs = torch.softmax(filter_logits(out.logits[:, -1, :].float(), s), dim=-1)
+                    picked = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                done = torch.isin(picked, stops)
+                host_picked, host_done, host_alive = picked.tolist(), done.tolist(), alive.tolist()  # one sync per token
+                for row, (tok, end) in enumerate(zip(host_picked, host_done)):
+                    tokens[host_alive[row]].append(tok)
+                    finished[host_alive[row]] = end
+                if step + 1 == s.max_new_tokens:
+                    break
+                if any(host_done):  # finished rows leave the batch, and their cache with them
+                    keep = (~done).nonzero().squeeze(1)
+                    if len(keep) == 0:
+                        break
+                    cache.batch_select_indices(keep)
+                    picked, mask, last, alive = picked[keep], mask[keep], last[keep], alive[keep]
+                mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+                last = last + 1
+                out = model(input_ids=picked[:, None], attention_mask=mask, position_ids=last[:, None],
+                            past_key_values=cache, use_cache=True)
+    finally:
+        model.train(was_training)
+    return Completions(tokens, finished)
+
+
+@contextlib.contextmanager
+def stock_attention(model: torch.nn.Module):
+    """transformers' SDPA while sampling: the packed-document paths (model/packed_attention.py, doc_attention.py)
+    build no padding mask, and a left-padded row decoding from its cache must not see its padding."""
+    config = model.config
+    before = config._attn_implementation
+    if before in ("sdpa", "eager", "flash_attention_2", "flash_attention_3"):
+        yield
+        return
+    config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def generator_for(device: torch.device, seed: int) -> torch.Generator:
+    """The rollout's own random generator on ``device``, seeded: its state goes into checkpoints."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
