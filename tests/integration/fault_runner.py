@@ -25,6 +25,7 @@ The faults hook into trainforge by monkeypatching, so the product code carries n
 from __future__ import annotations
 
 import json
+import inspect
 import os
 import signal
 import sys
@@ -115,8 +116,9 @@ def _signal_in_eval_at(step: int, batch: int, name: str) -> None:
         at["step"] = run.step
         return run_eval(run, label)
 
-    def counted_evaluate(*args):
-        *rest, stop = args  # run_eval passes its stop check last
+    def counted_evaluate(*args, **kwargs):
+        bound = inspect.signature(evaluate).bind(*args, **kwargs)  # the stop check, wherever run_eval passes it
+        stop = bound.arguments.get("stop")
         ran = [0]
 
         def counted() -> None:
@@ -126,8 +128,9 @@ def _signal_in_eval_at(step: int, batch: int, name: str) -> None:
             if stop is not None:
                 stop()
 
+        bound.arguments["stop"] = counted
         try:
-            return evaluate(*rest, counted)
+            return evaluate(*bound.args, **bound.kwargs)
         finally:
             print(f"fault_runner: eval at step {at['step']}: {ran[0]} batches", file=sys.stderr, flush=True)
 

@@ -356,12 +356,12 @@ def test_a_changed_setting_is_refused_before_the_data_is_tokenized(config, refer
     """A rerun with a changed data setting (data.max_length) tokenized the whole corpus again, into a new cache
     entry, and loaded the model before the checkpoint refused it: minutes to hours on a real corpus. The
     refusal now comes first: no tokenizing, no model."""
-    import trainforge.engine.setup as setup_module
+    import trainforge.rl.wiring as wiring  # set-up takes plan_data from there (data_planner: grpo plans prompts)
 
     def no_work(*args, **kwargs):
         raise AssertionError("the data was prepared before the changed setting was refused")
 
-    monkeypatch.setattr(setup_module, "plan_data", no_work)
+    monkeypatch.setattr(wiring, "plan_data", no_work)
     config["data"]["max_length"] = 48
     with pytest.raises(ResumeError, match="data.max_length: 64 in the checkpoint, 48 now"):
         train(config, reference)
