@@ -5,6 +5,7 @@ a run resumed at its last step (the window its checkpoint left open is logged)."
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import signal
@@ -163,8 +164,9 @@ def test_a_signal_during_the_final_evaluation_stops_it_and_the_same_command_fini
     finishing: list = []  # the run, once its final evaluation is under way
     batches_run: list = []
 
-    def signal_in_final_eval(*args):
-        *rest, stop = args  # run_eval passes eval_stop(run, label) last
+    def signal_in_final_eval(*args, **kwargs):
+        bound = inspect.signature(evaluate).bind(*args, **kwargs)  # run_eval passes eval_stop(run, label) as stop
+        stop = bound.arguments.get("stop")
         if finishing and stop is not None:
             finishing[0].stop.signum = signal.SIGTERM
 
@@ -172,7 +174,8 @@ def test_a_signal_during_the_final_evaluation_stops_it_and_the_same_command_fini
             batches_run.append(1)
             stop()
 
-        return evaluate(*rest, counted if finishing and stop is not None else stop)
+        bound.arguments["stop"] = counted if finishing and stop is not None else stop
+        return evaluate(*bound.args, **bound.kwargs)
 
     with monkeypatch.context() as m:
         m.setattr(trainer, "evaluate", signal_in_final_eval)

@@ -25,21 +25,13 @@ def resolve_run_levers(cfg: RunConfig, tokenizer, precision: Precision, device: 
             return cfg.model_copy(update={"train": t.model_copy(update={"activation_checkpointing": True})})
         return cfg
     from ..hardware.device import this_profile
-    from ..hardware.profiles import GIB
-    from .predict.fit import QUICK_SHARE, rough_skeleton_bytes
-    from .predict.levers import LeverChoice, Levers, resolve_levers, resolved_config
+    from .predict.levers import decide_levers, resolved_config
 
     choice = None
     if ctx.is_main:
         profile = this_profile(device, cfg.data.cache_dir, timing=False)
-        rough = rough_skeleton_bytes(cfg, tokenizer, precision, t.micro_batch_size) if isinstance(t.micro_batch_size, int) else None
-        if rough is not None and rough < QUICK_SHARE * profile.memory_bytes:
-            # far below the device: no trace of a step at set-up (seconds of start-up on every ordinary run)
-            why = f"off: a rough estimate ({rough / GIB:.2f} GiB) is far below the {profile.memory_bytes / GIB:.1f} GiB of the device"
-            choice = LeverChoice(Levers(), why, why, None)
-        else:
-            choice = resolve_levers(cfg, tokenizer, precision, profile, ctx.world_size, "fsdp" if t.distributed == "fsdp" else "ddp")
-            choice.memory = None  # the figures are said; the trace stays here
+        choice = decide_levers(cfg, tokenizer, precision, profile, ctx.world_size, "fsdp" if t.distributed == "fsdp" else "ddp")
+        choice.memory = None  # the figures are said; the trace stays here
     choice = ctx.broadcast_object(choice)
     if t.tiled_mlp == "auto":
         say(f"tiled MLP auto -> {choice.why_tiled}")

@@ -2,8 +2,7 @@
 fit it to the device, say what it would decide and what in the config wastes time or will fail.
 
 Nothing is loaded but the config (and a tokenizer directory, for the vocabulary): the step is
-traced on fake tensors (engine/trace.py), priced on the profile (engine/timing.py, engine/fit.py).
-``--measure`` then runs real steps at the planned settings on this machine (tools/plan_measure.py).
+traced on fake tensors (engine/predict/), priced on the profile; ``--measure`` runs real ones (tools/plan_measure.py).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from ..config.run import RunConfig, resolve_grad_accum
 from ..hardware.cpu_threads import CpuThreads
 from ..engine.evaluate import auto_eval_batches, planned_evals
 from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, allocator_overhead, fit_run, predict_load_memory, predict_memory
+from ..engine.predict.levers import with_decided_levers
 from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
 from ..data.mixture import describe_planned, planned_epochs, planned_mixture
@@ -112,11 +112,11 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
     profile, device = resolve_profile(hardware, cfg)
     precision, precision_why = plan_precision(cfg, profile, device)
     tokenizer = plan_tokenizer(cfg)
-    t = cfg.train
     mode = _distributed_mode(cfg, tokenizer, precision, profile, world_size)
+    cfg = with_decided_levers(cfg, tokenizer, precision, profile, world_size, mode)  # long-context levers, as a run takes them
     fit = fit_run(cfg, tokenizer, precision, profile, world_size, mode, quick=True)
     mbs, ckpt = fit.micro_batch_size, fit.activation_checkpointing
-    resolved = cfg.model_copy(update={"train": t.model_copy(update={"micro_batch_size": mbs, "activation_checkpointing": ckpt})})
+    resolved = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": mbs, "activation_checkpointing": ckpt})})
     accum = resolve_grad_accum(resolved.train, world_size)
     resolved = resolved.model_copy(update={"train": resolved.train.model_copy(update={"grad_accum": accum})})
     memory = fit.memory or predict_memory(resolved, tokenizer, precision, profile, mbs, ckpt, accum, world_size, mode)

@@ -125,3 +125,25 @@ def resolved_config(cfg: RunConfig, choice: LeverChoice) -> RunConfig:
     if choice.levers.offload and t.activation_checkpointing == "auto":
         update["activation_checkpointing"] = True
     return cfg.model_copy(update={"train": t.model_copy(update=update)})
+
+
+def decide_levers(cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, world_size: int = 1,
+                  mode: str = "ddp") -> LeverChoice:
+    """``resolve_levers`` as a run's set-up and ``plan`` take it: with a fixed micro-batch whose rough estimate is far
+    below the device, both levers off without tracing a step."""
+    from .fit import QUICK_SHARE, rough_skeleton_bytes
+
+    rows = cfg.train.micro_batch_size
+    rough = rough_skeleton_bytes(cfg, tokenizer, precision, rows) if isinstance(rows, int) else None
+    if rough is not None and rough < QUICK_SHARE * profile.memory_bytes:
+        why = f"off: a rough estimate ({rough / GIB:.2f} GiB) is far below the {profile.memory_bytes / GIB:.1f} GiB of the device"
+        return LeverChoice(Levers(), why, why, None)
+    return resolve_levers(cfg, tokenizer, precision, profile, world_size, mode)
+
+
+def with_decided_levers(cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, world_size: int = 1,
+                        mode: str = "ddp") -> RunConfig:
+    """``cfg`` with its auto long-context levers decided (``plan``: the levers the run's set-up will take)."""
+    if "auto" not in (cfg.train.tiled_mlp, cfg.train.activation_offload):
+        return cfg
+    return resolved_config(cfg, decide_levers(cfg, tokenizer, precision, profile, world_size, mode))
