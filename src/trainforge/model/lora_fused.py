@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .subclass import forward_subclass
+
 
 def _single_adapter(layer: Any) -> str | None:
     """The one active plain-LoRA adapter of ``layer``, or None when PEFT's forward must run."""
@@ -68,13 +70,8 @@ _FUSED: dict[type, type] = {}
 
 def fused_class(cls: type) -> type:
     """A subclass of PEFT's LoRA layer class ``cls`` whose forward is ``fused_lora_forward`` (one per class)."""
-    if cls not in _FUSED:
-        _FUSED[cls] = type(f"Fused{cls.__name__}", (cls,), {
-            "forward": fused_lora_forward,
-            "_peft_forward": cls.forward,
-            "__doc__": f"PEFT's {cls.__name__} with the LoRA update added by the GEMM (trainforge.model.lora_fused).",
-        })
-    return _FUSED[cls]
+    return forward_subclass(cls, _FUSED, "Fused", fused_lora_forward, "_peft_forward",
+                            f"PEFT's {cls.__name__} with the LoRA update added by the GEMM (trainforge.model.lora_fused).")
 
 
 def lora_layer_classes() -> tuple[type, ...]:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import TrainforgeError
+from .subclass import forward_subclass
 
 # model_type -> the decoder MLP is a position-wise gated MLP in ``layer.mlp`` (Gemma 3's text tower
 # reports gemma3_text; Qwen3's dense models qwen3: the MoE families are not position-wise per tile budget)
@@ -137,13 +138,8 @@ _TILED: dict[type, type] = {}
 
 def tiled_class(cls: type) -> type:
     """A subclass of the MLP class ``cls`` whose forward runs in tiles (one per class)."""
-    if cls not in _TILED:
-        _TILED[cls] = type(f"Tiled{cls.__name__}", (cls,), {
-            "forward": tiled_forward,
-            "_untiled_forward": cls.forward,
-            "__doc__": f"{cls.__name__} run over the sequence in tiles (trainforge.model.tiled_mlp).",
-        })
-    return _TILED[cls]
+    return forward_subclass(cls, _TILED, "Tiled", tiled_forward, "_untiled_forward",
+                            f"{cls.__name__} run over the sequence in tiles (trainforge.model.tiled_mlp).")
 
 
 def supports_tiled_mlp(model: torch.nn.Module) -> bool:
