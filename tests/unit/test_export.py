@@ -56,6 +56,14 @@ def make_adapter(base_dir: Path, out: Path, use_dora: bool = False, quantized: b
     return out
 
 
+def make_qlora_run(base_dir: Path, run: Path) -> Path:
+    """A QLoRA run directory as training leaves it: the adapter in final/, its config and summary."""
+    make_adapter(base_dir, run / "final", quantized=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(base_dir), "method": "qlora"}}))
+    (run / "summary.json").write_text(json.dumps({"precision": "fp32"}))
+    return run
+
+
 def _adapter_model(base_dir: Path, adapter: Path) -> torch.nn.Module:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -114,10 +122,7 @@ def test_qlora_merges_into_the_dequantized_base(tmp_path, tiny_model_dir):
     from trainforge.hardware.device import PRECISIONS
     from trainforge.model.resolve import load_model, resolve_source
 
-    run = tmp_path / "run"
-    make_adapter(tiny_model_dir, run / "final", quantized=True)
-    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(tiny_model_dir), "method": "qlora"}}))
-    (run / "summary.json").write_text(json.dumps({"precision": "fp32"}))
+    run = make_qlora_run(tiny_model_dir, tmp_path / "run")
 
     out = tmp_path / "merged"
     export(run, out, merge=True, dtype="fp32", reporter=QUIET)

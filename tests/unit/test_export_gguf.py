@@ -12,13 +12,11 @@ under 3% (docs/export.md)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
 from rich.console import Console
 
 pytest.importorskip("gguf")
@@ -183,15 +181,12 @@ def test_a_qlora_run_exports_its_dequantized_merge(tmp_path, tiny_model_dir):
     """QLoRA: the GGUF computes what the QLoRA model computed (the adapter merged into the NF4 base it
     trained on, dequantized once), within f16 rounding."""
     pytest.importorskip("bitsandbytes")
-    from test_export import make_adapter
+    from test_export import make_qlora_run
 
     from trainforge.hardware.device import PRECISIONS
     from trainforge.model.resolve import load_model, resolve_source
 
-    run = tmp_path / "run"
-    make_adapter(tiny_model_dir, run / "final", quantized=True)
-    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(tiny_model_dir), "method": "qlora"}}))
-    (run / "summary.json").write_text(json.dumps({"precision": "fp32"}))
+    run = make_qlora_run(tiny_model_dir, tmp_path / "run")
     out = tmp_path / "qlora.gguf"
     export_gguf(run, out, "f16", None, QUIET)
     back, _ = _read_back(out)
