@@ -118,3 +118,31 @@ def test_the_ladder_keeps_what_the_config_fixes(tmp_path):
     gpt2 = config(tmp_path).model_copy(update={"model": config(tmp_path).model.model_copy(
         update={"init": {"architecture": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}})})
     assert lever_ladder(gpt2, gpu) == [Levers(True), Levers(True, False, True)]
+
+
+def test_one_decision_traces_each_setting_once_and_nothing_is_kept_after_it(tmp_path, monkeypatch):
+    from trainforge.engine.predict import trace as trace_module
+    from trainforge.engine.predict.trace_cache import reusing_traces
+
+    calls = []
+    real = trace_module._trace
+    monkeypatch.setattr(trace_module, "_trace", lambda *a, **k: calls.append(a[3:6]) or real(*a, **k))
+    cfg = config(tmp_path)
+    with reusing_traces():
+        first = tensors(cfg, Levers(True), 256)
+        assert tensors(cfg, Levers(True), 256) == first and len(calls) == 1  # the same settings: traced once
+        tensors(cfg, Levers(True), 512)
+        assert len(calls) == 2  # other settings: traced
+    tensors(cfg, Levers(True), 256)
+    assert len(calls) == 3  # outside a decision nothing is kept
+
+
+def test_plan_lists_each_long_context_lever_with_why(tmp_path):
+    from trainforge.tools.plan import make_plan
+
+    rows = {d["setting"]: d for d in make_plan(config(tmp_path, micro_batch_size=1), hardware="h100", time_ops=False)["decisions"]}
+    assert rows["tiled_mlp"]["choice"] == "false" and rows["tiled_mlp"]["why"].startswith("off: ")
+    assert rows["activation_offload"]["choice"] == "false" and rows["activation_offload"]["why"].startswith("off: ")
+    fixed = {d["setting"]: d for d in make_plan(config(tmp_path, micro_batch_size=1, tiled_mlp=True),
+                                                hardware="h100", time_ops=False)["decisions"]}
+    assert fixed["tiled_mlp"] == {"setting": "tiled_mlp", "choice": "true", "why": "train.tiled_mlp: True"}

@@ -43,6 +43,7 @@ from .ending import eval_stopped_at_checkpoint
 from .levers import apply_levers, resolve_run_levers
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run, rough_skeleton_estimate
+from .predict.trace_cache import reusing_traces
 from .predict.memory import estimate_memory, memory_refusal, memory_warning
 from .nonfinite import NonFiniteGuard
 from .objective import build_objective, describe_objective
@@ -112,8 +113,9 @@ def setup(
     laps("data")
     stop.stop_before_training(out, ctx.enabled)  # a signal while tokenizing: no model, eval nor checkpoint
     reporter.info(f"output: {out}")
-    cfg = resolve_run_levers(cfg, tokenizer, precision, device, ctx, reporter.info)  # tiled MLP, offload: auto
-    cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
+    with reusing_traces():  # the levers and the micro-batch search trace some settings alike: each once
+        cfg = resolve_run_levers(cfg, tokenizer, precision, device, ctx, reporter.info)  # tiled MLP, offload: auto
+        cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
     laps("fit")
     cfg, micro, accum = batch_layout(cfg, ctx.world_size, resume_plan)
     loader = loader_type(cfg)(

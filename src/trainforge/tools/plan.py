@@ -22,11 +22,13 @@ from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, allocator_overhea
 from ..engine.predict.levers import with_decided_levers
 from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
+from ..engine.predict.trace_cache import reusing_traces
 from ..data.mixture import describe_planned, planned_epochs, planned_mixture
 from ..hardware.device import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
 from ..hardware.profiles import GIB, HardwareProfile, find_profile
 from .plan_moe import moe_findings, no_fit_fix, with_moe
-from .plan_kernels import attention_share, fp8_decision, fp8_problem, fp8_uncompiled, kernels_choice, planned_attention
+from .plan_decisions import decisions
+from .plan_kernels import attention_share, fp8_problem, fp8_uncompiled, planned_attention
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
 from .plan_preference import describe_reference, with_reference
 from .plan_remedy import one_change_to_fit
@@ -103,7 +105,8 @@ def make_plan(
     threads = CpuThreads.for_device(cfg.train.cpu_threads, pick_device(cfg.train.device)) if here else CpuThreads(active=False)
     threads.start()
     try:
-        return _make_plan(cfg, hardware, world_size, time_ops, output)
+        with reusing_traces():  # levers, micro-batch search and advice trace some settings alike: each once
+            return _make_plan(cfg, hardware, world_size, time_ops, output)
     finally:
         threads.restore()
 
@@ -113,7 +116,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
     precision, precision_why = plan_precision(cfg, profile, device)
     tokenizer = plan_tokenizer(cfg)
     mode = _distributed_mode(cfg, tokenizer, precision, profile, world_size)
-    cfg = with_decided_levers(cfg, tokenizer, precision, profile, world_size, mode)  # long-context levers, as a run takes them
+    cfg, lever_why = with_decided_levers(cfg, tokenizer, precision, profile, world_size, mode)  # as a run takes them
     fit = fit_run(cfg, tokenizer, precision, profile, world_size, mode, quick=True)
     mbs, ckpt = fit.micro_batch_size, fit.activation_checkpointing
     resolved = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": mbs, "activation_checkpointing": ckpt})})
@@ -167,7 +170,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
         "optimizer": optimizer,
         "preference": preference,
         "data": data,
-        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile),
+        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile, lever_why),
     }
     plan["findings"] = findings(cfg, resolved, with_moe(plan, resolved, tokenizer, precision, profile), memory, step, profile, device, precision, output)
     return plan
@@ -278,38 +281,6 @@ def run_steps(cfg: RunConfig, accum: int, world_size: int, data: dict[str, Any])
     else:  # packed or concatenated: rows are about full
         rows = math.ceil(data.get("mixture_tokens", data["train_tokens"]) / cfg.data.max_length)
     return max(1, math.ceil(epochs * rows / rows_per_step))
-
-
-def decisions(
-    cfg: RunConfig, precision: Precision, precision_why: str, device: torch.device | None, fit, accum: int,
-    world_size: int, mode: str, profile: HardwareProfile | None = None,
-) -> list[dict[str, str]]:
-    """What the run would decide by itself on this hardware, and why."""
-    attn = planned_attention(cfg, precision, device, profile)
-    compile_why = {
-        True: "on: as configured",
-        False: "off: as configured",
-        "auto": "measured: compiled only when the first steps show the compile time pays off over the run "
-        "(and never again for a config measured no faster on this machine)",
-    }[cfg.train.compile]
-    out = [
-        {"setting": "precision", "choice": precision.name, "why": precision_why},
-        {"setting": "attention", "choice": attn, "why": "model.attention: " + cfg.model.attention},
-        {"setting": "compile", "choice": str(cfg.train.compile), "why": compile_why},
-        {"setting": "kernels", "choice": kernels_choice(cfg, device, profile), "why": "train.kernels: " + cfg.train.kernels},
-        {"setting": "activation_checkpointing", "choice": str(fit.activation_checkpointing).lower(), "why": fit.why_checkpointing},
-        {"setting": "micro_batch_size", "choice": str(fit.micro_batch_size), "why": fit.why_micro_batch},
-        {
-            "setting": "grad_accum", "choice": str(accum),
-            "why": f"global batch {fit.micro_batch_size * accum * world_size} rows = micro-batch {fit.micro_batch_size} x "
-            f"accumulation {accum} x {world_size} process(es)",
-        },
-    ]
-    if fp8_decision(cfg):
-        out.append(fp8_decision(cfg))
-    if world_size > 1:
-        out.append({"setting": "distributed", "choice": mode, "why": "train.distributed: " + cfg.train.distributed})
-    return out
 
 
 def findings(

@@ -118,10 +118,12 @@ def resolve_levers(
 
 
 def resolved_config(cfg: RunConfig, choice: LeverChoice) -> RunConfig:
-    """``cfg`` with the auto levers replaced by ``choice`` (checkpointing stays as configured: fit_run decides it;
+    """``cfg`` with the levers it leaves to auto replaced by ``choice`` (checkpointing stays as configured: fit_run decides it;
     offload on turns it on, since offload moves its boundaries)."""
     t = cfg.train
-    update = {"tiled_mlp": choice.levers.tiled_mlp, "activation_offload": choice.levers.offload}
+    # only what was left to auto: a lever the config fixes stays as it is (the quick path's choice is all-off)
+    update = {k: v for k, v in (("tiled_mlp", choice.levers.tiled_mlp), ("activation_offload", choice.levers.offload))
+              if getattr(t, k) == "auto"}
     if choice.levers.offload and t.activation_checkpointing == "auto":
         update["activation_checkpointing"] = True
     return cfg.model_copy(update={"train": t.model_copy(update=update)})
@@ -142,8 +144,13 @@ def decide_levers(cfg: RunConfig, tokenizer, precision: Precision, profile: Hard
 
 
 def with_decided_levers(cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, world_size: int = 1,
-                        mode: str = "ddp") -> RunConfig:
-    """``cfg`` with its auto long-context levers decided (``plan``: the levers the run's set-up will take)."""
-    if "auto" not in (cfg.train.tiled_mlp, cfg.train.activation_offload):
-        return cfg
-    return resolved_config(cfg, decide_levers(cfg, tokenizer, precision, profile, world_size, mode))
+                        mode: str = "ddp") -> tuple[RunConfig, dict[str, str]]:
+    """``cfg`` with its auto long-context levers decided (``plan``: the levers the run's set-up will take), and why
+    each lever left to auto took its setting (by its config key; empty when none was auto)."""
+    t = cfg.train
+    if "auto" not in (t.tiled_mlp, t.activation_offload):
+        return cfg, {}
+    choice = decide_levers(cfg, tokenizer, precision, profile, world_size, mode)
+    why = {k: v for k, v, auto in (("tiled_mlp", choice.why_tiled, t.tiled_mlp == "auto"),
+                                   ("activation_offload", choice.why_offload, t.activation_offload == "auto")) if auto}
+    return resolved_config(cfg, choice), why

@@ -26,6 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
+from .trace_cache import remembered
+
 if TYPE_CHECKING:
     from ...config.run import RunConfig
     from ...hardware.device import Precision
@@ -344,6 +346,14 @@ def trace_training_step(
     layer); its batch is the worst case of both sides: ``max_length`` source and ``max_target_length``
     target tokens in every row.
     """
+    # the settings that decide the trace: the whole config, the tokenizer (kept alive by the key), the rest
+    key = (cfg.model_dump_json(), tokenizer, precision.name, micro_batch_size, activation_checkpointing, grad_accum,
+           device_type, kernels)
+    return remembered(key, lambda: _trace_step(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing,
+                                               grad_accum, device_type, kernels))
+
+
+def _trace_step(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, kernels):
     from ...model.load import model_depth
 
     known = model_depth(cfg.model)

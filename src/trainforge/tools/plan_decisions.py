@@ -1,0 +1,48 @@
+"""What ``trainforge plan`` says the run would decide by itself on a hardware profile, and why: one row per
+setting a run resolves (precision, attention, compile, kernels, checkpointing, micro-batch, accumulation, the
+long-context levers, FP8, the distributed mode)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config.run import RunConfig
+from ..hardware.device import Precision
+from ..hardware.profiles import HardwareProfile
+from .plan_kernels import fp8_decision, kernels_choice, planned_attention
+
+
+def decisions(
+    cfg: RunConfig, precision: Precision, precision_why: str, device: torch.device | None, fit, accum: int,
+    world_size: int, mode: str, profile: HardwareProfile | None = None, lever_why: dict[str, str] | None = None,
+) -> list[dict[str, str]]:
+    """What the run would decide by itself on this hardware, and why (``lever_why``: why each long-context lever
+    left to auto took its setting, from ``with_decided_levers``)."""
+    attn = planned_attention(cfg, precision, device, profile)
+    compile_why = {
+        True: "on: as configured",
+        False: "off: as configured",
+        "auto": "measured: compiled only when the first steps show the compile time pays off over the run "
+        "(and never again for a config measured no faster on this machine)",
+    }[cfg.train.compile]
+    out = [
+        {"setting": "precision", "choice": precision.name, "why": precision_why},
+        {"setting": "attention", "choice": attn, "why": "model.attention: " + cfg.model.attention},
+        {"setting": "compile", "choice": str(cfg.train.compile), "why": compile_why},
+        {"setting": "kernels", "choice": kernels_choice(cfg, device, profile), "why": "train.kernels: " + cfg.train.kernels},
+        {"setting": "activation_checkpointing", "choice": str(fit.activation_checkpointing).lower(), "why": fit.why_checkpointing},
+        {"setting": "micro_batch_size", "choice": str(fit.micro_batch_size), "why": fit.why_micro_batch},
+        {
+            "setting": "grad_accum", "choice": str(accum),
+            "why": f"global batch {fit.micro_batch_size * accum * world_size} rows = micro-batch {fit.micro_batch_size} x "
+            f"accumulation {accum} x {world_size} process(es)",
+        },
+    ]
+    for setting in ("tiled_mlp", "activation_offload"):
+        why = (lever_why or {}).get(setting) or f"train.{setting}: {getattr(cfg.train, setting)}"
+        out.append({"setting": setting, "choice": str(getattr(cfg.train, setting)).lower(), "why": why})
+    if fp8_decision(cfg):
+        out.append(fp8_decision(cfg))
+    if world_size > 1:
+        out.append({"setting": "distributed", "choice": mode, "why": "train.distributed: " + cfg.train.distributed})
+    return out
