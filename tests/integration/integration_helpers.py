@@ -65,7 +65,74 @@ def run_cli(
     with ``nproc``, under ``torchrun --standalone --nproc_per_node nproc``.
     """
     argv, env = cli_command(args, faults, nproc)
+    if faults is None and not nproc and os.environ.get("TRAINFORGE_TESTS_COLD") != "1":
+        warm = WarmCli.for_env(env)
+        if warm is not None:
+            return warm.run(argv, cwd, env, input, timeout)
     return subprocess.run(argv, cwd=cwd, env=env, input=input, capture_output=True, text=True, timeout=timeout)
+
+
+WARM_CLI = Path(__file__).resolve().with_name("warm_cli.py")
+
+
+class WarmCli:
+    """The client of ``warm_cli.py``: one per test worker, started at its first ``run_cli``. A call whose
+    environment differs from the warm process's in anything but ``TRAINFORGE_*`` (read when a command runs, never
+    at import) runs as a plain subprocess; so does every call once the warm process is gone.
+    ``TRAINFORGE_TESTS_COLD=1`` turns it off."""
+
+    _instance: "WarmCli | None" = None
+    _broken = False
+
+    def __init__(self, env: dict[str, str]):
+        import socket
+
+        self.env = env
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, str(WARM_CLI), str(theirs.fileno())], env=env, pass_fds=[theirs.fileno()],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        theirs.close()
+        self.sock = ours
+        self.stream = ours.makefile("rw", encoding="utf-8")
+
+    @classmethod
+    def for_env(cls, env: dict[str, str]) -> "WarmCli | None":
+        if cls._broken:
+            return None
+        if cls._instance is None or cls._instance.proc.poll() is not None:
+            cls._instance = cls(env)
+        same = lambda e: {k: v for k, v in e.items() if not k.startswith("TRAINFORGE_")}  # noqa: E731
+        return cls._instance if same(env) == same(cls._instance.env) else None
+
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], input: str | None, timeout: float) -> subprocess.CompletedProcess:
+        import socket
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="warm-cli-") as tmp:
+            files = {k: str(Path(tmp) / k) for k in ("stdin", "stdout", "stderr")}
+            if input is not None:
+                Path(files["stdin"]).write_text(input)
+            request = {"argv": argv[3:], "cwd": str(cwd), "env": env, **files, "stdin": files["stdin"] if input is not None else None}
+            try:
+                self.sock.settimeout(None)
+                self.stream.write(json.dumps(request) + "\n")
+                self.stream.flush()
+                pid = json.loads(self.stream.readline())["pid"]
+            except (OSError, ValueError, KeyError):  # the warm process is gone: plain subprocesses from here on
+                WarmCli._broken = True
+                return subprocess.run(argv, cwd=cwd, env=env, input=input, capture_output=True, text=True, timeout=timeout)
+            read = lambda name: Path(files[name]).read_text(errors="replace")  # noqa: E731
+            self.sock.settimeout(timeout)
+            try:
+                answer = self.stream.readline()
+            except socket.timeout:  # a timed-out socket file cannot be read again: a new warm process next time
+                os.kill(pid, 9)
+                self.proc.kill()
+                self.proc.wait()
+                WarmCli._instance = None
+                raise subprocess.TimeoutExpired(argv, timeout, output=read("stdout"), stderr=read("stderr")) from None
+            code = json.loads(answer)["returncode"]
+            return subprocess.CompletedProcess(argv, code, read("stdout"), read("stderr"))
 
 
 def start_cli(

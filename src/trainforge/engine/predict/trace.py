@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.flop_counter import flop_registry
 
 from .trace_cache import remembered
 
@@ -33,6 +32,11 @@ if TYPE_CHECKING:
     from ...hardware.device import Precision
 
 KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
+
+
+def _flop_registry() -> dict:
+    from torch.utils.flop_counter import flop_registry  # on first use: it imports triton (~1 s of every start-up)
+    return flop_registry
 FLOAT8_TENSOR = "Float8TrainingTensor"  # torchao's FP8 operand (train.fp8): its ops are priced at the FP8 rate
 
 # ops that only relabel memory (views) or cost nothing worth timing
@@ -222,7 +226,7 @@ class StepTracer(TorchDispatchMode):
     def _record(self, func, packet, args, kwargs, out) -> OpRecord:  # noqa: ANN001
         flops = 0.0
         name = str(packet).removeprefix("aten.")
-        counter = flop_registry.get(packet)
+        counter = _flop_registry().get(packet)
         if name in ATTENTION_OPS:
             flops = attention_flops(func, args, kwargs) * ATTENTION_OPS[name]
         elif counter is not None:
