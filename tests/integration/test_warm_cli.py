@@ -1,0 +1,31 @@
+"""The warm start of the tests' CLI calls (warm_cli.py) answers as a fresh ``python -m trainforge`` does: the same
+exit code and output, its own working directory and environment, stdin, and a timeout that ends the call."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from integration_helpers import WarmCli, cli_command, run_cli
+
+
+def test_a_warm_call_answers_as_a_cold_one(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_steps: many\n")
+    warm = run_cli(["train", bad.name], tmp_path)  # a relative path: the child works in the test's directory
+    assert WarmCli._instance is not None and WarmCli._instance.proc.poll() is None
+    monkeypatch.setenv("TRAINFORGE_TESTS_COLD", "1")
+    cold = run_cli(["train", bad.name], tmp_path)
+    assert warm.returncode == cold.returncode == 2
+    assert warm.stdout == cold.stdout and warm.stderr == cold.stderr and "max_steps" in warm.stderr
+
+
+def test_stdin_environment_and_timeout_reach_the_child(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINFORGE_CACHE", str(tmp_path / "elsewhere"))  # TRAINFORGE_* differ per call: still warm
+    proc = run_cli(["config", "--reference"], tmp_path, input="ignored\n")
+    assert proc.returncode == 0 and "data.train" in proc.stdout
+    env = cli_command([])[1]
+    assert WarmCli.for_env({**env, "TRAINFORGE_X": "1"}) is WarmCli._instance
+    assert WarmCli.for_env({**env, "OTHER": "1"}) is None  # any other difference: a plain subprocess
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_cli(["train", "--set", "train.max_steps=100000"], tmp_path, timeout=0.5)
