@@ -170,7 +170,7 @@ def test_an_eval_file_is_read_as_the_first_source_and_max_documents_is_shared_in
     assert source_settings(cfg, 0).eval_file_tokens and not source_settings(cfg, 1).eval_file_tokens
 
     # max_documents: read in source order, the text source gets what the chat source leaves
-    limited, said = prepare(tmp_path, tok, sources, format="chat", eval=None, max_documents=13)
+    limited, _ = prepare(tmp_path, tok, sources, format="chat", eval=None, max_documents=13)
     assert [len(limited.train.source_of(k)) for k in (0, 1)] == [10, 3] and limited.stats["source_formats"] == ["chat", "text"]
     with pytest.raises(DataError, match=r"data.train\[1\] \('.*code.jsonl'\) gets no rows: data.max_documents \(10\)"):
         prepare(tmp_path, tok, sources, format="chat", eval=None, max_documents=10)

@@ -27,7 +27,7 @@ from .cache import STATS_FILE, cache_entry, is_complete, publish_entry, source_e
 from .mixture_cache import join_entries
 from .chat_messages import SHAREGPT_FIELD
 from .chat_tools import row_tools
-from .formats import Renderer, TokenizedChunk, chat_messages, detect_format, format_fields, tokenize_rendered
+from .formats import Renderer, TokenizedChunk, chat_messages, format_fields, tokenize_rendered
 from .preference import PreferenceRenderer
 from .preference import tokenize_pairs as tokenize_preference_pairs
 from .preference import tokenize_unpaired
