@@ -78,7 +78,7 @@ def test_shares_are_met_and_reported_per_source_and_a_changed_mixture_does_not_r
     assert "cache hit" in proc.stdout and "share 50.0%" in proc.stdout, show(proc)
 
 
-@pytest.mark.parametrize("case", ["sum", "mixed", "pairs", "empty"])
+@pytest.mark.parametrize("case", ["sum", "mixed", "pairs", "empty", "format", "key"])
 def test_bad_mixtures_exit_2_naming_the_source(tmp_path, mixture_config, toy_data_dir, case):
     train = mixture_config["data"]["train"]
     if case == "sum":
@@ -87,6 +87,11 @@ def test_bad_mixtures_exit_2_naming_the_source(tmp_path, mixture_config, toy_dat
         train[1]["weight"], named = 2.0, "long.jsonl') gives both share and weight"
     elif case == "pairs":
         train[1]["path"], named = str(toy_data_dir / "pref_train.jsonl"), "data.train[1]"
+    elif case == "format":  # text rows read as chat: refused before a tokenizer is built, naming the source
+        train[1].update(path=str(toy_data_dir / "text_train.jsonl"), format="chat")
+        named = "data.train[1] ('" + str(toy_data_dir / "text_train.jsonl") + "'): format 'chat' (data.train[1].format) needs a 'messages'"
+    elif case == "key":
+        train[1]["fromat"], named = "text", "data.train.1.fromat: unknown key; did you mean 'format'?"
     else:
         bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}] * 3)  # no completion: every row bad, skipped
         train[1]["path"], named = str(bad), "data.train[1]"
