@@ -78,7 +78,7 @@ def test_shares_are_met_and_reported_per_source_and_a_changed_mixture_does_not_r
     assert "cache hit" in proc.stdout and "share 50.0%" in proc.stdout, show(proc)
 
 
-@pytest.mark.parametrize("case", ["sum", "mixed", "pairs", "empty"])
+@pytest.mark.parametrize("case", ["sum", "mixed", "pairs", "empty", "format", "key"])
 def test_bad_mixtures_exit_2_naming_the_source(tmp_path, mixture_config, toy_data_dir, case):
     train = mixture_config["data"]["train"]
     if case == "sum":
@@ -87,6 +87,11 @@ def test_bad_mixtures_exit_2_naming_the_source(tmp_path, mixture_config, toy_dat
         train[1]["weight"], named = 2.0, "long.jsonl') gives both share and weight"
     elif case == "pairs":
         train[1]["path"], named = str(toy_data_dir / "pref_train.jsonl"), "data.train[1]"
+    elif case == "format":  # text rows read as chat: refused before a tokenizer is built, naming the source
+        train[1].update(path=str(toy_data_dir / "text_train.jsonl"), format="chat")
+        named = "data.train[1] ('" + str(toy_data_dir / "text_train.jsonl") + "'): format 'chat' (data.train[1].format) needs a 'messages'"
+    elif case == "key":
+        train[1]["fromat"], named = "text", "data.train.1.fromat: unknown key; did you mean 'format'?"
     else:
         bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}] * 3)  # no completion: every row bad, skipped
         train[1]["path"], named = str(bad), "data.train[1]"
@@ -98,3 +103,56 @@ def test_bad_mixtures_exit_2_naming_the_source(tmp_path, mixture_config, toy_dat
         assert "preference rows" in proc.stderr, show(proc)
     if case == "empty":
         assert "no training example" in proc.stderr, show(proc)
+
+
+def test_sources_read_each_their_way_train_prepare_and_refuse_a_changed_source(tmp_path, finetune_config):
+    """A chat mixture (ShareGPT rows) with a text source (format: text) and GSM8K-shaped {question, answer} rows
+    (their own fields): each read its way, its format in the per-source figures; a source's template changed
+    tokenizes that source alone, and the run's checkpoint refuses the changed mixture."""
+    words = conftest.WORDS
+    chat = write_jsonl(tmp_path / "chat.jsonl", [
+        {"conversations": [{"from": "human", "value": f"continue: {words[i % 19]}"},
+                           {"from": "gpt", "value": f"{words[(i + 1) % 19]} {words[(i + 2) % 19]}"}]} for i in range(60)])
+    code = tmp_path / "code"
+    code.mkdir()
+    for i in range(12):
+        (code / f"f{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n")
+    math = write_jsonl(tmp_path / "math.jsonl", [
+        {"question": f"alpha has {i} beta and gets 2 more; how many?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}
+        for i in range(40)])
+    cfg = finetune_config
+    cfg["data"].update(format="chat", eval=0.2, max_length=128, cache_dir=str(tmp_path / "cache"), train=[
+        {"path": str(chat), "share": 0.6},
+        {"path": str(code), "share": 0.2, "format": "text"},
+        {"path": str(math), "share": 0.2, "format": "prompt_completion", "fields": {"prompt": "question", "completion": "answer"}},
+    ])
+    cfg["train"].update(max_steps=2, eval_every=2, eval_max_batches=None)  # every source's held-out rows
+    run = tmp_path / "run"
+    proc = run_cli(["train", write_config(tmp_path / "mix.yaml", cfg), "--output", run], tmp_path)
+    assert proc.returncode == 0, show(proc)
+
+    data = json.loads((run / "summary.json").read_text())["data"]
+    assert data["format"] == "chat+text+prompt_completion", data
+    assert [(s["name"], s["format"]) for s in data["sources"]] == [("chat", "chat"), ("code", "text"), ("math", "prompt_completion")]
+    for line in ("source chat (chat):", "source code (text):", "source math (prompt_completion):"):
+        assert line in proc.stdout, show(proc)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_loss" in r]
+    assert evals and all(math_ok(r, "eval_loss/") for r in evals), evals  # each source's own held-out rows
+
+    # the chat source's own template: only it is tokenized again
+    cfg["data"]["train"][0]["chat_template"] = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    changed = write_config(tmp_path / "mix2.yaml", cfg)
+    proc = run_cli(["prepare", changed], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    tokenized = [line for line in proc.stdout.splitlines() if "data: tokenizing source" in line]
+    assert len(tokenized) == 1 and "tokenizing source 0 (" in tokenized[0], show(proc)
+    assert "source 1 (" in proc.stdout and "source 2 (" in proc.stdout and proc.stdout.count("cache hit") >= 2, show(proc)
+    proc = run_cli(["train", changed, "--output", run], tmp_path)
+    assert proc.returncode == 2 and "cannot resume" in proc.stderr and "data.train" in proc.stderr, show(proc)
+
+
+def math_ok(record: dict, prefix: str) -> bool:
+    """Finite per-source values under ``prefix`` for all three sources of the mixed-format mixture."""
+    return all(math.isfinite(record.get(f"{prefix}{name}", math.nan)) for name in ("chat", "code", "math"))

@@ -159,7 +159,7 @@ def test_a_bad_entry_of_a_source_list_is_named_alone_with_its_line(tmp_path):
     ]
     msg = error_of([f"data.train=[{{path: builtin:python-stdlib, wieght: 2}}]"], path=path)
     assert msg.splitlines()[1:] == [
-        "  data.train.0.wieght: unknown key; did you mean 'weight'? allowed here: path, weight, share, name (from --set)"
+        "  data.train.0.wieght: unknown key; did you mean 'weight'? allowed here: path, weight, share, name, format, fields, chat_template (from --set)"
     ]
 
 

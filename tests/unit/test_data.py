@@ -363,11 +363,11 @@ def test_isolation_holds_for_a_model_whose_config_enables_the_kv_cache(tiny_mode
     torch.testing.assert_close(together, alone, rtol=0, atol=1e-4)
 
 
-def test_files_of_two_formats_in_one_list_are_named_as_such(tmp_path, tok):
-    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
-    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "say", "output": "hi"}])
-    with pytest.raises(DataError, match=r"alpaca\.jsonl:1: this row is alpaca data .* but the run reads chat .*one run reads one format"):
-        prepare(tmp_path, tok, train=[str(chat), str(alpaca)], eval=None)
+def test_files_of_two_formats_in_one_source_are_named_as_such(tmp_path, tok):
+    chat = write_jsonl(tmp_path / "mixed" / "a_chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
+    write_jsonl(tmp_path / "mixed" / "b_alpaca.jsonl", [{"instruction": "say", "output": "hi"}])
+    with pytest.raises(DataError, match=r"b_alpaca\.jsonl:1: this row is alpaca data .* but its source is read as chat .*a source of their own"):
+        prepare(tmp_path, tok, train=str(chat.parent), eval=None)
 
 
 def test_the_data_line_writes_counts_as_numbers_are_read():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import glob
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from .base import MAX_TOKENS, Section
 from .errors import shown
@@ -31,29 +31,6 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TRAINFORGE_CACHE") or Path.home() / ".cache" / "trainforge")
 
 
-class SourceSpec(Section):
-    """One training source of a mixture: a row multiplier (``weight``) or a share of the tokens (``share``)."""
-
-    path: str = Field(..., description="file, directory, glob, or " + BUILTIN_STDLIB)
-    weight: float = Field(
-        1.0, gt=0, le=1000, description="rows of this source per epoch = weight x its rows (fraction sampled, seeded)"
-    )
-    share: float | None = Field(
-        None, gt=0, le=1, description="this source's share of the training tokens per epoch of the mixture (every "
-        "source of the list gives one, they sum to 1; rows repeated or subsampled, seeded); not with weight",
-    )
-    name: str | None = Field(
-        None, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
-        description="the source's name in per-source figures and losses (loss/NAME); default: from its path",
-    )
-
-    @field_validator("path")
-    @classmethod
-    def _exists(cls, v: str) -> str:
-        _check_source(v)
-        return v
-
-
 class FieldNames(Section):
     """Names of the fields each format reads, for data whose columns are named otherwise."""
 
@@ -69,16 +46,76 @@ class FieldNames(Section):
     label: str = Field("label", description="unpaired (KTO) rows: true for a desirable completion, false otherwise")
 
 
+DataFormat = Literal["auto", "text", "prompt_completion", "chat", "alpaca", "source_target", "preference", "unpaired"]
+READ_KEYS = ("format", "fields", "chat_template")
+"""The data keys a source of a mixture may set for itself (its rows read its own way); unset: the data section's."""
+
+
+class SourceSpec(Section):
+    """One training source of a mixture: a row multiplier (``weight``) or a share of the tokens (``share``), and how
+    its rows are read where that differs from the data section (``format``, ``fields``, ``chat_template``)."""
+
+    path: str = Field(..., description="file, directory, glob, or " + BUILTIN_STDLIB)
+    weight: float = Field(
+        1.0, gt=0, le=1000, description="rows of this source per epoch = weight x its rows (fraction sampled, seeded)"
+    )
+    share: float | None = Field(
+        None, gt=0, le=1, description="this source's share of the training tokens per epoch of the mixture (every "
+        "source of the list gives one, they sum to 1; rows repeated or subsampled, seeded); not with weight",
+    )
+    name: str | None = Field(
+        None, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="the source's name in per-source figures and losses (loss/NAME); default: from its path",
+    )
+    format: DataFormat | None = Field(
+        None, description="this source's data.format (default: the data section's; auto: from this source's first row)"
+    )
+    fields: FieldNames | None = Field(
+        None, description="this source's field names, over data.fields (only the names given change), e.g. "
+        "{prompt: question, completion: answer}",
+    )
+    chat_template: str | None = Field(
+        None, description="this source's chat template (text or a template file), instead of data.chat_template"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: str) -> str:
+        _check_source(v)
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, v: str | None) -> str | None:
+        return template_text(v)
+
+    @model_serializer(mode="wrap")
+    def _unset_read_keys_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The read keys as given: unset ones left out (a checkpoint's ``data.train`` of a run before they existed
+        stays equal), ``fields`` only the names given (a saved config.yaml reads back with the same merge)."""
+        out = handler(self)
+        for key in READ_KEYS:
+            if getattr(self, key) is None:
+                out.pop(key, None)
+        if self.fields is not None:
+            out["fields"] = {k: getattr(self.fields, k) for k in FieldNames.model_fields if k in self.fields.model_fields_set}
+        return out
+
+    def read_keys(self) -> dict[str, Any]:
+        """The read keys this source sets (``format``, ``fields``, ``chat_template``), as given."""
+        return {k: getattr(self, k) for k in READ_KEYS if getattr(self, k) is not None}
+
+
 class DataSettings(Section):
     train: str | list[str | SourceSpec] = Field(
-        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, {BUILTIN_FUNCTION_PAIRS}, {BUILTIN_FUNCTION_LABELS}, {BUILTIN_ARITHMETIC}, or a list of these / of {{path, weight}} / of {{path, share}}"
+        ..., description=f"file, directory, glob, {BUILTIN_STDLIB}, {BUILTIN_FUNCTIONS}, {BUILTIN_FUNCTION_PAIRS}, {BUILTIN_FUNCTION_LABELS}, {BUILTIN_ARITHMETIC}, or a list of these / of {{path, weight}} / of {{path, share}}; a source of a list may set its own format, fields and chat_template"
     )
     eval: str | float | None = Field(
         0.05,
         description="a file/glob, or a fraction held out of the training data (seeded, by content): of the rows, "
         "or of the blocks when too_long is split; null: none",
     )
-    format: Literal["auto", "text", "prompt_completion", "chat", "alpaca", "source_target", "preference", "unpaired"] = Field(
+    format: DataFormat = Field(
         "auto",
         description="auto: from the fields of the first row; source_target: {source, target} or {input, output} "
         "rows (a prompt and its completion); preference: chosen/rejected pairs (train.objective dpo, ipo, orpo, simpo); unpaired: completions with a "
@@ -133,23 +170,7 @@ class DataSettings(Section):
     @field_validator("chat_template")
     @classmethod
     def _template_text(cls, v: str | None) -> str | None:
-        if v is None or "{{" in v or "{%" in v:
-            return v
-        try:
-            path = Path(v).expanduser()
-            if path.is_file():
-                text = path.read_text(encoding="utf-8")
-                if "{{" in text or "{%" in text:
-                    return text
-                raise ValueError(f"{shown(v)} holds no Jinja template (no {{{{ }}}} or {{% %}})")
-        except OSError:  # a template's text too long to be a file name
-            pass
-        except UnicodeDecodeError:
-            raise ValueError(f"{shown(v)} is not a UTF-8 text file") from None
-        raise ValueError(
-            f"{shown(v)} is neither a Jinja template (it has no {{{{ }}}} or {{% %}}) nor a file; give the template's "
-            "text or a path to a .jinja file (a model's own template is used when this is unset)"
-        )
+        return template_text(v)
 
     @field_validator("eval")
     @classmethod
@@ -169,6 +190,10 @@ class DataSettings(Section):
     def _split_needs_text(self) -> "DataSettings":
         if self.too_long == "split" and self.format not in ("auto", "text"):
             raise ValueError(f"data.too_long: 'split' is for text only; data.format is {self.format!r}; use truncate or drop")
+        for k, spec in enumerate(self.sources()):
+            if self.too_long == "split" and spec.format not in (None, "auto", "text"):
+                raise ValueError(f"data.too_long: 'split' is for text only; data.train[{k}] ({shown(spec.path)}) has format "
+                                 f"{spec.format!r}; use truncate or drop")
         return self
 
     def target_limit(self) -> int:
@@ -215,6 +240,40 @@ class DataSettings(Section):
         items = [self.train] if isinstance(self.train, str) else self.train
         return [SourceSpec(path=i) if isinstance(i, str) else i for i in items]
 
+    def read_as(self, k: int) -> "DataSettings":
+        """These settings with source ``k``'s own read keys over the data section's (``format``, ``chat_template``
+        replaced, ``fields`` renamed name by name); ``train`` unchanged."""
+        spec = self.sources()[k]
+        update: dict[str, Any] = {key: v for key, v in spec.read_keys().items() if key != "fields"}
+        if spec.fields is not None:
+            update["fields"] = self.fields.model_copy(update={n: getattr(spec.fields, n) for n in spec.fields.model_fields_set})
+        return self.model_copy(update=update) if update else self
+
+    def for_source(self, k: int) -> "DataSettings":
+        """The settings source ``k`` is read with, alone (``train`` its path): what a run on it alone would have."""
+        return self.read_as(k).model_copy(update={"train": self.sources()[k].path})
+
+    def set_formats(self) -> list[tuple[str, str]]:
+        """(key, format) of ``data.format`` and of each source's own format, as messages name them
+        (``data.train[1].format``)."""
+        return [("data.format", self.format)] + [
+            (f"data.train[{k}].format", s.format) for k, s in enumerate(self.sources()) if s.format is not None]
+
+    # an entry of one source of a mixture whose eval file is read by the first source's settings, not its own
+    _eval_file_tokens: bool = PrivateAttr(default=True)
+
+    @property
+    def eval_file_tokens(self) -> bool:
+        """Whether an eval file (``data.eval``) is tokenized with these settings (else only its rows are dropped
+        from training: a source of a mixture read otherwise than the first, whose settings read the file)."""
+        return self._eval_file_tokens
+
+    def without_eval_tokens(self) -> "DataSettings":
+        """A copy whose eval file is not tokenized (``eval_file_tokens``)."""
+        copy = self.model_copy()
+        copy._eval_file_tokens = False
+        return copy
+
 
 SHARE_SUM_TOLERANCE = 1e-3  # 0.7 + 0.2 + 0.1 written in floats is 0.9999999999999999
 
@@ -229,7 +288,7 @@ def check_mixture(specs: list[SourceSpec]) -> None:
         if s.share is None:
             raise ValueError(f"data.train[{k}] ({shown(s.path)}) has no share while other sources give one: give every "
                              "source a share (summing to 1), or use weight on all of them")
-        if "weight" in s.model_fields_set:
+        if s.weight != 1.0:  # 1.0 beside a share: a dumped config (a run's config.yaml) spells every default out
             raise ValueError(f"data.train[{k}] ({shown(s.path)}) gives both share and weight: a mixture takes one of "
                              "the two (share: a share of the tokens; weight: a multiple of the rows)")
     total = sum(s.share for s in sharing)
@@ -237,6 +296,27 @@ def check_mixture(specs: list[SourceSpec]) -> None:
         listed = ", ".join(f"{shown(s.path)} {s.share:g}" for s in specs)
         raise ValueError(f"data.train shares sum to {total:g} ({listed}), not 1: make them sum to 1 (they are not "
                          "rescaled)")
+
+
+def template_text(v: str | None) -> str | None:
+    """A chat template setting as the template's text: given as text, or read from the file it names."""
+    if v is None or "{{" in v or "{%" in v:
+        return v
+    try:
+        path = Path(v).expanduser()
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            if "{{" in text or "{%" in text:
+                return text
+            raise ValueError(f"{shown(v)} holds no Jinja template (no {{{{ }}}} or {{% %}})")
+    except OSError:  # a template's text too long to be a file name
+        pass
+    except UnicodeDecodeError:
+        raise ValueError(f"{shown(v)} is not a UTF-8 text file") from None
+    raise ValueError(
+        f"{shown(v)} is neither a Jinja template (it has no {{{{ }}}} or {{% %}}) nor a file; give the template's "
+        "text or a path to a .jinja file (a model's own template is used when this is unset)"
+    )
 
 
 def _check_source(spec: str) -> None:

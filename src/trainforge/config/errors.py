@@ -84,7 +84,7 @@ def format_errors(
         msg = e["msg"].removeprefix("Value error, ")
         named = _KEY_PREFIX.match(msg)
         if named:  # a validator that knows the exact key names it first: "model.init.x: ..."
-            loc, msg = tuple(named.group(1).split(".")), named.group(2)
+            loc, msg = tuple(re.sub(r"\[(\d+)\]", r".\1", named.group(1)).split(".")), named.group(2)  # train[1]: train.1
         key = clip(".".join(loc)) if loc else "(top level)"
         if e["type"] == "extra_forbidden":
             msg = "unknown key" + _allowed_keys_hint(schema, loc)
@@ -109,7 +109,7 @@ def format_errors(
 
 
 _MISSING = object()
-_KEY_PREFIX = re.compile(r"^((?:model|data|train|optim|checkpoint|log)(?:\.[A-Za-z0-9_]+)+): (.*)$", re.S)
+_KEY_PREFIX = re.compile(r"^((?:model|data|train|optim|checkpoint|log)(?:\.[A-Za-z0-9_]+|\[\d+\])+): (.*)$", re.S)
 
 
 def _strip_union_tags(loc: tuple[str, ...], data: Any) -> tuple[str, ...]:
@@ -156,20 +156,23 @@ def _nearest_line(marks: dict[tuple[str, ...], int], loc: tuple[str, ...]) -> in
 
 
 def _allowed_keys_hint(schema: type[BaseModel], loc: tuple[str, ...]) -> str:
-    model = schema
+    model, owner = schema, schema  # owner: the model whose list holds a list item's model
     for part in loc[:-1]:
         if part.isdigit():  # a list item: the list's own member model, found below
             continue
         field = model.model_fields.get(part)
-        found = _model_in(field.annotation) if field else None
+        found = model_in(field.annotation) if field else None
         if found is None:
             return ""
-        model = found
+        owner, model = model, found
     allowed = [f.alias or name for name, f in model.model_fields.items()]
     close = difflib.get_close_matches(loc[-1][:SHOWN_CHARS], allowed, n=1)
     elsewhere = _sections_holding(schema, loc[-1]) if len(loc) == 2 else []
+    # a key of the list's owner written in one of its items (data.train[1].max_length): it is set once for all
+    of_owner = len(loc) > 3 and loc[-2].isdigit() and loc[-1] in owner.model_fields
     hint = (
         f"; it belongs under {' or '.join(f'{s}.{loc[-1]}' for s in elsewhere)}" if elsewhere else  # train.lr: optim.lr
+        f"; it applies to every item of {'.'.join(loc[:-2])}: set {'.'.join(loc[:-3])}.{loc[-1]}" if of_owner else
         f"; Hugging Face's {loc[-1]} is {HF_NAMES[loc[-1]]} here" if loc[-1] in HF_NAMES else
         f"; did you mean {close[0]!r}?" if close else ""
     )
@@ -209,16 +212,16 @@ def _sections_holding(schema: type[BaseModel], key: str) -> list[str]:
     where HF's TrainingArguments hold the learning rate beside the steps)."""
     found = []
     for name, field in schema.model_fields.items():
-        section = _model_in(field.annotation)
+        section = model_in(field.annotation)
         if section is not None and any((f.alias or n) == key for n, f in section.model_fields.items()):
             found.append(field.alias or name)
     return found
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def model_in(annotation: Any) -> type[BaseModel] | None:
     """The section model a field holds: the annotation itself, or the one model among its union members and
     list items (``str | list[str | SourceSpec]``: ``SourceSpec``)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    found = {m for arg in typing.get_args(annotation) if (m := _model_in(arg)) is not None}
+    found = {m for arg in typing.get_args(annotation) if (m := model_in(arg)) is not None}
     return found.pop() if len(found) == 1 else None

@@ -47,26 +47,30 @@ class PreferenceSettings(Section):
 
 def check_objective(cfg: Any) -> None:
     """Raise ValueError naming the key when ``train.objective`` of ``cfg`` (a RunConfig being validated) does not
-    fit the model or the data settings."""
+    fit the model or the data settings (``data.format``, and each source's own format)."""
     objective = cfg.train.objective
+    formats = cfg.data.set_formats()
     if objective == "grpo":  # prompts and rewards: config/rl.py checks them
-        if cfg.data.format in ("preference", "unpaired"):
-            raise ValueError(f"data.format: {cfg.data.format} rows train a preference objective; grpo reads prompt rows "
-                             "({prompt, ...} or {messages, ...}): set data.format: auto")
+        for key, fmt in formats:
+            if fmt in ("preference", "unpaired"):
+                raise ValueError(f"{key}: {fmt} rows train a preference objective; grpo reads prompt rows "
+                                 f"({{prompt, ...}} or {{messages, ...}}): set {key}: auto")
         return
     if objective == "sft":
-        if cfg.data.format in ("preference", "unpaired"):
-            raise ValueError(f"data.format: {cfg.data.format} rows train a preference objective; set train.objective to "
-                             + ("kto" if cfg.data.format == "unpaired" else "one of dpo, ipo, orpo, simpo"))
+        for key, fmt in formats:
+            if fmt in ("preference", "unpaired"):
+                raise ValueError(f"{key}: {fmt} rows train a preference objective; set train.objective to "
+                                 + ("kto" if fmt == "unpaired" else "one of dpo, ipo, orpo, simpo"))
         return
     if cfg.model.kind.encoder_decoder:
         raise ValueError(f"train.objective: {objective} is for decoder-only models here; this model is an encoder-decoder")
     rows = "unpaired" if objective == "kto" else "preference"
-    if cfg.data.format not in ("auto", rows):
-        fix = (f"for KTO on pairs set data.format: unpaired (each chosen reply a desirable example, each rejected one an "
-               "undesirable one; auto refuses pairs under kto)" if objective == "kto" and cfg.data.format == "preference"
-               else f"set data.format: {rows} or auto")
-        raise ValueError(f"data.format: train.objective {objective} reads {rows} rows; {fix}")
+    for key, fmt in formats:
+        if fmt not in ("auto", rows):
+            fix = (f"for KTO on pairs set {key}: unpaired (each chosen reply a desirable example, each rejected one an "
+                   "undesirable one; auto refuses pairs under kto)" if objective == "kto" and fmt == "preference"
+                   else f"set {key}: {rows} or auto")
+            raise ValueError(f"{key}: train.objective {objective} reads {rows} rows; {fix}")
     _check_unread(objective, cfg.preference)
     if objective == "kto" and cfg.preference.reference == "none":
         raise ValueError("preference.reference: kto compares each completion with the reference; use auto or model")

@@ -174,8 +174,9 @@ class RunConfig(Section):
             )
         problems = {
             "data.too_long": "split is for text only; use truncate or drop" if d.too_long == "split" else None,
-            "data.format": "text rows have no source -> target pairs; use prompt_completion, source_target, alpaca "
-            "or chat rows" if d.format == "text" else None,
+            next((key for key, fmt in d.set_formats() if fmt == "text"), "data.format"): "text rows have no source -> "
+            "target pairs; use prompt_completion, source_target, alpaca or chat rows"
+            if any(fmt == "text" for _, fmt in d.set_formats()) else None,
             "data.train_on_prompt": "the encoder reads the source and only the target is learned; set it to false"
             if d.train_on_prompt else None,
             "model.attention": f"{self.model.attention} is for packed decoder-only rows; use auto, sdpa or eager"

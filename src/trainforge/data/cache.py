@@ -21,6 +21,7 @@ from ..config.data import DataSettings, FieldNames, default_cache_dir
 from ..errors import TrainforgeError
 from .formats import DEFAULT_CHAT_TEMPLATE
 from .holdout import holdout_kind
+from .source_reads import format_parts, per_source_entries, shared_settings, source_formats, source_settings
 from .sources import BUILTIN_ROWS_VERSION, BUILTIN_SOURCES, source_files
 
 STORE_VERSION = 1  # bump when the store layout or tokenization rules change
@@ -83,6 +84,8 @@ def fingerprint(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool
             key["default_chat_template"] = hashlib.blake2b(DEFAULT_CHAT_TEMPLATE.encode(), digest_size=8).hexdigest()
     if seq2seq:
         key["seq2seq"] = {"v": SEQ2SEQ_VERSION, "max_target_length": cfg.target_limit()}
+    if isinstance(cfg.eval, str) and not cfg.eval_file_tokens:  # a mixture's source read otherwise than the first
+        key["eval_file_tokens"] = False
     if settings["too_long"] == "split":
         key["split_v"] = SPLIT_VERSION
         if holdout_kind(cfg.eval, settings["too_long"]) == "blocks":
@@ -105,9 +108,11 @@ def built_tokenizer_key(cfg: DataSettings, fmt: str, vocab_size: int) -> str:
     h = hashlib.blake2b(digest_size=16)
     settings = _settings(cfg, {"cache_dir", "num_workers"})
     if isinstance(cfg.train, list):  # a mixture's shares, weights and names pick no text: changing them trains nothing again
-        settings["train"] = [s.path for s in cfg.sources()]
+        # a source's own format, fields or template do (the texts of the fields it reads, its template's)
+        settings["train"] = [{"path": s.path, **s.model_dump(mode="json", include={"format", "fields", "chat_template"})}
+                             if s.read_keys() else s.path for s in cfg.sources()]
     key = {"v": BPE_VERSION, "tokenizers": tokenizers.__version__, "format": fmt, "vocab": vocab_size, "settings": settings}
-    if fmt == "chat":
+    if "chat" in format_parts(fmt):
         key["chat_texts_v"] = CHAT_TEXTS_VERSION
     h.update(json.dumps(key, sort_keys=True).encode())
     _hash_sources(h, [s.path for s in cfg.sources()])
@@ -136,31 +141,24 @@ def _hash_sources(h, specs: list[str]) -> None:
 def cache_entry(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool = False) -> Path:
     """Where the token store of these settings lives (``entry_dir`` of its ``fingerprint``): what ``prepare_data``
     builds and what ``plan`` looks up. A mixture's entry is joined from one entry per source (``source_entries``),
-    keyed by theirs: adding a source tokenizes only it, a share or weight keys nothing."""
+    keyed by theirs: adding a source tokenizes only it, a share or weight keys nothing, a source's own format,
+    fields or template key its entry alone. ``fmt``: the format of data in one entry (a mixture's sources resolve
+    their own)."""
     if per_source_entries(cfg):
-        keys = [p.name for p in source_entries(cfg, fmt, tokenizer, seed, seq2seq)]
+        keys = [p.name for p in source_entries(cfg, tokenizer, seed, seq2seq)]
         mix = hashlib.blake2b(json.dumps({"v": MIXTURE_VERSION, "sources": keys}).encode(), digest_size=16).hexdigest()
         return entry_dir(cfg, f"mix-{mix}")
-    return entry_dir(cfg, fingerprint(cfg, fmt, tokenizer, seed, seq2seq))
+    return entry_dir(cfg, fingerprint(shared_settings(cfg), fmt, tokenizer, seed, seq2seq))
 
 
 MIXTURE_VERSION = 1  # bump when a mixture's entry is joined otherwise (data/mixture_cache.py)
 
 
-def per_source_entries(cfg: DataSettings) -> bool:
-    """Whether the training sources get an entry each: a list of two or more, read whole (``max_documents`` counts
-    rows across the sources: a source's rows would depend on the ones before it)."""
-    return isinstance(cfg.train, list) and len(cfg.train) > 1 and not cfg.max_documents
-
-
-def source_settings(cfg: DataSettings, k: int) -> DataSettings:
-    """The data settings of the training source ``k`` alone (its own entry)."""
-    return cfg.model_copy(update={"train": cfg.sources()[k].path})
-
-
-def source_entries(cfg: DataSettings, fmt: str, tokenizer, seed: int, seq2seq: bool = False) -> list[Path]:
-    """The entry of each training source of a mixture: the entry a run on that source alone has."""
-    return [cache_entry(source_settings(cfg, k), fmt, tokenizer, seed, seq2seq) for k in range(len(cfg.sources()))]
+def source_entries(cfg: DataSettings, tokenizer, seed: int, seq2seq: bool = False) -> list[Path]:
+    """The entry of each training source of a mixture: the entry a run on that source alone has (read with its
+    own settings and format)."""
+    formats = source_formats(cfg)
+    return [cache_entry(source_settings(cfg, k, formats), f, tokenizer, seed, seq2seq) for k, f in enumerate(formats)]
 
 
 def entry_dir(cfg: DataSettings, key: str) -> Path:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config.data import FieldNames
+from ..config.data import DataSettings, FieldNames
 from .chat import ChatLocator
 from .chat_messages import SHAREGPT_FIELD, conversation, learned_turns, tool_role_of
 from .chat_tools import row_tools
@@ -181,13 +181,16 @@ def _string(row: Row, key: str, optional: bool = False) -> str:
     return value
 
 
-def trained_chat_template(fmt: str, configured: str | None, tokenizer) -> str | None:
+def trained_chat_template(fmt: str, data: DataSettings, tokenizer, source_formats: list[str] | None = None) -> str | None:
     """The chat template a run's ``final/`` tokenizer must carry so that any loader (``apply_chat_template``,
     vLLM, ``export``) renders chats as the run trained them: ``data.chat_template`` when set, else the default
-    a chat run rendered with because the tokenizer has none; None where the tokenizer's own stands."""
+    a chat run rendered with because the tokenizer has none; None where the tokenizer's own stands. A mixture
+    (``source_formats``: each source's format) carries its first chat source's (its own, or as above)."""
+    chats = [k for k, f in enumerate(source_formats or []) if f == "chat"]
+    configured = data.for_source(chats[0]).chat_template if chats else data.read_as(0).chat_template
     if configured:
         return configured
-    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+    if (chats or fmt == "chat") and not getattr(tokenizer, "chat_template", None):
         return DEFAULT_CHAT_TEMPLATE
     return None
 
@@ -223,9 +226,9 @@ class Renderer:
         if own == self.fmt or not isinstance(row.data, dict):
             return None
         return DataError(
-            f"{row.where}: this row is {own} data (fields {sorted(row.data)}), but the run reads {self.fmt} (data.format, "
-            "or the first row of the first source when auto): one run reads one format; convert the files to one, "
-            "or train on them one after the other"
+            f"{row.where}: this row is {own} data (fields {sorted(row.data)}), but its source is read as {self.fmt} "
+            "(its format, data.format, or its first row when auto): a source reads one format; put the files of "
+            "another format in a source of their own (data.train: a list, each source its own format), or convert them"
         )
 
     def _prompt_completion(self, row: Row) -> tuple[str, str]:

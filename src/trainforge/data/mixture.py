@@ -18,9 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ..config.data import BUILTINS, DataSettings, SourceSpec
-from .formats import detect_format
 from .packing import weighted_indices
-from .sources import BadRows, DataError, iter_source
+from .sources import DataError
 from .store import TokenStore
 
 SHARE_TOLERANCE = 0.01  # a share reached farther than this (absolute) from the asked one is warned about
@@ -61,6 +60,7 @@ class SourceFigures:
     share_asked: float | None
     weight: float | None
     epochs_per_mixture_epoch: float  # times its sequences are seen per epoch of the mixture
+    format: str | None = None  # what its rows were read as (a source's own format, or the mixture's)
     epochs: float | None = None  # over the run (set once its length is known)
 
 
@@ -102,8 +102,10 @@ def mixture_indices(store: TokenStore, specs: list[SourceSpec], seed: int, paire
     return weighted_indices(store, [s.weight for s in specs], seed)
 
 
-def mixture_figures(store: TokenStore, specs: list[SourceSpec], index: np.ndarray, paired: bool = False) -> list[SourceFigures]:
-    """Per source: what it holds, what the epoch ``index`` takes of it, against what was asked."""
+def mixture_figures(store: TokenStore, specs: list[SourceSpec], index: np.ndarray, paired: bool = False,
+                    formats: list[str] | None = None) -> list[SourceFigures]:
+    """Per source: what it holds, what the epoch ``index`` takes of it, against what was asked; ``formats``: what
+    each was read as."""
     source = np.searchsorted(store.source_starts, index, "right") - 1
     inputs = store.lengths.astype(np.int64) - 1
     taken = inputs[index] + (inputs[index + 1] if paired and len(index) else 0)
@@ -121,7 +123,7 @@ def mixture_figures(store: TokenStore, specs: list[SourceSpec], index: np.ndarra
             name=name, path=spec.path, documents=len(idx), tokens=have, mixture_documents=int(mine.sum()),
             mixture_tokens=got, share=got / total, share_asked=spec.share,
             weight=None if spec.share is not None else spec.weight,
-            epochs_per_mixture_epoch=got / have if have else 0.0,
+            epochs_per_mixture_epoch=got / have if have else 0.0, format=formats[k] if formats else None,
         ))
     return figures
 
@@ -139,32 +141,6 @@ def check_sources_filled(store: TokenStore, specs: list[SourceSpec]) -> None:
             )
 
 
-PAIRED = ("preference", "unpaired")
-
-
-def check_source_formats(cfg: DataSettings, fmt: str) -> None:
-    """``DataError`` naming a source of a mixture whose first row is of another format than the mixture's ``fmt``
-    (pairs in an SFT mixture, chat beside text): a mixture is tokenized with one format, fields and template."""
-    specs = cfg.sources()
-    if len(specs) < 2:
-        return
-    for k, spec in enumerate(specs):
-        first = next(iter_source(spec.path, BadRows("skip"), cfg.txt_mode), None)
-        if first is None:
-            raise DataError(f"data.train[{k}] ({spec.path!r}) holds no rows: remove it from the mixture or fill it")
-        try:
-            found = detect_format(first, cfg.fields)
-        except DataError:
-            continue  # rows of no known layout: reported with their location when tokenized
-        fits = (found in PAIRED) == (fmt in PAIRED) if cfg.format != "auto" else found == fmt
-        if not fits:
-            raise DataError(
-                f"data.train[{k}] ({spec.path!r}) holds {found} rows, but the mixture is {fmt} data (from "
-                f"{'data.format' if cfg.format != 'auto' else 'its first source'}): every source of a mixture is read "
-                "with one format, data.fields and chat template; convert it, or train on it in a run of its own"
-            )
-
-
 def add_run_epochs(figures: list[dict], rows_per_epoch: int, rows_over_run: int) -> None:
     """Each source's epochs over the run (``epochs``), from the mixture's: the run trains ``rows_over_run`` rows
     of a mixture epoch of ``rows_per_epoch``."""
@@ -178,13 +154,16 @@ def figures_dicts(figures: list[SourceFigures]) -> list[dict]:
 
 
 def describe_mixture(figures: list[dict]) -> list[str]:
-    """Console lines: one per source, what it holds and got against what was asked; warnings for missed shares."""
+    """Console lines: one per source, what it holds and got against what was asked (and its format, where the
+    sources' differ); warnings for missed shares."""
     lines = []
+    mixed = len({f.get("format") for f in figures}) > 1
     for f in figures:
         asked = f"share {f['share']:.1%} (asked {f['share_asked']:.1%})" if f["share_asked"] is not None else \
             f"share {f['share']:.1%} (weight {f['weight']:g})"
         epochs = f", {f['epochs']:.2f} epochs over the run" if f.get("epochs") is not None else ""
-        lines.append(f"source {f['name']}: {f['documents']:,} documents, {f['tokens']:,} tokens; per mixture epoch "
+        read_as = f" ({f['format']})" if mixed else ""
+        lines.append(f"source {f['name']}{read_as}: {f['documents']:,} documents, {f['tokens']:,} tokens; per mixture epoch "
                      f"{f['mixture_tokens']:,} tokens, {asked}, {f['epochs_per_mixture_epoch']:.2f}x its data{epochs}")
     return lines
 
@@ -198,15 +177,15 @@ def missed_shares(figures: list[dict]) -> list[str]:
     ]
 
 
-def planned_mixture(cfg: DataSettings, train_store: Path, seed: int, paired: bool) -> dict:
+def planned_mixture(cfg: DataSettings, train_store: Path, seed: int, paired: bool, formats: list[str] | None = None) -> dict:
     """``plan``'s view of a mixture in the token cache: its tokens and sequences per epoch, and each source's
-    figures (empty for one source)."""
+    figures (empty for one source); ``formats``: what each source was read as."""
     specs = cfg.sources()
     if len(specs) < 2:
         return {}
     store = TokenStore(train_store)
     index = mixture_indices(store, specs, seed, paired)
-    figures = figures_dicts(mixture_figures(store, specs, index, paired))
+    figures = figures_dicts(mixture_figures(store, specs, index, paired, formats))
     return {"mixture_tokens": sum(f["mixture_tokens"] for f in figures),
             "mixture_sequences": sum(f["mixture_documents"] for f in figures), "sources": figures}
 

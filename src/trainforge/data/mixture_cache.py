@@ -16,9 +16,12 @@ from typing import Any
 import numpy as np
 
 from .cache import STATS_FILE
+from .source_reads import joined_format
 from .store import TokenStore
 
-SAME = ("format", "too_long", "eval_holdout", "encoder_decoder", "max_target_length")  # one value for every source
+SAME = ("encoder_decoder", "max_target_length")  # one value for every source
+# one value per source, joined where they differ (a chat source truncates, a text one splits: "truncate+split")
+JOINED = ("format", "too_long", "eval_holdout")
 
 
 def join_stores(parts: list[Path], out: Path) -> None:
@@ -50,7 +53,9 @@ def joined_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in parts[0].items():
         values = [p.get(key) for p in parts]
-        if key in SAME or isinstance(value, (str, bool)) or value is None:
+        if key in JOINED:
+            out[key] = joined_format([str(v) for v in values])
+        elif key in SAME or isinstance(value, (str, bool)) or value is None:
             out[key] = value
         elif isinstance(value, list):
             out[key] = [v for vs in values for v in (vs or [])][:5]
@@ -59,6 +64,7 @@ def joined_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
             out[key] = sum(w * v for w, v in zip(weights, values)) / max(sum(weights), 1)
         else:
             out[key] = sum(v or 0 for v in values)
+    out["source_formats"] = [p.get("format") for p in parts]  # each source's (summary.json: data.sources' format)
     return out
 
 
@@ -66,8 +72,8 @@ def join_entries(roots: list[Path], out: Path) -> None:
     """Build a mixture's entry at ``out`` from its sources' complete entries ``roots`` (``stats.json`` last)."""
     stats = [json.loads((r / STATS_FILE).read_text()) for r in roots]
     join_stores([r / "train" for r in roots], out / "train")
-    kind = stats[0].get("eval_holdout")
-    if kind == "file":  # the one eval file, the same store in every source's entry
+    kind = stats[0].get("eval_holdout")  # every source's: a file, or a fraction (of its rows or its blocks), or none
+    if kind == "file":  # the one eval file, read by the first source's settings (data/source_reads.py)
         join_stores([roots[0] / "eval"], out / "eval")
     elif kind in ("rows", "blocks"):  # each source's own held-out share, a source each
         join_stores([r / "eval" for r in roots], out / "eval")

@@ -23,11 +23,11 @@ from .cache import built_tokenizer_file
 from .formats import ALPACA_PROMPT_WITH_INPUT, DEFAULT_CHAT_TEMPLATE
 from .loader import RowCollator, TrainLoader
 from .mixture import (
-    add_run_epochs, check_source_formats, check_sources_filled, describe_mixture, figures_dicts, missed_shares, mixture_figures,
-    mixture_indices,
+    add_run_epochs, check_sources_filled, describe_mixture, figures_dicts, missed_shares, mixture_figures, mixture_indices,
 )
 from .packing import build_rows, pair_rows
 from .prepare import PreparedData, prepare_data, resolve_format, training_texts
+from .source_reads import check_source_formats, read_parts
 from .seq2seq import Seq2SeqCollator
 from .sources import DataError
 from .store import TokenStore
@@ -44,9 +44,12 @@ def get_tokenizer(cfg: RunConfig, reporter: ConsoleReporter):
         t = time.perf_counter()
         fmt = resolve_format(cfg.data)
         texts = training_texts(cfg.data, fmt)
-        # characters the rendering adds around the data's fields: alpaca's prompt, the chat template and roles
-        added = {"alpaca": [ALPACA_PROMPT_WITH_INPUT], "chat": [cfg.data.chat_template or DEFAULT_CHAT_TEMPLATE, "system user assistant tool"]}
-        tok = build_char_tokenizer(itertools.chain(texts, added.get(fmt, [])))
+        # characters the rendering adds around the data's fields: alpaca's prompt, the chat template and roles (of
+        # each part read its own way: a mixture's sources)
+        added = [text for part, part_fmt in read_parts(cfg.data) for text in {
+            "alpaca": [ALPACA_PROMPT_WITH_INPUT], "chat": [part.chat_template or DEFAULT_CHAT_TEMPLATE, "system user assistant tool"],
+        }.get(part_fmt, [])]
+        tok = build_char_tokenizer(itertools.chain(texts, added))
         reporter.info(f"tokenizer: characters of the data, {len(tok)} tokens ({time.perf_counter() - t:.1f}s)")
         return tok
     source = cfg.model.tokenizer or cfg.model.path
@@ -105,7 +108,8 @@ def plan_data(cfg: RunConfig, tokenizer, reporter: ConsoleReporter, pin: bool = 
     paired = cfg.train.objective != "sft"  # rows_for reads pairs by their even index
     index = mixture_indices(prepared.train, specs, cfg.train.seed, paired)
     if len(specs) > 1:  # per source: what it holds and what an epoch of the mixture takes (summary.json: data.sources)
-        prepared.stats["sources"] = figures_dicts(mixture_figures(prepared.train, specs, index, paired))
+        formats = prepared.stats.get("source_formats") or [prepared.format] * len(specs)
+        prepared.stats["sources"] = figures_dicts(mixture_figures(prepared.train, specs, index, paired, formats))
         for line in describe_mixture(prepared.stats["sources"]):
             reporter.info(line)
         for line in missed_shares(prepared.stats["sources"]):
@@ -132,8 +136,8 @@ def check_objective_data(cfg: RunConfig, fmt: str | None = None) -> None:
     d, objective = cfg.data, cfg.train.objective
     if objective == "grpo":  # prompt rows, read by rl/prompts.py
         return
+    check_source_formats(d)  # a mixture's sources: each read its way, of one kind (SFT, pairs or KTO rows)
     fmt = fmt or resolve_format(d)
-    check_source_formats(d, fmt)  # a mixture's sources: all of its one format
     wanted = {"sft": None, "kto": "unpaired"}.get(objective, "preference")
     held = fmt if fmt in ("preference", "unpaired") else None
     if wanted == held:
@@ -229,7 +233,7 @@ def lost_tokens_warning(stats: dict[str, Any], max_length: int) -> str | None:
     """A console line when more than ``LOST_TOKENS_WARN`` of the tokens were cut off or dropped."""
     if stats.get("lost_token_share", 0.0) <= LOST_TOKENS_WARN:
         return None
-    how = "truncation" if stats.get("too_long") == "truncate" else "dropping too-long examples"
+    how = "truncation" if "truncate" in str(stats.get("too_long")).split("+") else "dropping too-long examples"
     fix = (
         "set data.too_long: split to keep long documents as consecutive blocks"
         if stats["format"] == "text"
@@ -271,10 +275,21 @@ def describe_data(plan: DataPlan, efficiency: float) -> str:
         f"({s['train_tokens']:,} tokens)" + {"preference": " in pairs", "unpaired": " with their KL samples"}.get(s["format"], "")
         + f" -> {len(plan.train_rows):,} {mode} rows, "
         f"{efficiency:.1%} of row capacity is real tokens; "
-        + (f"eval {s['eval_sequences']:,} blocks held out" if s.get("eval_holdout") == "blocks" else f"eval {s['eval_rows']:,} row{'' if s['eval_rows'] == 1 else 's'}")
+        + _eval_part(s)
         + ("; " + ", ".join(notes) if notes else "")
         + (f"\n  bad rows, first: {'; '.join(s['bad_row_examples'])}" if s.get("bad_row_examples") else "")
     )
+
+
+def _eval_part(s: dict) -> str:
+    """``eval 12 rows``, ``eval 40 blocks held out``, or a mixture's held-out sequences where its sources hold out
+    rows (chat) and blocks (split text) alike."""
+    kind = s.get("eval_holdout")
+    if kind == "blocks":
+        return f"eval {s['eval_sequences']:,} blocks held out"
+    if kind is not None and "+" in kind:
+        return f"eval {s['eval_sequences']:,} sequences held out (rows or blocks of each source)"
+    return f"eval {s['eval_rows']:,} row{'' if s['eval_rows'] == 1 else 's'}"
 
 
 def _examples(s: dict) -> str:

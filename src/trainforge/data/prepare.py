@@ -23,15 +23,16 @@ from typing import Any
 import numpy as np
 
 from ..config.data import DataSettings, FieldNames
-from .cache import STATS_FILE, cache_entry, is_complete, per_source_entries, publish_entry, source_entries, source_settings
+from .cache import STATS_FILE, cache_entry, is_complete, publish_entry, source_entries
 from .mixture_cache import join_entries
 from .chat_messages import SHAREGPT_FIELD
 from .chat_tools import row_tools
-from .formats import Renderer, TokenizedChunk, chat_messages, detect_format, format_fields, tokenize_rendered
+from .formats import Renderer, TokenizedChunk, chat_messages, format_fields, tokenize_rendered
 from .preference import PreferenceRenderer
 from .preference import tokenize_pairs as tokenize_preference_pairs
 from .preference import tokenize_unpaired
 from .holdout import RowHoldout, holdout_kind, split_off_blocks
+from .source_reads import per_source_entries, read_parts, resolve_format, shared_settings, source_formats, source_settings, train_rows
 from .sources import BadRows, DataError, Row, iter_source
 from .seq2seq import tokenize_pairs
 from .shards import ShardStage, shard_units, units_dir
@@ -51,24 +52,15 @@ class PreparedData:
     cache_hit: bool
 
 
-def train_rows(cfg: DataSettings, bad: BadRows) -> Iterator[tuple[int, Row]]:
-    """(source index, row) over every training source, at most ``max_documents`` rows."""
-    rows = ((k, row) for k, spec in enumerate(cfg.sources()) for row in iter_source(spec.path, bad, cfg.txt_mode))
-    return islice(rows, cfg.max_documents) if cfg.max_documents else rows
-
-
-def resolve_format(cfg: DataSettings) -> str:
-    if cfg.format != "auto":
-        return cfg.format
-    bad = BadRows("skip")
-    first = next(train_rows(cfg, bad), None)
-    if first is None:
-        raise DataError(f"{cfg.source_label()}: no rows found" + (f"; every row is bad, first: {bad.first[0]}" if bad.count else ""))
-    return detect_format(first[1], cfg.fields)
-
-
 def training_texts(cfg: DataSettings, fmt: str) -> Iterator[str]:
-    """The training text, for training a tokenizer on (every string field the format reads)."""
+    """The training text, for training a tokenizer on (every string field the format reads); ``fmt``: the format
+    of data read one way (a mixture's sources are read each with its own settings and format)."""
+    for part, part_fmt in read_parts(cfg) if per_source_entries(cfg) else [(shared_settings(cfg), fmt)]:
+        yield from _part_texts(part, part_fmt)
+
+
+def _part_texts(cfg: DataSettings, fmt: str) -> Iterator[str]:
+    """``training_texts`` of data read one way."""
     keys = format_fields(fmt, cfg.fields) + ((cfg.fields.input,) if fmt == "alpaca" else ())
     for _, row in train_rows(cfg, BadRows("skip")):
         if fmt == "chat":  # the contents of the turns, in either message layout, and the tools they call
@@ -298,13 +290,13 @@ def prepare_data(cfg: DataSettings, tokenizer, seed: int, log=print, seq2seq: bo
     if hit:
         log(f"data: cache hit, reusing tokens from {root}")
     elif per_source_entries(cfg):  # a mixture: an entry per source, tokenized only where missing, then joined
-        roots = source_entries(cfg, fmt, tokenizer, seed, seq2seq)
-        for k, sub in enumerate(roots):
-            _publish(source_settings(cfg, k), fmt, tokenizer, seed, sub, seq2seq, between_chunks, log, k)
+        roots, formats = source_entries(cfg, tokenizer, seed, seq2seq), source_formats(cfg)
+        for k, sub in enumerate(roots):  # each source read with its own settings and format
+            _publish(source_settings(cfg, k, formats), formats[k], tokenizer, seed, sub, seq2seq, between_chunks, log, k)
         log(f"data: joining {len(roots)} sources into {root}")
         publish_entry(root, lambda tmp: join_entries(roots, tmp))
     else:
-        _publish(cfg, fmt, tokenizer, seed, root, seq2seq, between_chunks, log)
+        _publish(shared_settings(cfg), fmt, tokenizer, seed, root, seq2seq, between_chunks, log)
     stats = json.loads((root / STATS_FILE).read_text())
     stats["prepare_s"] = time.perf_counter() - start
     stats["cache_hit"] = hit
@@ -358,7 +350,8 @@ def _build(cfg: DataSettings, fmt: str, tokenizer, seed: int, out: Path, seq2seq
         holdout = RowHoldout(seed)
         if kind == "file":
             holdout = RowHoldout.of_file(cfg.eval, seed, cfg.txt_mode)
-            eval_counts = _write_store(out / "eval", iter([iter_source(cfg.eval, bad, cfg.txt_mode)]), tok, bad, vocab)
+            if cfg.eval_file_tokens:  # else a mixture's source read otherwise than the file: its rows dropped only
+                eval_counts = _write_store(out / "eval", iter([iter_source(cfg.eval, bad, cfg.txt_mode)]), tok, bad, vocab)
         elif kind == "rows":
             first_pass = (r for _, r in train_rows(cfg, BadRows("skip")))
             holdout = RowHoldout.of_fraction(first_pass, cfg.eval, seed, out / "held_out.jsonl")

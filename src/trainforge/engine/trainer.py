@@ -411,7 +411,7 @@ def finish(run: Run) -> RunResult:
     weights = full_model_state(run.model) if run.dist.mode == "fsdp" else None
     nonfinite = final_weights_check(run.model, weights, run.reporter.warn) if run.dist.is_main else {}
 
-    template = trained_chat_template(facts.data_format, cfg.data.chat_template, run.tokenizer)
+    template = trained_chat_template(facts.data_format, cfg.data, run.tokenizer, facts.data_stats.get("source_formats"))
     if template:  # final/ (and its exports) render chats as the run trained them, in any loader
         run.tokenizer.chat_template = template
 

@@ -94,10 +94,11 @@ def plan_prompts(cfg: Any, tokenizer, reporter, pin: bool = False, between_chunk
     rewards = RewardSet.from_settings(cfg.rl.rewards, cfg.rl.reward_timeout_s)
     bad = BadRows(d.on_bad_row)
     prompts: list[Prompt] = []
-    for spec in d.sources():
+    for k, spec in enumerate(d.sources()):
+        template = d.read_as(k).chat_template  # a source's own template, else data.chat_template
         for row in iter_source(str(spec.path), bad):
             rewards.check_row(row.data, row.where)  # a field a reward reads is missing: exit 2, naming the row
-            text, templated = prompt_text(row, tokenizer, d.chat_template)
+            text, templated = prompt_text(row, tokenizer, template)
             ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
             if len(ids) > d.max_length:
                 raise DataError(f"{row.where}: the prompt is {len(ids)} tokens, over data.max_length ({d.max_length}); "

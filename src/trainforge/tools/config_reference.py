@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from ..config.errors import model_in
 from ..config.run import RunConfig
 
 INTRO = """# Configuration reference
@@ -56,7 +57,17 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
                     extra.append(f"{sym} {getattr(meta, attr)}")
         desc = (field.description or "") + (f" ({', '.join(extra)})" if extra else "")
         rows.append(f"| `{key}` | {_type(ann)} | {_default(field)} | {desc} |")
+        if (item := _list_item_model(ann)) is not None:  # data.train's sources: their keys as data.train[].KEY
+            rows.extend(_rows(item, f"{key}[]"))
     return rows
+
+
+def _list_item_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a list in ``annotation`` holds (``str | list[str | SourceSpec]``: ``SourceSpec``), or None."""
+    for arg in (annotation, *get_args(annotation)):
+        if get_origin(arg) is list:
+            return model_in(arg)
+    return None
 
 
 def config_reference() -> str:

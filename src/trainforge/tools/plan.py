@@ -265,7 +265,7 @@ def data_facts(cfg: RunConfig, tokenizer) -> dict[str, Any]:
     stats = json.loads((root / STATS_FILE).read_text())
     keep = ("format", "train_rows", "train_sequences", "train_tokens", "train_token_squares", "eval_rows", "eval_sequences", "truncated", "lost_token_share")
     return {"prepared": True, **{k: stats[k] for k in keep if k in stats},
-            **planned_mixture(cfg.data, root / "train", cfg.train.seed, cfg.train.objective != "sft")}
+            **planned_mixture(cfg.data, root / "train", cfg.train.seed, cfg.train.objective != "sft", stats.get("source_formats"))}
 
 
 def run_steps(cfg: RunConfig, accum: int, world_size: int, data: dict[str, Any]) -> int | None:
