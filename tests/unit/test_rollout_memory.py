@@ -119,3 +119,15 @@ def test_the_plan_shows_the_rollout_beside_the_learning_step(tmp_path):
     text = console.export_text()
     assert "kv_cache" in text and "rollout GiB (64 x 88 tokens)" in text and "learning GiB" in text
     assert "sampling time is not predicted" in text
+
+
+def test_a_rollout_that_does_not_fit_is_fixed_by_shorter_completions():
+    from trainforge.tools.plan_remedy import one_change_to_fit
+
+    cfg = grpo(completion=400, accum=64)  # 256 completions sampled at once: the KV cache sets the peak
+    m = predict_memory(cfg, VocabOnly(256), BF16, device(1.0), 1, True, 64)
+    half = predict_memory(grpo(completion=200, accum=64), VocabOnly(256), BF16, device(1.0), 1, True, 64)
+    small = device((m.tensors + half.tensors) / 2 / GIB)  # between the two
+    remedy = one_change_to_fit(cfg, VocabOnly(256), BF16, small, predict_memory(cfg, VocabOnly(256), BF16, small, 1, True, 64),
+                               64, 1, "none")
+    assert remedy["setting"] == "rl.max_completion_length" and remedy["value"] == 200, remedy

@@ -27,20 +27,26 @@ def memory_table(m: dict[str, Any], h: dict[str, Any]):
     table = Table(title="predicted peak memory of one step (per process)", title_justify="left")
     table.add_column("part")
     rollout = m.get("rollout")
-    gib = lambda v: f"{v / GIB:.3f}" if v is not None else ""  # noqa: E731
+
+    def gib(value: int | None) -> str:
+        return f"{value / GIB:.3f}" if value is not None else ""
+
+    columns, peak = 1, 0  # the step's peak goes in the column of the phase that sets it
     if rollout is None:
         table.add_column("GiB", justify="right")
         for name, value in m["parts"].items():
             table.add_row(name, gib(value))
-        at = lambda value: [gib(value)]  # noqa: E731
     else:
         table.add_column("learning GiB", justify="right")
         table.add_column(f"rollout GiB ({rollout['completions']} x {rollout['tokens_per_completion']} tokens)", justify="right")
         for name in [*m["parts"], *(k for k in rollout["parts"] if k not in m["parts"])]:
             table.add_row(name, gib(m["parts"].get(name)), gib(rollout["parts"].get(name)))
         table.add_row("tensors at the phase's peak", gib(sum(m["parts"].values())), gib(rollout["tensors"]))
-        # the step's peak, in the column of the phase that sets it
-        at = lambda value: [gib(value), ""] if rollout["peak_phase"] == "learning" else ["", gib(value)]  # noqa: E731
+        columns, peak = 2, 0 if rollout["peak_phase"] == "learning" else 1
+
+    def at(value: int) -> list[str]:
+        return [gib(value) if i == peak else "" for i in range(columns)]
+
     table.add_row("[bold]tensors at peak[/bold]", *(f"[bold]{v}[/bold]" if v else "" for v in at(m["peak_tensor_bytes"])))
     fixed = h["fixed_bytes"] / GIB
     table.add_row(f"process (+{h['allocator_overhead']:.0%} allocator, +{fixed:.2f} fixed)", *at(m["peak_process_bytes"]))

@@ -302,7 +302,8 @@ def _auto_cap(cfg: RunConfig, world_size: int) -> int:
 
 
 def _allowed(mbs: int, cfg: RunConfig, world_size: int) -> int:
-    """The largest micro-batch <= ``mbs`` that divides the per-process global batch (when one is set)."""
+    """The largest micro-batch <= ``mbs`` that divides the per-process global batch (when one is set); without one,
+    for grpo, the largest multiple of ``micro_batch_unit`` (at least one unit)."""
     g = cfg.train.global_batch_size
     if not g:
         unit = micro_batch_unit(cfg)  # grpo: whole groups of completions per step

@@ -21,6 +21,7 @@ auto pick considers at no cost.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,8 +131,6 @@ def predict_rollout(cfg: Any, tokenizer, precision: Any, micro_batch_size: int, 
 def micro_batch_unit(cfg: Any) -> int:
     """What an auto micro-batch must be a multiple of: a grpo step's completions (micro-batch x train.grad_accum)
     make whole groups of rl.num_generations, unless train.global_batch_size sets the step's completions; else 1."""
-    import math
-
     if cfg.train.objective != "grpo" or cfg.train.global_batch_size:
         return 1
     g = cfg.rl.num_generations
