@@ -1,13 +1,13 @@
 """The GPU truth in one command: trainforge against what users would otherwise run, side by side.
 
-    python benchmarks/gpu_suite.py --part all --out gpu-results      # on one H100, parts of < 9 minutes
+    python benchmarks/gpu_suite.py --part all --out gpu-results      # on one H100, parts of < 9 minutes (1 to 4)
     python benchmarks/gpu_suite.py --part 1 --out gpu-results        # one part per call (the device's limit)
     python benchmarks/gpu_suite.py --table gpu-results               # the README table from the parts' JSON
     python benchmarks/gpu_suite.py --part first --out gpu-results    # the headline variants of parts 1 and 3, in one call
     python benchmarks/gpu_suite.py --tiny --part all --out /tmp/s    # the same harness on a CPU, in seconds
 
 A session is lent 15 minutes of device time in all: ``benchmarks/gpu_session.sh`` is its one call (the
-CUDA tests, selftest, then ``--part first`` in the time left). Parts 1 to 3 are for sessions with more.
+CUDA tests, selftest, then ``--part first`` in the time left). Parts 1 to 4 are for sessions with more.
 
 Rows (real shapes, random init from config, nothing downloaded; ``--tiny`` shrinks every shape):
   part 1: Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, 128,256 vocabulary, tied), full fine-tune,
@@ -16,6 +16,8 @@ Rows (real shapes, random init from config, nothing downloaded; ``--tiny`` shrin
           text blocks at 2,048 tokens, then one row of 8,192 tokens;
   part 3: Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, 128,256 vocabulary), LoRA r16 on all
           linear layers, bf16 base built on the device, packed prompt/completion at 2,048 tokens.
+  part 4: online RL: Qwen2.5-0.5B, LoRA r16 on all linear layers, GRPO with 8 completions per prompt (8 prompts
+          a step, prompts of at most 128 tokens, completions of 256), every step sampling then learning;
   first:  the baselines and trainforge's defaults of parts 1 and 3 first (Llama-1B: HF, trainforge; 8B LoRA:
           HF + PEFT, trainforge), then HF + Liger and trainforge compiled on the 1B row, with fewer steps.
 Variants, at the same micro-batch, sequence length, optimizer (AdamW, same lr/schedule) and steps:
@@ -24,12 +26,18 @@ Variants, at the same micro-batch, sequence length, optimizer (AdamW, same lr/sc
   hf-liger:    the same with ``use_liger_kernel=True`` (a tuned user; CUDA and liger-kernel only);
   trl-packed:  TRL ``SFTTrainer`` with ``packing=True, padding_free=True`` (prompt/completion rows);
   hf-peft:     ``hf`` with PEFT LoRA (the LoRA row's baseline), and hf-peft-liger;
+  trl-grpo-peft: TRL ``GRPOTrainer`` with ``peft_config`` (the GRPO row's baseline; sampling with ``generate``, no
+               vLLM, gradient checkpointing off as trainforge's is where the step fits), the same G, prompts per
+               step, completion length, temperature, loss (``grpo``), beta 0 and reward function;
   trainforge:  ``trainforge train`` on its defaults (precision, attention, kernels, compile: auto);
   trainforge-compiled: the same with ``train.compile: true`` (compile seconds and steady gain);
   trainforge-fp8-compiled: ``train.fp8: true`` (torchao's FP8 linear layers) and ``train.compile: true``
                (parts 1 and 3; ``--tiny`` runs ``trainforge-fp8`` eager, emulated on the CPU);
   trainforge-default-allocator: trainforge's defaults on torch's default CUDA allocator instead of the
                expandable segments trainforge asks for (part 1, last: what the setting saves in reserved memory).
+GRPO rows count the tokens each step learns from (prompt and completion, no padding) over the whole step's
+time, sampling included, and report the late mean reward instead of the loss (a policy-gradient loss has no
+scale to compare); plan's memory is checked against them, its speed is not (it predicts the learning step only).
 Every variant is its own process. Reported: real (non-padding) tokens/s in steady state (the steps
 after ``--warmup``) and over the whole loop, MFU against the device's dense bf16 peak (one FLOP count,
 trainforge's, for every variant), peak reserved GPU memory (RSS on CPU) beside the peak that tensors
@@ -75,6 +83,7 @@ class Row:
     micro_batch: int
     steps: int
     variants: list[str] = field(default_factory=list)
+    rl: dict = field(default_factory=dict)  # grpo rows: num_generations, max_completion_length, grad_accum
 
 
 LLAMA_1B = dict(architecture="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -87,7 +96,14 @@ FULL = ["hf", "hf-liger", "trainforge", "trainforge-compiled"]
 DEFAULT_ALLOCATOR = "trainforge-default-allocator"  # trainforge without the expandable segments it asks CUDA for
 
 
-PARTS = ("1", "2", "3", "first")  # ``--part all`` runs 1 to 3
+PARTS = ("1", "2", "3", "4", "first")  # ``--part all`` runs 1 to 4
+GRPO = ["trl-grpo-peft", "trainforge"]
+
+
+def grpo_row(name: str, arch: dict, prompt: int, completion: int, micro_batch: int, accum: int, steps: int) -> Row:
+    """A GRPO row: ``micro_batch`` completions a pass, ``accum`` passes a step, 8 completions per prompt."""
+    return Row(name, arch, "lora", "grpo", prompt, micro_batch, steps, list(GRPO),
+               rl={"num_generations": 8, "max_completion_length": completion, "grad_accum": accum})
 
 
 def parts(tiny: bool) -> dict[str, list[Row]]:
@@ -103,6 +119,8 @@ def parts(tiny: bool) -> dict[str, list[Row]]:
                   Row("qwen-0.5b-shape-8k", {**QWEN_05B, **small}, "full", "text", 256, 1, 6, ["hf", "trainforge"])],
             "3": [Row("llama-8b-shape-lora", llama_8b, "lora", "sft", 128, 2, 8,
                       ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"])],
+            # the tiniest GRPO step: one prompt's 8 completions of 6 tokens, learned from in one pass
+            "4": [grpo_row("qwen-0.5b-shape-grpo", {**QWEN_05B, **small}, prompt=16, completion=6, micro_batch=8, accum=1, steps=4)],
             "first": first_part("llama-1b-shape", llama_1b, "llama-8b-shape-lora", llama_8b, seq=128, micro_batches=(2, 2), steps=(8, 6)),
         }
     return {
@@ -113,6 +131,7 @@ def parts(tiny: bool) -> dict[str, list[Row]]:
                   ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8-compiled", "trainforge-compiled"])],
                 # the 8B row at micro-batch 2: PEFT's LoRA keeps fp32 copies of each adapted layer's input, so
         # plan puts HF + PEFT at micro-batch 4 near an H100's 80 GiB (a lent machine may be an H100 or an H200)
+        "4": [grpo_row("qwen-0.5b-grpo-lora", QWEN_05B, prompt=128, completion=256, micro_batch=16, accum=4, steps=16)],
         "first": first_part("llama-1b", LLAMA_1B, "llama-8b-lora", LLAMA_8B, seq=2048, micro_batches=(4, 2), steps=(40, 24)),
     }
 
@@ -168,9 +187,35 @@ def text_of(ids: list[int]) -> str:
     return " ".join(f"t{i}" for i in ids)
 
 
+REWARD = '''def continues(prompts, completions, answer, **row_fields):
+    """The share of the document's next words the completion writes, in order (one float per completion)."""
+    return [sum(w == g for w, g in zip(a.split(), c.split())) / len(a.split()) for c, a in zip(completions, answer)]
+'''
+"""The GRPO rows' reward, one function both trainers call as ``fn(prompts=..., completions=..., answer=..., ...)``."""
+
+
+def write_prompts(work: Path, row: Row, seed: int = 0) -> dict:
+    """A GRPO row's prompts: the start of each document (half to all of ``row.seq`` tokens) with its next words as
+    the ``answer`` the reward reads, enough for every step; and the reward's file."""
+    rl = row.rl
+    prompts = row.steps * row.micro_batch * rl["grad_accum"] // rl["num_generations"]
+    docs = documents(max(8, 2 * prompts), row.arch["vocab_size"], seed, (2 * row.seq, 0.1))
+    rng = random.Random(seed + 1)
+    paths = {"train": work / "prompts.jsonl", "reward": work / "grpo_reward.py"}
+    with paths["train"].open("w") as f:
+        for d in docs:
+            cut = rng.randint(max(1, row.seq // 2), row.seq)
+            f.write(json.dumps({"prompt": text_of(d[:cut]), "answer": text_of(d[cut : cut + 8])}) + "\n")
+    paths["reward"].write_text(REWARD)
+    return {k: str(v) for k, v in paths.items()}
+
+
 def write_data(work: Path, row: Row, seed: int = 0) -> dict:
     """The row's data in the layouts the trainers read: prompt/completion JSONL (trainforge, TRL), text
-    JSONL (trainforge), and rows packed the run_clm way for HF Trainer (ids, labels with prompts masked)."""
+    JSONL (trainforge), and rows packed the run_clm way for HF Trainer (ids, labels with prompts masked);
+    a GRPO row's prompts (``write_prompts``)."""
+    if row.data == "grpo":
+        return write_prompts(work, row, seed)
     vocab = row.arch["vocab_size"]
     need = row.seq * row.micro_batch * row.steps * 2  # tokens: twice what the run consumes
     median = max(16, row.seq // 8)
@@ -217,7 +262,7 @@ def trainforge_config(spec: dict, variant: str = "trainforge") -> dict:
     data = {"train": spec["data"]["train"], "max_length": row["seq"], "eval": None, "cache_dir": str(Path(spec["work"]) / "tf-cache")}
     if row["data"] == "text":
         data |= {"packing": "concat", "too_long": "split"}
-    return {
+    config = {
         "model": model,
         "data": data,
         "train": {"max_steps": row["steps"], "micro_batch_size": row["micro_batch"], "seed": 0,
@@ -229,6 +274,14 @@ def trainforge_config(spec: dict, variant: str = "trainforge") -> dict:
         # the last warm-up step is profiled (left out of the steady figures): where the step's time goes
         "log": {"every_steps": 1, "tensorboard": False, "profile_steps": [spec.get("profile_step", 1)]},
     }
+    if row["data"] == "grpo":  # as trl-grpo-peft: sampled at temperature 1, TRL's grpo loss, no KL term
+        rl = row["rl"]
+        config["train"] |= {"objective": "grpo", "grad_accum": rl["grad_accum"]}
+        config["rl"] = {"num_generations": rl["num_generations"], "max_completion_length": rl["max_completion_length"],
+                        "temperature": 1.0, "loss": "grpo", "beta": 0.0,
+                        "rewards": [{"function": f"{spec['data']['reward']}:continues"}]}
+        config["log"]["sample_prompt"] = None
+    return config
 
 
 # ---------------------------------------------------------------- children: one variant each
@@ -305,8 +358,9 @@ class StepClock:
                 clock.rows.append({"step": state.global_step, "elapsed_s": time.perf_counter() - clock.t_begin, "tokens": clock.tokens})
 
             def on_log(self, args, state, control, logs=None, **kw):
-                if logs and "loss" in logs and clock.rows:
-                    clock.rows[-1]["loss"] = logs["loss"]
+                for key in ("loss", "reward"):  # reward: GRPOTrainer's mean over the step's completions
+                    if logs and key in logs and clock.rows:
+                        clock.rows[-1][key] = logs[key]
 
         return Stamp()
 
@@ -371,6 +425,37 @@ def run_trl(spec: dict, variant: str) -> dict:
     return {"steps": clock.rows, "attention": model.config._attn_implementation, "flops_model": model}
 
 
+def run_trl_grpo(spec: dict, variant: str) -> dict:
+    """TRL's GRPOTrainer with PEFT LoRA on the row's prompts and reward, the suite's optimizer, steps and batch."""
+    import datasets
+    import importlib.util
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from trl import GRPOConfig, GRPOTrainer
+
+    row, rl = spec["row"], spec["row"]["rl"]
+    tok = PreTrainedTokenizerFast.from_pretrained(spec["model_dir"])
+    clock = StepClock(tok.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], attn_implementation="sdpa")
+    # on the input embeddings: PEFT's wrapper calls the base model's forward directly, past its hooks; the learning
+    # passes only (sampling runs without gradients)
+    model.get_input_embeddings().register_forward_pre_hook(clock.hook, with_kwargs=True)
+    loaded = importlib.util.spec_from_file_location("grpo_reward", spec["data"]["reward"])
+    reward = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(reward)
+    # one generation per optimizer step (steps_per_generation defaults to the accumulation); gradient checkpointing
+    # off (GRPOConfig turns it on by default), as trainforge has it where the step fits
+    args = GRPOConfig(**hf_arguments(spec, "trl-grpo"), gradient_accumulation_steps=rl["grad_accum"],
+                      num_generations=rl["num_generations"], max_completion_length=rl["max_completion_length"],
+                      temperature=1.0, loss_type="grpo", beta=0.0, gradient_checkpointing=False)
+    ds = datasets.load_dataset("json", data_files=spec["data"]["train"], split="train")
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward.continues], args=args, train_dataset=ds, processing_class=tok,
+                          peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"),
+                          callbacks=[clock.callback()])
+    trainer.train()
+    return {"steps": clock.rows, "attention": model.config._attn_implementation, "flops_model": model}
+
+
 def run_trainforge(spec: dict, variant: str) -> dict:
     import yaml
     from rich.console import Console
@@ -388,7 +473,8 @@ def run_trainforge(spec: dict, variant: str) -> dict:
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     profile = next(({"phases": r["profile"], **r.get("profile_ops", {})} for r in rows if "profile" in r), None)
     # a step record's "tokens" is the run's running total (tokens seen so far), as the StepClock's is
-    steps = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": r["tokens"], "loss": r["loss"]} for r in rows if "loss" in r]
+    steps = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": r["tokens"], "loss": r["loss"],
+              **({"reward": r["reward"]} if "reward" in r else {})} for r in rows if "loss" in r]
     sm = result.summary
     return {"steps": steps, "attention": sm.get("attention"), "kernels": sm.get("kernels"), "precision": sm.get("precision"),
             "compile": sm.get("compile"), "compiled": sm.get("compiled"), "fp8": sm.get("fp8"), "flops_per_token": sm.get("flops_per_token"),
@@ -407,7 +493,8 @@ def child(variant: str, spec_path: Path, result_path: Path) -> None:
         prepare_model(spec)
         result_path.write_text("{}")
         return
-    run = run_trainforge if variant.startswith("trainforge") else run_trl if variant.startswith("trl") else run_hf
+    run = (run_trainforge if variant.startswith("trainforge") else run_trl_grpo if variant.startswith("trl-grpo")
+           else run_trl if variant.startswith("trl") else run_hf)
     r = run(spec, variant)
     model = r.pop("flops_model", None)
     if model is not None:  # trainforge's FLOP count for every variant: MFU is then comparable
@@ -436,6 +523,9 @@ def summarize(r: dict, warmup: int, peak_flops: float | None) -> dict:
     typical = sorted(per_step)[len(per_step) // 2] if per_step else 0.0
     losses = [s["loss"] for s in steps if s.get("loss") is not None]
     late = losses[-max(1, len(losses) // 4) :]
+    rewards = [s["reward"] for s in steps if s.get("reward") is not None]
+    if rewards:  # a GRPO row: its policy-gradient loss has no scale to compare, its reward has
+        late, rewards = [], rewards[-max(1, len(rewards) // 4) :]
     fpt = r.get("flops_per_token")
     return {
         "status": "ok",
@@ -444,6 +534,7 @@ def summarize(r: dict, warmup: int, peak_flops: float | None) -> dict:
         "first_step_extra_s": max(steps[0]["elapsed_s"] - typical, 0.0),
         "mfu": steady * fpt / peak_flops if fpt and peak_flops else None,
         "late_loss": sum(late) / len(late) if late else None,
+        **({"late_reward": sum(rewards) / len(rewards)} if rewards else {}),
         "peak_memory_bytes": r.get("peak_memory_bytes"),
         "peak_allocated_bytes": r.get("peak_allocated_bytes"),
         "tokens": steps[-1]["tokens"],
@@ -478,7 +569,7 @@ def recount_summed_totals(report: dict, warmup: int = 10) -> dict:
             if r.get("mfu") is not None:
                 r["mfu"] *= steady
             r["recounted"] = f"from summed running totals ({n} steps, {w} warm-up)"
-        add_ratios(row["results"], "hf-peft" if row["row"]["method"] == "lora" else "hf")
+        add_ratios(row["results"], baseline_of(row["row"]))
     report["token_accounting"] = TOKEN_ACCOUNTING
     return report
 
@@ -497,9 +588,13 @@ def plan_prediction(spec: dict, hardware: str) -> dict:
     # on a GPU the run's figure is torch's peak reserved, which holds no CUDA context: plan's tensors with its
     # allocator overhead are what compares with it; on a CPU (--tiny) the process's peak RSS, plan's process
     reserved = int(memory["peak_tensor_bytes"] * (1 + plan["hardware"]["allocator_overhead"]))
-    return {"hardware": hardware, "peak_memory_bytes": reserved if hardware != "this" else memory["peak_process_bytes"],
-            "peak_process_bytes": memory["peak_process_bytes"], "peak_tensor_bytes": memory["peak_tensor_bytes"],
-            "tokens_per_s": plan["time"]["tokens_per_s"]}
+    out = {"hardware": hardware, "peak_memory_bytes": reserved if hardware != "this" else memory["peak_process_bytes"],
+           "peak_process_bytes": memory["peak_process_bytes"], "peak_tensor_bytes": memory["peak_tensor_bytes"],
+           "tokens_per_s": plan["time"]["tokens_per_s"]}
+    if memory.get("rollout"):  # grpo: the phase that sets the peak, and no speed (the learning step's only)
+        out |= {"peak_phase": memory["rollout"]["peak_phase"], "kv_cache_bytes": memory["rollout"]["parts"]["kv_cache"]}
+        del out["tokens_per_s"]
+    return out
 
 
 def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | None, deadline: float,
@@ -537,7 +632,7 @@ def run_row(row: Row, work: Path, args: argparse.Namespace, peak_flops: float | 
                 results[variant]["plan"] = plan_prediction(spec, "this" if args.tiny else args.hardware)
             except Exception as e:  # noqa: BLE001 - a failed prediction is reported, not fatal
                 results[variant]["plan"] = {"error": f"{type(e).__name__}: {e}"}
-        add_ratios(results, "hf-peft" if row.method == "lora" else "hf")
+        add_ratios(results, baseline_of(asdict(row)))
         save(report)
     return report
 
@@ -575,6 +670,11 @@ def launch(variant: str, spec: dict, out: Path, timeout: float, reuse: bool = Fa
     return json.loads(result_path.read_text())
 
 
+def baseline_of(row: dict) -> str:
+    """The variant a row's others are compared with: TRL's GRPOTrainer + PEFT, HF + PEFT, or HF."""
+    return "trl-grpo-peft" if row.get("data") == "grpo" else "hf-peft" if row["method"] == "lora" else "hf"
+
+
 def add_ratios(results: dict, baseline: str) -> None:
     """Speed, memory and late loss of every variant relative to the baseline; plan's error on trainforge."""
     base = results.get(baseline, {})
@@ -588,10 +688,11 @@ def add_ratios(results: dict, baseline: str) -> None:
             if r.get("late_loss") and base.get("late_loss"):
                 r["loss_vs_baseline"] = r["late_loss"] / base["late_loss"]
         plan = r.get("plan", {})
-        if "tokens_per_s" in plan:
+        if "peak_memory_bytes" in plan:  # a GRPO row's plan has no speed: it predicts the learning step's only
             plan["memory_error"] = plan["peak_memory_bytes"] / r["peak_memory_bytes"] - 1 if r.get("peak_memory_bytes") else None
-            plan["speed_error"] = plan["tokens_per_s"] / r["tokens_per_s"] - 1
-            plan["flag"] = bool((plan["memory_error"] is not None and abs(plan["memory_error"]) > MEMORY_TOL) or abs(plan["speed_error"]) > SPEED_TOL)
+            plan["speed_error"] = plan["tokens_per_s"] / r["tokens_per_s"] - 1 if plan.get("tokens_per_s") else None
+            plan["flag"] = bool((plan["memory_error"] is not None and abs(plan["memory_error"]) > MEMORY_TOL)
+                                or (plan["speed_error"] is not None and abs(plan["speed_error"]) > SPEED_TOL))
 
 
 def gpu_profile_name() -> str:
@@ -636,12 +737,13 @@ def table(reports: list[dict]) -> str:
                     lines.append(f"| {row['row']['name']} | {name} | {r.get('status')}: {r.get('reason', '')} | | | | | | | |")
                     continue
                 plan = r.get("plan", {})
-                plan_cell = (f"{plan['memory_error']:+.0%} / {plan['speed_error']:+.0%}" + (" (!)" if plan.get("flag") else "")
+                speed = f"{plan['speed_error']:+.0%}" if plan.get("speed_error") is not None else "n/a"
+                plan_cell = (f"{plan['memory_error']:+.0%} / {speed}" + (" (!)" if plan.get("flag") else "")
                              if "speed_error" in plan and plan.get("memory_error") is not None else plan.get("error", ""))
                 lines.append(
                     f"| {row['row']['name']} | {name} | {r['tokens_per_s']:,.0f}{' (r)' if r.get('recounted') else ''} | {fmt(r.get('speed_vs_baseline'), 'x')} | "
                     f"{fmt(r.get('mfu'), '%')} | {memory_cell(r)} | {fmt(r.get('memory_vs_baseline'), 'x')} | "
-                    f"{r['first_step_extra_s']:.1f} s | {fmt(r.get('loss_vs_baseline'), 'x', 3)} | {plan_cell} |"
+                    f"{r['first_step_extra_s']:.1f} s | {late_cell(r)} | {plan_cell} |"
                 )
     devices = sorted({r["environment"]["device"] for r in reports})
     stopped = [str(r["part"]) for r in reports if not r.get("complete", True)]
@@ -651,6 +753,11 @@ def table(reports: list[dict]) -> str:
                  " 2026-11-27), assuming equal tokens per step; measure again to confirm.")
     return ("\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; torch {reports[0]['environment']['versions']['torch']}.{note}"
             + profile_table(reports))
+
+
+def late_cell(r: dict) -> str:
+    """The late loss against the baseline's; a GRPO row's late mean reward."""
+    return f"reward {r['late_reward']:.3f}" if r.get("late_reward") is not None else fmt(r.get("loss_vs_baseline"), "x", 3)
 
 
 def memory_cell(r: dict) -> str:
@@ -695,7 +802,7 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="all", choices=[*PARTS, "all"],
-                    help="1, 2, 3, all (1 to 3; each part stays under 9 minutes on one H100) or first (one short call)")
+                    help="1, 2, 3, 4 (GRPO), all (1 to 4; each part stays under 9 minutes on one H100) or first (one short call)")
     ap.add_argument("--out", type=Path, default=Path("gpu-results"), help="folder for part-N.json")
     ap.add_argument("--work", type=Path, help="folder for the models, data and runs (default: OUT/work); keep it out "
                     "of the device's $OUT, whose files travel back")
@@ -723,7 +830,7 @@ def main() -> int:
         args.hardware = gpu_profile_name()
     peak = None if args.tiny else find_profile(args.hardware).peak_flops("bf16")
     chosen = parts(args.tiny)
-    numbers = ["1", "2", "3"] if args.part == "all" else [args.part]
+    numbers = ["1", "2", "3", "4"] if args.part == "all" else [args.part]
     work = args.work or args.out / "work"
     reports = []
     args.out.mkdir(parents=True, exist_ok=True)

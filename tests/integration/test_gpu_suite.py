@@ -183,3 +183,42 @@ def test_reuse_takes_a_finished_variant_and_a_failed_run_never_returns_an_old_re
     # a result written before the process failed is no result, now nor for a later --reuse
     assert suite.launch("trainforge", run_spec, out, 10.0)["status"] == "failed" and len(calls) == 4
     assert suite.launch("trainforge", run_spec, out, 10.0, reuse=True)["status"] == "failed" and len(calls) == 5
+
+
+@pytest.mark.slow
+def test_the_grpo_row_runs_trl_and_trainforge_and_plan_prices_its_rollout(tmp_path, monkeypatch):
+    """Part 4's GRPO row at its tiniest (one prompt's 8 completions of 6 tokens, 2 steps), each variant's runner in
+    this process (a process each would cost more in imports than the runs): TRL's GRPOTrainer + PEFT and trainforge
+    report tokens learned per second and the late reward, not a loss ratio; plan's prediction prices the rollout's
+    KV cache and no speed (it predicts the learning step only); the table says so."""
+    import importlib.util
+    from dataclasses import asdict
+
+    spec_ = importlib.util.spec_from_file_location("gpu_suite_grpo", SUITE)
+    suite = importlib.util.module_from_spec(spec_)
+    monkeypatch.setitem(sys.modules, "gpu_suite_grpo", suite)
+    spec_.loader.exec_module(suite)
+    (row,) = suite.parts(tiny=True)["4"]
+    row.steps = 2
+    work = tmp_path / "work"
+    work.mkdir()
+    spec = {"row": asdict(row), "work": str(work), "model_dir": str(work / "model"), "profile_step": 1}
+    spec["data"] = suite.write_data(work, row)
+    suite.prepare_model(spec)
+    results = {}
+    for variant, run in (("trl-grpo-peft", suite.run_trl_grpo), ("trainforge", suite.run_trainforge)):
+        (work / variant).mkdir()
+        raw = run({**spec, "out": str(work / variant)}, variant)
+        raw.pop("flops_model", None)
+        results[variant] = suite.summarize({**raw, "peak_memory_bytes": 2**30}, 1, None)
+        r = results[variant]
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["late_loss"] is None and 0 <= r["late_reward"] <= 1, r
+    results["trainforge"]["plan"] = suite.plan_prediction(spec, "h100")  # no op timed here: seconds, not tens
+    suite.add_ratios(results, suite.baseline_of(spec["row"]))
+    plan = results["trainforge"]["plan"]
+    assert plan["kv_cache_bytes"] > 0 and plan["peak_phase"] in ("rollout", "learning") and plan["speed_error"] is None
+    assert results["trainforge"]["speed_vs_baseline"] > 0 and "loss_vs_baseline" not in results["trainforge"]
+    report = {"part": "4", "environment": {"device": "cpu", "versions": {"torch": "x"}}, "token_accounting": 2,
+              "rows": [{"row": spec["row"], "results": results}]}
+    text = suite.table([report])
+    assert "| qwen-0.5b-shape-grpo | trl-grpo-peft |" in text and "| reward " in text and " / n/a" in text, text

@@ -1,5 +1,6 @@
 """Bad grpo input is refused before any work, naming the key or the row: a group of one, rl settings without grpo,
-FSDP, completions past the model's positions, a prompt longer than data.max_length."""
+FSDP, completions past the model's positions, a prompt longer than data.max_length. (``micro_batch_size: auto`` is
+fitted to the rollout too: tests/unit/test_rollout_memory.py.)"""
 
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ def config(tmp_path, **sections):
     ({"rl": {"num_generations": 1}}, "rl.num_generations"),
     ({"train": {"objective": "sft"}}, "rl:"),
     ({"train": {"distributed": "fsdp"}}, "train.distributed"),
-    ({"train": {"micro_batch_size": "auto"}}, "train.micro_batch_size"),
     ({"rl": {"rewards": []}}, "rl.rewards"),
     ({"rl": {"epsilon": 0.3, "epsilon_high": 0.2}}, "epsilon_high"),
 ])

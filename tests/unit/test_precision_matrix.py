@@ -230,6 +230,22 @@ def test_a_preference_step_whose_pairs_are_swapped_fails(selftest, tmp_path, mon
     assert "the training step and the direct implementation differ under fp32" in result.error, result.error
 
 
+def test_a_grpo_step_reading_the_neighbouring_completions_advantage_fails(selftest, tmp_path, monkeypatch):
+    from trainforge.engine import grpo
+
+    runner = runner_with(selftest, tmp_path)
+    terms = grpo.grpo_terms
+
+    def shifted(logps, batch, s):  # each completion learns from the advantage of the one before it
+        batch.advantages = batch.advantages.roll(1)
+        return terms(logps, batch, s)
+
+    monkeypatch.setattr(grpo, "grpo_terms", shifted)
+    result = runner.check("grpo-fp32")
+    assert result.status == "FAILED"
+    assert "grpo: the training step and the per-completion loss differ under fp32" in result.error, result.error
+
+
 def test_a_signal_between_paths_stops_the_run_before_the_next(selftest, tmp_path):
     """A SIGTERM/SIGINT that lands outside a training run (a check, the assets: no run's handler holds it) is taken
     by selftest's own and stops it before the next path; before, it killed the process (SIGTERM, exit 143, no table)

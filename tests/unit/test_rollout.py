@@ -35,6 +35,15 @@ def test_batched_greedy_equals_each_prompt_alone_with_packed_attention():
     assert any(got.finished) and not all(got.finished)  # rows left the batch while others went on
 
 
+def test_the_prefill_computes_the_last_positions_logits_only():
+    """Rows x prompt x vocabulary logits would be the rollout's largest tensor (plan prices the rollout without them)."""
+    model = tiny_llama()
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: rows.append(tuple(out.shape[:2])))
+    sample(model, PROMPTS, Sampling(2, greedy=True), generator_for(torch.device("cpu"), 0), 0)
+    assert rows[0] == (len(PROMPTS), 1) and all(r[1] == 1 for r in rows)
+
+
 def test_a_seeded_generator_samples_the_same_completions_and_its_state_resumes_them():
     model = tiny_llama()
     s = Sampling(6, temperature=1.3, top_k=20, top_p=0.9)

@@ -99,3 +99,14 @@ def resolve_reference(objective: str, reference: str, method: str) -> str:
     if reference == "auto":
         return "adapters" if method in ("lora", "qlora") else "model"
     return reference
+
+
+def run_reference(cfg: Any) -> str:
+    """The reference a run (a RunConfig) computes: ``none`` for sft; for grpo DPO's (adapters off, or a frozen copy)
+    when ``rl.beta`` > 0, else none; for a preference objective ``resolve_reference``."""
+    objective = cfg.train.objective
+    if objective == "sft":
+        return "none"
+    if objective == "grpo":
+        return "none" if cfg.rl.beta == 0 else resolve_reference("dpo", "auto", cfg.model.method)
+    return resolve_reference(objective, cfg.preference.reference, cfg.model.method)

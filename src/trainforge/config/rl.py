@@ -70,7 +70,7 @@ class RLSettings(Section):
 def check_rl(cfg: Any) -> None:
     """Raise ValueError naming the key when the ``rl`` section does not fit ``train.objective`` (a RunConfig being
     validated): rl settings away from their defaults without grpo change nothing; grpo needs rewards, a
-    decoder-only model, a numeric micro-batch and no FSDP."""
+    decoder-only model and no FSDP."""
     objective = cfg.train.objective
     if objective != "grpo":  # a written config.yaml spells out the defaults: only a changed value is refused
         if cfg.rl != RLSettings():
@@ -82,8 +82,5 @@ def check_rl(cfg: Any) -> None:
     if cfg.train.distributed == "fsdp":
         raise ValueError("train.distributed: fsdp shards the weights the rollouts sample with (every token would gather "
                          "them); grpo runs single-process or under ddp here: set train.distributed: ddp")
-    if cfg.train.micro_batch_size == "auto":
-        raise ValueError("train.micro_batch_size: grpo counts completions per micro-batch and auto does not yet count the "
-                         "rollouts' KV cache; give a number (a multiple of rl.num_generations, or with train.grad_accum one)")
     if not cfg.rl.rewards:
         raise ValueError("rl.rewards: grpo needs at least one reward, e.g. rl.rewards: [{name: final_number}]")

@@ -188,8 +188,11 @@ class RunConfig(Section):
         return self
 
     def row_tokens(self) -> int:
-        """Tokens one row holds at most: ``data.max_length``, plus the target side of an encoder-decoder."""
-        return self.data.max_length + (self.data.target_limit() if self.model.kind.encoder_decoder else 0)
+        """Tokens one row holds at most: ``data.max_length``, plus the target side of an encoder-decoder, or (grpo)
+        a completion behind its prompt (rl/stage.py packs rows of that capacity)."""
+        if self.model.kind.encoder_decoder:
+            return self.data.max_length + self.data.target_limit()
+        return self.data.max_length + (self.rl.max_completion_length if self.train.objective == "grpo" else 0)
 
     def to_yaml(self) -> str:
         """The resolved configuration as YAML (every default spelled out)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..config.preference import REFERENCE_FREE, resolve_reference
+from ..config.preference import REFERENCE_FREE, run_reference
 from ..data.loader import Batch
 from ..hardware.device import Precision
 from . import preference as pref
@@ -159,10 +159,9 @@ def build_objective(cfg, model: torch.nn.Module) -> TokenObjective | PairObjecti
     name = cfg.train.objective
     if name == "sft":
         return TokenObjective(router_loss_for(model, cfg.model.router_aux_loss))
-    if name == "grpo":  # beta > 0: the reference of DPO (adapters off, or a frozen copy); 0: none runs
-        reference = "none" if cfg.rl.beta == 0 else resolve_reference("dpo", "auto", cfg.model.method)
+    reference = run_reference(cfg)  # grpo: beta > 0, the reference of DPO (adapters off, or a frozen copy); 0: none runs
+    if name == "grpo":
         return GRPOObjective(cfg.rl, reference, _frozen(model) if reference == "model" else None)
-    reference = resolve_reference(name, cfg.preference.reference, cfg.model.method)
     return PairObjective(name, cfg.preference, reference, _frozen(model) if reference == "model" else None)
 
 

@@ -79,7 +79,8 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
             from transformers import DynamicCache
 
             cache = DynamicCache()
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                        **last_logits_only(model))
             last = positions[:, -1]
             for step in range(s.max_new_tokens):
                 if s.greedy:
@@ -107,6 +108,15 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
     finally:
         model.train(was_training)
     return Completions(tokens, finished)
+
+
+def last_logits_only(model: torch.nn.Module) -> dict[str, int]:
+    """The prefill's keyword for logits at the last position only (``logits_to_keep``, where the model takes it):
+    the draw reads no other, and rows x prompt x vocabulary logits would be the rollout's largest tensor."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes it through
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
 
 
 @contextlib.contextmanager

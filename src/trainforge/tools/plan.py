@@ -26,6 +26,7 @@ from ..engine.predict.trace_cache import reusing_traces
 from ..data.mixture import describe_planned, planned_epochs, planned_mixture
 from ..hardware.device import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
 from ..hardware.profiles import GIB, HardwareProfile, find_profile
+from .plan_memory import memory_table, rollout_facts
 from .plan_moe import moe_findings, no_fit_fix, with_moe
 from .plan_decisions import decisions
 from .plan_kernels import attention_share, fp8_problem, fp8_uncompiled, planned_attention
@@ -153,6 +154,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
             "capacity_bytes": memory.capacity,
             "share": memory.share,
             "parts": memory.parts,
+            "rollout": rollout_facts(resolved, memory),  # grpo: the sampler's phase, its KV cache among its parts
             "fits": memory.fits(),
             "levers": levers,
             "one_change_to_fit": remedy,
@@ -399,17 +401,7 @@ def render(plan: dict[str, Any], console) -> None:
     h, m, t = plan["hardware"], plan["memory"], plan["time"]
     world = f", {plan['world_size']} processes" if plan["world_size"] > 1 else ""
     console.print(f"[bold]plan[/bold] for {h['title']}{world} ({h['source']})")
-    table = Table(title="predicted peak memory of one step (per process)", title_justify="left")
-    table.add_column("part")
-    table.add_column("GiB", justify="right")
-    for name, value in m["parts"].items():
-        table.add_row(name, f"{value / GIB:.3f}")
-    table.add_row("[bold]tensors at peak[/bold]", f"[bold]{m['peak_tensor_bytes'] / GIB:.3f}[/bold]")
-    fixed = h["fixed_bytes"] / GIB
-    table.add_row(f"process (+{h['allocator_overhead']:.0%} allocator, +{fixed:.2f} fixed)", f"{m['peak_process_bytes'] / GIB:.3f}")
-    if m.get("load_process_bytes"):
-        table.add_row("process while loading the weights", f"{m['load_process_bytes'] / GIB:.3f}")
-    console.print(table)
+    console.print(memory_table(m, h))
     verdict = "[green]fits[/green]" if m["fits"] else "[red]does not fit[/red]"
     console.print(f"{verdict}: {m['share']:.0%} of {m['capacity_bytes'] / GIB:.1f} GiB")
     for lever, value in m["levers"].items():

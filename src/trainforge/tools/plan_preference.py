@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config.run import RunConfig
-from ..config.preference import resolve_reference
+from ..config.preference import run_reference
 from ..engine.predict.fit import MemoryPrediction
 from ..engine.predict.timing import StepTime
 
@@ -20,7 +20,7 @@ def with_reference(cfg: RunConfig, step: StepTime, memory: MemoryPrediction) -> 
     objective = cfg.train.objective
     if objective == "sft":
         return step, None
-    reference = resolve_reference(objective, cfg.preference.reference, cfg.model.method)
+    reference = run_reference(cfg)
     facts: dict[str, Any] = {"objective": objective, "reference": reference, "reference_s": 0.0,
                              "reference_bytes": memory.parts.get("reference", 0)}
     if reference in ("none", "precompute"):  # precompute: one forward over the data before the first step
@@ -37,7 +37,8 @@ def describe_reference(facts: dict[str, Any]) -> str:
     what = {"adapters": "the model with its adapters off", "model": "a frozen copy of the starting weights",
             "precompute": "precomputed once before the first step (a forward over the data; cached beside the tokens)",
             "none": "none (the objective compares the policy with itself)" if facts["objective"] in ("orpo", "simpo")
-            else "none (reference-free)"}[facts["reference"]]
+            else "none (rl.beta 0: no KL term)" if facts["objective"] == "grpo" else "none (reference-free)"}[facts["reference"]]
     cost = f"; its forward adds {facts['reference_s']:.3f}s per step (included above)" if facts["reference_s"] else ""
     held = f", {facts['reference_bytes'] / 2**30:.3f} GiB held (in the memory above)" if facts["reference_bytes"] else ""
-    return f"objective: {facts['objective']}, reference: {what}{held}{cost}"
+    sampling = "; the rollout's sampling time is not predicted (the speed above is the learning step's)" if facts["objective"] == "grpo" else ""
+    return f"objective: {facts['objective']}, reference: {what}{held}{cost}{sampling}"

@@ -2,7 +2,8 @@
 
 The candidates, in the order a user loses least by them: a method that stores less of the model
 (full -> LoRA -> QLoRA), a low-bit optimizer state (8-bit AdamW, for full fine-tunes, where the state
-is large), then shorter rows (``data.max_length`` halved, then quartered). Each is traced like the
+is large), then (grpo) shorter completions (``rl.max_completion_length`` halved, then quartered: the rollout's KV
+cache shrinks with them), then shorter rows (``data.max_length`` halved, then quartered). Each is traced like the
 plan itself at one row with checkpointing; the first that fits is the answer.
 """
 
@@ -25,6 +26,10 @@ def candidates(cfg: RunConfig) -> list[tuple[str, Any, RunConfig]]:
         out.append(("model.method", other, cfg.model_copy(update={"model": cfg.model.model_copy(update={"method": other})})))
     if method == "full" and cfg.optim.name == "adamw" and cfg.optim.offload == "none":
         out.append(("optim.name", "adamw_8bit", cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"name": "adamw_8bit"})})))
+    for divisor in (2, 4) if cfg.train.objective == "grpo" else ():  # the rollout's KV cache and the learning rows
+        n = cfg.rl.max_completion_length // divisor
+        if n >= 32:
+            out.append(("rl.max_completion_length", n, cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"max_completion_length": n})})))
     for divisor in (2, 4):
         length = cfg.data.max_length // divisor
         if length >= 64:

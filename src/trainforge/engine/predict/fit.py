@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config.run import RunConfig
-from ...config.preference import resolve_reference
+from ...config.preference import run_reference
 from ...hardware.device import Precision
 from ...hardware.profiles import EXPANDABLE_ALLOCATOR_OVERHEAD, GIB, HardwareProfile
 from .memory import MemoryEstimate, estimate_memory
+from .rollout_memory import micro_batch_unit, predict_rollout, rows_that_fit
 from .trace import StepTrace, quantize_base_4bit, trace_training_step
 
 FIT_MARGIN = 0.90  # micro_batch_size: auto and checkpointing: auto keep the predicted process peak under this share
@@ -28,13 +29,17 @@ QUICK_SHARE = 0.25  # the rough estimate below this share of the device: fits wi
 class MemoryPrediction:
     """Predicted peak memory of one training step on one process, in bytes."""
 
-    parts: dict[str, int]  # weights, grads, optimizer, activations, temporaries (+ ddp_buckets, fsdp_gather)
-    tensors: int  # peak of live tensors
+    parts: dict[str, int]  # the learning step's: weights, grads, optimizer, activations, temporaries (+ ddp_buckets, ...)
+    tensors: int  # peak of live tensors (grpo: the larger of the learning step's and the rollout's)
     process: int  # tensors with the allocator's overhead, plus the fixed cost
     capacity: int  # the device's memory
     micro_batch_size: int
     activation_checkpointing: bool
     trace: StepTrace | None = field(default=None, repr=False)
+    rollout: dict[str, int] | None = None  # grpo: the rollout phase's parts, kv_cache among them (rollout_memory.py)
+    rollout_rows: int = 0  # grpo: the completions the rollout samples at once
+    scale: float = 1.0  # process bytes per tensor byte (the allocator's overhead)
+    fixed: float = 0.0  # the process's fixed cost
 
     @property
     def share(self) -> float:
@@ -42,6 +47,18 @@ class MemoryPrediction:
 
     def fits(self, margin: float = 1.0) -> bool:
         return self.process <= margin * self.capacity
+
+    def process_of(self, tensors: int) -> int:
+        """The process's bytes when ``tensors`` bytes of tensors are live."""
+        return int(tensors * self.scale + self.fixed)
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Tensors at the peak of each phase of the step: the learning step, and a grpo run's rollout."""
+        out = {"learning": sum(self.parts.values())}
+        if self.rollout is not None:
+            out["rollout"] = sum(self.rollout.values())
+        return out
 
 
 def predict_memory(
@@ -68,12 +85,13 @@ def predict_memory(
         parts["fsdp_gather"] = 2 * trace.largest_layer + trace.largest_layer
     elif world_size > 1:
         parts["ddp_buckets"] = trace.trainable_grads  # DDP reduces gradients through flat bucket copies
-    t = cfg.train
-    if t.objective != "sft" and resolve_reference(t.objective, cfg.preference.reference, cfg.model.method) == "model":
+    if run_reference(cfg) == "model":
         parts["reference"] = trace.parts["weights"]  # a frozen copy of the starting weights, whole on every process
-    tensors = sum(parts.values())
-    process = int(tensors * (1 + allocator_overhead(profile)) + fixed_bytes(cfg, profile))
-    return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size, activation_checkpointing, trace)
+    rollout = predict_rollout(cfg, tokenizer, precision, micro_batch_size, grad_accum, world_size, parts)
+    tensors = max(sum(parts.values()), sum(rollout[0].values()) if rollout else 0)
+    scale, fixed = 1 + allocator_overhead(profile), fixed_bytes(cfg, profile)
+    return MemoryPrediction(parts, tensors, int(tensors * scale + fixed), profile.memory_bytes, micro_batch_size,
+                            activation_checkpointing, trace, *(rollout or (None, 0)), scale, fixed)
 
 
 def allocator_overhead(profile: HardwareProfile) -> float:
@@ -215,11 +233,12 @@ def fit_run(
         one, two = predict(1, ckpt), predict(2, ckpt)
         if not one.fits(margin) and ckpt != ckpt_options[-1]:
             continue
-        per_row = max(two.process - one.process, 1)
-        mbs = max(1, min(cap, int((budget - one.process) // per_row) + 1))
+        largest, per_row = rows_that_fit(one, two, budget)
+        mbs = max(1, min(cap, largest))
         mbs = _allowed(mbs, cfg, world_size)
         m = predict(mbs, ckpt) if mbs > 2 else (one if mbs == 1 else two)
-        while not m.fits(margin) and mbs > 1:  # the line was optimistic: step down until the check fits
+        smallest = _allowed(1, cfg, world_size)  # grpo: whole groups of completions
+        while not m.fits(margin) and mbs > smallest:  # the line was optimistic: step down until the check fits
             mbs = _allowed(mbs - 1, cfg, world_size)
             m = predict(mbs, ckpt)
         why = (
@@ -228,7 +247,11 @@ def fit_run(
             + (f"; capped at {cap}" if mbs == cap else "")
         )
         if not m.fits(margin):
-            why = f"1: even one row is predicted at {m.process / GIB:.2f} GiB, over {margin:.0%} of {profile.memory_bytes / GIB:.1f} GiB"
+            rows = "one row" if mbs == 1 else f"{mbs} rows (whole groups of rl.num_generations)"
+            why = f"{mbs}: even {rows} is predicted at {m.process / GIB:.2f} GiB, over {margin:.0%} of {profile.memory_bytes / GIB:.1f} GiB"
+        if m.rollout is not None:
+            why += (f"; the rollout samples {m.rollout_rows} completions at once, its KV cache "
+                    f"{m.rollout['kv_cache'] / GIB:.2f} GiB")
         return Fit(mbs, ckpt, why, _why_ckpt(auto_ckpt, ckpt, m, profile), m)
     raise AssertionError("unreachable: the last checkpointing option always returns")
 
@@ -238,7 +261,10 @@ def rough_skeleton_bytes(cfg: RunConfig, tokenizer, precision: Precision, micro_
     from ...model.load import build_model_skeleton
 
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, False)
-    return estimate_memory(skeleton, micro_batch_size, cfg.row_tokens(), precision).total
+    est = estimate_memory(skeleton, micro_batch_size, cfg.row_tokens(), precision)
+    parts = {"weights": est.weights, "optimizer": est.optimizer}
+    rollout = predict_rollout(cfg, tokenizer, precision, micro_batch_size, cfg.train.grad_accum, 1, parts)
+    return max(est.total, sum(rollout[0].values()) if rollout else 0)  # grpo: the rollout's KV cache may be the peak
 
 
 def rough_skeleton_estimate(
@@ -276,9 +302,11 @@ def _auto_cap(cfg: RunConfig, world_size: int) -> int:
 
 
 def _allowed(mbs: int, cfg: RunConfig, world_size: int) -> int:
-    """The largest micro-batch <= ``mbs`` that divides the per-process global batch (when one is set)."""
+    """The largest micro-batch <= ``mbs`` that divides the per-process global batch (when one is set); without one,
+    for grpo, the largest multiple of ``micro_batch_unit`` (at least one unit)."""
     g = cfg.train.global_batch_size
     if not g:
-        return max(1, mbs)
+        unit = micro_batch_unit(cfg)  # grpo: whole groups of completions per step
+        return max(unit, mbs // unit * unit)
     per_process = g // world_size
     return next(d for d in range(max(1, mbs), 0, -1) if per_process % d == 0)

@@ -93,7 +93,7 @@ def resolve_levers(
     chosen = levers  # the first that fits, else the last (every lever)
     capacity = f"{margin:.0%} of {profile.memory_bytes / GIB:.1f} GiB"
     fits = memory is not None and memory.fits(margin)
-    at = f"{memory.process / GIB:.2f} GiB at {rows} row{'s' if rows != 1 else ''} of {cfg.data.max_length} tokens"
+    at = f"{memory.process / GIB:.2f} GiB at {rows} row{'s' if rows != 1 else ''} of {cfg.row_tokens()} tokens"
 
     def why(name: str, on: bool, auto: bool) -> str:
         if not auto:

@@ -9,7 +9,8 @@ exist when it starts. The same approach as torch's ``MemTracker`` (torchtitan's 
 estimator), in a lighter form: ``MemTracker`` snapshots every module at every op, which took
 12 s per step on a 98M model here; this tracer keeps five counters and took under 2 s.
 
-The batch is the worst case: full rows of ``data.max_length`` tokens, every position a target.
+The batch is the worst case: full rows of ``data.max_length`` tokens (grpo: prompt and completion), every position
+a target.
 """
 
 from __future__ import annotations
@@ -396,7 +397,8 @@ def _trace(
 
     cpu = torch.device("cpu")
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing, layers)
-    rows, length = micro_batch_size, cfg.data.max_length
+    # a decoder's row: data.max_length, with a grpo completion behind it (an encoder-decoder's target side is its own)
+    rows, length = micro_batch_size, cfg.data.max_length if cfg.model.kind.encoder_decoder else cfg.row_tokens()
     if cfg.data.packing is False:  # one example per row, padded to a multiple of PAD_MULTIPLE (the collators)
         length = padded_width(length)
     with FakeTensorMode(allow_non_fake_inputs=True), chunk_as(device_type), _quiet_warnings():

@@ -17,7 +17,8 @@ and is checked against the fp32 run of the same (data, method, head):
 
 Beside the training cases, per precision: fused vs standard gradients on a batch with masked
 positions, a run stopped after a checkpoint and resumed against the uninterrupted one, and
-packed attention against a reference computed one document at a time; once: the non-finite
+packed attention against a reference computed one document at a time, each preference loss and (fp32, bf16)
+each GRPO loss from packed rows and the fused head against one document at a time; once: the non-finite
 guard as CUDA runs it (read one step late) and pinned host memory. On CUDA the same matrix runs
 on the GPU, which exercises what only runs there: flash-attention varlen over packed documents
 (when flash_attn is installed), pinned memory with non-blocking copies, the lagged guard.
@@ -32,6 +33,7 @@ Modules, one job each (no module imports the package itself):
     results.py     ``Result``; ``CheckOutcome`` (``CheckFailed``, ``Skip``) that end a case or check early
     assets.py      tokenizer, "pretrained" model and data, built once per cache (``trainforge.rundir.atomic``)
     reporters.py   the silent reporter the training runs report to
+    grpo.py        the GRPO check's made rollout and its loss written out one completion at a time
     training.py    a training case: train, check, compare with the fp32 reference
     checks.py      the checks beside the training cases
     probes.py      what the checks measure with (masked batch, packed-attention gap)

@@ -80,6 +80,7 @@ CHECKS = (
     *(f"resume-{p}" for p in PRECISIONS),
     *(f"kernels-{p}" for p in PRECISIONS),
     *(f"preference-{p}" for p in PRECISIONS),
+    *(f"grpo-{p}" for p in ("fp32", "bf16")),
     "fp8-bf16",
     "nonfinite-guard",
     "pinned-memory",

@@ -14,7 +14,8 @@ from .lifecycle import train_stopped_after_checkpoint
 from .probes import PAIR_DOCS, attention_implementations, masked_batch, packed_attention_gap, pair_batch, pair_documents
 from .reporters import quiet
 from .results import CheckFailed, Result, Skip
-from .tolerances import ATTENTION_TOL, CUDA_RESUME_TOL, FP8_TOL, HEAD_GRAD_TOL, LOSS_TOL, PREFERENCE_TOL, fmt_values, relative_gap
+from .tolerances import (ATTENTION_TOL, CUDA_RESUME_TOL, FP8_TOL, GRPO_TOL, HEAD_GRAD_TOL, LOSS_TOL, PREFERENCE_TOL, fmt_values,
+                         relative_gap)
 
 
 def worst_gap(reference: tuple[float, dict], other: tuple[float, dict]) -> tuple[str, float, float]:
@@ -158,6 +159,49 @@ class Checks:
                 )
             notes.append(f"{name} {max(gap, loss_gap):.1e}")
         return f"packed + fused vs each pair alone, unfused: {', '.join(notes)} (tol {tol:.0e})"
+
+    def _check_grpo(self, precision: str) -> str:
+        """Each GRPO loss (grpo, dr_grpo, dapo, gspo) as the training step computes it (completions packed behind
+        their prompts, the fused head, the reference recorded by the stage's packed pass) against the same loss
+        written out one completion at a time through the model's own logits: the loss and every gradient, with
+        clipping biting on some tokens (grpo.py says how the rollout is made)."""
+        from ...config.run import LoraSettings, ModelSettings
+        from ...engine.grpo import COUNT, GRPOObjective
+        from ...engine.loss import fused_head
+        from ...hardware.device import PRECISIONS as MODES
+        from ...model.load import apply_lora, build_model
+        from ...model.tokenizer import load_tokenizer
+        from . import grpo
+
+        mode, tol = MODES[precision], self.tolerance(GRPO_TOL, precision)
+        tok = load_tokenizer(self.assets.tokenizer)
+        with rng_kept():
+            base = build_model(ModelSettings(path=self.assets.pretrained), tok, 0, self.device, mode.autocast_dtype is not None)
+            model = apply_lora(base, LoraSettings(r=4, alpha=8)).to(self.device)
+            torch.manual_seed(1)
+            for n, p in model.named_parameters():
+                if "lora_B" in n:  # adapters that moved: the policy differs from its reference
+                    torch.nn.init.normal_(p, std=0.05)
+        if fused_head(model) is None:
+            raise CheckFailed("the model has no fused head path: the comparison would be standard vs standard")
+        docs = grpo.rollout(len(tok))
+        grpo.record(model, docs, GRPOObjective(grpo.settings("grpo"), "adapters"), mode, self.device)
+        notes = []
+        for name in grpo.LOSSES:
+            s, metrics = grpo.settings(name), {}
+            runs = {"fused": loss_and_grads(model, lambda: grpo.fused_loss(model, docs, s, mode, self.device, metrics)),
+                    "direct": loss_and_grads(model, lambda: grpo.naive_loss(model, docs, s, mode, self.device))}
+            clipped, of = float(metrics["clip_ratio"]), float(metrics[COUNT + "clip_ratio"])
+            if not 0 < clipped < of:  # the clipped branch (no gradient) and the other must both be in the comparison
+                raise CheckFailed(f"{name}: the clipped term was taken on {clipped:.0f} of {of:.0f}: the check cannot see clipping")
+            worst, gap, loss_gap = worst_gap(runs["direct"], runs["fused"])
+            if gap > tol or loss_gap > tol:
+                raise CheckFailed(
+                    f"{name}: the training step and the per-completion loss differ under {precision}: loss "
+                    f"{runs['fused'][0]:.5f} vs {runs['direct'][0]:.5f}; gradient of {worst} by {gap:.2e} (tolerance {tol:.0e})"
+                )
+            notes.append(f"{name} {max(gap, loss_gap):.1e}")
+        return f"packed + fused vs each completion alone, unfused: {', '.join(notes)} (tol {tol:.0e})"
 
     def _check_resume(self, precision: str) -> str:
         """Stop a run after a checkpoint as SIGTERM does, resume it, and compare the final weights

@@ -38,6 +38,12 @@ HEAD_GRAD_TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 5e-3}
 # Measured on CPU: fp32 2e-5, bf16 4e-2, fp16 5e-3 (DPO, SimPO, KTO; a pairing or reference bug gives ~1).
 PREFERENCE_TOL = {"fp32": 1e-4, "bf16": 1e-1, "fp16": 3e-2}
 ATTENTION_TOL = {"fp32": 1e-5, "bf16": 3e-2, "fp16": 5e-3}
+# A GRPO step (packed completions, fused head, the reference recorded packed) against each completion alone through
+# the model's own logits, both in the precision: relative gaps of the loss and of every gradient's norm, per loss.
+# Measured on CPU (grpo, dr_grpo, dapo, gspo): fp32 5.5e-6, bf16 4.1e-2, fp16 1.2e-2 (fp16 is no selftest row: its
+# figure bounds "fp32" under TF32 on a GPU). Advantages shifted by one completion gave 4 (fp32); the reference's
+# values spread onto the wrong completions 3e2 (bf16).
+GRPO_TOL = {"fp32": 1e-4, "bf16": 2e-1, "fp16": 5e-2}
 # FP8 linear layers (tensorwise e4m3 forward, e5m2 gradients; 3 and 2 mantissa bits) against bf16 on the
 # same weights, one step on packed rows, relative gaps of the loss and of every gradient's norm.
 # Measured on CPU (torch's emulated FP8 matmuls): loss 2.5e-5, gradients 1.1e-1 (e4m3 keeps 3 mantissa bits:
