@@ -9,8 +9,7 @@ exist when it starts. The same approach as torch's ``MemTracker`` (torchtitan's 
 estimator), in a lighter form: ``MemTracker`` snapshots every module at every op, which took
 12 s per step on a 98M model here; this tracer keeps five counters and took under 2 s.
 
-The batch is the worst case: full rows of ``data.max_length`` tokens (grpo: prompt and completion), every position
-a target.
+The batch is the worst case: full rows of ``data.max_length`` tokens (grpo: + completion), every position a target.
 """
 
 from __future__ import annotations
@@ -33,11 +32,6 @@ if TYPE_CHECKING:
     from ...hardware.device import Precision
 
 KINDS = ("weights", "grads", "optimizer", "activations", "temporaries")
-
-
-def _flop_registry() -> dict:
-    from torch.utils.flop_counter import flop_registry  # on first use: it imports triton (~1 s of every start-up)
-    return flop_registry
 FLOAT8_TENSOR = "Float8TrainingTensor"  # torchao's FP8 operand (train.fp8): its ops are priced at the FP8 rate
 
 # ops that only relabel memory (views) or cost nothing worth timing
@@ -225,9 +219,11 @@ class StepTracer(TorchDispatchMode):
         return isinstance(t, FakeTensor) and t.dtype == torch.bool and self._is_draw(t)
 
     def _record(self, func, packet, args, kwargs, out) -> OpRecord:  # noqa: ANN001
+        from torch.utils.flop_counter import flop_registry  # here, not at the top: it imports triton (~1 s of start-up)
+
         flops = 0.0
         name = str(packet).removeprefix("aten.")
-        counter = _flop_registry().get(packet)
+        counter = flop_registry.get(packet)
         if name in ATTENTION_OPS:
             flops = attention_flops(func, args, kwargs) * ATTENTION_OPS[name]
         elif counter is not None:
@@ -397,7 +393,7 @@ def _trace(
 
     cpu = torch.device("cpu")
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing, layers)
-    # a decoder's row: data.max_length, with a grpo completion behind it (an encoder-decoder's target side is its own)
+    # a decoder's row: data.max_length (+ a grpo completion); an encoder-decoder's target side is its own
     rows, length = micro_batch_size, cfg.data.max_length if cfg.model.kind.encoder_decoder else cfg.row_tokens()
     if cfg.data.packing is False:  # one example per row, padded to a multiple of PAD_MULTIPLE (the collators)
         length = padded_width(length)
