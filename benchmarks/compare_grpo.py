@@ -97,6 +97,8 @@ def settings(args: argparse.Namespace) -> dict:
         s.update(sft={"steps": 60, "batch_size": 32, "lr": 3.0e-3}, steps=4, eval_samples=1)
     if args.steps:
         s["steps"] = args.steps
+    if s["steps"] < 2:
+        raise SystemExit("--steps: at least 2 (the first one is the warm-up, not timed)")
     if args.hidden:
         s["model"].update(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_attention_heads=max(args.hidden // 16, 1))
     if args.layers:
@@ -112,7 +114,7 @@ def settings(args: argparse.Namespace) -> dict:
     s["optim"] = {"lr": 1.0e-3, "betas": [0.9, 0.99], "eps": 1.0e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
     s["lora"] = {"r": 16, "alpha": 32}
     s["precision"] = args.precision
-    s["rollout_rounds"] = 2 if args.quick else 4
+    s["rollout_rounds"] = 2 if args.quick else 6
     s["seed"] = 0
     s["threads"] = args.threads
     g = s["grpo"]
@@ -199,10 +201,11 @@ def run_sft(s: dict, out: Path) -> dict:
     return {"steps": sm["steps"], "train_s": sm["train_time_s"], "final_train_loss": sm["final_train_loss"]}
 
 
-def rates(ends: list[float], gen_s: list[float], gen_tokens: list[float], per_step: int) -> dict:
+def rates(ends: list[float], cpu_ends: list[float], gen_s: list[float], gen_tokens: list[float], per_step: int) -> dict:
     """A run's speeds from the clock at each step's end (seconds from the loop's start), each step's generation
     seconds and completion tokens: over the steps after the first (it warms up), the median step (what a load spike
-    on the shared machine moves least: the headline) and the mean, and over every step."""
+    on the shared machine moves least: the headline) and the mean, and over every step; and completions per second
+    of the process's CPU time over the steps after the first (``cpu_ends``: its CPU clock at each step's end)."""
     import statistics
 
     steps = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
@@ -211,23 +214,35 @@ def rates(ends: list[float], gen_s: list[float], gen_tokens: list[float], per_st
     return {"step_s": steps, "gen_s": gen_s, "gen_tokens": gen_tokens,
             "completions_per_s": per_step / statistics.median(later), "completions_per_s_mean": per_step * len(later) / sum(later),
             "completions_per_s_all": per_step * len(steps) / sum(steps),
+            "completions_per_cpu_s": per_step * (len(cpu_ends) - 1) / (cpu_ends[-1] - cpu_ends[0]),
             "gen_s_per_step": statistics.median(s for _, s in gen), "gen_tokens_per_s": statistics.median(t / s for t, s in gen)}
 
 
 def run_trainforge(s: dict, out: Path) -> dict:
     import yaml
 
+    import trainforge.engine.trainer as trainer_module
     from trainforge.config.run import load_config
 
     (out / "config.yaml").write_text(yaml.safe_dump(grpo_config(s, out / "cache"), sort_keys=False))
-    sm, cpu_s = train_timed(load_config(out / "config.yaml"), out / "run")
+    cpu_ends, log_step = [], trainer_module.log_step
+
+    def clocked_log_step(*args, **kwargs):  # called once a step (log.every_steps 1), right after the step
+        cpu_ends.append(time.process_time())
+        return log_step(*args, **kwargs)
+
+    trainer_module.log_step = clocked_log_step
+    try:
+        sm, cpu_s = train_timed(load_config(out / "config.yaml"), out / "run")
+    finally:
+        trainer_module.log_step = log_step
     lines = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "reward" in r and "elapsed_s" in r]
     g = s["grpo"]
     per_step = g["micro_batch_size"] * g["grad_accum"]
     ends = [r["elapsed_s"] for r in steps]
     return {"steps": sm["steps"], "completions": per_step * len(steps), "train_s": sm["train_time_s"], "train_cpu_s": cpu_s,
-            **rates(ends, [r["gen_s"] for r in steps], [r["completion_length"] * per_step for r in steps], per_step),
+            **rates(ends, cpu_ends, [r["gen_s"] for r in steps], [r["completion_length"] * per_step for r in steps], per_step),
             "rewards": [r["reward"] for r in steps], "completion_length": [r["completion_length"] for r in steps],
             "truncated": [r["truncated"] for r in steps],
             "precision": sm["precision"], "final_dir": sm["final_dir"]}
@@ -256,6 +271,7 @@ def run_trl(s: dict, out: Path, checkpointing: bool | None) -> dict:
     ds = datasets.load_dataset("json", data_files=p["prompts"], split="train", cache_dir=str(out / "hf-cache"))
     model = AutoModelForCausalLM.from_pretrained(p["policy"])  # fp32 as saved, sdpa: transformers' defaults
     ends: list[float] = []
+    cpu_ends: list[float] = []
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -263,6 +279,7 @@ def run_trl(s: dict, out: Path, checkpointing: bool | None) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
 
     args = GRPOConfig(
         output_dir=str(out / "trainer"), learning_rate=o["lr"], lr_scheduler_type="constant", warmup_steps=0,
@@ -303,10 +320,11 @@ def run_trl(s: dict, out: Path, checkpointing: bool | None) -> dict:
     logs = [h for h in trainer.state.log_history if "reward" in h]
     per_step = g["micro_batch_size"] * g["grad_accum"]
     return {"steps": trainer.state.global_step, "completions": per_step * trainer.state.global_step,
-            "train_s": ends[-1] - ends[0], **rates([e - ends[0] for e in ends[1:]], gen_s, gen_tokens, per_step),
+            "train_s": ends[-1] - ends[0], **rates([e - ends[0] for e in ends[1:]], cpu_ends, gen_s, gen_tokens, per_step),
             "rewards": [h["reward"] for h in logs], "completion_length": [h.get("completions/mean_length") for h in logs],
             "truncated": [h.get("completions/clipped_ratio") for h in logs], "final_dir": str(out / "final"),
-            "generation_autocast": sorted(sampled_under), "bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing, "loss_type": args.loss_type,
+            "generation_autocast": sorted(sampled_under), "bf16": args.bf16,
+            "gradient_checkpointing": args.gradient_checkpointing, "loss_type": args.loss_type,
             "precision": "bf16" if args.bf16 else "fp32", "model_dtype": str(next(trainer.model.parameters()).dtype)}
 
 
@@ -335,18 +353,23 @@ def run_rollout(s: dict, out: Path) -> dict:
         return torch.autocast("cpu", dtype=torch.bfloat16) if s["precision"] == "bf16" else contextlib.nullcontext()
 
     stop, new = tok.eos_token_id, g["max_completion_length"]
-    totals = {"trainforge": [0, 0.0], "generate": [0, 0.0]}
+    rounds: dict[str, list[dict]] = {"trainforge": [], "generate": []}
     with autocast():
         ours(model, batches[0], new, stop), theirs(model, batches[0], new, stop)  # warm-up
         for batch in batches:  # alternating: a slow spell of the machine falls on both
             for name, fn in (("trainforge", ours), ("generate", theirs)):
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), time.process_time()
                 tokens = fn(model, batch, new, stop)
-                totals[name][0] += tokens
-                totals[name][1] += time.perf_counter() - t
-    return {"rounds": len(batches), "completions_per_round": n * k,
-            **{f"{name}_tokens": v[0] for name, v in totals.items()}, **{f"{name}_s": v[1] for name, v in totals.items()},
-            **{f"{name}_tokens_per_s": v[0] / v[1] for name, v in totals.items()}}
+                rounds[name].append({"tokens": tokens, "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu})
+    import statistics
+
+    # medians over the batches (each a round of both): a load spike on the shared machine moves them least
+    rate = {name: [r["tokens"] / r["s"] for r in rs] for name, rs in rounds.items()}
+    cpu_rate = {name: sum(r["tokens"] for r in rs) / sum(r["cpu_s"] for r in rs) for name, rs in rounds.items()}
+    return {"batches": len(batches), "completions_per_batch": n * k, "per_batch": rounds,
+            **{f"{name}_tokens_per_s": statistics.median(v) for name, v in rate.items()},
+            **{f"{name}_tokens_per_cpu_s": v for name, v in cpu_rate.items()},
+            "ratio_per_batch": [a / b for a, b in zip(rate["trainforge"], rate["generate"])]}
 
 
 # ---------------------------------------------------------------- the one evaluation, in the parent
@@ -398,7 +421,7 @@ def tail_mean(values: list, k: int = 3) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-HEADER = (f"{'run':<16} {'steps':>5} {'compl/s':>8} {'mean':>6} {'all':>6} {'gen s':>6} {'gen tok/s':>9} {'wall s':>6} "
+HEADER = (f"{'run':<16} {'steps':>5} {'compl/s':>8} {'mean':>6} {'all':>6} {'/cpu-s':>6} {'gen s':>6} {'gen tok/s':>9} {'wall s':>6} "
           f"{'peak MiB':>8} {'load':>4} {'reward 1st':>10} {'last 3':>6} {'final reward':>14}")
 
 
@@ -407,7 +430,7 @@ def fmt_row(r: dict) -> str:
         return f"{r['name']:<16} FAILED: {r['error']}"
     final = f"{r['final_reward']:.3f} ± {r['final_reward_se']:.3f}" if "final_reward" in r else "-"
     return (f"{r['name']:<16} {r['steps']:>5} {r['completions_per_s']:>8.1f} {r['completions_per_s_mean']:>6.1f} "
-            f"{r['completions_per_s_all']:>6.1f} {r['gen_s_per_step']:>6.2f} {r['gen_tokens_per_s']:>9,.0f} {r['wall_s']:>6.1f} "
+            f"{r['completions_per_s_all']:>6.1f} {r['completions_per_cpu_s']:>6.1f} {r['gen_s_per_step']:>6.2f} {r['gen_tokens_per_s']:>9,.0f} {r['wall_s']:>6.1f} "
             f"{r['peak_rss_bytes'] / 2**20:>8,.0f} {r['load_before']:>4.1f} {r['rewards'][0]:>10.3f} "
             f"{tail_mean(r['rewards']):>6.3f} {final:>14}")
 
@@ -424,10 +447,12 @@ def compare(results: dict) -> list[dict]:
     if roll and "error" not in roll:
         ratio = roll["trainforge_tokens_per_s"] / roll["generate_tokens_per_s"]
         met = ratio >= TARGETS["generation_tokens_per_s"]
+        cpu = roll["trainforge_tokens_per_cpu_s"] / roll["generate_tokens_per_cpu_s"]
         print(f"  generation, same batches: trainforge {roll['trainforge_tokens_per_s']:,.0f} tok/s, transformers generate "
               f"{roll['generate_tokens_per_s']:,.0f} tok/s: {ratio:.2f}x (target >= {TARGETS['generation_tokens_per_s']}x: "
-              f"{ok(met)})")
-        out.append({"baseline": "transformers generate", "generation_tokens_per_s_ratio": ratio, "meets": met})
+              f"{ok(met)}); per CPU second {cpu:.2f}x")
+        out.append({"baseline": "transformers generate", "generation_tokens_per_s_ratio": ratio,
+                    "generation_tokens_per_cpu_s_ratio": cpu, "meets": met})
     if not tf or "error" in tf:
         return out
     for name, base in results.items():
@@ -436,7 +461,8 @@ def compare(results: dict) -> list[dict]:
         diff = tf["final_reward"] - base["final_reward"]
         se = (tf["final_reward_se"] ** 2 + base["final_reward_se"] ** 2) ** 0.5
         c = {"baseline": name, **{f"{k}_ratio": tf[k] / base[k] for k in (
-                 "completions_per_s", "completions_per_s_mean", "completions_per_s_all", "gen_tokens_per_s")},
+                 "completions_per_s", "completions_per_s_mean", "completions_per_s_all", "completions_per_cpu_s",
+                 "gen_tokens_per_s")},
              "wall_speedup": base["wall_s"] / tf["wall_s"], "peak_memory_ratio": tf["peak_rss_bytes"] / base["peak_rss_bytes"],
              "final_reward_diff": diff, "final_reward_diff_se": se}
         informational = name != "trl-grpo"
@@ -448,15 +474,17 @@ def compare(results: dict) -> list[dict]:
         verdict = "" if informational else " | " + ", ".join(f"{k} {ok(v)}" for k, v in c["meets"].items())
         print(f"  trainforge vs {name}{' (informational)' if informational else ''}: completions/s "
               f"{c['completions_per_s_ratio']:.2f}x (mean step {c['completions_per_s_mean_ratio']:.2f}x, all steps "
-              f"{c['completions_per_s_all_ratio']:.2f}x) | whole job {c['wall_speedup']:.2f}x faster | peak RSS "
+              f"{c['completions_per_s_all_ratio']:.2f}x, per CPU second {c['completions_per_cpu_s_ratio']:.2f}x) | whole "
+              f"job {c['wall_speedup']:.2f}x faster | peak RSS "
               f"{c['peak_memory_ratio']:.2f}x | in-run generation tok/s {c['gen_tokens_per_s_ratio']:.2f}x | final reward "
               f"{tf['final_reward']:.3f} vs {base['final_reward']:.3f} ({diff:+.3f} ± {se:.3f}){verdict}")
         out.append(c)
     return out
 
 
-MEDIAN_KEYS = ("completions_per_s", "completions_per_s_mean", "completions_per_s_all", "gen_s_per_step", "gen_tokens_per_s",
-               "wall_s", "peak_rss_bytes", "load_before", "trainforge_tokens_per_s", "generate_tokens_per_s")
+MEDIAN_KEYS = ("completions_per_s", "completions_per_s_mean", "completions_per_s_all", "completions_per_cpu_s",
+               "gen_s_per_step", "gen_tokens_per_s", "wall_s", "peak_rss_bytes", "load_before", "trainforge_tokens_per_s",
+               "generate_tokens_per_s", "trainforge_tokens_per_cpu_s", "generate_tokens_per_cpu_s")
 ROUND_KEYS = MEDIAN_KEYS + ("error",)
 
 
@@ -505,7 +533,8 @@ def main() -> int:
                 return r
             if name == "rollout":
                 print(f"  rollout: trainforge {r['trainforge_tokens_per_s']:,.0f} tok/s, generate "
-                      f"{r['generate_tokens_per_s']:,.0f} tok/s ({r['rounds']} batches of {r['completions_per_round']})",
+                      f"{r['generate_tokens_per_s']:,.0f} tok/s (medians of {r['batches']} batches of "
+                      f"{r['completions_per_batch']}; per batch {', '.join(f'{x:.2f}x' for x in r['ratio_per_batch'])})",
                       flush=True)
             else:
                 print(f"  {name}: {r['steps']} steps, {r['completions_per_s']:.1f} completions/s (median step after the "
@@ -521,7 +550,8 @@ def main() -> int:
             if "error" not in r and "final_dir" in r:
                 r.update(final_reward(s, r["final_dir"]))
         print(legend(args, "compl/s: completions per second of the median step after the first (mean: of those "
-                           "steps' total time; all: over every step); gen: seconds a step spends sampling (trainforge: "
+                           "steps' total time; all: over every step; /cpu-s: per second of the process's CPU time, after the first "
+                           "step); gen: seconds a step spends sampling (trainforge: "
                            "and scoring) and its completion tokens/s, medians over the steps after the first; reward: the "
                            "training reward of the first step and the mean of the last 3; final reward: every prompt "
                            f"sampled {s['eval_samples']} times at temperature {g['temperature']}, mean ± standard error")
