@@ -4,9 +4,10 @@
                                       [--precision bf16|fp32] [--runs NAME,NAME] [--repeat N] [--threads 2]
                                       [--workdir DIR] [--out results.json]
 
-The default takes about 5 minutes on 2 busy cores and writes its JSON to benchmarks/results/; ``--steps 40`` (or
-more) for a longer run, ``--hidden 256 --layers 4 --sft-steps 400`` for a larger model (its SFT warm start takes
-most of the added time), ``--quick`` for a smoke check (about 3 minutes).
+The default takes about a minute on 2 idle cores, 5-10 minutes on busy ones (``--repeat 3``, the README's figure:
+3 and 10-15), and writes its JSON to benchmarks/results/; ``--steps 40`` (or more) for a longer run, ``--hidden 256
+--layers 4 --sft-steps 400`` for a larger model (its SFT warm start takes most of the added time), ``--quick`` for a
+smoke check. On a shared machine, read the load column: other jobs' bursts slow whichever run they hit.
 
 Shared inputs (built once, untimed):
 - prompts: ``builtin:arithmetic`` (400 sums ``"7+12="`` with ``answer: "19"``), written once to a JSONL of
