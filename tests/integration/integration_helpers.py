@@ -76,13 +76,14 @@ WARM_CLI = Path(__file__).resolve().with_name("warm_cli.py")
 
 
 class WarmCli:
-    """The client of ``warm_cli.py``: one per test worker, started at its first ``run_cli``. A call whose
-    environment differs from the warm process's in anything but ``TRAINFORGE_*`` (read when a command runs, never
-    at import) runs as a plain subprocess; so does every call once the warm process is gone.
-    ``TRAINFORGE_TESTS_COLD=1`` turns it off."""
+    """The client of ``warm_cli.py``: one warm process per test worker and environment, started at the first
+    ``run_cli`` that needs it. ``TRAINFORGE_*`` variables are read when a command runs, never at import, so they may
+    differ from call to call; any other difference gets a warm process of its own, started with that environment.
+    Once a warm process fails to answer, every call is a plain subprocess. ``TRAINFORGE_TESTS_COLD=1`` turns it off."""
 
-    _instance: "WarmCli | None" = None
+    _instances: "dict[frozenset, WarmCli]" = {}  # by environment (TRAINFORGE_* aside): a test's own one gets its own
     _broken = False
+    KEEP = 2  # warm processes per worker: the usual environment and the latest other one
 
     def __init__(self, env: dict[str, str]):
         import socket
@@ -95,14 +96,31 @@ class WarmCli:
         self.sock = ours
         self.stream = ours.makefile("rw", encoding="utf-8")
 
+    @staticmethod
+    def key(env: dict[str, str]) -> frozenset:
+        return frozenset((k, v) for k, v in env.items() if not k.startswith("TRAINFORGE_"))
+
     @classmethod
     def for_env(cls, env: dict[str, str]) -> "WarmCli | None":
+        """The warm process for this environment (started now if there is none), or None once one has failed."""
         if cls._broken:
             return None
-        if cls._instance is None or cls._instance.proc.poll() is not None:
-            cls._instance = cls(env)
-        same = lambda e: {k: v for k, v in e.items() if not k.startswith("TRAINFORGE_")}  # noqa: E731
-        return cls._instance if same(env) == same(cls._instance.env) else None
+        key = cls.key(env)
+        warm = cls._instances.pop(key, None)  # put back below as the most recently used
+        if warm is not None and warm.proc.poll() is None:
+            cls._instances[key] = warm
+        else:
+            while len(cls._instances) >= cls.KEEP:  # the least recently used goes
+                old = cls._instances.pop(next(iter(cls._instances)))
+                old.proc.kill()
+                old.proc.wait()
+            warm = cls._instances[key] = cls(env)
+        return warm
+
+    def drop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        WarmCli._instances = {k: v for k, v in WarmCli._instances.items() if v is not self}
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], input: str | None, timeout: float) -> subprocess.CompletedProcess:
         import socket
@@ -127,9 +145,7 @@ class WarmCli:
                 answer = self.stream.readline()
             except socket.timeout:  # a timed-out socket file cannot be read again: a new warm process next time
                 os.kill(pid, 9)
-                self.proc.kill()
-                self.proc.wait()
-                WarmCli._instance = None
+                self.drop()
                 raise subprocess.TimeoutExpired(argv, timeout, output=read("stdout"), stderr=read("stderr")) from None
             code = json.loads(answer)["returncode"]
             return subprocess.CompletedProcess(argv, code, read("stdout"), read("stderr"))
