@@ -78,10 +78,11 @@ WARM_CLI = Path(__file__).resolve().with_name("warm_cli.py")
 class WarmCli:
     """The client of ``warm_cli.py``: one warm process per test worker and environment, started at the first
     ``run_cli`` that needs it. ``TRAINFORGE_*`` variables are read when a command runs, never at import, so they may
-    differ from call to call; any other difference gets a warm process of its own, started with that environment.
+    differ from call to call; any other difference gets a warm process of its own, started with that environment at its second call.
     Once a warm process fails to answer, every call is a plain subprocess. ``TRAINFORGE_TESTS_COLD=1`` turns it off."""
 
     _instances: "dict[frozenset, WarmCli]" = {}  # by environment (TRAINFORGE_* aside): a test's own one gets its own
+    _seen: "set[frozenset]" = set()
     _broken = False
     KEEP = 2  # warm processes per worker: the usual environment and the latest other one
 
@@ -109,6 +110,9 @@ class WarmCli:
         warm = cls._instances.pop(key, None)  # put back below as the most recently used
         if warm is not None and warm.proc.poll() is None:
             cls._instances[key] = warm
+        elif key not in cls._seen:  # an environment's first call runs cold: one seen once never pays for a warm start
+            cls._seen.add(key)
+            return None
         else:
             while len(cls._instances) >= cls.KEEP:  # the least recently used goes
                 old = cls._instances.pop(next(iter(cls._instances)))
