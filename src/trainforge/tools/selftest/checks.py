@@ -91,28 +91,34 @@ class Checks:
             notes.append(f"{label} {max(gap, loss_gap):.1e}")
         return f"fused vs standard: {', '.join(notes)} (tol {tol:.0e})"
 
-    def _check_preference(self, precision: str) -> str:
-        """One path per preference family, the training step's against a direct unfused implementation: DPO
-        with its reference as LoRA adapters off, SimPO without one, KTO on unpaired examples; packed pairs through the fused head
-        vs each document run alone through the model's own logits, both in this precision: the loss and
-        every gradient."""
+    def _moved_lora_policy(self, mode) -> tuple:  # noqa: ANN001 - a Precision
+        """(tokenizer, LoRA model on the pretrained asset whose adapters moved: the policy differs from its reference)."""
         from ...config.run import LoraSettings, ModelSettings
-        from ...config.preference import PreferenceSettings
-        from ...engine import preference as pref
-        from ...engine.objective import PairObjective
-        from ...hardware.device import PRECISIONS as MODES
         from ...model.load import apply_lora, build_model
         from ...model.tokenizer import load_tokenizer
 
-        mode, tol = MODES[precision], self.tolerance(PREFERENCE_TOL, precision)
         tok = load_tokenizer(self.assets.tokenizer)
         with rng_kept():
             base = build_model(ModelSettings(path=self.assets.pretrained), tok, 0, self.device, mode.autocast_dtype is not None)
             model = apply_lora(base, LoraSettings(r=4, alpha=8)).to(self.device)
             torch.manual_seed(1)
             for n, p in model.named_parameters():
-                if "lora_B" in n:  # adapters that moved: the policy differs from its reference
+                if "lora_B" in n:
                     torch.nn.init.normal_(p, std=0.05)
+        return tok, model
+
+    def _check_preference(self, precision: str) -> str:
+        """One path per preference family, the training step's against a direct unfused implementation: DPO
+        with its reference as LoRA adapters off, SimPO without one, KTO on unpaired examples; packed pairs through the fused head
+        vs each document run alone through the model's own logits, both in this precision: the loss and
+        every gradient."""
+        from ...config.preference import PreferenceSettings
+        from ...engine import preference as pref
+        from ...engine.objective import PairObjective
+        from ...hardware.device import PRECISIONS as MODES
+
+        mode, tol = MODES[precision], self.tolerance(PREFERENCE_TOL, precision)
+        tok, model = self._moved_lora_policy(mode)
         batch, documents = pair_batch(len(tok), self.device), pair_documents(len(tok))
         prompts = [prompt for docs in PAIR_DOCS for _, prompt in docs]
         settings = PreferenceSettings(beta=0.5, simpo_gamma=0.3)
@@ -165,23 +171,13 @@ class Checks:
         their prompts, the fused head, the reference recorded by the stage's packed pass) against the same loss
         written out one completion at a time through the model's own logits: the loss and every gradient, with
         clipping biting on some tokens (grpo.py says how the rollout is made)."""
-        from ...config.run import LoraSettings, ModelSettings
         from ...engine.grpo import COUNT, GRPOObjective
         from ...engine.loss import fused_head
         from ...hardware.device import PRECISIONS as MODES
-        from ...model.load import apply_lora, build_model
-        from ...model.tokenizer import load_tokenizer
         from . import grpo
 
         mode, tol = MODES[precision], self.tolerance(GRPO_TOL, precision)
-        tok = load_tokenizer(self.assets.tokenizer)
-        with rng_kept():
-            base = build_model(ModelSettings(path=self.assets.pretrained), tok, 0, self.device, mode.autocast_dtype is not None)
-            model = apply_lora(base, LoraSettings(r=4, alpha=8)).to(self.device)
-            torch.manual_seed(1)
-            for n, p in model.named_parameters():
-                if "lora_B" in n:  # adapters that moved: the policy differs from its reference
-                    torch.nn.init.normal_(p, std=0.05)
+        tok, model = self._moved_lora_policy(mode)
         if fused_head(model) is None:
             raise CheckFailed("the model has no fused head path: the comparison would be standard vs standard")
         docs = grpo.rollout(len(tok))
