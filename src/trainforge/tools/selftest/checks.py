@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ...hardware.device import Precision
 from .assets import MODEL_INIT, Assets, rng_kept
 from .cases import CHECKPOINT_EVERY, Case, case_config
 from .lifecycle import train_stopped_after_checkpoint
@@ -91,7 +92,7 @@ class Checks:
             notes.append(f"{label} {max(gap, loss_gap):.1e}")
         return f"fused vs standard: {', '.join(notes)} (tol {tol:.0e})"
 
-    def _moved_lora_policy(self, mode) -> tuple:  # noqa: ANN001 - a Precision
+    def _moved_lora_policy(self, mode: Precision) -> tuple:
         """(tokenizer, LoRA model on the pretrained asset whose adapters moved: the policy differs from its reference)."""
         from ...config.run import LoraSettings, ModelSettings
         from ...model.load import apply_lora, build_model
