@@ -28,6 +28,17 @@ def worst_gap(reference: tuple[float, dict], other: tuple[float, dict]) -> tuple
     return worst, gap, abs(loss_o - loss_r) / abs(loss_r)
 
 
+def fused_matches_direct(name: str, runs: dict, direct: str, precision: str, tol: float) -> str:
+    """The note of a fused-vs-direct comparison (``runs``: ``loss_and_grads`` of each); CheckFailed beyond ``tol``."""
+    worst, gap, loss_gap = worst_gap(runs["direct"], runs["fused"])
+    if gap > tol or loss_gap > tol:
+        raise CheckFailed(
+            f"{name}: the training step and {direct} differ under {precision}: loss {runs['fused'][0]:.5f} vs "
+            f"{runs['direct'][0]:.5f}; gradient of {worst} by {gap:.2e} (tolerance {tol:.0e})"
+        )
+    return f"{name} {max(gap, loss_gap):.1e}"
+
+
 def loss_and_grads(model: torch.nn.Module, loss_of: Callable[[], torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
     """(loss, {name: gradient}) of one backward of ``loss_of()`` from cleared gradients, for ``worst_gap``."""
     model.zero_grad(set_to_none=True)
@@ -158,13 +169,7 @@ class Checks:
 
             runs = {"fused": loss_and_grads(model, lambda: objective.loss_sum(model, batch, mode)),
                     "direct": loss_and_grads(model, direct_loss)}
-            worst, gap, loss_gap = worst_gap(runs["direct"], runs["fused"])
-            if gap > tol or loss_gap > tol:
-                raise CheckFailed(
-                    f"{name}: the training step and the direct implementation differ under {precision}: loss "
-                    f"{runs['fused'][0]:.5f} vs {runs['direct'][0]:.5f}; gradient of {worst} by {gap:.2e} (tolerance {tol:.0e})"
-                )
-            notes.append(f"{name} {max(gap, loss_gap):.1e}")
+            notes.append(fused_matches_direct(name, runs, "the direct implementation", precision, tol))
         return f"packed + fused vs each pair alone, unfused: {', '.join(notes)} (tol {tol:.0e})"
 
     def _check_grpo(self, precision: str) -> str:
@@ -191,13 +196,7 @@ class Checks:
             clipped, of = float(metrics["clip_ratio"]), float(metrics[COUNT + "clip_ratio"])
             if not 0 < clipped < of:  # the clipped branch (no gradient) and the other must both be in the comparison
                 raise CheckFailed(f"{name}: the clipped term was taken on {clipped:.0f} of {of:.0f}: the check cannot see clipping")
-            worst, gap, loss_gap = worst_gap(runs["direct"], runs["fused"])
-            if gap > tol or loss_gap > tol:
-                raise CheckFailed(
-                    f"{name}: the training step and the per-completion loss differ under {precision}: loss "
-                    f"{runs['fused'][0]:.5f} vs {runs['direct'][0]:.5f}; gradient of {worst} by {gap:.2e} (tolerance {tol:.0e})"
-                )
-            notes.append(f"{name} {max(gap, loss_gap):.1e}")
+            notes.append(fused_matches_direct(name, runs, "the per-completion loss", precision, tol))
         return f"packed + fused vs each completion alone, unfused: {', '.join(notes)} (tol {tol:.0e})"
 
     def _check_resume(self, precision: str) -> str:
