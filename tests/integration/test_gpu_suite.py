@@ -194,6 +194,7 @@ def test_the_grpo_row_runs_trl_and_trainforge_and_plan_prices_its_rollout(tmp_pa
     import importlib.util
     from dataclasses import asdict
 
+    pytest.importorskip("trl", reason="the GRPO row's baseline is TRL's GRPOTrainer (the bench extra)")
     spec_ = importlib.util.spec_from_file_location("gpu_suite_grpo", SUITE)
     suite = importlib.util.module_from_spec(spec_)
     monkeypatch.setitem(sys.modules, "gpu_suite_grpo", suite)
