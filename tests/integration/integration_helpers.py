@@ -97,9 +97,13 @@ class WarmCli:
         self.sock = ours
         self.stream = ours.makefile("rw", encoding="utf-8")
 
-    @staticmethod
-    def key(env: dict[str, str]) -> frozenset:
-        return frozenset((k, v) for k, v in env.items() if not k.startswith("TRAINFORGE_"))
+    # read when a command runs, never at import: PYTEST_CURRENT_TEST names each test (and its phase), so keying on it
+    # gave every test a cold first call and a warm process of its own
+    PER_CALL = ("TRAINFORGE_", "PYTEST_CURRENT_TEST")
+
+    @classmethod
+    def key(cls, env: dict[str, str]) -> frozenset:
+        return frozenset((k, v) for k, v in env.items() if not k.startswith(cls.PER_CALL))
 
     @classmethod
     def for_env(cls, env: dict[str, str]) -> "WarmCli | None":

@@ -28,6 +28,8 @@ def test_stdin_environment_and_timeout_reach_the_child(tmp_path, monkeypatch):
     assert proc.returncode == 0 and "data.train" in proc.stdout
     env = cli_command([])[1]
     assert WarmCli.for_env({**env, "TRAINFORGE_X": "1"}) is WarmCli.for_env(env)
+    # pytest names the running test in the environment: the next test's calls share this warm process
+    assert WarmCli.key({**env, "PYTEST_CURRENT_TEST": "tests/x.py::test_next (call)"}) == WarmCli.key(env)
     assert WarmCli.for_env({**env, "OTHER": "1"}) is None  # another environment: cold at first,
     other = WarmCli.for_env({**env, "OTHER": "1"})  # then a warm process of its own, with it
     assert other is not WarmCli.for_env(env) and other.env["OTHER"] == "1"
