@@ -4,7 +4,8 @@ Built here, seeded, nothing downloaded. Real checkpoints carry a ``tokenizer.jso
 converted from the SentencePiece ``tokenizer.model``:
 
 - ids 0-2 ``<unk>``, ``<s>``, ``</s>`` (special added tokens), ids 3-258 the 256 byte pieces ``<0x00>`` ..
-  ``<0xFF>``, then the merged pieces in the order SentencePiece learned them, then the single characters;
+  ``<0xFF>``, then the merged pieces in the order SentencePiece learned them (runs of ``▁`` first, as in
+  Llama 2), then the single characters;
 - a BPE model with ``byte_fallback`` (a character outside the vocabulary becomes its UTF-8 byte pieces) and
   ``fuse_unk``; spaces are ``▁``, written by a Metaspace pre-tokenizer that puts one ``▁`` before the text;
 - the merges are every split of every merged piece into two vocabulary pieces, best piece first (what
@@ -25,8 +26,18 @@ from pathlib import Path
 import torch
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
+ROUND_TRIP_TEXTS = [  # what a GGUF's tokenizer must encode as the run's (chat-rendered turns are added by the tests)
+    "héllo wörld, naïve café — 日本語 🙂 ∑",  # CJK, emoji and ∑ are outside the vocabulary: byte pieces only
+    "def f(x):\n    return {'a': x ** 2}  # ok\n",
+    "\tif a  and b:\n\t\tpass\n\n",
+    "two  spaces\tand\n\nlines   ",
+    "alpha beta gamma delta epsilon",
+    "kalomine tarisu veanel orinat ouie atatin",  # the toy language's overlapping pieces: the merge order decides
+    "[INST] a <unk> b </s> c [/INST]",
+]
 BYTES = [f"<0x{b:02X}>" for b in range(256)]
 SPACE = "\u2581"
+SPACE_RUNS = [SPACE * 2, SPACE * 4, SPACE * 3, SPACE * 8]  # Llama 2's first merged pieces: indentation in one piece
 
 
 def _learned_pieces(texts: list[str], vocab_size: int) -> tuple[list[str], list[str]]:
@@ -99,6 +110,7 @@ def write_sentencepiece_tokenizer(path: Path, texts: list[str], vocab_size: int 
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json of a Llama 2-style tokenizer
     whose merged pieces are learned from ``texts`` (``vocab_size``: the trainer's own vocabulary size)."""
     merged, singles = _learned_pieces(texts, vocab_size)
+    merged = [*SPACE_RUNS, *(p for p in merged if p not in SPACE_RUNS)]
     order = [*SPECIALS, *BYTES, *merged, *(c for c in singles if c not in merged)]
     vocab = {piece: i for i, piece in enumerate(order)}
     path.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from rich.console import Console
 
 pytest.importorskip("gguf")
 
-from sentencepiece_models import MISTRAL_TEMPLATE, write_other_tokenizer
+from sentencepiece_models import MISTRAL_TEMPLATE, ROUND_TRIP_TEXTS, write_other_tokenizer
 
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.model.tokenizer import load_tokenizer
@@ -25,15 +25,7 @@ from trainforge.tools.gguf_model import GGUFExportError
 QUIET = ConsoleReporter(Console(quiet=True))
 TURNS = [{"role": "user", "content": "continue: alpha beta"}, {"role": "assistant", "content": "gamma delta"},
          {"role": "user", "content": "and then? 日本"}]
-TEXTS = [
-    "héllo wörld, naïve café — 日本語 🙂 ∑",  # CJK, emoji and ∑ are outside the vocabulary: byte pieces only
-    "def f(x):\n    return {'a': x ** 2}  # ok\n",
-    "\tif a  and b:\n\t\tpass\n\n",
-    "two  spaces\tand\n\nlines   ",
-    "alpha beta gamma delta epsilon",
-    "kalomine tarisu veanel orinat ouie atatin",  # the toy language's overlapping pieces: the merge order decides
-    "[INST] a <unk> b </s> c [/INST]",
-]
+TEXTS = ROUND_TRIP_TEXTS
 
 
 def _back_tokenizer(path: Path):
@@ -156,6 +148,31 @@ def test_the_space_prefix_and_where_llama_cpp_puts_it_otherwise(tmp_path, sp_lla
     assert space_prefix(load_tokenizer(as_is)) == (True, [])
     bare = _variant(tmp_path, sp_llama_dir, "bare", {"add_prefix_space": False})
     assert space_prefix(load_tokenizer(bare)) == (False, [])
+
+
+def test_what_llama_cpp_joins_otherwise_is_written_with_a_warning(tmp_path, sp_llama_dir):
+    """A Metaspace that splits at spaces (llama.cpp joins '▁▁' pieces across them) and merges that are not every
+    split of every piece (a BPE trainer's: llama.cpp may join a piece from another split) are written, warned."""
+    from trainforge.tools.gguf_vocab import read_vocab
+
+    def split_at_spaces(data):
+        data["pre_tokenizer"]["split"] = True
+
+    def trainer_merges(data):  # one split per piece, as the tokenizers library's BPE trainer learns them
+        kept, seen = [], set()
+        for left, right in data["model"]["merges"]:
+            if left + right not in seen:
+                seen.add(left + right)
+                kept.append([left, right])
+        data["model"]["merges"] = kept
+
+    generic = {"tokenizer_class": "PreTrainedTokenizerFast"}  # tokenizer.json as it is
+    as_is = load_tokenizer(_variant(tmp_path, sp_llama_dir, "as-is", generic, lambda data: None))
+    assert [w for w in read_vocab(as_is, len(as_is)).warnings if "split" in w or "merges" in w] == []
+    split = load_tokenizer(_variant(tmp_path, sp_llama_dir, "split", generic, split_at_spaces))
+    assert any("(split: true)" in w and "'\u2581\u2581'" in w for w in read_vocab(split, len(split)).warnings)
+    trained = load_tokenizer(_variant(tmp_path, sp_llama_dir, "trained", generic, trainer_merges))
+    assert any("merges are not SentencePiece's" in w for w in read_vocab(trained, len(trained)).warnings)
 
 
 def test_tokenizers_llama_cpp_cannot_read_alike_are_refused_naming_the_kind(tmp_path, sp_llama_dir):

@@ -33,8 +33,9 @@ def _steps(node: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
     return list(node.get(key) or []) if node.get("type") == "Sequence" else [node]
 
 
-def check_spm(backend: dict[str, Any], vocab: dict[str, int]) -> None:
-    """Refuse (with what to do) a SentencePiece-style tokenizer llama.cpp would read differently."""
+def check_spm(backend: dict[str, Any], vocab: dict[str, int]) -> list[str]:
+    """Refuse (with what to do) a SentencePiece-style tokenizer llama.cpp cannot read alike; the warnings for
+    one it reads alike except where the tokenizer splits the text at spaces."""
     model = backend.get("model") or {}
     missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in vocab]
     if not model.get("byte_fallback") or missing:
@@ -49,11 +50,18 @@ def check_spm(backend: dict[str, Any], vocab: dict[str, int]) -> None:
             raise GGUFExportError(
                 f"the tokenizer's normalizer {kind} changes the text before BPE; llama.cpp's SentencePiece tokenizer only "
                 f"writes spaces as {SPACE!r}, so it would tokenize differently. {ADVICE}")
+    warnings = []
     for step in _steps(backend.get("pre_tokenizer"), "pretokenizers"):
         if step.get("type") != "Metaspace":
             raise GGUFExportError(
                 f"the tokenizer's pre-tokenizer {step.get('type')} splits the text before BPE; llama.cpp's SentencePiece "
                 f"tokenizer does not, so it would tokenize differently. {ADVICE}")
+        spanning = [piece for piece in vocab if SPACE in piece[1:]]
+        if step.get("split", True) and spanning:
+            warnings.append(f"the tokenizer's Metaspace pre-tokenizer splits the text at every space (split: true) and "
+                            f"llama.cpp does not: pieces across a space ({spanning[0]!r} and {len(spanning) - 1} more) "
+                            "are joined in llama.cpp, never by the run's tokenizer")
+    return warnings
 
 
 def merge_pairs(model: dict[str, Any]) -> list[tuple[str, str]]:

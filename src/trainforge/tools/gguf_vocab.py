@@ -113,10 +113,10 @@ def read_vocab(tokenizer, vocab_size: int) -> Vocab:
             )
         out = Vocab("gpt2", pre, tokens, types, _merges(model))
     elif _is_sentencepiece(backend):
-        check_spm(backend, vocab)
+        split_warnings = check_spm(backend, vocab)
         scores, unmatched = spm_scores(tokens, types, merge_pairs(model))
         prefix, differences = space_prefix(tokenizer)
-        out = Vocab("llama", "default", tokens, types, [], scores=scores, add_space_prefix=prefix)
+        out = Vocab("llama", "default", tokens, types, [], scores=scores, add_space_prefix=prefix, warnings=split_warnings)
         if differences:
             out.warnings.append("llama.cpp's SentencePiece tokenizer will give other ids than the run's tokenizer for "
                                 + " and for ".join(differences) + "; other text tokenizes alike")
