@@ -170,7 +170,11 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 def sp_llama_dir(tmp_path_factory) -> Path:
     """A tiny Llama with a Llama 2-style SentencePiece tokenizer (byte fallback, ``▁``, ``<s>``/``</s>``/``<unk>``;
     ``tests/sentencepiece_models.py``) and Mistral Instruct v0.2's chat template."""
-    from sentencepiece_models import MISTRAL_TEMPLATE, piece_texts, write_sentencepiece_llama
+    from sentencepiece_models import (
+        MISTRAL_TEMPLATE,
+        piece_texts,
+        write_sentencepiece_llama,
+    )
 
     texts = piece_texts(toy_documents(300) + [r["prompt"] + r["completion"] for r in toy_prompt_completions(300)])
     return write_sentencepiece_llama(tmp_path_factory.mktemp("sp-llama"), texts, MISTRAL_TEMPLATE.read_text())

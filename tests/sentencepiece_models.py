@@ -149,7 +149,7 @@ def piece_texts(documents: list[str], seed: int = 7) -> list[str]:
     spaces, tabs and newlines, accented words and [INST] turns (CJK and emoji left out, so they reach the model
     only as byte pieces)."""
     rng = random.Random(seed)
-    syllables = "ka lo mi ne ta ri su ve an el or in at ou ie".split()
+    syllables = ["ka", "lo", "mi", "ne", "ta", "ri", "su", "ve", "an", "el", "or", "in", "at", "ou", "ie"]
     words = [" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(12)) for _ in range(200)]
     code = ["def f(x):\n    return x ** 2  # ok\n", "\tif a  and b:\n\t\tpass\n", "for i in range(3):\n    print(i)\n"]
     turns = ["[INST] continue: alpha beta [/INST]gamma delta", "[INST] and then? [/INST]epsilon"]

@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from integration_helpers import root_conftest, run_cli, show
-from sentencepiece_models import MISTRAL_TEMPLATE, ROUND_TRIP_TEXTS, write_other_tokenizer
+from sentencepiece_models import (
+    MISTRAL_TEMPLATE,
+    ROUND_TRIP_TEXTS,
+    write_other_tokenizer,
+)
 
 pytest.importorskip("gguf")
 conftest = root_conftest()

@@ -15,7 +15,11 @@ from rich.console import Console
 
 pytest.importorskip("gguf")
 
-from sentencepiece_models import MISTRAL_TEMPLATE, ROUND_TRIP_TEXTS, write_other_tokenizer
+from sentencepiece_models import (
+    MISTRAL_TEMPLATE,
+    ROUND_TRIP_TEXTS,
+    write_other_tokenizer,
+)
 
 from trainforge.metrics.console import ConsoleReporter
 from trainforge.model.tokenizer import load_tokenizer
@@ -91,7 +95,7 @@ def test_the_file_is_llama_cpps_sentencepiece_vocabulary(tmp_path, sp_llama_dir)
 def test_the_round_trip_fails_when_the_scores_lose_the_merge_order(tmp_path, sp_llama_dir, monkeypatch):
     """The texts above tell scores apart: flat scores (what llama.cpp's tokenizer.json-only converter writes)
     make transformers' reader, as llama.cpp, merge in another order."""
-    import trainforge.tools.gguf_vocab as gguf_vocab
+    from trainforge.tools import gguf_vocab
 
     monkeypatch.setattr(gguf_vocab, "spm_scores", lambda tokens, types, merges: ([-1000.0] * len(tokens), 0))
     out = tmp_path / "flat.gguf"

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .gguf_model import GGUFExportError
-from .gguf_spm import ADVICE, BYTE_PIECE, check_spm, merge_pairs, space_prefix, spm_scores
+from .gguf_spm import (
+    ADVICE,
+    BYTE_PIECE,
+    check_spm,
+    merge_pairs,
+    space_prefix,
+    spm_scores,
+)
 
 
 @dataclass
