@@ -167,6 +167,20 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sp_llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama with a Llama 2-style SentencePiece tokenizer (byte fallback, ``▁``, ``<s>``/``</s>``/``<unk>``;
+    ``tests/sentencepiece_models.py``) and Mistral Instruct v0.2's chat template."""
+    from sentencepiece_models import (
+        MISTRAL_TEMPLATE,
+        piece_texts,
+        write_sentencepiece_llama,
+    )
+
+    texts = piece_texts(toy_documents(300) + [r["prompt"] + r["completion"] for r in toy_prompt_completions(300)])
+    return write_sentencepiece_llama(tmp_path_factory.mktemp("sp-llama"), texts, MISTRAL_TEMPLATE.read_text())
+
+
+@pytest.fixture(scope="session")
 def toy_data_dir(tmp_path_factory) -> Path:
     """text_train/text_eval and pc_train/pc_eval JSONL files."""
     d = tmp_path_factory.mktemp("data")

@@ -300,7 +300,7 @@ def test_a_template_outside_the_role_content_shape_gets_no_template_and_a_warnin
 
     tok = load_tokenizer(tiny_tokenizer_dir)
     fixtures = Path(__file__).parents[1] / "fixtures" / "chat_templates"
-    for name in ("mistralai-Mistral-7B-Instruct-v0.2.jinja", "Qwen-Qwen2.5-7B-Instruct.jinja"):  # merged system; default system
+    for name in ("mistral-v3.jinja", "Qwen-Qwen2.5-7B-Instruct.jinja"):  # system moved into the last user turn; default system
         text, warnings = ollama_files(tmp_path / "m.gguf", tmp_path, _render(tok, (fixtures / name).read_text()), tok.bos_token, False)
         assert text == "FROM ./m.gguf\n" and "no TEMPLATE" in warnings[0], name
     text, warnings = ollama_files(tmp_path / "m.gguf", tmp_path, None, None, False)

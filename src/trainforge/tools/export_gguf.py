@@ -113,9 +113,8 @@ def export_gguf(source: str | Path, out: Path, quant: str, ollama: Path | None, 
 
     model, tokenizer = full_model(src, reporter)
     vocab = read_vocab(tokenizer, model.get_input_embeddings().num_embeddings)
-    if vocab.model == "llama":
-        reporter.warn("a SentencePiece-style tokenizer: its GGUF form is not yet round-trip tested by trainforge (byte-level "
-                      "BPE is); compare a few encodings in llama.cpp (llama-tokenize) with the run's tokenizer")
+    for warning in vocab.warnings:
+        reporter.warn(warning)
     end_id = _end_of_turn_id(tokenizer, shape.end_of_turn) if shape else None
     # general.name stays the file's: transformers' reader turns a file named exactly "mistral" into an architecture
     # gguf-py has no tensor map for; as llama.cpp's llama architecture it reads back as LlamaForCausalLM, the same model

@@ -5,23 +5,30 @@ Two shapes, the two llama.cpp tokenizes with:
 - **byte-level BPE** (GPT-2 style: trainforge's trained BPE, Llama 3, Qwen2/3): ``tokenizer.ggml.model =
   gpt2``, the vocabulary in id order, the merges, and the pre-tokenizer's name (``gpt-2`` for ByteLevel's own
   regex; for a Split regex the name llama.cpp and transformers' GGUF reader give that exact regex);
-- **SentencePiece-style BPE** (``▁`` for spaces, byte fallback: Llama 2, Mistral, Phi-3): ``llama``, the
-  vocabulary with scores (earlier ids merge first) and types, and the merges for readers that take them.
+- **SentencePiece-style BPE** (``▁`` for spaces, byte fallback: Llama 2, Mistral v0.1-v0.3, Phi-3): ``llama``,
+  the vocabulary with scores that carry the merge order and no merges, as llama.cpp's converter writes it
+  (``gguf_spm``).
 
-Token types: special added tokens are CONTROL, other added tokens USER_DEFINED, ``<0xNN>`` pieces BYTE,
-ids past the tokenizer's end (an embedding padded beyond the vocabulary) UNUSED placeholders.
+Token types: the unknown token UNKNOWN, other special added tokens CONTROL, other added tokens USER_DEFINED,
+``<0xNN>`` pieces BYTE, ids past the tokenizer's end (an embedding padded beyond the vocabulary) UNUSED
+placeholders. Any other tokenizer model (Unigram, WordPiece, WordLevel) is refused, naming it.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .gguf_model import GGUFExportError
-
-BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+from .gguf_spm import (
+    ADVICE,
+    BYTE_PIECE,
+    check_spm,
+    merge_pairs,
+    space_prefix,
+    spm_scores,
+)
 
 
 @dataclass
@@ -38,6 +45,7 @@ class Vocab:
     add_bos: bool = False
     add_eos: bool = False
     add_space_prefix: bool | None = None
+    warnings: list[str] = field(default_factory=list)  # how llama.cpp will tokenize unlike the run
 
 
 def _merges(model: dict[str, Any]) -> list[str]:
@@ -92,15 +100,17 @@ def read_vocab(tokenizer, vocab_size: int) -> Vocab:
     backend = json.loads(tokenizer.backend_tokenizer.to_str())
     model = backend.get("model") or {}
     if model.get("type") != "BPE":
-        raise GGUFExportError(f"the tokenizer is a {model.get('type')} model; GGUF export handles BPE tokenizers "
-                              "(byte-level or SentencePiece-style); export a Hugging Face directory (--format hf)")
+        raise GGUFExportError(f"the tokenizer is a {model.get('type')} model; GGUF export writes BPE tokenizers only "
+                              f"(byte-level as GPT-2, or SentencePiece-style with byte fallback as Llama 2). {ADVICE}")
     vocab = tokenizer.get_vocab()
     if len(vocab) > vocab_size:
         raise GGUFExportError(f"the tokenizer has {len(vocab)} tokens but the model only {vocab_size} embeddings")
     by_id = {i: t for t, i in vocab.items()}
     added = {i: a for i, a in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
-    tokens, types = _tokens_and_types(by_id, added, vocab_size)
-    if _is_byte_level(backend):
+    byte_level = _is_byte_level(backend)
+    unk = tokenizer.unk_token_id if not byte_level else None  # SentencePiece's unknown piece (llama.cpp's converter types it so)
+    tokens, types = _tokens_and_types(by_id, added, vocab_size, unk)
+    if byte_level:
         pattern, own_regex = _split_regex(backend.get("pre_tokenizer"))
         pre = _pre_name(pattern, own_regex)
         if pre is None:
@@ -110,15 +120,20 @@ def read_vocab(tokenizer, vocab_size: int) -> Vocab:
             )
         out = Vocab("gpt2", pre, tokens, types, _merges(model))
     elif _is_sentencepiece(backend):
-        scores = [-float(i) for i in range(vocab_size)]  # llama.cpp's SentencePiece merges higher scores first
-        for i, kind in enumerate(types):
-            if kind != 1:  # normal pieces only: control/added/byte pieces take no part in merging
-                scores[i] = 0.0 if kind == 6 else -1000.0
-        out = Vocab("llama", "default", tokens, types, _merges(model), scores=scores,
-                    add_space_prefix=_prepends_space(backend))
+        split_warnings = check_spm(backend, vocab)
+        scores, unmatched = spm_scores(tokens, types, merge_pairs(model))
+        prefix, differences = space_prefix(tokenizer)
+        out = Vocab("llama", "default", tokens, types, [], scores=scores, add_space_prefix=prefix, warnings=split_warnings)
+        if differences:
+            out.warnings.append("llama.cpp's SentencePiece tokenizer will give other ids than the run's tokenizer for "
+                                + " and for ".join(differences) + "; other text tokenizes alike")
+        if unmatched:
+            out.warnings.append(f"the tokenizer's merges are not SentencePiece's ({unmatched} two-piece splits of its pieces "
+                                "are not merges, or merge out of order): llama.cpp joins pieces by score and may tokenize "
+                                "some words differently; compare a few encodings with llama.cpp's llama-tokenize")
     else:
-        raise GGUFExportError("the tokenizer is neither byte-level nor SentencePiece-style BPE; export a Hugging Face "
-                              "directory (--format hf)")
+        raise GGUFExportError("the tokenizer is a BPE model but neither byte-level (GPT-2 style) nor SentencePiece-style "
+                              f"(\u2581 for spaces); llama.cpp would split its text differently. {ADVICE}")
     for name in ("bos", "eos", "unk", "pad"):
         token_id = getattr(tokenizer, f"{name}_token_id", None)
         if token_id is not None:
@@ -127,7 +142,8 @@ def read_vocab(tokenizer, vocab_size: int) -> Vocab:
     return out
 
 
-def _tokens_and_types(by_id: dict[int, str], added: dict[int, Any], vocab_size: int) -> tuple[list[str], list[int]]:
+def _tokens_and_types(by_id: dict[int, str], added: dict[int, Any], vocab_size: int,
+                      unk_id: int | None) -> tuple[list[str], list[int]]:
     import gguf
 
     tokens, types = [], []
@@ -136,6 +152,9 @@ def _tokens_and_types(by_id: dict[int, str], added: dict[int, Any], vocab_size: 
         if token is None:
             tokens.append(f"[PAD{i}]")  # an embedding row no text encodes to: llama.cpp's placeholder
             types.append(gguf.TokenType.UNUSED)
+        elif i == unk_id:  # llama.cpp matches it whole in text, as a special token, and never merges into it
+            tokens.append(token)
+            types.append(gguf.TokenType.UNKNOWN)
         elif i in added:
             tokens.append(token)
             types.append(gguf.TokenType.CONTROL if getattr(added[i], "special", False) else gguf.TokenType.USER_DEFINED)
@@ -146,12 +165,6 @@ def _tokens_and_types(by_id: dict[int, str], added: dict[int, Any], vocab_size: 
             tokens.append(token)
             types.append(gguf.TokenType.NORMAL)
     return tokens, [int(t) for t in types]
-
-
-def _prepends_space(backend: dict[str, Any]) -> bool:
-    """Whether the tokenizer puts ``▁`` before the text (Metaspace's prepend scheme, or a Prepend normalizer)."""
-    text = json.dumps([backend.get("pre_tokenizer"), backend.get("normalizer")])
-    return '"Prepend"' in text or '"prepend_scheme": "first"' in text or '"prepend_scheme": "always"' in text
 
 
 def _adds_specials(tokenizer) -> tuple[bool, bool]:
