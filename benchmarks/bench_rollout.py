@@ -13,7 +13,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainforge.rl.rollout import Sampling, generator_for, sample
+from trainforge.rl.rollout import Sampling, sample, stream_keys
 
 
 def model_of(hidden: int, layers: int, vocab: int) -> LlamaForCausalLM:
@@ -29,7 +29,7 @@ def prompts_of(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def ours(model, batch: list[list[int]], new: int, stop: int) -> int:
-    out = sample(model, batch, Sampling(new, 1.0, stop_ids=(stop,)), generator_for(torch.device("cpu"), 0), 0)
+    out = sample(model, batch, Sampling(new, 1.0, stop_ids=(stop,)), stream_keys(0, range(len(batch))), 0)
     return sum(len(t) for t in out.tokens)
 
 

@@ -391,7 +391,7 @@ def final_reward(s: dict, adapter_dir: str | None) -> dict:
     from trainforge.config.rewards import RewardSettings
     from trainforge.model.generate import stop_token_ids
     from trainforge.rl.rewards import RewardSet
-    from trainforge.rl.rollout import Sampling, sample
+    from trainforge.rl.rollout import Sampling, sample, stream_keys
 
     p, g = s["paths"], s["grpo"]
     tok = AutoTokenizer.from_pretrained(p["policy"])
@@ -403,12 +403,12 @@ def final_reward(s: dict, adapter_dir: str | None) -> dict:
     rows = [json.loads(x) for x in Path(p["prompts"]).read_text().splitlines()]
     rewards = RewardSet.from_settings([RewardSettings(name="final_number")], 30)
     sampling = Sampling(g["max_completion_length"], g["temperature"], stop_ids=tuple(stop_token_ids(model, tok)))
-    generator = torch.Generator().manual_seed(1234)
+    keys = stream_keys(1234, range(len(rows) * s["eval_samples"]))  # each completion's draws: its own
     flat = [r for r in rows for _ in range(s["eval_samples"])]
     scores: list[float] = []
     for i in range(0, len(flat), 200):
         part = flat[i : i + 200]
-        out = sample(model, [tok(r["prompt"])["input_ids"] for r in part], sampling, generator, tok.pad_token_id)
+        out = sample(model, [tok(r["prompt"])["input_ids"] for r in part], sampling, keys[i : i + 200], tok.pad_token_id)
         texts = [tok.decode(c, skip_special_tokens=True) for c in out.tokens]
         scores += rewards.score([r["prompt"] for r in part], texts, [{"answer": r["answer"]} for r in part],
                                 [f"eval:{i + k}" for k in range(len(part))]).total

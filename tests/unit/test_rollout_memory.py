@@ -68,7 +68,7 @@ def test_the_rollout_prediction_matches_a_traced_run_of_the_sampler(rows, prompt
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainforge.engine.predict.trace import StepTracer
-    from trainforge.rl.rollout import Sampling, generator_for, sample
+    from trainforge.rl.rollout import Sampling, sample, stream_keys
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -81,7 +81,7 @@ def test_the_rollout_prediction_matches_a_traced_run_of_the_sampler(rows, prompt
 
     tracer = Counter()
     with tracer:
-        sample(model, prompts, Sampling(new, top_p=0.9), generator_for(torch.device("cpu"), 0), 0,
+        sample(model, prompts, Sampling(new, top_p=0.9), stream_keys(0, range(rows)), 0,
                torch.autocast("cpu", dtype=torch.bfloat16))
     tracer.close()
     cfg = SimpleNamespace(model=SimpleNamespace(method="full"), data=SimpleNamespace(max_length=prompt),

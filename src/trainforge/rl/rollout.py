@@ -2,8 +2,13 @@
 
 One prefill over the left-padded prompts, then one token per step for the rows still running; a row that
 samples an end token leaves the batch (its cache rows are dropped), so finished rows cost nothing more. A LoRA
-model samples with its adapters on, unmerged: the same weights the step trains. Sampling draws from a
-``torch.Generator`` the caller owns, so a run that saves its state and loads it back samples the same tokens.
+model samples with its adapters on, unmerged: the same weights the step trains.
+
+Randomness is per completion, not per batch: the caller gives each completion a 64-bit key (``stream_keys``, e.g.
+from the run seed, the epoch, the prompt's index and the sample's number), and the draw of its t-th token reads one
+uniform number that only (key, t) decides (a splitmix64 counter), through the inverse of the filtered distribution's
+cumulative mass. So a completion is the same whichever batch, batch position or process samples it, and a resumed
+run that knows its prompts' keys samples the same tokens with no generator state to save.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -54,12 +60,57 @@ def filter_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return logits
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: 2^64 / the golden ratio
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijection of 64-bit words that spreads every input bit over the output."""
+    with np.errstate(over="ignore"):  # uint64 products wrap by design
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def stream_keys(*parts: int | Sequence[int] | np.ndarray) -> np.ndarray:
+    """One 64-bit key per completion from integer ``parts`` (scalars or equal-length sequences, broadcast), folded
+    in order: the key alone decides every draw of its completion."""
+    key = np.zeros((), dtype=np.uint64)
+    for part in parts:
+        with np.errstate(over="ignore"):
+            key = _mix((key + _GOLDEN) ^ np.asarray(part, dtype=np.int64).astype(np.uint64))
+    return np.atleast_1d(key)
+
+
+def uniforms(keys: np.ndarray, steps: int) -> torch.Tensor:
+    """(len(keys), steps) float32 in [0, 1): the uniform number behind each completion's t-th token (24 bits: exact
+    in float32), from (key, t) alone."""
+    t = np.arange(1, steps + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        words = _mix(np.asarray(keys, dtype=np.uint64)[:, None] + t * _GOLDEN)
+    return torch.from_numpy((words >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24))
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities and (B,) uniforms -> (B,) tokens: the first whose cumulative mass passes u x the total.
+    Each row reads only its own values, so a row draws alike in any batch; a cut token (no mass) is never drawn."""
+    cdf = probs.cumsum(-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    # u x total can round up to the total itself: stop at the last token that has mass
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    return torch.minimum(picked, last)
+
+
 @torch.no_grad()
-def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling, generator: torch.Generator,
+def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling, keys: Sequence[int] | np.ndarray | None,
            pad_id: int, autocast: contextlib.AbstractContextManager | None = None) -> Completions:
-    """Sample one completion for each of ``prompts`` (token ids); ``generator`` draws every token."""
+    """Sample one completion for each of ``prompts`` (token ids); ``keys`` (one per prompt, ``stream_keys``) decide
+    its draws (None: greedy sampling needs none)."""
     device = next(model.parameters()).device
     n = len(prompts)
+    if not s.greedy:
+        if keys is None or len(keys) != n:
+            raise ValueError(f"sample: one key per completion ({n}), got {None if keys is None else len(keys)}")
+        u = uniforms(np.asarray(keys), s.max_new_tokens).to(device)
     width = max(len(p) for p in prompts)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.long)
@@ -87,7 +138,7 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
                     picked = out.logits[:, -1, :].argmax(-1)
                 else:
                     probs = torch.softmax(filter_logits(out.logits[:, -1, :].float(), s), dim=-1)
-                    picked = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                    picked = draw(probs, u[alive, step])
                 done = torch.isin(picked, stops)
                 host_picked, host_done, host_alive = picked.tolist(), done.tolist(), alive.tolist()  # one sync per token
                 for row, (tok, end) in enumerate(zip(host_picked, host_done)):
@@ -133,10 +184,3 @@ def stock_attention(model: torch.nn.Module):
         yield
     finally:
         config._attn_implementation = before
-
-
-def generator_for(device: torch.device, seed: int) -> torch.Generator:
-    """The rollout's own random generator on ``device``, seeded: its state goes into checkpoints."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
