@@ -358,9 +358,9 @@ def run_rollout(s: dict, out: Path) -> dict:
     stop, new = tok.eos_token_id, g["max_completion_length"]
     rounds: dict[str, list[dict]] = {"trainforge": [], "generate": []}
     with autocast():
-        ours(model, batches[0], new, stop), theirs(model, batches[0], new, stop)  # warm-up
+        ours(model, batches[0], new, stop, k), theirs(model, batches[0], new, stop)  # warm-up
         for batch in batches:  # alternating: a slow spell of the machine falls on both
-            for name, fn in (("trainforge", ours), ("generate", theirs)):
+            for name, fn in (("trainforge", lambda *a: ours(*a, k)), ("generate", theirs)):
                 t, cpu = time.perf_counter(), time.process_time()
                 tokens = fn(model, batch, new, stop)
                 rounds[name].append({"tokens": tokens, "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu})

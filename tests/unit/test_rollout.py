@@ -65,6 +65,25 @@ def test_a_completion_is_decided_by_its_key_whatever_batch_or_position_samples_i
     assert sample(model, prompts, s, stream_keys(8, range(8)), 0).tokens != first
 
 
+@pytest.mark.parametrize("greedy", [False, True])
+def test_a_prompts_completions_share_one_prefill_and_sample_what_its_repeated_copies_sample(greedy):
+    """``group``: each prompt prefilled once, its cache repeated to its completions; the completions are those of the
+    prompt repeated ``group`` times and each copy prefilled (the same keys), rows leaving the batch as they end."""
+    model = tiny_llama()
+    s = Sampling(8, temperature=1.4, top_p=0.95, stop_ids=(STOP, 40), greedy=greedy)
+    keys = stream_keys(9, range(12))
+    copies = sample(model, [p for p in PROMPTS[:3] for _ in range(4)], s, keys, 0)
+    prefills = []
+    model.model.register_forward_pre_hook(lambda module, args, kw: prefills.append(tuple(kw["input_ids"].shape)),
+                                          with_kwargs=True)
+    shared = sample(model, PROMPTS[:3], s, keys, 0, group=4)
+    assert shared.tokens == copies.tokens and shared.finished == copies.finished
+    assert prefills[0] == (3, 5) and all(shape[1] == 1 for shape in prefills[1:])  # one prefill row per prompt
+    assert any(shared.finished) and not all(shared.finished)
+    if not greedy:
+        assert len({tuple(t) for t in shared.tokens[:4]}) > 1  # a prompt's completions differ
+
+
 def test_the_draw_follows_the_distribution_and_never_takes_a_cut_token():
     probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
     u = uniforms(stream_keys(3, 1), 40_000)[0]

@@ -26,11 +26,13 @@ def heldout_reward(model: torch.nn.Module, tokenizer, prompts: Sequence[Prompt],
     s = Sampling(max_new_tokens, temperature or 1.0, stop_ids=tuple(stop_token_ids(model, tokenizer)), greedy=greedy)
     each = 1 if greedy else samples
     keys = stream_keys(HELDOUT, seed, np.repeat(np.arange(len(prompts)), each), np.tile(np.arange(each), len(prompts)))
-    prompts = [p for p in prompts for _ in range(each)]
+    per_call = max(1, batch // each)  # prompts a call samples: its completions share their prompt's prefill
     totals: list[float] = []
-    for i in range(0, len(prompts), batch):
-        part = prompts[i : i + batch]
-        out = sample(model, [p.ids for p in part], s, keys[i : i + batch], tokenizer.pad_token_id, autocast)
+    for i in range(0, len(prompts), per_call):
+        part = prompts[i : i + per_call]
+        out = sample(model, [p.ids for p in part], s, keys[i * each : (i + len(part)) * each], tokenizer.pad_token_id,
+                     autocast, group=each)
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in out.tokens]
-        totals += rewards.score([p.text for p in part], texts, [p.fields for p in part], [p.where for p in part]).total
+        flat = [p for p in part for _ in range(each)]
+        totals += rewards.score([p.text for p in flat], texts, [p.fields for p in flat], [p.where for p in flat]).total
     return float(np.mean(totals))

@@ -1,6 +1,7 @@
 """Batched sampling with a KV cache from the policy's own weights: token ids in, completions' token ids out.
 
-One prefill over the left-padded prompts, then one token per step for the rows still running; a row that
+One prefill over the left-padded prompts (once per prompt: the ``group`` completions of a prompt share its
+prefill, whose cache and last logits are repeated to each), then one token per step for the rows still running; a row that
 samples an end token leaves the batch (its cache rows are dropped), so finished rows cost nothing more. A LoRA
 model samples with its adapters on, unmerged: the same weights the step trains.
 
@@ -102,18 +103,19 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling, keys: Sequence[int] | np.ndarray | None,
-           pad_id: int, autocast: contextlib.AbstractContextManager | None = None) -> Completions:
-    """Sample one completion for each of ``prompts`` (token ids); ``keys`` (one per prompt, ``stream_keys``) decide
-    its draws (None: greedy sampling needs none)."""
+           pad_id: int, autocast: contextlib.AbstractContextManager | None = None, group: int = 1) -> Completions:
+    """Sample ``group`` completions for each of ``prompts`` (token ids), prompt by prompt (prompt i's are rows
+    i x group ... i x group + group - 1); ``keys`` (one per completion, ``stream_keys``) decide their draws (None:
+    greedy sampling needs none). The same completions as each prompt repeated ``group`` times, with one prefill."""
     device = next(model.parameters()).device
-    n = len(prompts)
+    n = len(prompts) * group
     if not s.greedy:
         if keys is None or len(keys) != n:
             raise ValueError(f"sample: one key per completion ({n}), got {None if keys is None else len(keys)}")
         u = uniforms(np.asarray(keys), s.max_new_tokens).to(device)
     width = max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding: every row's next token goes to the same column
         ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
         mask[i, width - len(p):] = 1
@@ -122,7 +124,7 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
     stops = torch.tensor(list(s.stop_ids) or [-1], device=device)
     tokens: list[list[int]] = [[] for _ in range(n)]
     finished = [False] * n
-    alive = torch.arange(n, device=device)  # the prompt index of each row still in the batch
+    alive = torch.arange(n, device=device)  # the completion index of each row still in the batch
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
@@ -132,12 +134,16 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
             cache = DynamicCache()
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
                         **last_logits_only(model))
-            last = positions[:, -1]
+            logits, last = out.logits[:, -1, :], positions[:, -1]
+            if group > 1:  # each prompt's rows share its prefill: its keys and values, repeated to every completion
+                cache.batch_repeat_interleave(group)
+                logits, mask, last = (t.repeat_interleave(group, dim=0) for t in (logits, mask, last))
+            del out
             for step in range(s.max_new_tokens):
                 if s.greedy:
-                    picked = out.logits[:, -1, :].argmax(-1)
+                    picked = logits.argmax(-1)
                 else:
-                    probs = torch.softmax(filter_logits(out.logits[:, -1, :].float(), s), dim=-1)
+                    probs = torch.softmax(filter_logits(logits.float(), s), dim=-1)
                     picked = draw(probs, u[alive, step])
                 done = torch.isin(picked, stops)
                 host_picked, host_done, host_alive = picked.tolist(), done.tolist(), alive.tolist()  # one sync per token
@@ -154,8 +160,8 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
                     picked, mask, last, alive = picked[keep], mask[keep], last[keep], alive[keep]
                 mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
                 last = last + 1
-                out = model(input_ids=picked[:, None], attention_mask=mask, position_ids=last[:, None],
-                            past_key_values=cache, use_cache=True)
+                logits = model(input_ids=picked[:, None], attention_mask=mask, position_ids=last[:, None],
+                               past_key_values=cache, use_cache=True).logits[:, -1, :]
     finally:
         model.train(was_training)
     return Completions(tokens, finished)

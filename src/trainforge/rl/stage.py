@@ -202,8 +202,8 @@ class RolloutLoader:
         flat = [self.rows[i] for i, _ in drawn for _ in range(g)]
         index, epoch = (np.repeat(np.array(part, dtype=np.int64), g) for part in zip(*drawn))
         keys = stream_keys(ROLLOUTS, self.seed, epoch, index, np.tile(np.arange(g), len(drawn)))
-        out = sample(self.model, [p.ids for p in flat], self.sampling, keys, self.tokenizer.pad_token_id,
-                     self.precision.autocast(self.device))
+        out = sample(self.model, [self.rows[i].ids for i, _ in drawn], self.sampling, keys, self.tokenizer.pad_token_id,
+                     self.precision.autocast(self.device), group=g)  # one prefill per prompt
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in out.tokens]
         scores = self.rewards.score([p.text for p in flat], texts, [p.fields for p in flat], [p.where for p in flat])
         total = np.asarray(scores.total, dtype=np.float64)
