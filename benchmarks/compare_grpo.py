@@ -1,18 +1,22 @@
 """Side by side: trainforge GRPO (``train.objective: grpo``) against TRL ``GRPOTrainer`` + PEFT LoRA, no vLLM.
 
-    python benchmarks/compare_grpo.py [--quick] [--steps N] [--hidden N --layers N --sft-steps N] [--eval-samples N]
+    python benchmarks/compare_grpo.py [--quick] [--small] [--steps N] [--hidden N --layers N --sft-steps N] [--eval-samples N]
                                       [--precision bf16|fp32] [--runs NAME,NAME] [--repeat N] [--threads 2]
                                       [--workdir DIR] [--out results.json]
 
-The default takes about a minute on 2 idle cores, 5-10 minutes on busy ones (``--repeat 3``, the README's figure:
-3 and 10-15), and writes its JSON to benchmarks/results/; ``--steps 40`` (or more) for a longer run, ``--hidden 256
---layers 4 --sft-steps 400`` for a larger model (its SFT warm start takes most of the added time), ``--quick`` for a
-smoke check. On a shared machine, read the load column: other jobs' bursts slow whichever run they hit.
+The default model is a Llama of about 20M parameters (hidden 512, 6 layers, MLP 1536, 8 heads), as issue 44 asks
+(tens of millions: big enough that rollouts, activations and optimizer state, not the imports, set the peak RSS);
+its SFT warm start takes most of the wall time (several minutes on 2 cores: untimed). ``--small`` is the earlier
+0.14M model (hidden 64, 2 layers: about a minute on 2 idle cores, where the RSS is mostly the imports). The JSON
+goes to benchmarks/results/; ``--steps 40`` (or more) for a longer run, ``--hidden N --layers N --sft-steps N``
+for another size, ``--quick`` for a smoke check (few SFT and GRPO steps: its rewards mean nothing). On a shared
+machine, read the load column: other jobs' bursts slow whichever run they hit.
 
 Shared inputs (built once, untimed):
 - prompts: ``builtin:arithmetic`` (400 sums ``"7+12="`` with ``answer: "19"``), written once to a JSONL of
   ``{prompt, answer}`` rows that both sides read;
-- a Llama-shaped model from seeded random weights with a byte-level BPE trained on the sums, saved once;
+- a Llama-shaped model (about 20M parameters; ``--small``: 0.14M) from seeded random weights with a byte-level BPE
+  trained on the sums, saved once;
 - the starting policy: that model after a short trainforge SFT on the sums (``sft`` run), so that the groups of
   completions earn rewards that differ (a random model earns none, and GRPO learns nothing from equal rewards).
 
@@ -90,12 +94,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def settings(args: argparse.Namespace) -> dict:
     """Sizes of model, SFT warm start and GRPO run: the default, or --quick for a smoke check."""
-    # ~0.14M parameters (2 x 53k in the blocks, 2 x 18k in embeddings and LM head): the SFT warm start that gets its
-    # sampled reward to ~0.3 must fit in the default's few minutes on 2 busy cores
-    s = {"model": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4},
-         "sft": {"steps": 200, "batch_size": 32, "lr": 3.0e-3}, "steps": 10, "eval_samples": 4}
+    if args.small:  # ~0.14M parameters (2 x 53k in the blocks, 2 x 18k in embeddings and LM head)
+        s = {"model": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4},
+             "sft": {"steps": 200, "batch_size": 32, "lr": 3.0e-3}, "steps": 10, "eval_samples": 4}
+    else:  # ~20M parameters (6 x 3.4M in the blocks; a vocabulary of ~300): a lower SFT lr for the deeper model
+        s = {"model": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8},
+             "sft": {"steps": 200, "batch_size": 32, "lr": 1.0e-3}, "steps": 10, "eval_samples": 4}
     if args.quick:
-        s.update(sft={"steps": 60, "batch_size": 32, "lr": 3.0e-3}, steps=4, eval_samples=1)
+        s.update(sft={**s["sft"], "steps": 20}, steps=2, eval_samples=1)
     if args.steps:
         s["steps"] = args.steps
     if s["steps"] < 2:
@@ -358,9 +364,9 @@ def run_rollout(s: dict, out: Path) -> dict:
     stop, new = tok.eos_token_id, g["max_completion_length"]
     rounds: dict[str, list[dict]] = {"trainforge": [], "generate": []}
     with autocast():
-        ours(model, batches[0], new, stop), theirs(model, batches[0], new, stop)  # warm-up
+        ours(model, batches[0], new, stop, k), theirs(model, batches[0], new, stop)  # warm-up
         for batch in batches:  # alternating: a slow spell of the machine falls on both
-            for name, fn in (("trainforge", ours), ("generate", theirs)):
+            for name, fn in (("trainforge", lambda *a: ours(*a, k)), ("generate", theirs)):
                 t, cpu = time.perf_counter(), time.process_time()
                 tokens = fn(model, batch, new, stop)
                 rounds[name].append({"tokens": tokens, "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu})
@@ -391,7 +397,7 @@ def final_reward(s: dict, adapter_dir: str | None) -> dict:
     from trainforge.config.rewards import RewardSettings
     from trainforge.model.generate import stop_token_ids
     from trainforge.rl.rewards import RewardSet
-    from trainforge.rl.rollout import Sampling, sample
+    from trainforge.rl.rollout import Sampling, sample, stream_keys
 
     p, g = s["paths"], s["grpo"]
     tok = AutoTokenizer.from_pretrained(p["policy"])
@@ -403,12 +409,12 @@ def final_reward(s: dict, adapter_dir: str | None) -> dict:
     rows = [json.loads(x) for x in Path(p["prompts"]).read_text().splitlines()]
     rewards = RewardSet.from_settings([RewardSettings(name="final_number")], 30)
     sampling = Sampling(g["max_completion_length"], g["temperature"], stop_ids=tuple(stop_token_ids(model, tok)))
-    generator = torch.Generator().manual_seed(1234)
+    keys = stream_keys(1234, range(len(rows) * s["eval_samples"]))  # each completion's draws: its own
     flat = [r for r in rows for _ in range(s["eval_samples"])]
     scores: list[float] = []
     for i in range(0, len(flat), 200):
         part = flat[i : i + 200]
-        out = sample(model, [tok(r["prompt"])["input_ids"] for r in part], sampling, generator, tok.pad_token_id)
+        out = sample(model, [tok(r["prompt"])["input_ids"] for r in part], sampling, keys[i : i + 200], tok.pad_token_id)
         texts = [tok.decode(c, skip_special_tokens=True) for c in out.tokens]
         scores += rewards.score([r["prompt"] for r in part], texts, [{"answer": r["answer"]} for r in part],
                                 [f"eval:{i + k}" for k in range(len(part))]).total
@@ -499,11 +505,12 @@ ROUND_KEYS = MEDIAN_KEYS + ("error",)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny settings: a smoke check in about two minutes")
+    ap.add_argument("--quick", action="store_true", help="few steps: a smoke check (its rewards mean nothing)")
+    ap.add_argument("--small", action="store_true", help="the 0.14M-parameter model of earlier figures (default: ~20M)")
     ap.add_argument("--steps", type=int, default=None, help="GRPO optimizer steps of each run (default 10; the first is "
                     "the warm-up)")
-    ap.add_argument("--hidden", type=int, default=None, help="the model's hidden size (default 64; MLP 3x, heads of 16)")
-    ap.add_argument("--layers", type=int, default=None, help="the model's layers (default 2)")
+    ap.add_argument("--hidden", type=int, default=None, help="the model's hidden size (default 512; MLP 3x, heads of 16)")
+    ap.add_argument("--layers", type=int, default=None, help="the model's layers (default 6)")
     ap.add_argument("--sft-steps", type=int, default=None, help="steps of the SFT warm start (default 200)")
     ap.add_argument("--eval-samples", type=int, default=None, help="completions per prompt when scoring the final "
                     "policies (default 4)")

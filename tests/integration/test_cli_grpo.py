@@ -57,8 +57,9 @@ def test_prompt_rows_without_the_field_a_reward_reads_are_exit_2_naming_the_row(
 
 def test_a_grpo_run_stopped_by_sigterm_resumes_to_the_same_weights(tmp_path):
     """SIGTERM in step 3 finishes that step and saves it; the same command goes on from there. With num_iterations 2
-    the completions sampled for step 3 are trained on again in step 4, so the checkpoint must carry them and the
-    sampler's generator state: the resumed run ends with the uninterrupted run's weights and metrics."""
+    the completions sampled for step 3 are trained on again in step 4, so the checkpoint must carry them, and step 5
+    samples from the restored prompt position (whose keys decide the draws): the resumed run ends with the
+    uninterrupted run's weights and metrics."""
     from safetensors.torch import load_file
 
     from trainforge.metrics.tracker import MEASURED_FIELDS

@@ -66,5 +66,5 @@ def test_grpo_raises_the_heldout_reward_of_an_sft_model(tmp_path):
     before, after = heldout_reward(tmp_path / "sft" / "final", held), heldout_reward(tmp_path / "grpo" / "final", held)
     rewards = [json.loads(line).get("reward") for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r for r in rewards if r is not None]
-    assert rewards[-1] > rewards[0] + 0.15, rewards  # the training reward rose too (measured: 0.59-0.67 -> 0.92-0.97)
-    assert after >= before + 0.25, (before, after)  # measured: +0.43 to +0.47 over seeds 0-2; seed-to-seed spread ~0.03
+    assert rewards[-1] > rewards[0] + 0.15, rewards  # the training reward rose too (measured: 0.62-0.64 -> 0.92-0.93)
+    assert after >= before + 0.25, (before, after)  # measured: +0.37 to +0.43 over seeds 0-2; seed-to-seed spread ~0.06

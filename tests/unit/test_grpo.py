@@ -184,3 +184,6 @@ def test_advantages_by_group_batch_and_none():
     batch = advantages(r, 3, "batch")
     assert batch == pytest.approx(advantages(r, 3, "none") / (np.std(r, ddof=1) + 1e-4))
     assert not math.isnan(sum(batch))
+    # a process with the first group only, given the step's rewards on every process: the one-process advantages
+    assert advantages(r[:3], 3, "batch", r) == pytest.approx(batch[:3])
+    assert advantages(r[:3], 3, "batch") != pytest.approx(batch[:3])

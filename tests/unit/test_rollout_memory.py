@@ -44,9 +44,15 @@ def test_the_kv_cache_is_rows_x_tokens_x_layers_x_2_x_kv_heads_x_head_dim_x_byte
     # tokens and 256 new ones, 2 layers, keys and values, 2 kv heads of 32 / 4 = 8, in bf16
     assert rows == 8 and parts["kv_cache"] == 8 * (24 + 256) * 2 * 2 * 2 * 8 * 2
     assert parts["weights"] == 1000 and parts["optimizer"] == 20 and "grads" not in parts  # the last step's were freed
-    # short completions: the prefill over the prompts holds more (its layers' temporaries), with the prompts' cache
+    # short completions, groups of 2: the prefill over the 4 prompts (each once for its 2 completions) holds more
+    # (its layers' temporaries), with the prompts' cache
+    pairs = grpo(completion=8)
+    pairs.rl.num_generations = 2
+    parts, _ = predict_rollout(pairs, VocabOnly(256), BF16, 4, 2, 1, learning)
+    assert parts["kv_cache"] == 4 * 24 * 2 * 2 * 2 * 8 * 2
+    # groups of 4: a prefill of 2 prompts is too small to matter; the decode end's cache is the peak's
     parts, _ = predict_rollout(grpo(completion=8), VocabOnly(256), BF16, 4, 2, 1, learning)
-    assert parts["kv_cache"] == 8 * 24 * 2 * 2 * 2 * 8 * 2
+    assert parts["kv_cache"] == 8 * (24 + 8) * 2 * 2 * 2 * 8 * 2
     # under train.global_batch_size the rollout samples the step's share of it, whatever the micro-batch
     assert predict_rollout(grpo(micro=4, accum=1, global_batch_size=32), VocabOnly(256), BF16, 4, 8, 2, learning)[1] == 16
     sft = RunConfig.model_validate({"model": MODEL, "data": {"train": "builtin:arithmetic", "max_length": 24}})
@@ -61,31 +67,33 @@ def test_a_longer_completion_raises_the_peak_which_the_rollout_sets_when_it_samp
     assert long.tensors == long.phases["rollout"] > long.phases["learning"]  # 256 rows sampled, 4 learned from at once
 
 
-@pytest.mark.parametrize("rows,prompt,new", [(8, 16, 48), (16, 160, 1)])  # the decode end's peak; the prefill's
-def test_the_rollout_prediction_matches_a_traced_run_of_the_sampler(rows, prompt, new):
+@pytest.mark.parametrize("rows,prompt,new,group", [(8, 16, 48, 1), (16, 160, 1, 1), (16, 160, 1, 4)])
+def test_the_rollout_prediction_matches_a_traced_run_of_the_sampler(rows, prompt, new, group):
+    # the decode end's peak; the prefill's; a prefill shared by each prompt's 4 completions, its cache repeated
     """``rollout.sample`` on a real model, every tensor it makes counted (the plan's tracer): the prediction of its
     KV cache, temporaries and autocast's weight copies is within 25% of the traced peak."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainforge.engine.predict.trace import StepTracer
-    from trainforge.rl.rollout import Sampling, generator_for, sample
+    from trainforge.rl.rollout import Sampling, sample, stream_keys
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)).eval()
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 2048, (prompt - i % 3,), generator=gen).tolist() for i in range(rows)]
+    prompts = [torch.randint(3, 2048, (prompt - i % 3,), generator=gen).tolist() for i in range(rows // group)]
     class Counter(StepTracer):  # live bytes only: the ops' records (for the time model) are not needed here
         def _record(self, *args):
             return None
 
     tracer = Counter()
     with tracer:
-        sample(model, prompts, Sampling(new, top_p=0.9), generator_for(torch.device("cpu"), 0), 0,
-               torch.autocast("cpu", dtype=torch.bfloat16))
+        sample(model, prompts, Sampling(new, top_p=0.9), stream_keys(0, range(rows)), 0,
+               torch.autocast("cpu", dtype=torch.bfloat16), group=group)
     tracer.close()
     cfg = SimpleNamespace(model=SimpleNamespace(method="full"), data=SimpleNamespace(max_length=prompt),
-                          rl=SimpleNamespace(max_completion_length=new, top_k=0, min_p=0.0, top_p=0.9))
+                          rl=SimpleNamespace(max_completion_length=new, top_k=0, min_p=0.0, top_p=0.9,
+                                             num_generations=group))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     parts = rollout_parts(cfg, DecoderShape(4, 128, 4, 2, 32, 256, 2048), 2, rows, {"weights": weights})
     predicted = sum(parts.values()) - weights  # the tracer counts what sampling makes, not the weights

@@ -1,9 +1,15 @@
 """Batched sampling with a KV cache from the policy's own weights: token ids in, completions' token ids out.
 
-One prefill over the left-padded prompts, then one token per step for the rows still running; a row that
+One prefill over the left-padded prompts (once per prompt: the ``group`` completions of a prompt share its
+prefill, whose cache and last logits are repeated to each), then one token per step for the rows still running; a row that
 samples an end token leaves the batch (its cache rows are dropped), so finished rows cost nothing more. A LoRA
-model samples with its adapters on, unmerged: the same weights the step trains. Sampling draws from a
-``torch.Generator`` the caller owns, so a run that saves its state and loads it back samples the same tokens.
+model samples with its adapters on, unmerged: the same weights the step trains.
+
+Randomness is per completion, not per batch: the caller gives each completion a 64-bit key (``stream_keys``, e.g.
+from the run seed, the epoch, the prompt's index and the sample's number), and the draw of its t-th token reads one
+uniform number that only (key, t) decides (a splitmix64 counter), through the inverse of the filtered distribution's
+cumulative mass. So a completion is the same whichever batch, batch position or process samples it, and a resumed
+run that knows its prompts' keys samples the same tokens with no generator state to save.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -54,15 +61,61 @@ def filter_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     return logits
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment: 2^64 / the golden ratio
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijection of 64-bit words that spreads every input bit over the output."""
+    with np.errstate(over="ignore"):  # uint64 products wrap by design
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def stream_keys(*parts: int | Sequence[int] | np.ndarray) -> np.ndarray:
+    """One 64-bit key per completion from integer ``parts`` (scalars or equal-length sequences, broadcast), folded
+    in order: the key alone decides every draw of its completion."""
+    key = np.zeros((), dtype=np.uint64)
+    for part in parts:
+        with np.errstate(over="ignore"):
+            key = _mix((key + _GOLDEN) ^ np.asarray(part, dtype=np.int64).astype(np.uint64))
+    return np.atleast_1d(key)
+
+
+def uniforms(keys: np.ndarray, steps: int) -> torch.Tensor:
+    """(len(keys), steps) float32 in [0, 1): the uniform number behind each completion's t-th token (24 bits: exact
+    in float32), from (key, t) alone."""
+    t = np.arange(1, steps + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        words = _mix(np.asarray(keys, dtype=np.uint64)[:, None] + t * _GOLDEN)
+    return torch.from_numpy((words >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24))
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities and (B,) uniforms -> (B,) tokens: the first whose cumulative mass passes u x the total.
+    Each row reads only its own values, so a row draws alike in any batch; a cut token (no mass) is never drawn."""
+    cdf = probs.cumsum(-1)
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    # u x total can round up to the total itself: stop at the last token that has mass
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    return torch.minimum(picked, last)
+
+
 @torch.no_grad()
-def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling, generator: torch.Generator,
-           pad_id: int, autocast: contextlib.AbstractContextManager | None = None) -> Completions:
-    """Sample one completion for each of ``prompts`` (token ids); ``generator`` draws every token."""
+def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling, keys: Sequence[int] | np.ndarray | None,
+           pad_id: int, autocast: contextlib.AbstractContextManager | None = None, group: int = 1) -> Completions:
+    """Sample ``group`` completions for each of ``prompts`` (token ids), prompt by prompt (prompt i's are rows
+    i x group ... i x group + group - 1); ``keys`` (one per completion, ``stream_keys``) decide their draws (None:
+    greedy sampling needs none). The same completions as each prompt repeated ``group`` times, with one prefill."""
     device = next(model.parameters()).device
-    n = len(prompts)
+    n = len(prompts) * group
+    if not s.greedy:
+        if keys is None or len(keys) != n:
+            raise ValueError(f"sample: one key per completion ({n}), got {None if keys is None else len(keys)}")
+        u = uniforms(np.asarray(keys), s.max_new_tokens).to(device)
     width = max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding: every row's next token goes to the same column
         ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
         mask[i, width - len(p):] = 1
@@ -71,7 +124,7 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
     stops = torch.tensor(list(s.stop_ids) or [-1], device=device)
     tokens: list[list[int]] = [[] for _ in range(n)]
     finished = [False] * n
-    alive = torch.arange(n, device=device)  # the prompt index of each row still in the batch
+    alive = torch.arange(n, device=device)  # the completion index of each row still in the batch
     was_training = model.training
     model.eval()  # no dropout while sampling
     try:
@@ -81,13 +134,17 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
             cache = DynamicCache()
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
                         **last_logits_only(model))
-            last = positions[:, -1]
+            logits, last = out.logits[:, -1, :], positions[:, -1]
+            if group > 1:  # each prompt's rows share its prefill: its keys and values, repeated to every completion
+                cache.batch_repeat_interleave(group)
+                logits, mask, last = (t.repeat_interleave(group, dim=0) for t in (logits, mask, last))
+            del out
             for step in range(s.max_new_tokens):
                 if s.greedy:
-                    picked = out.logits[:, -1, :].argmax(-1)
+                    picked = logits.argmax(-1)
                 else:
-                    probs = torch.softmax(filter_logits(out.logits[:, -1, :].float(), s), dim=-1)
-                    picked = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                    probs = torch.softmax(filter_logits(logits.float(), s), dim=-1)
+                    picked = draw(probs, u[alive, step])
                 done = torch.isin(picked, stops)
                 host_picked, host_done, host_alive = picked.tolist(), done.tolist(), alive.tolist()  # one sync per token
                 for row, (tok, end) in enumerate(zip(host_picked, host_done)):
@@ -103,8 +160,8 @@ def sample(model: torch.nn.Module, prompts: Sequence[Sequence[int]], s: Sampling
                     picked, mask, last, alive = picked[keep], mask[keep], last[keep], alive[keep]
                 mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
                 last = last + 1
-                out = model(input_ids=picked[:, None], attention_mask=mask, position_ids=last[:, None],
-                            past_key_values=cache, use_cache=True)
+                logits = model(input_ids=picked[:, None], attention_mask=mask, position_ids=last[:, None],
+                               past_key_values=cache, use_cache=True).logits[:, -1, :]
     finally:
         model.train(was_training)
     return Completions(tokens, finished)
@@ -133,10 +190,3 @@ def stock_attention(model: torch.nn.Module):
         yield
     finally:
         config._attn_implementation = before
-
-
-def generator_for(device: torch.device, seed: int) -> torch.Generator:
-    """The rollout's own random generator on ``device``, seeded: its state goes into checkpoints."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g

@@ -4,8 +4,11 @@ prompts, this process's share) are sampled ``rl.num_generations`` times with the
 the completion's tokens (engine/grpo.py's ``RolloutBatch``). The generated completions are kept for
 ``rl.num_iterations`` steps, with the log-probabilities recorded when they were generated.
 
-The loader's state (prompt position, iteration, the generator's state, and the kept completions while they are
-still to be trained on) goes into checkpoints: a resumed run samples the same completions."""
+Each completion's draws are keyed by (run seed, epoch, the prompt's index, its number in the group)
+(rl/rollout.py's ``stream_keys``), not by a generator of the process: a prompt's completions are the same whichever
+process samples it, so ``--nproc N`` trains as one process with the same global batch. The loader's state (prompt
+position, iteration, and the kept completions while they are still to be trained on) goes into checkpoints: a
+resumed run samples the same completions."""
 
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ from ..data.packing import best_fit_decreasing
 from ..engine.grpo import COUNT, SEQUENCES, RolloutBatch, token_logps
 from ..model.generate import stop_token_ids
 from .prompts import Prompt
-from .rollout import Sampling, generator_for, sample
+from .rollout import Sampling, sample, stream_keys
+
+ROLLOUTS = 0x524C  # the first part of a rollout's key: other samplers (held-out rewards) use others
 
 
 @dataclass
@@ -47,14 +52,18 @@ class Doc:
         return 0 if self.masked else len(self.completion)
 
 
-def advantages(rewards: np.ndarray, group: int, scale: str) -> np.ndarray:
-    """Reward minus its group's mean, over the group's std (``scale`` group), the batch's (batch) or 1 (none);
-    the std unbiased with 1e-4 added, as TRL's GRPOTrainer."""
+def advantages(rewards: np.ndarray, group: int, scale: str, step_rewards: np.ndarray | None = None) -> np.ndarray:
+    """Reward minus its group's mean, over the group's std (``scale`` group), the batch's (batch: ``step_rewards``,
+    the step's rewards on every process, else ``rewards``) or 1 (none); the std unbiased with 1e-4 added, as TRL's
+    GRPOTrainer."""
     grouped = rewards.reshape(-1, group)
     centered = (grouped - grouped.mean(axis=1, keepdims=True)).reshape(-1)
     if scale == "none":
         return centered
-    std = np.repeat(grouped.std(axis=1, ddof=1), group) if scale == "group" else np.full(len(rewards), rewards.std(ddof=1))
+    if scale == "group":
+        std = np.repeat(grouped.std(axis=1, ddof=1), group)
+    else:
+        std = np.full(len(rewards), (rewards if step_rewards is None else step_rewards).std(ddof=1))
     return centered / (std + 1e-4)
 
 
@@ -117,7 +126,7 @@ class RolloutLoader:
 
     def bind(self, cfg: Any, model: torch.nn.Module, objective: Any, tokenizer, precision: Any, device: torch.device,
              grad_accum: int) -> None:
-        """The run's policy, settings and step size; the generator seeded per process (a resume loads its state)."""
+        """The run's policy, settings and step size."""
         self.cfg, self.s, self.model, self.objective = cfg, cfg.rl, model, objective
         self.tokenizer, self.precision, self.device = tokenizer, precision, device
         from .rewards import RewardSet
@@ -129,7 +138,6 @@ class RolloutLoader:
         if self.step_completions % g:
             raise ValueError(f"train.micro_batch_size x train.grad_accum ({self.step_completions} completions a step) must "
                              f"be a multiple of rl.num_generations ({g})")
-        self.generator = generator_for(device, cfg.train.seed * 1000 + 17 + self.rank)
         self.sampling = Sampling(self.s.max_completion_length, self.s.temperature, self.s.top_p, self.s.top_k, self.s.min_p,
                                  tuple(stop_token_ids(model, tokenizer)))
         self.capacity = cfg.data.max_length + self.s.max_completion_length
@@ -144,8 +152,6 @@ class RolloutLoader:
 
     def state_dict(self) -> dict[str, Any]:
         state = {"epoch": self.epoch, "offset": self.offset, "iteration": self.iteration, "cursor": self.cursor}
-        if hasattr(self, "generator"):
-            state["generator"] = self.generator.get_state()
         if self.docs and (self.cursor < len(self.docs) or self.iteration + 1 < self.s.num_iterations):
             state["docs"] = [vars(d).copy() for d in self.docs]  # completions still to be trained on
         return state
@@ -153,8 +159,6 @@ class RolloutLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self.iteration, self.cursor = int(state.get("iteration", 0)), int(state.get("cursor", 0))
-        if "generator" in state and hasattr(self, "generator"):
-            self.generator.set_state(state["generator"])
         self.docs = [Doc(**d) for d in state.get("docs", [])]
         if not self.docs:
             self.cursor = 0
@@ -177,8 +181,9 @@ class RolloutLoader:
                 batch.host_sums.update({"gen_s": self.generation_s, COUNT + "gen_s": 1.0})
             yield batch
 
-    def next_prompts(self) -> list[Prompt]:
-        """This process's prompts of the next step: a seeded order per epoch, the global step's contiguous share."""
+    def next_prompts(self) -> list[tuple[int, int]]:
+        """This process's prompts of the next step, as (index among the train prompts, epoch it was drawn in): a seeded
+        order per epoch, the global step's contiguous share."""
         per_rank = self.step_completions // self.s.num_generations
         glob, taken = [], 0
         while taken < per_rank * self.world_size:
@@ -186,22 +191,24 @@ class RolloutLoader:
                 self.epoch, self.offset = self.epoch + 1, 0
             order = np.random.default_rng([self.seed, self.epoch, 5]).permutation(len(self.rows))
             chunk = order[self.offset : self.offset + per_rank * self.world_size - taken].tolist()
-            glob += chunk
+            glob += [(i, self.epoch) for i in chunk]
             taken += len(chunk)
             self.offset += len(chunk)
-        mine = glob[self.rank * per_rank : (self.rank + 1) * per_rank]
-        return [self.rows[i] for i in mine]
+        return glob[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def generate(self) -> list[Doc]:
         """Sample, score and record one step's completions."""
-        prompts, g = self.next_prompts(), self.s.num_generations
-        flat = [p for p in prompts for _ in range(g)]
-        out = sample(self.model, [p.ids for p in flat], self.sampling, self.generator, self.tokenizer.pad_token_id,
-                     self.precision.autocast(self.device))
+        drawn, g = self.next_prompts(), self.s.num_generations
+        flat = [self.rows[i] for i, _ in drawn for _ in range(g)]
+        index, epoch = (np.repeat(np.array(part, dtype=np.int64), g) for part in zip(*drawn))
+        keys = stream_keys(ROLLOUTS, self.seed, epoch, index, np.tile(np.arange(g), len(drawn)))
+        out = sample(self.model, [self.rows[i].ids for i, _ in drawn], self.sampling, keys, self.tokenizer.pad_token_id,
+                     self.precision.autocast(self.device), group=g)  # one prefill per prompt
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in out.tokens]
         scores = self.rewards.score([p.text for p in flat], texts, [p.fields for p in flat], [p.where for p in flat])
         total = np.asarray(scores.total, dtype=np.float64)
-        adv = advantages(total, g, self.s.scale_rewards)
+        everyone = self.step_rewards(total) if self.s.scale_rewards == "batch" else None
+        adv = advantages(total, g, self.s.scale_rewards, everyone)
         docs = [
             Doc(p.ids, c, fin, float(a), float(r), {k: float(v[i]) for k, v in scores.each.items()},
                 self.s.mask_truncated_completions and not fin, p.index)
@@ -210,6 +217,15 @@ class RolloutLoader:
         docs = [d if d.completion else _nonempty(d) for d in docs]
         self.record_logps(docs)
         return docs
+
+    def step_rewards(self, total: np.ndarray) -> np.ndarray:
+        """The step's rewards on every process in rank order (the one-process run's order): ``scale_rewards: batch``
+        divides by their std, so that the processes' advantages are the one-process run's."""
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return total
+        parts: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(parts, total.tolist())  # a few floats per completion, exact as Python floats
+        return np.concatenate([np.asarray(p, dtype=np.float64) for p in parts])
 
     @torch.no_grad()
     def record_logps(self, docs: list[Doc]) -> None:

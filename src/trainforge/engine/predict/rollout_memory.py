@@ -10,9 +10,10 @@
   (prompts x rl.num_generations); at the end of decoding each holds its prompt (left-padded to the longest, at most
   data.max_length) and rl.max_completion_length new tokens. Finished rows leave the batch early; the worst case is
   that none does. Sliding-window layers are counted whole (an overestimate for models that have them);
-- ``temporaries``: the larger of the prefill (one forward over the prompts: a layer's projections and MLP
-  intermediates, the 4D padding mask, the last position's logits) with the prompts' cache, and a decode step at the
-  full cache (its logits in fp32 as the sampler filters and draws from them, one layer's keys and values copied
+- ``temporaries``: the largest of the prefill (one forward over the prompts, each once whatever rl.num_generations:
+  a layer's projections and MLP intermediates, the 4D padding mask, the last position's logits) with the prompts'
+  cache, the repeat of that cache to every completion (both copies alive, the logits repeated too), and a decode
+  step at the full cache (its logits in fp32 as the sampler filters and draws from them, one layer's keys and values copied
   while the cache grows, the attention scores).
 
 Nothing is traced: the figures come from the architecture's fields, so ``fit.py`` prices every micro-batch the
@@ -100,8 +101,13 @@ def rollout_parts(cfg: Any, shape: DecoderShape, dtype_bytes: int, rows: int, le
     # casts; the MLP's gate, up, activation and product) with the 4D masks of the left padding (boolean, a few at
     # once while they are combined); then, the layers' temporaries freed, the last position's logits
     per_token = 8 * shape.hidden + 4 * shape.intermediate
-    prefill_tmp = max(rows * prompt * per_token * dtype_bytes + 3 * rows * prompt * prompt, logits)
-    prefill_kv = kv_cache_bytes(shape, rows, prompt, dtype_bytes)
+    group = cfg.rl.num_generations if rows % cfg.rl.num_generations == 0 else 1
+    prompts = rows // group  # each prompt prefilled once, then its cache repeated to its completions
+    prefill_tmp = max(prompts * prompt * per_token * dtype_bytes + 3 * prompts * prompt * prompt, logits)
+    prefill_kv = kv_cache_bytes(shape, prompts, prompt, dtype_bytes)
+    candidates = [(prefill_kv, prefill_tmp)]
+    if group > 1:  # the repeat: the prompts' cache and every completion's copy of it, with the repeated logits
+        candidates.append((kv_cache_bytes(shape, rows, prompt, dtype_bytes) + prefill_kv, logits))
     # a decode step at the full cache: in a layer, its keys and values copied while torch.cat grows them, or repeated
     # to every query head (transformers' SDPA path takes no GQA kernel with a padding mask), the attention scores
     # (fp32) and one token's activations; then the draw's logits
@@ -109,7 +115,7 @@ def rollout_parts(cfg: Any, shape: DecoderShape, dtype_bytes: int, rows: int, le
     repeat = max(1.0, shape.heads / shape.kv_heads)
     decode_tmp = max(int(full_kv // shape.layers * repeat) + rows * shape.heads * total * 4 + rows * per_token * dtype_bytes,
                      logits)
-    kv, tmp = (full_kv, decode_tmp) if full_kv + decode_tmp >= prefill_kv + prefill_tmp else (prefill_kv, prefill_tmp)
+    kv, tmp = max([(full_kv, decode_tmp), *candidates], key=sum)
     parts = {k: learning[k] for k in PERSISTENT if k in learning}
     if cfg.model.method == "full" and dtype_bytes == 2:
         # fp32 weights under autocast: each matmul's half-precision copy is cached until sampling ends
