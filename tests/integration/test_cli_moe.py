@@ -115,3 +115,33 @@ def test_mixtral_lora_adapts_experts_not_router_and_merges_to_the_same_logits(tm
     before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert any(".experts." in k for k in changed) and not any(k.endswith("gate.weight") for k in changed), changed
+
+
+def test_switch_transformers_trains_with_its_router_z_loss(tmp_path):
+    """The one family whose transformers model adds a router z-loss (encoder-decoder, eager attention only:
+    ``auto`` picks eager for it)."""
+    import torch
+    from seq2seq_models import reverse_rows, t5_tokenizer
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    tok = t5_tokenizer()
+    config = SwitchTransformersConfig(
+        vocab_size=len(tok), d_model=32, d_kv=8, d_ff=48, num_layers=4, num_decoder_layers=4, num_heads=4,
+        num_experts=4, num_sparse_encoder_layers=2, num_sparse_decoder_layers=2, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)
+    torch.manual_seed(0)
+    SwitchTransformersForConditionalGeneration(config).save_pretrained(tmp_path / "switch")
+    tok.save_pretrained(tmp_path / "switch")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in reverse_rows(32)))
+    settings = {
+        "model": {"path": str(tmp_path / "switch")},
+        "data": {"train": str(data), "max_length": 32, "max_target_length": 12},
+        "train": {"max_steps": 2, "micro_batch_size": 4, "grad_accum": 2, "precision": "fp32", "device": "cpu"},
+        "log": {"every_steps": 2, "report": False, "sample_prompt": None},
+    }
+    proc = run_cli(["train", write_config(tmp_path / "switch.yaml", settings), "--output", tmp_path / "run"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    (rec,) = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert rec["z_loss"] > 0 and rec["aux_loss"] > 0, rec
+    assert "| z " in proc.stdout and "attention eager" in proc.stdout

@@ -1,16 +1,22 @@
-"""The router load-balancing (aux) loss of a mixture-of-experts model, as transformers defines it.
+"""The router losses of a mixture-of-experts model, as transformers defines them: load balancing (aux) and z-loss.
 
-transformers adds ``router_aux_loss_coef x load_balancing_loss_func(router_logits, ...)`` to a MoE model's
-loss only when asked (``output_router_logits``). Here every training forward asks for the router logits
-(on the chunked-head path too, which calls the decoder itself) and the model family's own
-``load_balancing_loss_func`` computes the loss over the micro-batch's real tokens (the padding fill of a
-row excluded: its attention mask).
+transformers adds ``router_aux_loss_coef x aux`` (and, where the family has one, ``router_z_loss_coef x z``) to a
+MoE model's loss only when asked (``output_router_logits``). Here every training forward asks for the router
+logits (on the chunked-head path too, which calls the decoder itself) and the terms are computed over the
+micro-batch's real tokens (a row's padding fill excluded):
 
-Accumulation: a micro-batch's aux loss is weighted by its share of the step's target tokens, the divisor
-of the cross-entropy, so a step of one micro-batch trains exactly transformers' ``loss`` (mean
-cross-entropy + coef x aux) and one of several trains the target-token-weighted mean of their aux losses.
-The logged ``loss`` stays the cross-entropy (comparable with ``eval_loss`` and with dense runs); the aux
-loss (before its coefficient) is logged apart as ``aux_loss``.
+- decoder-only families (Qwen2/3-MoE, OLMoE, Mixtral, ...): the family's own ``load_balancing_loss_func`` with the
+  real-token mask as its attention mask. None of them has a z-loss in transformers 5.
+- Switch Transformers (encoder-decoder, top-1), the one family whose transformers model adds a router z-loss:
+  its z-loss and its load-balancing loss per stack (the encoder's real tokens: the source; the decoder's: the
+  positions with a target), summed over the two stacks as transformers does. transformers leaves out a stack
+  whose sparse step is 1 (every layer sparse): so does this, to train the same objective.
+
+Accumulation: a micro-batch's terms are weighted by its share of the step's target tokens, the divisor of the
+cross-entropy, so a step of one micro-batch trains exactly transformers' ``loss`` and one of several trains the
+target-token-weighted mean of their terms. The logged ``loss`` stays the cross-entropy (comparable with
+``eval_loss`` and with dense runs); the terms before their coefficients are logged apart as ``aux_loss`` and
+``z_loss``.
 """
 
 from __future__ import annotations
@@ -21,62 +27,109 @@ from typing import Any
 
 import torch
 
+from ..data.formats import IGNORE
 from ..data.loader import Batch
 from ..model.moe import routing
+from .router_terms import Group, switch_aux, z_loss
 
-AUX, AUX_UNITS = "aux_loss", "aux_loss#units"  # window sums: aux x target tokens, and the target tokens
+AUX, Z, UNITS = "aux_loss", "z_loss", "aux_loss#units"  # window sums: each term x target tokens, and the target tokens
 
 
 class RouterLoss:
-    """The aux term of one model: its family's function, experts, experts per token and coefficient."""
+    """The router terms of one model: its kind (``causal``: a decoder-only family's aux function; ``switch``),
+    experts, experts per token, and the coefficients of the terms switched on (None: off or not in the family).
+    ``sides``: Switch's (encoder, decoder) stacks whose terms transformers adds."""
 
-    def __init__(self, fn: Callable[..., Any], num_experts: int, top_k: int, coef: float):
-        self.fn, self.num_experts, self.top_k, self.coef = fn, num_experts, top_k, coef
+    def __init__(self, kind: str, num_experts: int, top_k: int, coef: float | None, z_coef: float | None = None,
+                 fn: Callable[..., Any] | None = None, sides: tuple[bool, bool] = (True, True)):
+        self.kind, self.num_experts, self.top_k, self.coef, self.z_coef = kind, num_experts, top_k, coef, z_coef
+        self.fn, self.sides = fn, sides
 
-    def add(self, ce_sum: torch.Tensor, router_logits: Any, batch: Batch,
+    def groups(self, routed: dict[str, Any], batch: Batch) -> list[tuple[Group, bool]]:
+        """The micro-batch's router groups, each with whether its losses count (Switch: the stacks transformers adds)."""
+        if self.kind == "switch":
+            encoder = (tuple(routed.get("encoder") or ()), batch.attention_mask)
+            decoder = (tuple(routed.get("decoder") or ()), batch.labels != IGNORE)  # a position per target token
+            return [(encoder, self.sides[0]), (decoder, self.sides[1])]
+        return [((tuple(routed.get("logits") or ()), batch.real), True)]
+
+    def _terms(self, groups: list[tuple[Group, bool]], zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux, z) of a micro-batch with real tokens; zero for a term switched off."""
+        counted = [g for g, on in groups if on and g[0]]
+        aux = z = zero
+        if self.coef is not None and counted:
+            if self.kind == "switch":
+                aux = sum((switch_aux(g) for g in counted), zero)
+            else:
+                layers, mask = counted[0]
+                out = self.fn(layers, self.num_experts, self.top_k, mask)
+                aux = out.float() if torch.is_tensor(out) else zero
+        if self.z_coef is not None and counted:
+            z = sum((z_loss(g) for g in counted), zero)
+        return aux, z
+
+    def add(self, ce_sum: torch.Tensor, routed: dict[str, Any], batch: Batch,
             metrics: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        """``ce_sum`` with this micro-batch's aux term in its gradient (its value unchanged); the aux loss
-        to ``metrics``. Every micro-batch adds the same keys (zero without real tokens): data-parallel ranks
+        """``ce_sum`` with this micro-batch's router terms in its gradient (its value unchanged); the terms to
+        ``metrics``. Every micro-batch adds the same keys (zero without real tokens): data-parallel ranks
         all-reduce the same sums."""
-        weight = float(batch.n_targets)
-        if batch.n_tokens and weight and router_logits:
-            mask = batch.real if batch.real is not None else None
-            aux = self.fn(tuple(router_logits), self.num_experts, self.top_k, mask)
-            aux = aux.float() if torch.is_tensor(aux) else torch.zeros((), device=ce_sum.device)
-        else:  # a data-parallel rank's empty share: nothing routed that counts
-            aux, weight = torch.zeros((), device=ce_sum.device), 0.0
-        if metrics is not None:
-            metrics[AUX] = metrics.get(AUX, 0) + aux.detach() * weight
-            metrics[AUX_UNITS] = metrics.get(AUX_UNITS, 0) + torch.tensor(weight, device=ce_sum.device)
-        term = self.coef * aux * weight  # forward_backward divides the sum by the step's target tokens
+        zero = torch.zeros((), device=ce_sum.device)
+        groups = self.groups(routed, batch)
+        weight = float(batch.n_targets) if batch.n_tokens and any(g[0] for g, _ in groups) else 0.0
+        aux, z = self._terms(groups, zero) if weight else (zero, zero)  # a data-parallel rank's empty share: nothing
+        if metrics is not None and (self.coef is not None or self.z_coef is not None):
+            for key, value, coef in ((AUX, aux, self.coef), (Z, z, self.z_coef)):
+                if coef is not None:
+                    metrics[key] = metrics.get(key, 0) + value.detach() * weight
+            metrics[UNITS] = metrics.get(UNITS, 0) + torch.tensor(weight, device=ce_sum.device)
+        term = ((self.coef or 0.0) * aux + (self.z_coef or 0.0) * z) * weight  # forward_backward divides by the targets
         # the gradient gets the term, the value does not: term - term.detach() is exactly 0, so the summed
         # loss (logged, checked for non-finite values) stays the cross-entropy's
         return ce_sum + (term - term.detach())
 
 
-def router_loss_for(model: torch.nn.Module, enabled: bool = True) -> RouterLoss | None:
-    """The model's router aux loss, or None: switched off, a dense model, or a family transformers gives
-    no ``load_balancing_loss_func`` or no recorded router logits (aux-loss-free routing, DeepSeek-V3's)."""
-    if not enabled:
-        return None
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     base = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    return base.get_base_model() if hasattr(base, "get_base_model") else base
+
+
+def router_loss_for(model: torch.nn.Module, aux: bool = True, z: bool = True) -> RouterLoss | None:
+    """The model's router losses, or None: a dense model, a family transformers gives no load-balancing function
+    or no recorded router logits (aux-loss-free routing, DeepSeek-V3's), or both terms switched off."""
+    base = _unwrapped(model)
     config = getattr(base, "config", None)
-    found = routing(config) if config is not None else None
-    fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
-    records = getattr(base, "_can_record_outputs", None) or {}
-    if found is None or fn is None or "router_logits" not in records:
+    module = sys.modules.get(type(base).__module__)
+    if config is None or not (aux or z):
         return None
+    if getattr(config, "is_encoder_decoder", False) and getattr(module, "router_z_loss_func", None) is not None:
+        return _switch(config, aux, z)
+    found = routing(config)
+    fn = getattr(module, "load_balancing_loss_func", None)
+    records = getattr(base, "_can_record_outputs", None) or {}
+    if found is None or fn is None or "router_logits" not in records or not aux:
+        return None  # no decoder-only family of transformers 5 has a z-loss
     text = getattr(config, "text_config", None) or config
     coef = getattr(text, "router_aux_loss_coef", None)
-    return RouterLoss(fn, found[1], found[2], float(coef if coef is not None else 0.0))
+    return RouterLoss("causal", found[1], found[2], float(coef if coef is not None else 0.0), fn=fn)
+
+
+def _switch(config: Any, aux: bool, z: bool) -> RouterLoss | None:
+    """Switch Transformers' router losses (top-1 routing), with the stacks transformers adds them for."""
+    experts = getattr(config, "num_experts", None)
+    if not isinstance(experts, int) or experts < 1:
+        return None
+    sides = (getattr(config, "encoder_sparse_step", 0) > 1, getattr(config, "decoder_sparse_step", 0) > 1)
+    coef, z_coef = float(getattr(config, "router_aux_loss_coef", 0.0)), float(getattr(config, "router_z_loss_coef", 0.0))
+    return RouterLoss("switch", experts, 1, coef if aux else None, z_coef if z else None, sides=sides)
 
 
 def router_means(sums: dict[str, torch.Tensor], reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-    """``{"aux_loss": ...}``: the window's target-token-weighted mean aux loss (all ranks' sums with ``reduce``);
-    empty when the run has no router loss."""
-    if AUX not in sums:
+    """``{"aux_loss": ..., "z_loss": ...}``: the window's target-token-weighted mean of each term the run trains
+    (all ranks' sums with ``reduce``); empty when the run has no router loss."""
+    keys = [k for k in (AUX, Z) if k in sums]
+    if not keys:
         return {}
-    stacked = torch.stack([torch.as_tensor(sums[AUX]).float().reshape(()), torch.as_tensor(sums[AUX_UNITS]).float().reshape(())])
-    aux, units = (reduce(stacked) if reduce is not None else stacked).tolist()
-    return {AUX: aux / units} if units else {AUX: float("nan")}
+    stacked = torch.stack([torch.as_tensor(sums[k]).float().reshape(()) for k in (*keys, UNITS)])
+    values = (reduce(stacked) if reduce is not None else stacked).tolist()
+    units = values[-1]
+    return {k: (v / units if units else float("nan")) for k, v in zip(keys, values[:-1])}
