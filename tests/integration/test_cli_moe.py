@@ -31,15 +31,23 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_from_scratch_moe_logs_its_router_aux_loss(tmp_path, tiny_tokenizer_dir, toy_data_dir):
-    cfg = write_config(tmp_path / "moe.yaml", moe_config(tiny_tokenizer_dir, toy_data_dir))
-    proc = run_cli(["train", cfg, "--output", tmp_path / "run"], tmp_path)
+def test_from_scratch_moe_logs_its_router_aux_loss_and_expert_load(tmp_path, tiny_tokenizer_dir, toy_data_dir):
+    settings = moe_config(tiny_tokenizer_dir, toy_data_dir)
+    settings["log"]["report"] = True
+    proc = run_cli(["train", write_config(tmp_path / "moe.yaml", settings), "--output", tmp_path / "run"], tmp_path)
     assert proc.returncode == 0, show(proc)
     steps = [r for r in records(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in steps] == [2, 4]
     for r in steps:  # top-2 of 4 experts: 2.0 when the load is even, more when it is not
         assert 1.9 < r["aux_loss"] < 4.0, r
-    assert "| aux " in proc.stdout
+        # each layer's most- and least-loaded expert's share of the real tokens; an even one is 2 / 4
+        assert r["expert_load_even"] == 0.5 and len(r["expert_load_max_by_layer"]) == 2, r
+        assert r["expert_load_max"] == pytest.approx(max(r["expert_load_max_by_layer"]), abs=1e-4), r
+        assert r["expert_load_min"] == pytest.approx(min(r["expert_load_min_by_layer"]), abs=1e-4), r
+        assert 0.5 <= r["expert_load_max"] <= 1.0 and 0.0 <= r["expert_load_min"] <= 0.5, r
+    assert "| aux " in proc.stdout and "| load max " in proc.stdout
+    report = (tmp_path / "run" / "report.html").read_text()
+    assert 'alt="Expert load"' in report
 
 
 def test_router_aux_loss_switched_off(tmp_path, tiny_tokenizer_dir, toy_data_dir):
@@ -48,7 +56,9 @@ def test_router_aux_loss_switched_off(tmp_path, tiny_tokenizer_dir, toy_data_dir
     settings["train"]["max_steps"] = 2
     proc = run_cli(["train", write_config(tmp_path / "moe.yaml", settings), "--output", tmp_path / "run"], tmp_path)
     assert proc.returncode == 0, show(proc)
-    assert not any("aux_loss" in r for r in records(tmp_path / "run"))
+    steps = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert not any("aux_loss" in r for r in steps)
+    assert all("expert_load_max" in r for r in steps)  # the load is still measured
 
 
 def test_more_experts_per_token_than_experts_is_exit_2_naming_both(tmp_path, tiny_tokenizer_dir, toy_data_dir):

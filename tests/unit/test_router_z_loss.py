@@ -74,6 +74,8 @@ def test_gradient_equals_transformers_loss_with_z_and_aux():
     means = router_means(metrics)
     assert means[Z] == pytest.approx(z, rel=1e-5) and means[AUX] == pytest.approx(aux, rel=1e-5)
     torch.testing.assert_close(loss, out.loss.detach() - 0.05 * z - 0.2 * aux, rtol=1e-5, atol=1e-6)
+    # top-1 of 4 experts; 2 + 2 sparse layers, the encoder's first
+    assert means["expert_load_even"] == 0.25 and len(means["expert_load_max_by_layer"]) == 4
 
 
 def test_z_loss_switched_off_leaves_the_aux_term_only():
@@ -91,7 +93,8 @@ def test_z_loss_switched_off_leaves_the_aux_term_only():
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
     assert Z not in router_means(metrics) and AUX in router_means(metrics)
-    assert router_loss_for(model, aux=False, z=False) is None
+    off = router_loss_for(model, aux=False, z=False)  # no term trained; the expert load still counted
+    assert off.coef is None and off.z_coef is None and off.layers == 4
 
 
 def test_padding_is_left_out_of_both_terms():

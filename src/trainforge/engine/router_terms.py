@@ -56,21 +56,19 @@ def switch_aux(group: Group) -> torch.Tensor:
     return (per_row * rows).sum() / rows.sum().clamp(min=1.0)
 
 
-def expert_counts(groups: Sequence[Group], top_k: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_counts(groups: Sequence[Group], top_k: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(``(layers, experts)`` real tokens that chose each expert among their top-k, ``(layers,)`` real tokens
-    each layer routed), the groups' layers in order. The top-k of the logits is the top-k of the softmax
-    (and sigmoid) transformers routes by."""
+    each layer routed), the groups' layers in order; None without router logits. The top-k of the logits is the
+    top-k of the softmax transformers routes by."""
     counts, tokens = [], []
     with torch.no_grad():
         for layers, mask in groups:
             if not layers:
                 continue
             m = _flat_mask(layers[0], mask)
-            picks = torch.stack([lay.reshape(-1, lay.shape[-1]).topk(top_k, dim=-1).indices for lay in layers])
-            weight = m.repeat_interleave(top_k).expand(len(layers), -1)  # each token's k choices count once each
-            zeros = torch.zeros(len(layers), num_experts, dtype=torch.float32, device=m.device)
-            counts.append(zeros.scatter_add_(1, picks.flatten(1), weight))
+            weight = m.repeat_interleave(top_k)  # each token's k choices count once each
+            for lay in layers:  # one layer at a time: no (layers, tokens, k) index tensor
+                picks = lay.detach().reshape(-1, lay.shape[-1]).topk(top_k, dim=-1).indices.flatten()
+                counts.append(torch.zeros(num_experts, dtype=torch.float32, device=m.device).scatter_add_(0, picks, weight))
             tokens.append(m.sum().expand(len(layers)))
-    if not counts:
-        return torch.zeros(0, num_experts), torch.zeros(0)
-    return torch.cat(counts), torch.cat(tokens)
+    return (torch.stack(counts), torch.cat(tokens)) if counts else None

@@ -59,6 +59,8 @@ class ConsoleReporter:
             loss += f" | aux {rec['aux_loss']:.4f}"
         if "z_loss" in rec:  # its router z-loss (Switch Transformers), before its coefficient
             loss += f" | z {rec['z_loss']:.4g}"
+        if "expert_load_max" in rec:  # the worst layer's most-loaded expert's share of tokens, against an even load
+            loss += f" | load max {rec['expert_load_max']:.1%} (even {rec['expert_load_even']:.1%})"
         loss += describe_losses(rec)  # a mixture of sources: each source's loss
         self._print(
             f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {loss} | lr {rec['lr']:.2e} "
