@@ -11,7 +11,7 @@ from trainforge.data.formats import IGNORE
 from trainforge.data.loader import Batch
 from trainforge.engine.router_loss import AUX, Z, router_loss_for, router_means
 from trainforge.engine.router_terms import switch_aux, z_loss
-from trainforge.engine.step import TokenObjective, forward_backward
+from trainforge.engine.step import TokenObjective, forward_backward, loss_sum
 from trainforge.hardware.device import PRECISIONS
 
 CPU, FP32 = torch.device("cpu"), PRECISIONS["fp32"]
@@ -98,8 +98,7 @@ def test_z_loss_switched_off_leaves_the_aux_term_only():
 
 
 def test_padding_is_left_out_of_both_terms():
-    from transformers.models.switch_transformers.modeling_switch_transformers import (
-        load_balancing_loss_func, router_z_loss_func)
+    from transformers.models.switch_transformers.modeling_switch_transformers import load_balancing_loss_func, router_z_loss_func
 
     torch.manual_seed(5)
     layers = [torch.randn(3, 6, 4) * 3 for _ in range(2)]  # 2 layers, 3 rows of 6 tokens, 4 experts
@@ -123,8 +122,6 @@ def test_accumulation_weights_each_micro_batch_by_its_targets():
     zs = []
     for part in parts:
         routed: dict = {}
-        from trainforge.engine.step import loss_sum
-
         loss_sum(model, part, FP32, routed=routed)
         enc = (tuple(routed["encoder"]), part.attention_mask)
         dec = (tuple(routed["decoder"]), part.labels != IGNORE)
