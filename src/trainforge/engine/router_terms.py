@@ -46,7 +46,8 @@ def switch_aux(group: Group) -> torch.Tensor:
     experts = logits.shape[-1]
     m = (torch.ones(logits.shape[:2], device=logits.device) if mask is None
          else mask.to(device=logits.device, dtype=torch.float32).repeat(1, len(layers)))
-    chosen = torch.nn.functional.one_hot(logits.argmax(dim=-1), experts).float()
+    # one-hot by scatter: F.one_hot validates its indices, which can cost a device sync on CUDA
+    chosen = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     probs = torch.softmax(logits, dim=-1)
     count = m.sum(dim=1)  # real tokens per row (times layers)
     share = (chosen * m[..., None]).sum(dim=1) / count.clamp(min=1.0)[:, None]
