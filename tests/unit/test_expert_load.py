@@ -149,3 +149,17 @@ def test_collapse_must_last_and_turning_the_aux_loss_on_is_the_advice_when_it_is
 def test_dense_records_and_empty_windows_have_no_load():
     assert load_fields([[0.0, 0.0]], [0.0]) == {}
     assert Advisor(capacity=None).observe({"step": 1, "loss": 1.0}, TIMES) == []
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+def test_an_empty_share_counts_zeros_of_every_moe_layer(arch):
+    """A data-parallel rank with no real tokens adds zeros of the same shape as the others (they all-reduce the sums)."""
+    model = tiny_moe(arch, **({"mlp_only_layers": [0], "num_hidden_layers": 3} if arch == "qwen3_moe" else {}))
+    router = router_loss_for(model)
+    assert router.layers == 2  # qwen3_moe: layers 1 and 2 routed, layer 0 dense
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    empty = batch_of(ids, [6])
+    empty.n_tokens, empty.n_targets = 0, 0
+    metrics: dict = {}
+    router.add(torch.zeros(()), {}, empty, metrics)
+    assert metrics[LOAD].shape == (2, router.num_experts) and float(metrics[LOAD].abs().sum()) == 0.0
