@@ -140,6 +140,17 @@ def architecture_is_encoder_decoder(arch: str) -> bool:
     return bool(arch in CONFIG_MAPPING and getattr(CONFIG_MAPPING[arch](), "is_encoder_decoder", False))
 
 
+@lru_cache(maxsize=None)
+def has_sdpa(model_type: str | None) -> bool:
+    """Whether transformers' sequence-to-sequence class of ``model_type`` runs torch's SDPA attention (Switch
+    Transformers, LongT5, LED, NLLB-MoE, ... have eager attention only); True where the class is not known."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(str(model_type), ""), None)
+    return cls is None or bool(getattr(cls, "_supports_sdpa", True))
+
+
 def architectures() -> list[str]:
     """The architectures (``model_type`` names) transformers has configs for."""
     from transformers import CONFIG_MAPPING

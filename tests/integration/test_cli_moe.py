@@ -31,15 +31,23 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_from_scratch_moe_logs_its_router_aux_loss(tmp_path, tiny_tokenizer_dir, toy_data_dir):
-    cfg = write_config(tmp_path / "moe.yaml", moe_config(tiny_tokenizer_dir, toy_data_dir))
-    proc = run_cli(["train", cfg, "--output", tmp_path / "run"], tmp_path)
+def test_from_scratch_moe_logs_its_router_aux_loss_and_expert_load(tmp_path, tiny_tokenizer_dir, toy_data_dir):
+    settings = moe_config(tiny_tokenizer_dir, toy_data_dir)
+    settings["log"]["report"] = True
+    proc = run_cli(["train", write_config(tmp_path / "moe.yaml", settings), "--output", tmp_path / "run"], tmp_path)
     assert proc.returncode == 0, show(proc)
     steps = [r for r in records(tmp_path / "run") if "loss" in r]
     assert [r["step"] for r in steps] == [2, 4]
     for r in steps:  # top-2 of 4 experts: 2.0 when the load is even, more when it is not
         assert 1.9 < r["aux_loss"] < 4.0, r
-    assert "| aux " in proc.stdout
+        # each layer's most- and least-loaded expert's share of the real tokens; an even one is 2 / 4
+        assert r["expert_load_even"] == 0.5 and len(r["expert_load_max_by_layer"]) == 2, r
+        assert r["expert_load_max"] == pytest.approx(max(r["expert_load_max_by_layer"]), abs=1e-4), r
+        assert r["expert_load_min"] == pytest.approx(min(r["expert_load_min_by_layer"]), abs=1e-4), r
+        assert 0.5 <= r["expert_load_max"] <= 1.0 and 0.0 <= r["expert_load_min"] <= 0.5, r
+    assert "| aux " in proc.stdout and "| load max " in proc.stdout
+    report = (tmp_path / "run" / "report.html").read_text()
+    assert 'alt="Expert load"' in report
 
 
 def test_router_aux_loss_switched_off(tmp_path, tiny_tokenizer_dir, toy_data_dir):
@@ -48,7 +56,9 @@ def test_router_aux_loss_switched_off(tmp_path, tiny_tokenizer_dir, toy_data_dir
     settings["train"]["max_steps"] = 2
     proc = run_cli(["train", write_config(tmp_path / "moe.yaml", settings), "--output", tmp_path / "run"], tmp_path)
     assert proc.returncode == 0, show(proc)
-    assert not any("aux_loss" in r for r in records(tmp_path / "run"))
+    steps = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert not any("aux_loss" in r for r in steps)
+    assert all("expert_load_max" in r for r in steps)  # the load is still measured
 
 
 def test_more_experts_per_token_than_experts_is_exit_2_naming_both(tmp_path, tiny_tokenizer_dir, toy_data_dir):
@@ -115,3 +125,33 @@ def test_mixtral_lora_adapts_experts_not_router_and_merges_to_the_same_logits(tm
     before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert any(".experts." in k for k in changed) and not any(k.endswith("gate.weight") for k in changed), changed
+
+
+def test_switch_transformers_trains_with_its_router_z_loss(tmp_path):
+    """The one family whose transformers model adds a router z-loss (encoder-decoder, eager attention only:
+    ``auto`` picks eager for it)."""
+    import torch
+    from seq2seq_models import reverse_rows, t5_tokenizer
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    tok = t5_tokenizer()
+    config = SwitchTransformersConfig(
+        vocab_size=len(tok), d_model=32, d_kv=8, d_ff=48, num_layers=4, num_decoder_layers=4, num_heads=4,
+        num_experts=4, num_sparse_encoder_layers=2, num_sparse_decoder_layers=2, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0)
+    torch.manual_seed(0)
+    SwitchTransformersForConditionalGeneration(config).save_pretrained(tmp_path / "switch")
+    tok.save_pretrained(tmp_path / "switch")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in reverse_rows(32)))
+    settings = {
+        "model": {"path": str(tmp_path / "switch")},
+        "data": {"train": str(data), "max_length": 32, "max_target_length": 12},
+        "train": {"max_steps": 2, "micro_batch_size": 4, "grad_accum": 2, "precision": "fp32", "device": "cpu"},
+        "log": {"every_steps": 2, "report": False, "sample_prompt": None},
+    }
+    proc = run_cli(["train", write_config(tmp_path / "switch.yaml", settings), "--output", tmp_path / "run"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    (rec,) = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert rec["z_loss"] > 0 and rec["aux_loss"] > 0, rec
+    assert "| z " in proc.stdout and "attention eager" in proc.stdout

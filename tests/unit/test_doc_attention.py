@@ -52,6 +52,9 @@ def test_attention_implementation_on_cuda_never_builds_a_row_mask(monkeypatch):
         assert attention_implementation("auto", cuda, half_precision=half) == expected
     assert attention_implementation("flex", torch.device("cpu")) == FLEX_NAME
     assert attention_implementation("auto", cuda, encoder_decoder=True) == "sdpa"
+    # an encoder-decoder whose transformers class has no SDPA (was a traceback under auto)
+    assert attention_implementation("auto", cuda, encoder_decoder=True, model_type="switch_transformers") == "eager"
+    assert attention_implementation("auto", cuda, encoder_decoder=True, model_type="t5") == "sdpa"
     with pytest.raises(AttentionUnavailable, match="model.attention: varlen.*lacks CUDA"):
         attention_implementation("varlen", torch.device("cpu"))
     if doc_attention.has_varlen():  # asked by name where the kernel cannot run: refused before the first forward

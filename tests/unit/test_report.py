@@ -213,3 +213,23 @@ def test_a_grpo_runs_report_plots_its_reward_each_function_and_completion_length
     assert panels["Completion length"](data, 0, False)[0].y[-1] == pytest.approx(4.0)
     page = write_report([run]).read_text()
     assert 'alt="Reward"' in page and 'alt="Completion length"' in page
+
+
+def test_a_mixture_of_experts_runs_expert_load_gets_its_panel(tmp_path):
+    """A MoE run logs expert_load_max / _min / _even: the report plots them in % after the loss (none for a dense run)."""
+    from trainforge.metrics.report_charts import _expert_load, panels_for
+
+    run = make_run(tmp_path / "moe")
+    assert not any(title == "Expert load" for title, *_ in panels_for([load_run(run)]))
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in lines:
+        if "loss" in r:
+            r.update(expert_load_max=0.2 + 0.05 * r["step"], expert_load_min=0.1, expert_load_even=0.125,
+                     expert_load_max_by_layer=[0.2, 0.2 + 0.05 * r["step"]], expert_load_min_by_layer=[0.1, 0.12])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    data = load_run(run)
+    assert [title for title, *_ in panels_for([data])][2] == "Expert load"
+    series = _expert_load(data, 0, False)
+    assert [s.label for s in series] == ["most-loaded expert (worst layer)", "least-loaded expert (lowest layer)", "even load"]
+    assert series[0].y == pytest.approx([20 + 5 * s for s in range(2, 13, 2)]) and series[2].y[0] == pytest.approx(12.5)
+    assert 'alt="Expert load"' in write_report([run]).read_text()

@@ -122,5 +122,6 @@ def test_dense_models_and_the_switch_have_no_router_loss(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     assert router_loss_for(AutoModelForCausalLM.from_pretrained(tiny_model_dir)) is None
-    assert router_loss_for(tiny_moe(), enabled=False) is None
+    off = router_loss_for(tiny_moe(), aux=False, z=False)  # no term trained; the expert load still counted
+    assert off.coef is None and off.z_coef is None
     assert router_means({}) == {}

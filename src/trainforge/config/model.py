@@ -76,6 +76,11 @@ class ModelSettings(Section):
         "router_aux_loss_coef to the training loss, as transformers does with output_router_logits (logged as aux_loss); "
         "false: cross-entropy only",
     )
+    router_z_loss: bool = Field(
+        True, description="mixture-of-experts models whose transformers model adds a router z-loss (Switch "
+        "Transformers; no decoder-only family of transformers 5 has one): add router_z_loss_coef x the z-loss "
+        "(the mean squared logsumexp of the router logits over real tokens), logged as z_loss; false: leave it out",
+    )
     experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = Field(
         "auto", description="mixture-of-experts models: how transformers runs the routed experts. grouped_mm: tokens "
         "sorted by expert, one grouped GEMM (torch's kernel on CUDA sm80+ with bf16 weights; a loop of GEMMs elsewhere); "

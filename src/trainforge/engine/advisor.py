@@ -79,6 +79,7 @@ class Advisor:
         self.evals_in_window = 0
         self._grew = False  # graphs were compiled again in the window being judged
         self.slow_windows = 0  # log windows in a row below the best
+        self.collapsed_windows = 0  # log windows in a row whose MoE routing collapsed
 
     def record_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, indices: list[int]) -> None:
         """Keep a step's loss and gradient norm (device tensors, not read now) and its example indices."""
@@ -103,6 +104,7 @@ class Advisor:
             found += self._slow(rec)
         found += self._overheads(times)
         found += self._memory(rec)
+        found += self._collapse(rec)
         if rec.get("tokens_per_s") and judged:
             self.best_tokens_per_s = max(self.best_tokens_per_s, rec["tokens_per_s"])
         self.evals_in_window = 0
@@ -205,6 +207,30 @@ class Advisor:
             "train.micro_batch_size (raise train.grad_accum to keep the global batch) or set "
             "train.activation_checkpointing: true",
             {"peak_memory_bytes": int(peak), "capacity_bytes": int(self.capacity)},
+        )]
+
+    def _collapse(self, rec: dict[str, Any]) -> list[Advice]:
+        """A mixture-of-experts layer whose most-loaded expert takes most of its tokens, window after window."""
+        top, even = rec.get("expert_load_max"), rec.get("expert_load_even")
+        line = even + limit("collapse_share") * (1 - even) if top is not None and even and even < 1 else None
+        if line is None or top < line:
+            self.collapsed_windows = 0
+            return []
+        self.collapsed_windows += 1
+        if self.collapsed_windows < limit("collapse_windows"):
+            return []
+        layers = rec.get("expert_load_max_by_layer") or [top]
+        worst = max(range(len(layers)), key=layers.__getitem__)
+        fix = ("raise router_aux_loss_coef in the model's config or lower optim.lr" if "aux_loss" in rec else
+               "set model.router_aux_loss: true (the load-balancing loss is off: nothing pulls the load back to "
+               "even) or lower optim.lr")
+        return [Advice(
+            "routing_collapse",
+            f"step {rec['step']}: mixture-of-experts routing collapsed: in MoE layer {worst} one expert took {top:.0%} "
+            f"of the tokens for {self.collapsed_windows} log windows in a row ({sum(v >= line for v in layers)} of "
+            f"{len(layers)} layers above {line:.0%}; an even load gives each expert {even:.1%}). The other experts get "
+            f"little gradient and the layer works as one expert: {fix}",
+            {"expert_load_max": round(top, 4), "expert_load_even": even, "layer": worst, "line": round(line, 4)},
         )]
 
     def _spikes(self, pending: list[tuple[int, torch.Tensor, torch.Tensor, list[int]]]) -> list[Advice]:

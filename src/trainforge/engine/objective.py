@@ -158,7 +158,7 @@ def build_objective(cfg, model: torch.nn.Module) -> TokenObjective | PairObjecti
     before a checkpoint is loaded: the reference is the starting weights, on a resume too)."""
     name = cfg.train.objective
     if name == "sft":
-        return TokenObjective(router_loss_for(model, cfg.model.router_aux_loss))
+        return TokenObjective(router_loss_for(model, cfg.model.router_aux_loss, cfg.model.router_z_loss))
     reference = run_reference(cfg)  # grpo: beta > 0, the reference of DPO (adapters off, or a frozen copy); 0: none runs
     if name == "grpo":
         return GRPOObjective(cfg.rl, reference, _frozen(model) if reference == "model" else None)

@@ -20,33 +20,34 @@ from .optim import clip_gradients
 
 
 def loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
-             router_logits: list | None = None, by_source: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+             routed: dict | None = None, by_source: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over the batch's target tokens, in fp32.
 
     ``fused``: through the chunked LM-head + cross-entropy (no full logits) where the model allows.
     Encoder-decoder batches (``decoder_input_ids`` set): cross-entropy of the decoder's predictions of the target.
-    ``router_logits``: a mixture-of-experts model's router logits of each layer are appended to it.
+    ``routed``: a mixture-of-experts model's router logits of each layer go there (``logits``; an encoder-decoder's
+    ``encoder`` and ``decoder``).
     ``by_source``: a mixture's batch (``source_ids``) adds its loss and target count per source there, on the
     device (``SOURCE_SUMS``: metrics/by_source.py reads it at log steps).
     """
     if batch.decoder_input_ids is not None:
-        return seq2seq_loss_sum(model, batch, precision, fused)
+        return seq2seq_loss_sum(model, batch, precision, fused, routed)
     head = fused_head(model) if fused else None
     sums = source_sums(by_source, batch)
     groups = batch.source_ids.flatten() if sums is not None else None
     # use_cache=False: a KV cache is useless here, and with one transformers skips the
     # packed-document mask built from position_ids (documents would attend to each other)
-    extra = {"output_router_logits": True} if router_logits is not None else {}
+    extra = {"output_router_logits": True} if routed is not None else {}
     with precision.autocast(batch.input_ids.device):
         if head is not None:
             decoder, lm_head = head
             out = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
-            if router_logits is not None:
-                router_logits.extend(out.router_logits or ())
+            if routed is not None:
+                routed["logits"] = out.router_logits
             return linear_cross_entropy(out.last_hidden_state.flatten(0, 1), lm_head, batch.labels.flatten(), None, groups, sums)
         out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra)
-        if router_logits is not None:
-            router_logits.extend(out.router_logits or ())
+        if routed is not None:
+            routed["logits"] = out.router_logits
     if sums is None:
         return F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
     losses = F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="none")
@@ -71,31 +72,36 @@ class TokenObjective:
 
     def loss_sum(self, model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
                  metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        router_logits = [] if self.router is not None and torch.is_grad_enabled() else None
+        routed: dict | None = {} if self.router is not None and torch.is_grad_enabled() else None
         by_source = metrics if batch.source_ids is not None else None  # a mixture: its loss per source to the metrics
-        if router_logits is None and by_source is None:
+        if routed is None and by_source is None:
             return loss_sum(model, batch, precision, fused)  # this module's loss_sum, looked up at each call
-        total = loss_sum(model, batch, precision, fused, router_logits, by_source)
-        return total if router_logits is None else self.router.add(total, router_logits, batch, metrics)
+        total = loss_sum(model, batch, precision, fused, routed, by_source)
+        return total if routed is None else self.router.add(total, routed, batch, metrics)
 
 
 TOKENS = TokenObjective()
 
 
-def seq2seq_loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True) -> torch.Tensor:
+def seq2seq_loss_sum(model: torch.nn.Module, batch: Batch, precision: Precision, fused: bool = True,
+                     routed: dict | None = None) -> torch.Tensor:
     """``loss_sum`` of an encoder-decoder: the encoder reads the source (padding masked), the decoder
     its shifted target; summed over target tokens, in fp32. ``fused``: the chunked head where
-    ``seq2seq_fused_head`` knows how the model computes its logits, else the model's own head."""
-    head = seq2seq_fused_head(model) if fused else None
+    ``seq2seq_fused_head`` knows how the model computes its logits, else the model's own head.
+    ``routed``: a mixture-of-experts encoder-decoder's (Switch Transformers') router logits of each stack go there."""
+    head = seq2seq_fused_head(model) if fused and routed is None else None
     with precision.autocast(batch.input_ids.device):
         if head is not None:
             hidden, lm_head, bias = head(batch.input_ids, batch.attention_mask, batch.decoder_input_ids)
             return linear_cross_entropy(hidden.flatten(0, 1), lm_head, batch.labels.flatten(), bias)
-        logits = model(
+        extra = {"output_router_logits": True} if routed is not None else {}
+        out = model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, decoder_input_ids=batch.decoder_input_ids,
-            use_cache=False,
-        ).logits
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+            use_cache=False, **extra,
+        )
+        if routed is not None:
+            routed["encoder"], routed["decoder"] = out.encoder_router_logits, out.decoder_router_logits
+    return F.cross_entropy(out.logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def forward_backward(

@@ -57,6 +57,10 @@ class ConsoleReporter:
                 f" margin {rec['reward_margin']:.3f}" if "reward_margin" in rec else f" kl {rec.get('kl', float('nan')):.3f}")
         if "aux_loss" in rec:  # a mixture-of-experts model's router load-balancing loss (before its coefficient)
             loss += f" | aux {rec['aux_loss']:.4f}"
+        if "z_loss" in rec:  # its router z-loss (Switch Transformers), before its coefficient
+            loss += f" | z {rec['z_loss']:.4g}"
+        if "expert_load_max" in rec:  # the worst layer's most-loaded expert's share of tokens, against an even load
+            loss += f" | load max {rec['expert_load_max']:.1%} (even {rec['expert_load_even']:.1%})"
         loss += describe_losses(rec)  # a mixture of sources: each source's loss
         self._print(
             f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {loss} | lr {rec['lr']:.2e} "

@@ -160,7 +160,26 @@ def _by_source(run: RunData, i: int, several: bool) -> list[Series]:
     return out
 
 
+def _expert_load(run: RunData, i: int, several: bool) -> list[Series]:
+    """A mixture-of-experts run's expert load in %: the worst layer's most-loaded expert (solid), the lowest
+    least-loaded expert (dashed), and the even share every expert would have (dotted)."""
+    color = RUN_COLORS[i % len(RUN_COLORS)]
+    prefix = f"{run.name}: " if several else ""
+    out = []
+    for key, label, style in (("expert_load_max", "most-loaded expert (worst layer)", "-"),
+                              ("expert_load_min", "least-loaded expert (lowest layer)", "--"),
+                              ("expert_load_even", "even load", ":")):
+        xs, ys = _train_series(run, key, 100.0)
+        out.append(Series(prefix + label, xs, ys, {"color": "#7f7f7f" if style == ":" and not several else color,
+                                                   "lw": 1.5 if style == "-" else 1.1, "ls": style}))
+    return out
+
+
 CAPTIONS = {
+    "Expert load": "mixture-of-experts runs: the share of a layer's real tokens that chose an expert among their top-k, "
+    "over the steps since the previous record: the most-loaded expert of the worst layer, the least-loaded of the "
+    "lowest, and the even share (top_k / experts); metrics.jsonl has each layer's. The advisor warns when one expert "
+    "takes most tokens for several windows",
     "Loss per source": "a mixture of sources: each source's mean loss over its own target tokens (train: the steps since "
     "the previous record; eval: its held-out rows)",
     "Reward accuracy": "preference runs: the share of pairs whose chosen reply gets the higher implicit reward (KTO: of "
@@ -218,6 +237,8 @@ def panels_for(runs: list[RunData]) -> list[tuple[str, str, str, PanelFn, float 
         panels = PANELS[:2] + PREFERENCE_PANELS + PANELS[2:]
     if any("completion_length" in r for run in runs for r in run.train):
         panels = panels[:2] + RL_PANELS + panels[2:]
+    if any("expert_load_max" in r for run in runs for r in run.train):  # mixture-of-experts: load after the loss
+        panels = panels[:2] + [("Expert load", "% of tokens", "step", _expert_load, None)] + panels[2:]
     if any(_source_names(run) for run in runs):  # a mixture: its loss per source after the loss
         panels = panels[:2] + [("Loss per source", "loss", "step", _by_source, None)] + panels[2:]
     return panels

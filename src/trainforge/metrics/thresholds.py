@@ -77,6 +77,18 @@ THRESHOLDS: dict[str, Threshold] = {
         "above this, the next longer batch or fragmentation can run out of memory: act before the out-of-memory "
         "back-off has to",
     ),
+    "collapse_share": Threshold(
+        0.5, "of the way from an even share to all tokens",
+        "mixture-of-experts routing has collapsed when a layer's most-loaded expert is chosen by more than halfway "
+        "from its even share (top_k / experts) to every token: one expert takes most of the layer's tokens and "
+        "the others get little gradient. Measured from the even share, it means the same for 8 experts top-2 "
+        "(62.5% of tokens) as for 128 experts top-8 (53%); a merely uneven load stays below it",
+    ),
+    "collapse_windows": Threshold(
+        2, "log windows in a row",
+        "a collapse is named once it lasts this many log windows (each already the mean over its steps): routing "
+        "moves fast early on, a collapse that stays is the one that costs the run",
+    ),
     "warmup_windows": Threshold(
         1, "log windows",
         "the first logged window holds warm-up (allocator, caches, compile, loader start): speed and data "

@@ -12,7 +12,7 @@ import torch
 
 from ..config.run import ConfigError, LoraSettings, ModelSettings
 from ..errors import TrainforgeError
-from ..hf_dir import init_kind, read_config, refuse_adapter, refuse_custom_code
+from ..hf_dir import has_sdpa, init_kind, read_config, refuse_adapter, refuse_custom_code
 from .experts_impl import use_experts_implementation
 from .fp8 import apply_fp8
 from .kernels import apply_liger, restore_torch_layers
@@ -89,15 +89,17 @@ def decoder_start_token_id(cfg: ModelSettings, tokenizer) -> int:
 
 
 def attention_implementation(
-    requested: str, device: torch.device, half_precision: bool = True, encoder_decoder: bool = False
+    requested: str, device: torch.device, half_precision: bool = True, encoder_decoder: bool = False,
+    model_type: str | None = None,
 ) -> str:
     """The ``attn_implementation`` a model trains with. ``auto``: on CPU, packed documents batched by
     length (``packed_attention``); on CUDA, torch's built-in Flash varlen kernel on sm80+ in bf16/fp16,
     else FlexAttention with a document mask (``doc_attention``). None of them builds a row x row mask.
     ``varlen``/``flex`` ask for those two by name; ``flash_attention_2`` needs the flash-attn package.
-    ``encoder_decoder``: rows hold one padded example each; ``auto`` is stock SDPA everywhere."""
+    ``encoder_decoder``: rows hold one padded example each; ``auto`` is stock SDPA everywhere, or eager for a
+    ``model_type`` whose transformers class has no SDPA (Switch Transformers, LongT5, LED, ...)."""
     if encoder_decoder:  # the config refuses packed_sdpa, varlen and flex for these models
-        return "sdpa" if requested == "auto" else requested
+        return requested if requested != "auto" else "sdpa" if has_sdpa(model_type) else "eager"
     if requested == "packed_sdpa" or (requested == "auto" and device.type == "cpu"):
         from .packed_attention import register
 
@@ -186,7 +188,8 @@ def build_model(
     auto_class = model_class(cfg)  # AutoModelForSeq2SeqLM for T5, BART, ...
     if kernels != "liger":
         restore_torch_layers()  # an earlier model of this process may have had Liger patch transformers' modules
-    attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision, cfg.kind.encoder_decoder)
+    attn = attention_implementation(cfg.attention, device or torch.device("cpu"), half_precision, cfg.kind.encoder_decoder,
+                                    cfg.kind.model_type)
     torch.manual_seed(seed)  # same seed, same initial weights (from scratch) and adapters (LoRA)
     base_dtype = storage_dtype(cfg, compute_dtype)
     if cfg.init is not None:
@@ -351,7 +354,7 @@ def build_model_skeleton(
         if isinstance(getattr(config, "layer_types", None), list):  # per-layer kinds (sliding / full attention)
             config.layer_types = config.layer_types[:layers]
     if cfg.kind.encoder_decoder:  # padded rows with a padding mask, as the run computes them
-        attn = attention_implementation(cfg.attention, torch.device("cpu"), compute_dtype is not None, True)
+        attn = attention_implementation(cfg.attention, torch.device("cpu"), compute_dtype is not None, True, cfg.kind.model_type)
     else:
         # causal SDPA without a materialized mask, whose memory is linear in the row length as flash-attention's;
         # transformers' own sdpa path would build a row x row mask on fake tensors (it cannot see they need none)

@@ -23,7 +23,7 @@ import torch
 from ..config.yaml_text import load_yaml, read_config_text
 from ..errors import TrainforgeError
 from ..hardware.device import Precision
-from ..hf_dir import TOKENIZER_FILES, dir_is_encoder_decoder, has_any, refuse_custom_code
+from ..hf_dir import TOKENIZER_FILES, dir_is_encoder_decoder, has_any, model_kind, refuse_custom_code
 from ..hf_weights import check_weights
 
 RUN_CONFIG = "config.yaml"
@@ -190,7 +190,8 @@ def load_model(
     if attention is None:
         attention = (src.run_config or {}).get("model", {}).get("attention", "auto")
     auto_class = auto_model_class(src.encoder_decoder)  # AutoModelForSeq2SeqLM for T5, BART, ...
-    attn = attention_implementation(attention, device, precision.autocast_dtype is not None, src.encoder_decoder)
+    attn = attention_implementation(attention, device, precision.autocast_dtype is not None, src.encoder_decoder,
+                                    model_kind(src.base or src.weights).model_type)
     compute = precision.autocast_dtype or torch.float32
     if src.adapter is None:
         dtype = torch.float32 if src.run_dir is not None else compute

@@ -67,7 +67,8 @@ def planned_attention(cfg: RunConfig, precision: Precision, device: torch.device
 
     encoder_decoder, half = cfg.model.kind.encoder_decoder, precision.autocast_dtype is not None
     if device is not None or encoder_decoder:
-        attn = attention_implementation(cfg.model.attention, device or torch.device("cpu"), half, encoder_decoder)
+        attn = attention_implementation(cfg.model.attention, device or torch.device("cpu"), half, encoder_decoder,
+                                        cfg.model.kind.model_type)
     elif profile is not None and profile.kind == "gpu":  # a GPU profile: bf16 support marks sm80+ (Ampere and newer)
         attn = doc_attention.choose(cfg.model.attention, "cuda", (8, 0) if profile.bf16 else (7, 0), half, True)
     else:
