@@ -132,10 +132,11 @@ def prepare(
     SIGTERM/SIGINT stops it at the next chunk of rows, nothing cached (exit 75)."""
     from .config.run import load_config
     from .data.plan import PREPARE_STOPPING, prepare_only
+    from .engine.row_length import resolve_here
     from .stop import StopRequest
 
     with user_errors():
-        cfg = load_config(config, set_ or [])
+        cfg = resolve_here(load_config(config, set_ or []))  # data.max_length: auto, as train takes it
         with StopRequest(PREPARE_STOPPING) as stop:
             prepare_only(cfg, stop=stop)
 
