@@ -179,7 +179,7 @@ class DataSettings(Section):
     @classmethod
     def _row_length(cls, v: int | str) -> int | str:
         if isinstance(v, int) and not 0 < v <= MAX_TOKENS:
-            raise ValueError(f"must be a number of tokens (> 0, <= {MAX_TOKENS}), or auto")
+            raise ValueError(f"must be greater than 0 and at most {MAX_TOKENS} tokens, or auto")
         return v
 
     @field_validator("eval")

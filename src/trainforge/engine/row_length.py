@@ -24,7 +24,7 @@ from ..rundir.checkpoint import STEP_PREFIX, inspect_checkpoint, scan_checkpoint
 from .oom import OutOfMemory
 from .predict.fit import FIT_MARGIN, QUICK_SHARE, predict_memory, rough_skeleton_estimate
 from .predict.levers import tiling_covers, with_levers
-from .predict.longest import GRANULE, auto_cap, auto_length, auto_rows, longest_length, run_levers
+from .predict.longest import GRANULE, auto_cap, auto_length, auto_rows, gib, longest_length, run_levers
 from .predict.memory import memory_refusal
 from .resume import CHECKPOINTS
 
@@ -164,8 +164,8 @@ def length_refusal(
     if memory.fits():
         return True, None, False
     length = cfg.data.max_length
-    at = (f"predicted {memory.process / GIB:.2f} GiB at {rows} row{'s' if rows != 1 else ''} of {length:,} tokens with "
-          f"{levers.describe()}, over the {profile.memory_bytes / GIB:.1f} GiB of {where}")
+    at = (f"predicted {gib(memory.process)} at {rows} row{'s' if rows != 1 else ''} of {length:,} tokens with "
+          f"{levers.describe()}, over the {gib(profile.memory_bytes)} of {where}")
     shortest = min(GRANULE, length)
     short = predict_memory(with_levers(cfg, levers, shortest), tokenizer, precision, profile, rows, levers.checkpointing,
                            cfg.train.grad_accum, world_size, mode)

@@ -130,6 +130,11 @@ def run_levers(cfg: RunConfig, profile: HardwareProfile) -> Levers:
     return Levers(ckpt, tiled, offload)
 
 
+def gib(n: float) -> str:
+    """Bytes as GiB for messages: one decimal, two under 10 GiB (a small device's figures stay apart)."""
+    return f"{n / GIB:.1f} GiB" if n >= 10 * GIB else f"{n / GIB:.2f} GiB"
+
+
 def auto_cap(cfg: RunConfig) -> tuple[int, str | None]:
     """The longest length ``data.max_length: auto`` may take: the model's positions (a learned table's size, or the
     ``max_position_embeddings`` a rotary model declares: past it its positions run beyond what it was trained on),
@@ -173,23 +178,23 @@ def auto_length(
     finite and a rough estimate there is far below the device, the cap without a search."""
     rows, levers = auto_rows(cfg), run_levers(cfg, profile)
     cap, why_cap = auto_cap(cfg)
-    capacity = f"{margin:.0%} of {profile.memory_bytes / GIB:.1f} GiB"
+    capacity = f"{margin:.0%} of {gib(profile.memory_bytes)}"
     at_rows = f"{rows} row{'s' if rows != 1 else ''}"
     if cap < MAX_TOKENS:
         rough = rough_skeleton_bytes(with_levers(cfg, levers, cap), tokenizer, precision, rows)
         if rough < QUICK_SHARE * profile.memory_bytes:
-            return AutoLength(cap, f"{cap}: capped by {why_cap}; a rough estimate of a step there ({rough / GIB:.2f} GiB at "
-                                   f"{at_rows}) is far below the {profile.memory_bytes / GIB:.1f} GiB of the device", None)
+            return AutoLength(cap, f"{cap}: capped by {why_cap}; a rough estimate of a step there ({gib(rough)} at "
+                                   f"{at_rows}) is far below the {gib(profile.memory_bytes)} of the device", None)
     found = longest_length(cfg, tokenizer, precision, profile, levers, margin, world_size, mode, rows, (cap, why_cap))
     n = found.length
     if n == 0:
         shortest = min(GRANULE, cap)
         return AutoLength(0, f"not even {shortest} tokens per row fit in {capacity} at {at_rows} with {levers.describe()}",
                           found)
-    peak = f"predicted {found.memory.process / GIB:.2f} GiB"
+    peak = f"predicted {gib(found.memory.process)}"
     if found.capped:
         return AutoLength(n, f"{n}: capped by {found.capped} ({peak} at {at_rows} with {levers.describe()}, under "
                              f"{capacity})", found)
-    beyond = f"; {n + GRANULE} tokens: {found.beyond.process / GIB:.2f} GiB" if found.beyond else ""
+    beyond = f"; {n + GRANULE} tokens: {gib(found.beyond.process)}" if found.beyond else ""
     return AutoLength(n, f"{n}: the longest that fits in {capacity} at {at_rows} with {levers.describe()} ({peak}"
                          f"{beyond})", found)
