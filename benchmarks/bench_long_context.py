@@ -252,13 +252,15 @@ def run_trainforge(s: dict, out: Path) -> dict:
         "checkpoint": {"every_steps": None, "every_minutes": None},
         "log": {"every_steps": 1, "report": False, "sample_prompt": None},
     })
-    summary = train(cfg, out, ConsoleReporter(Console(quiet=True))).summary
+    result = train(cfg, out, ConsoleReporter(Console(quiet=True)))
+    summary = result.summary
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "elapsed_s" in r and "step" in r]
     last = steps[-1]["elapsed_s"] - (steps[-2]["elapsed_s"] if len(steps) > 1 else 0.0)
     keys = ("max_length_reason", "activation_checkpointing", "micro_batch_size_reason", "activation_checkpointing_reason",
             "predicted_peak_memory_bytes")
-    return {"step_s": last, "decisions": {k: summary.get(k) for k in keys}, "tiled_mlp": cfg.train.tiled_mlp}
+    tiled = any(hasattr(m, "trainforge_tile_tokens") for m in result.model.modules())  # what tiled_mlp became
+    return {"step_s": last, "decisions": {k: summary.get(k) for k in keys}, "tiled_mlp": tiled}
 
 
 def child(spec: str) -> None:
