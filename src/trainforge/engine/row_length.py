@@ -60,6 +60,7 @@ def fit_length(
             decided = LengthDecision(0, "", e)
     decided = ctx.broadcast_object(decided)
     if decided.error is not None:
+        decided.error.decided_by_rank_zero = True  # one error for all ranks: rank 0 says it (cli.train)
         raise decided.error
     if not auto:
         return cfg, {"max_length": cfg.data.max_length, "max_length_reason": "as configured"}
