@@ -28,15 +28,17 @@ step's seconds (the first step warms up: ``--steps 2`` or more for tokens/s; ``-
 The cap is enforced in every process: on a CPU a watchdog thread ends the process (exit 3) once its RSS passes the
 cap, so a run past it never takes the machine's memory; on a GPU ``torch.cuda.set_per_process_memory_fraction``.
 
-``--longest``: for each run, the longest length whose step stays under the cap: lengths doubled from ``--start`` until
-one does not fit, then halved intervals down to ``--granule`` tokens (each probe one step, in its own process). For
+``--longest``: for each run, the longest length whose step stays under the cap, to within ``--tolerance`` (5%): a
+bracket, then bisection, each probe one step in its own process. HF's and TRL's brackets double from ``--start``;
+trainforge's starts at its own prediction (below) less the tolerance and goes on a step of twice the tolerance above
+(three probes where the prediction holds, each near the ceiling: on a CPU the longest). For
 trainforge the probes set ``activation_checkpointing`` and ``tiled_mlp`` true (what auto takes at such lengths) and
 leave ``$TRAINFORGE_MEMORY_GIB`` unset, so that neither the levers' auto nor the refusal of a length predicted past
-the cap decides the outcome: the cap alone does, as for the others. Then trainforge's prediction, in a fresh process
-with ``$TRAINFORGE_MEMORY_GIB`` at the cap: what ``trainforge plan CONFIG --longest`` prints as ``data.max_length: auto
-takes`` (``auto_length``; ``--plan-table``: the whole ``plan --longest``). The model declares ``--max-length``
-positions, so the prediction is capped where the probes stop. The table then adds HF's longest length to
-``--lengths`` (trainforge's peak there against HF's).
+the cap decides the outcome: the cap alone does, as for the others. trainforge's prediction comes first, in a fresh
+process with ``$TRAINFORGE_MEMORY_GIB`` at the cap: what ``trainforge plan CONFIG --longest`` prints as
+``data.max_length: auto takes`` (``auto_length``; ``--plan-table``: the whole ``plan --longest``). The model declares
+``--max-length`` positions, so the prediction is capped where the probes stop. After the searches the table adds HF's
+longest length to ``--lengths`` (trainforge's peak there against HF's).
 
 Prints one JSON line per measurement as it comes, then a summary; ``--out`` writes everything as JSON. No network.
 """
@@ -306,9 +308,15 @@ def measure(s: dict, run: str, length: int, steps: int, forced_levers: bool = Fa
 # ---------------------------------------------------------------- the longest row, the plan's prediction, the summary
 
 
-def longest(s: dict, run: str, say) -> dict:
-    """The longest length (a multiple of ``--granule``) whose one-step probe fits the cap: doubling, then bisection."""
+def longest(s: dict, run: str, say, seed: int | None = None) -> dict:
+    """The longest length (a multiple of ``--granule``) whose one-step probe fits the cap, to within ``--tolerance``:
+    a bracket first (from ``seed`` less the tolerance when given, trainforge's own prediction, then a step of twice the
+    tolerance above it; else doubling from ``--start``; halving where the first probe does not fit), then bisection."""
     probes: list[dict] = []
+    g, tol = s["granule"], s["tolerance"]
+
+    def snap(n: float) -> int:
+        return max(g, int(n) // g * g)
 
     def fits(n: int) -> bool | None:
         r = measure(s, run, n, 1, forced_levers=run == "trainforge")
@@ -316,15 +324,24 @@ def longest(s: dict, run: str, say) -> dict:
         say(r)
         return None if r["status"] in ("timeout", "failed") else r["status"] == "ok"
 
-    g = s["granule"]
-    lo, hi, n = 0, None, s["start"]
-    while hi is None and n <= s["max_length"]:
+    lo, hi = 0, None
+    n, grow = (snap(seed * (1 - tol)), 1 + 2 * tol) if seed else (snap(s["start"]), 2.0)
+    while n <= s["max_length"]:
         verdict = fits(n)
         if verdict is None:
             return {"run": run, "longest": lo, "undecided_at": n, "probes": probes}
-        lo, hi, n = (n, None, 2 * n) if verdict else (lo, n, n)
-    while hi is not None and hi - lo > g:
-        mid = (lo + hi) // 2 // g * g or g
+        if verdict:
+            lo = n
+            if hi is not None:
+                break
+            n, grow = max(snap(n * grow), n + g), 2.0
+        else:
+            hi = n
+            if lo or n == g:
+                break
+            n = snap(n / 2)
+    while hi is not None and hi - lo > max(g, tol * lo):
+        mid = snap((lo + hi) / 2)
         if mid in (lo, hi):
             break
         verdict = fits(mid)
@@ -408,7 +425,10 @@ def main() -> None:
     ap.add_argument("--cap-gib", type=float, default=16.0, help="the memory every process must stay under")
     ap.add_argument("--longest", action="store_true", help="also search each run's longest length under the cap")
     ap.add_argument("--start", type=int, default=4096, help="--longest: the first length probed")
-    ap.add_argument("--granule", type=int, default=1024, help="--longest: the search ends within this many tokens")
+    ap.add_argument("--granule", type=int, default=256, help="--longest: lengths are multiples of this")
+    ap.add_argument("--tolerance", type=float, default=0.05,
+                    help="--longest: the search ends where the longest that fits and the shortest that does not are "
+                    "this share (or one granule) apart")
     ap.add_argument("--max-length", type=int, default=1 << 20,
                     help="--longest: no probe past this length (also the model's max_position_embeddings: the cap of "
                     "trainforge's predicted longest)")
@@ -433,7 +453,7 @@ def main() -> None:
             print("trl-padding-free: skipped, TRL is not installed (pip install 'trainforge[bench]')", flush=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     s = {"shape": args.shape, "precision": args.precision, "device": args.device, "cap_gib": args.cap_gib,
-         "threads": args.threads, "work": str(args.workdir.resolve()), "start": args.start, "granule": args.granule,
+         "threads": args.threads, "work": str(args.workdir.resolve()), "start": args.start, "granule": args.granule, "tolerance": args.tolerance,
          "max_length": args.max_length, "probe_timeout_s": args.probe_timeout_s, "plan_table": args.plan_table,
          "model_dir": str(prepare(args.workdir.resolve(), args.shape, args.max_length))}
     say = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
@@ -441,10 +461,11 @@ def main() -> None:
                      "table": [], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     lengths = sorted(set(args.lengths))
     if args.longest:
-        results["longest"] = [longest(s, run, say) for run in runs]
-        if "trainforge" in runs:
+        if "trainforge" in runs:  # first: its answer is where trainforge's search starts
             results["plan"] = predicted_longest(s)
             say({"plan": results["plan"]})
+        seed = results.get("plan", {}).get("auto", {}).get("max_length") or None
+        results["longest"] = [longest(s, run, say, seed if run == "trainforge" else None) for run in runs]
         hf = next((x["longest"] for x in results["longest"] if x["run"] == "hf-peft"), 0)
         lengths = sorted(set(lengths) | ({hf} if hf else set()))
     for n in lengths:

@@ -183,3 +183,15 @@ def test_what_the_levers_make_fit_is_not_refused_by_the_rough_estimate(config, m
     monkeypatch.setattr(row_length, "this_profile", lambda *a, **k: device(capacity / GIB))
     monkeypatch.setattr(row_length, "device_memory", lambda d: (capacity, "the test device"))
     row_length.refuse_what_cannot_fit(cfg, VOCAB, BF16, CPU, DistContext())
+
+
+def test_prepare_resolves_auto_as_a_run_here_does(config):
+    from rich.console import Console
+
+    from trainforge.metrics.console import ConsoleReporter
+
+    cfg = config({**SHAPE, "max_position_embeddings": 128}, precision="fp32", device="cpu")
+    resolved = row_length.resolve_here(cfg, ConsoleReporter(Console(quiet=True)))
+    assert resolved.data.max_length == 128 and cfg.data.max_length == "auto"
+    given = config(max_length=512)
+    assert row_length.resolve_here(given) is given

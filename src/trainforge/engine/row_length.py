@@ -220,7 +220,9 @@ def resolve_here(cfg: RunConfig, reporter: ConsoleReporter | None = None) -> Run
     reporter = reporter or ConsoleReporter()
     device = pick_device(cfg.train.device)
     precision, _ = resolve_precision(cfg.train.precision, device, cfg.data.cache_dir)
-    tokenizer = get_tokenizer(cfg, reporter)
+    from rich.console import Console
+
+    tokenizer = get_tokenizer(cfg, ConsoleReporter(Console(quiet=True)))  # prepare says it, once, when it loads it again
     decided = decide_length(cfg, tokenizer, precision, device, DistContext(), Path("."), "never")
     reporter.info(f"max_length auto -> {decided.why}")
     return with_length(cfg, decided.length)
