@@ -121,7 +121,8 @@ def refuse_what_cannot_fit(cfg: RunConfig, tokenizer, precision: Precision, devi
     when it is on or auto: far below the device, nothing more. Else the traced step with every long-context lever the
     run may use (``run_levers``) decides: over the device's memory, refused, naming the longest ``data.max_length``
     that fits where the length is what does not (``length_refusal``); the rough estimate's refusal (``REFUSE_FACTOR``
-    times over) stands alone only where the step cannot be traced."""
+    times over) stands alone only where the model's state (weights, gradients, optimizer) alone is over the device,
+    or the step cannot be traced."""
     capacity, where = device_memory(device)
     if not capacity:
         return
@@ -140,6 +141,8 @@ def refuse_what_cannot_fit(cfg: RunConfig, tokenizer, precision: Precision, devi
     rough = memory_refusal(est, capacity, where, "at micro-batch " + str(rows) + (" with activation checkpointing" if ckpt else ""), fixes)
     if est.total < QUICK_SHARE * capacity:
         return
+    if rough and est.total - est.activations > capacity:  # the model's state alone: no lever of the row helps
+        raise OutOfMemory(rough)
     mode = "fsdp" if ctx.enabled and t.distributed == "fsdp" else "ddp"
     try:
         profile = replace(this_profile(device, cfg.data.cache_dir, timing=False), memory_gib=capacity / GIB)
