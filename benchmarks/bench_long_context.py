@@ -1,90 +1,481 @@
-"""Peak memory of one LoRA training step at long row lengths, with and without the long-context levers.
+"""Long rows side by side: peak memory and tokens/s per row length, and the longest row under a memory cap, for
+trainforge (its long-context levers on auto), Hugging Face ``Trainer`` + PEFT with gradient checkpointing, and TRL
+``SFTTrainer`` with ``padding_free=True``; with trainforge's own prediction (``plan --longest``) beside them.
 
-Each (length, levers) runs in its own process, which builds a 4-layer Llama-shaped model (random weights,
-bf16 frozen base, LoRA r=16 on every linear layer, fp32 adapters), runs training steps (two by default) on one row
-of ``length`` tokens (trainforge's chunked fused loss, autocast bf16) and reports its peak RSS
-(``ru_maxrss``) and the step's seconds. Levers: none; ckpt (activation checkpointing); tiled (checkpointing
-+ tiled MLP). Activation offload acts on a GPU only (on a CPU it changes nothing) and is not measured here.
+    python benchmarks/bench_long_context.py [--shape small] [--lengths 4096 8192 16384] [--longest] [--cap-gib 16]
+        [--runs trainforge,hf-peft,trl-padding-free] [--steps 2] [--precision bf16|fp32] [--device cpu|cuda]
+        [--threads N] [--workdir DIR] [--out results.json]
 
-    PYTHONPATH=src python benchmarks/bench_long_context.py --lengths 8192 16384 --levers none ckpt tiled
+The model: a Llama shape built here (``--shape``: tiny, for a smoke run; small, 4 layers of 256 with a 32,000-token
+vocabulary, the shape docs/long-context.md measured; 0.1b, 12 layers of 768), random weights saved once, a byte-level
+BPE trained once on the Python standard library's sources; every run loads the same directory. LoRA r=16 (alpha 32,
+no dropout) on every linear layer but the head, one row of exactly LENGTH tokens per step (each document is longer and
+is cut there), AdamW at the same learning rate. ``--precision bf16``: the frozen base stored in bf16, adapters in
+fp32, bf16 autocast (HF: ``bf16=True``); fp32 where the CPU has no native bf16 (emulated bf16 is several times slower).
 
-Figures recorded in docs/long-context.md.
+The runs, each (length, run) in its own process:
+- ``trainforge``: ``trainforge.train`` with ``activation_checkpointing``, ``tiled_mlp`` and ``activation_offload`` on
+  auto and ``$TRAINFORGE_MEMORY_GIB`` at the cap, as a user with that much memory runs it (a length it predicts past
+  the cap is refused before loading: exit 4, shown as ``refused``); its decisions are recorded;
+- ``hf-peft``: ``transformers.Trainer`` on a PEFT model, ``gradient_checkpointing=True`` (non-reentrant), the model's
+  default attention, rows tokenized and cut at LENGTH, ``labels = input_ids``;
+- ``trl-padding-free``: ``trl.SFTTrainer`` with ``padding_free=True`` (with TRL's BFD packing, which TRL requires for
+  ``padding_free`` under ``max_length``), ``gradient_checkpointing=True``, PEFT's ``LoraConfig``; skipped, and said,
+  where TRL is not installed (pip install 'trainforge[bench]').
+
+Measured per process: the peak RSS (``ru_maxrss``; ``--device cuda``: the GPU's peak reserved memory) and the last
+step's seconds (the first step warms up: ``--steps 2`` or more for tokens/s; ``--steps 1`` gives the peak only).
+The cap is enforced in every process: on a CPU a watchdog thread ends the process (exit 3) once its RSS passes the
+cap, so a run past it never takes the machine's memory; on a GPU ``torch.cuda.set_per_process_memory_fraction``.
+
+``--longest``: for each run, the longest length whose step stays under the cap, to within ``--tolerance`` (5%): a
+bracket, then bisection, each probe one step in its own process. HF's and TRL's brackets double from ``--start``;
+trainforge's starts at its own prediction (below) less the tolerance and goes on a step of twice the tolerance above
+(three probes where the prediction holds, each near the ceiling: on a CPU the longest). For
+trainforge the probes set ``activation_checkpointing`` and ``tiled_mlp`` true (what auto takes at such lengths) and
+leave ``$TRAINFORGE_MEMORY_GIB`` unset, so that neither the levers' auto nor the refusal of a length predicted past
+the cap decides the outcome: the cap alone does, as for the others. trainforge's prediction comes first, in a fresh
+process with ``$TRAINFORGE_MEMORY_GIB`` at the cap: what ``trainforge plan CONFIG --longest`` prints as
+``data.max_length: auto takes`` (``auto_length``; ``--plan-table``: the whole ``plan --longest``). The model declares
+``--max-length`` positions, so the prediction is capped where the probes stop. After the searches the table adds HF's
+longest length to ``--lengths`` (trainforge's peak there against HF's).
+
+Prints one JSON line per measurement as it comes, then a summary; ``--out`` writes everything as JSON. No network.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
-SHAPE = dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=4, max_position_embeddings=1 << 17)
-LEVERS = {"none": (False, False), "ckpt": (True, False), "tiled": (True, True)}
+SHAPES = {
+    "tiny": dict(vocab_size=2048, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4),
+    "small": dict(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4),
+    "0.1b": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12),
+}
+RUNS = ("trainforge", "hf-peft", "trl-padding-free")
+LORA = {"r": 16, "alpha": 32, "dropout": 0.0}
+LR = 2e-4
+OVER_CAP = 3  # a child's exit code when its memory passed the cap
+DOC_MARGIN = 1.05  # documents are this much (and 64 tokens) longer than the row, so every row is full after re-tokenizing
 
 
-def one(length: int, levers: str, steps: int = 2, precision: str = "bf16") -> dict:
-    """One configuration in this process: peak RSS (GiB) and seconds of the last of ``steps`` steps."""
+# ---------------------------------------------------------------- the shared model, tokenizer and documents
+
+
+def prepare(work: Path, shape: str, positions: int) -> Path:
+    """The model directory (random Llama weights of ``shape``, ``positions`` rotary positions, a BPE of its
+    vocabulary), built once per shape and position count."""
+    model_dir = work / f"model-{shape}-{positions}"
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    import sysconfig
+
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from trainforge.config.run import LoraSettings
-    from trainforge.data.loader import Batch
-    from trainforge.engine.step import loss_sum
-    from trainforge.hardware.device import PRECISIONS
-    from trainforge.model.load import apply_lora, enable_activation_checkpointing
-    from trainforge.model.packed_attention import register_causal
-    from trainforge.model.tiled_mlp import apply_tiled_mlp
+    from trainforge.model.tokenizer import train_bpe_tokenizer
 
-    ckpt, tiled = LEVERS[levers]
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files[:3000]]
+    tok = train_bpe_tokenizer(texts, vocab_size=SHAPES[shape]["vocab_size"])
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPE)
-    # causal SDPA without a materialized mask (what training's packed-attention path uses)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_causal())
-    model = model.to(torch.bfloat16) if precision == "bf16" else model
-    if ckpt:
-        enable_activation_checkpointing(model)
-    model = apply_lora(model, LoraSettings(r=16, alpha=32, target_modules="all-linear"))
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    if tiled:
-        apply_tiled_mlp(model)
-    model.train()
-    ids = torch.randint(0, SHAPE["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
-    batch = Batch(ids, ids, None, length, length, [0])
-    seconds = 0.0
-    for _ in range(steps):
-        start = time.perf_counter()
-        loss = loss_sum(model, batch, PRECISIONS[precision], True)
-        (loss / length).backward()
-        model.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    return {"length": length, "levers": levers, "precision": precision, "peak_rss_gib": round(peak / 2**30, 3), "step_s": round(seconds, 1),
-            "tokens_per_s": round(length / seconds)}
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=positions, tie_word_embeddings=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    (work / f"corpus-{shape}.json").write_text(json.dumps([t for t in texts if t.strip()]))
+    return model_dir
+
+
+def documents(work: Path, shape: str, length: int, n: int, model_dir: Path) -> Path:
+    """A JSONL of ``n`` text documents each longer than ``length`` tokens (the corpus's token stream cut in pieces, from
+    its start, wrapping around), for every run alike."""
+    path = work / f"docs-{shape}-{length}-{n}.jsonl"
+    if path.is_file():
+        return path
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = json.loads((work / f"corpus-{shape}.json").read_text())
+    piece = int(length * DOC_MARGIN) + 64
+    ids: list[int] = []
+    for text in texts:  # enough of the stream for n pieces
+        ids.extend(tok(text)["input_ids"])
+        if len(ids) >= piece * n:
+            break
+    while len(ids) < piece * n:
+        ids = ids + ids
+    with path.open("w") as f:
+        for k in range(n):
+            f.write(json.dumps({"text": tok.decode(ids[k * piece:(k + 1) * piece])}) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- one measurement, in its own process
+
+
+def guard(cap_bytes: int, device: str) -> None:
+    """Hold this process under the cap: a CPU watchdog that ends it (exit ``OVER_CAP``) once its RSS passes the cap, or
+    the GPU allocator's per-process fraction (an out-of-memory error past it)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / torch.cuda.get_device_properties(0).total_memory))
+        return
+
+    def watch() -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while True:
+            with open("/proc/self/statm") as f:
+                if int(f.read().split()[1]) * page > cap_bytes:
+                    sys.stderr.write(f"over the cap of {cap_bytes / 2**30:.2f} GiB: stopped\n")
+                    sys.stderr.flush()
+                    os._exit(OVER_CAP)
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def peak_bytes(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_reserved())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+class StepClock:
+    """Seconds of each optimizer step of an HF / TRL trainer (a callback)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.start = 0.0
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                clock.start = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                clock.seconds.append(time.perf_counter() - clock.start)
+
+        return Clock()
+
+
+def hf_args(s: dict, out: Path) -> dict:
+    """The TrainingArguments every HF-side run shares."""
+    return dict(output_dir=str(out), per_device_train_batch_size=1, gradient_accumulation_steps=1, max_steps=s["steps"],
+                learning_rate=LR, warmup_steps=0, lr_scheduler_type="constant", bf16=s["precision"] == "bf16",
+                gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, report_to="none",
+                save_strategy="no", logging_steps=10**6, disable_tqdm=True, use_cpu=s["device"] == "cpu", seed=0,
+                dataloader_num_workers=0)
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+
+
+def base_model(s: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if s["precision"] == "bf16" else torch.float32  # the frozen base as trainforge stores it
+    return AutoModelForCausalLM.from_pretrained(s["model_dir"], dtype=dtype).to(s["device"])
+
+
+def run_hf_peft(s: dict, out: Path) -> dict:
+    from datasets import Dataset
+    from peft import get_peft_model
+    from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
+
+    tok = AutoTokenizer.from_pretrained(s["model_dir"])
+    texts = [json.loads(line)["text"] for line in Path(s["docs"]).read_text().splitlines()]
+    ids = [tok(t, truncation=True, max_length=s["length"])["input_ids"] for t in texts]
+    ds = Dataset.from_dict({"input_ids": ids, "labels": [list(x) for x in ids]})
+    model = get_peft_model(base_model(s), lora_config())
+    clock = StepClock()
+    trainer = Trainer(model=model, args=TrainingArguments(**hf_args(s, out)), train_dataset=ds,
+                      data_collator=default_data_collator, callbacks=[clock.callback()])
+    trainer.train()
+    return {"step_s": clock.seconds[-1], "row_tokens": len(ids[0]), "attention": model.config._attn_implementation}
+
+
+def run_trl(s: dict, out: Path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    tok = AutoTokenizer.from_pretrained(s["model_dir"])
+    texts = [json.loads(line)["text"] for line in Path(s["docs"]).read_text().splitlines()]
+    args = SFTConfig(**hf_args(s, out), max_length=s["length"], padding_free=True, packing=True, packing_strategy="bfd",
+                     dataset_text_field="text")
+    clock = StepClock()
+    trainer = SFTTrainer(model=base_model(s), args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                         processing_class=tok, peft_config=lora_config(), callbacks=[clock.callback()])
+    trainer.train()
+    return {"step_s": clock.seconds[-1], "padding_free": trainer.padding_free}
+
+
+def run_trainforge(s: dict, out: Path) -> dict:
+    from rich.console import Console
+
+    from trainforge.config.run import RunConfig
+    from trainforge.engine.trainer import train
+    from trainforge.metrics.console import ConsoleReporter
+
+    levers = "auto" if not s.get("forced_levers") else True
+    cfg = RunConfig.model_validate({
+        "model": {"path": s["model_dir"], "method": "lora",
+                  "lora": {"r": LORA["r"], "alpha": LORA["alpha"], "dropout": LORA["dropout"], "target_modules": "all-linear"}},
+        "data": {"train": s["docs"], "eval": None, "format": "text", "max_length": s["length"], "too_long": "truncate",
+                 "cache_dir": str(Path(s["work"]) / "cache"), "num_workers": 1},
+        "train": {"max_steps": s["steps"], "micro_batch_size": 1, "grad_accum": 1, "precision": s["precision"],
+                  "device": s["device"], "compile": False, "activation_checkpointing": levers, "tiled_mlp": levers,
+                  "activation_offload": "auto", "eval_every": None, "cpu_threads": s["threads"]},
+        "optim": {"lr": LR, "warmup_steps": 0, "schedule": "constant"},
+        "checkpoint": {"every_steps": None, "every_minutes": None},
+        "log": {"every_steps": 1, "report": False, "sample_prompt": None},
+    })
+    result = train(cfg, out, ConsoleReporter(Console(quiet=True)))
+    summary = result.summary
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "elapsed_s" in r and "step" in r]
+    last = steps[-1]["elapsed_s"] - (steps[-2]["elapsed_s"] if len(steps) > 1 else 0.0)
+    keys = ("max_length_reason", "activation_checkpointing", "micro_batch_size_reason", "activation_checkpointing_reason",
+            "predicted_peak_memory_bytes")
+    tiled = any(hasattr(m, "trainforge_tile_tokens") for m in result.model.modules())  # what tiled_mlp became
+    return {"step_s": last, "decisions": {k: summary.get(k) for k in keys}, "tiled_mlp": tiled}
+
+
+def child(spec: str) -> None:
+    s = json.loads(spec)
+    guard(int(s["cap_gib"] * 2**30), s["device"])
+    import torch
+
+    if s["device"] == "cpu":
+        torch.set_num_threads(s["threads"])
+    out = Path(s["work"]) / "runs" / f"{s['run']}-{s['length']}-{os.getpid()}"
+    result = {"trainforge": run_trainforge, "hf-peft": run_hf_peft, "trl-padding-free": run_trl}[s["run"]](s, out)
+    result.update(peak_gib=round(peak_bytes(s["device"]) / 2**30, 3), tokens_per_s=round(s["length"] / result["step_s"], 1),
+                  step_s=round(result["step_s"], 2))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def measure(s: dict, run: str, length: int, steps: int, forced_levers: bool = False) -> dict:
+    """One (run, length) in its own process: its result, or why it has none (over the cap, refused, failed)."""
+    spec = {**s, "run": run, "length": length, "steps": steps, "forced_levers": forced_levers,
+            "docs": str(documents(Path(s["work"]), s["shape"], length, steps + 1, Path(s["model_dir"])))}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("TRAINFORGE_MEMORY_GIB", None)
+    if run == "trainforge" and not forced_levers:  # auto decides for a machine of the cap's size, as a user's run does
+        env["TRAINFORGE_MEMORY_GIB"] = str(s["cap_gib"])
+    row = {"run": run, "length": length, "steps": steps}
+    started = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                           env=env, timeout=s["probe_timeout_s"])
+    except subprocess.TimeoutExpired:
+        return {**row, "status": "timeout", "wall_s": s["probe_timeout_s"]}
+    row["wall_s"] = round(time.perf_counter() - started, 1)
+    found = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    if p.returncode == 0 and found:
+        return {**row, "status": "ok", **json.loads(found[-1][7:])}
+    tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    status = {OVER_CAP: "over the cap", 4: "refused", -9: "killed"}.get(p.returncode, "failed")
+    if "out of memory" in p.stderr.lower() and status == "failed":
+        status = "over the cap"
+    return {**row, "status": status, "returncode": p.returncode, "error": tail}
+
+
+# ---------------------------------------------------------------- the longest row, the plan's prediction, the summary
+
+
+def longest(s: dict, run: str, say, seed: int | None = None) -> dict:
+    """The longest length (a multiple of ``--granule``) whose one-step probe fits the cap, to within ``--tolerance``:
+    a bracket first (from ``seed`` less the tolerance when given, trainforge's own prediction, then a step of twice the
+    tolerance above it; else doubling from ``--start``; halving where the first probe does not fit), then bisection."""
+    probes: list[dict] = []
+    g, tol = s["granule"], s["tolerance"]
+
+    def snap(n: float) -> int:
+        return max(g, int(n) // g * g)
+
+    def fits(n: int) -> bool | None:
+        r = measure(s, run, n, 1, forced_levers=run == "trainforge")
+        probes.append(r)
+        say(r)
+        return None if r["status"] in ("timeout", "failed") else r["status"] == "ok"
+
+    lo, hi = 0, None
+    n, grow = (snap(seed * (1 - tol)), 1 + 2 * tol) if seed else (snap(s["start"]), 2.0)
+    while n <= s["max_length"]:
+        verdict = fits(n)
+        if verdict is None:
+            return {"run": run, "longest": lo, "undecided_at": n, "probes": probes}
+        if verdict:
+            lo = n
+            if hi is not None:
+                break
+            n, grow = max(snap(n * grow), n + g), 2.0
+        else:
+            hi = n
+            if lo or n == g:
+                break
+            n = snap(n / 2)
+    while hi is not None and hi - lo > max(g, tol * lo):
+        mid = snap((lo + hi) / 2)
+        if mid in (lo, hi):
+            break
+        verdict = fits(mid)
+        if verdict is None:
+            return {"run": run, "longest": lo, "undecided_at": mid, "probes": probes}
+        lo, hi = (mid, hi) if verdict else (lo, mid)
+    return {"run": run, "longest": lo, "first_over": hi, "probes": probes}
+
+
+PREDICT = """
+import json, sys
+from trainforge.config.run import load_config
+from trainforge.engine.predict.longest import auto_length
+from trainforge.tools.plan import plan_precision, plan_tokenizer, resolve_profile
+cfg = load_config(sys.argv[1])
+profile, device = resolve_profile("this", cfg)
+precision, _ = plan_precision(cfg, profile, device)
+found = auto_length(cfg, plan_tokenizer(cfg), precision, profile)
+print(json.dumps({"max_length": found.length, "why": found.why, "capacity_gib": profile.memory_gib}))
+"""
+
+
+def predicted_longest(s: dict) -> dict:
+    """trainforge's predicted longest length at the trainforge run's config, on this machine capped at ``--cap-gib``, in
+    a fresh process: what ``trainforge plan CONFIG --longest`` prints as ``data.max_length: auto takes`` (the same
+    function; ``--plan-table``: the whole ``plan --longest``, its table of levers too, a search per row)."""
+    import yaml
+
+    work = Path(s["work"])
+    config = {"model": {"path": s["model_dir"], "method": "lora", "lora": {"r": LORA["r"], "alpha": LORA["alpha"],
+                                                                       "target_modules": "all-linear"}},
+              "data": {"train": str(documents(work, s["shape"], s["start"], 2, Path(s["model_dir"]))), "eval": None,
+                       "max_length": "auto", "cache_dir": str(work / "cache")},
+              "train": {"micro_batch_size": 1, "precision": s["precision"], "device": s["device"], "cpu_threads": s["threads"]}}
+    path = work / "plan-longest.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "TRAINFORGE_MEMORY_GIB": str(s["cap_gib"]), "HF_HUB_OFFLINE": "1"}
+    argv = ["-m", "trainforge", "plan", str(path), "--longest", "--json"] if s["plan_table"] else ["-c", PREDICT, str(path)]
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        return {"error": (p.stderr.strip().splitlines() or ["?"])[-1]}
+    found = json.loads(p.stdout.strip().splitlines()[-1] if not s["plan_table"] else p.stdout)
+    return {"auto": found["auto"], "table": found} if s["plan_table"] else {"auto": found}
+
+
+def summarize(results: dict) -> list[str]:
+    """The figures the issue asks for, where the measurements give them."""
+    lines, table = [], results["table"]
+    by = {(r["run"], r["length"]): r for r in table if r["status"] == "ok"}
+    for r in table:
+        what = (f"peak {r['peak_gib']:.2f} GiB, {r['tokens_per_s']:,.0f} tokens/s" if r["status"] == "ok"
+                else f"{r['status']} ({r.get('error', '')})")
+        lines.append(f"{r['length']:>8,}  {r['run']:<17} {what}")
+    longest_of = {x["run"]: x["longest"] for x in results.get("longest", [])}
+    if longest_of:
+        lines.append("longest under the cap: " + ", ".join(f"{k} {v:,}" for k, v in longest_of.items()))
+        tf, hf = longest_of.get("trainforge"), longest_of.get("hf-peft")
+        if tf and hf:
+            lines.append(f"trainforge / hf-peft longest: x{tf / hf:.2f} (target >= 4x)")
+            if ("trainforge", hf) in by and ("hf-peft", hf) in by:
+                share = by[("trainforge", hf)]["peak_gib"] / by[("hf-peft", hf)]["peak_gib"]
+                lines.append(f"peak at hf-peft's longest ({hf:,}): trainforge x{share:.2f} of hf-peft's (target <= 0.4x)")
+        plan = results.get("plan", {}).get("auto", {}).get("max_length")
+        if plan and tf:
+            lines.append(f"plan --longest predicted {plan:,}, measured {tf:,}: {plan / tf - 1:+.1%} (target within 10%)")
+    for n in sorted({r["length"] for r in table}):
+        if ("trainforge", n) in by and ("hf-peft", n) in by:
+            ratio = by[("trainforge", n)]["tokens_per_s"] / by[("hf-peft", n)]["tokens_per_s"]
+            lines.append(f"tokens/s at {n:,}: trainforge x{ratio:.2f} of hf-peft's (target >= 1x)")
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
-    ap.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
-    ap.add_argument("--steps", type=int, default=2, help="steps per configuration (the last is timed; 1: peak only)")
-    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
-                    help="fp32 where the CPU has no native bf16 (emulated bf16 is several times slower)")
-    ap.add_argument("--one", nargs=2, metavar=("LENGTH", "LEVERS"), help=argparse.SUPPRESS)
+    ap.add_argument("--shape", choices=list(SHAPES), default="small")
+    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384])
+    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated, from " + ", ".join(RUNS))
+    ap.add_argument("--steps", type=int, default=2, help="steps per table measurement (the last is timed)")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--cap-gib", type=float, default=16.0, help="the memory every process must stay under")
+    ap.add_argument("--longest", action="store_true", help="also search each run's longest length under the cap")
+    ap.add_argument("--start", type=int, default=4096, help="--longest: the first length probed")
+    ap.add_argument("--granule", type=int, default=256, help="--longest: lengths are multiples of this")
+    ap.add_argument("--tolerance", type=float, default=0.05,
+                    help="--longest: the search ends where the longest that fits and the shortest that does not are "
+                    "this share (or one granule) apart")
+    ap.add_argument("--max-length", type=int, default=1 << 20,
+                    help="--longest: no probe past this length (also the model's max_position_embeddings: the cap of "
+                    "trainforge's predicted longest)")
+    ap.add_argument("--plan-table", action="store_true", help="--longest: the prediction by the whole `plan --longest` "
+                    "(its table of levers too: a search per row, minutes at long lengths)")
+    ap.add_argument("--probe-timeout-s", type=float, default=4 * 3600.0, help="a measurement running longer is undecided")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--workdir", type=Path, default=Path("runs/bench_long_context"))
+    ap.add_argument("--out", type=Path, help="write every measurement and the summary as JSON")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.one:
-        print(json.dumps(one(int(args.one[0]), args.one[1], args.steps, args.precision)))
-        return
-    for length in args.lengths:
-        for levers in args.levers:
-            out = subprocess.run([sys.executable, __file__, "--one", str(length), levers, "--steps", str(args.steps), "--precision", args.precision], capture_output=True, text=True)
-            line = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else \
-                json.dumps({"length": length, "levers": levers, "error": out.stderr.strip().splitlines()[-1:]})
-            print(line, flush=True)
+    if args.child:
+        return child(args.child)
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if set(runs) - set(RUNS):
+        ap.error(f"unknown runs: {', '.join(sorted(set(runs) - set(RUNS)))}")
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        if "trl-padding-free" in runs:
+            runs.remove("trl-padding-free")
+            print("trl-padding-free: skipped, TRL is not installed (pip install 'trainforge[bench]')", flush=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    s = {"shape": args.shape, "precision": args.precision, "device": args.device, "cap_gib": args.cap_gib,
+         "threads": args.threads, "work": str(args.workdir.resolve()), "start": args.start, "granule": args.granule, "tolerance": args.tolerance,
+         "max_length": args.max_length, "probe_timeout_s": args.probe_timeout_s, "plan_table": args.plan_table,
+         "model_dir": str(prepare(args.workdir.resolve(), args.shape, args.max_length))}
+    say = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
+    results: dict = {"settings": {k: v for k, v in s.items() if k != "work"}, "lora": LORA, "shape": SHAPES[args.shape],
+                     "table": [], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    lengths = sorted(set(args.lengths))
+    if args.longest:
+        if "trainforge" in runs:  # first: its answer is where trainforge's search starts
+            results["plan"] = predicted_longest(s)
+            say({"plan": results["plan"]})
+        seed = results.get("plan", {}).get("auto", {}).get("max_length") or None
+        results["longest"] = [longest(s, run, say, seed if run == "trainforge" else None) for run in runs]
+        hf = next((x["longest"] for x in results["longest"] if x["run"] == "hf-peft"), 0)
+        lengths = sorted(set(lengths) | ({hf} if hf else set()))
+    for n in lengths:
+        for run in runs:
+            results["table"].append(measure(s, run, n, args.steps))
+            say(results["table"][-1])
+    results["summary"] = summarize(results)
+    print("\n".join(results["summary"]))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

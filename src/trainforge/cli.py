@@ -87,8 +87,8 @@ def train(
             run_training(cfg, output, resume=resume)
             code = 0
         except TrainforgeError as e:
-            # out of memory is one rank's own: every rank says so; the others fail alike and rank 0 speaks
-            quiet = alike and not isinstance(e, OutOfMemory)
+            # out of memory is one rank's own (unless rank 0 decided it for all): every rank says so; others: rank 0 speaks
+            quiet = alike and (not isinstance(e, OutOfMemory) or getattr(e, "decided_by_rank_zero", False))
             if quiet:  # torchrun stops every process as soon as one exits: let rank 0 print the shared error first
                 wait_for_rank_zero(QUIET_RANK_GRACE_S)
             _fail_with(e, quiet=quiet)
@@ -132,10 +132,11 @@ def prepare(
     SIGTERM/SIGINT stops it at the next chunk of rows, nothing cached (exit 75)."""
     from .config.run import load_config
     from .data.plan import PREPARE_STOPPING, prepare_only
+    from .engine.row_length import resolve_here
     from .stop import StopRequest
 
     with user_errors():
-        cfg = load_config(config, set_ or [])
+        cfg = resolve_here(load_config(config, set_ or []))  # data.max_length: auto, as train takes it
         with StopRequest(PREPARE_STOPPING) as stop:
             prepare_only(cfg, stop=stop)
 

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from test_faults import poison_steps
 
+import trainforge.engine.row_length as row_length
 import trainforge.engine.setup as engine_setup
 import trainforge.engine.trainer as trainer
 import trainforge.metrics.tracker as tracker
@@ -65,7 +66,7 @@ def test_refusal_is_for_more_than_twice_the_device_and_the_warning_stays_below()
 
 
 def test_a_run_that_can_never_fit_is_refused_before_the_model_is_built(config, tmp_path, monkeypatch):
-    monkeypatch.setattr(engine_setup, "device_memory", lambda device: (64 * 1024, "system memory available to this process"))
+    monkeypatch.setattr(row_length, "device_memory", lambda device: (64 * 1024, "system memory available to this process"))
     monkeypatch.setattr(engine_setup, "build_run_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(OutOfMemory) as e:
         train(config, tmp_path / "run")
@@ -85,7 +86,7 @@ def test_a_run_within_twice_the_memory_starts_with_the_warning(config, tmp_path,
         seen.append(memory_refusal(est, int(est.total / 1.5), *args))
         return seen[-1]
 
-    monkeypatch.setattr(engine_setup, "memory_refusal", at_one_and_a_half)
+    monkeypatch.setattr(row_length, "memory_refusal", at_one_and_a_half)
     monkeypatch.setattr(engine_setup, "available_memory_bytes", lambda device: 1024)
     config["train"]["max_steps"] = 1
     train(config, tmp_path / "run")

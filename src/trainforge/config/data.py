@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from .base import MAX_TOKENS, Section
-from .errors import shown
+from .errors import ConfigError, shown
 
 BUILTIN_STDLIB = "builtin:python-stdlib"
 """Text source: the Python standard library's own sources, present on every install."""
@@ -129,8 +129,11 @@ class DataSettings(Section):
     train_on_prompt: bool = Field(
         False, description="also learn prompt / user / system tokens (default: completion- / assistant-only)"
     )
-    max_length: int = Field(
-        1024, gt=0, le=MAX_TOKENS, description="tokens per training row; encoder-decoder models: source tokens per example (the encoder's side)"
+    max_length: int | Literal["auto"] = Field(
+        1024, description="tokens per training row; encoder-decoder models: source tokens per example (the encoder's side); "
+        "auto (decoder-only models): the longest that fits a step at the run's micro-batch (one row when that is auto) with "
+        "its method and long-context levers on this machine, as `trainforge plan --longest` finds it, at most the model's "
+        f"positions (docs/long-context.md) (> 0, <= {MAX_TOKENS})",
     )
     max_target_length: int | None = Field(
         None,
@@ -172,6 +175,13 @@ class DataSettings(Section):
     def _template_text(cls, v: str | None) -> str | None:
         return template_text(v)
 
+    @field_validator("max_length")
+    @classmethod
+    def _row_length(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 0 < v <= MAX_TOKENS:
+            raise ValueError(f"must be greater than 0 and at most {MAX_TOKENS} tokens, or auto")
+        return v
+
     @field_validator("eval")
     @classmethod
     def _eval_valid(cls, v: str | float | None) -> str | float | None:
@@ -198,7 +208,13 @@ class DataSettings(Section):
 
     def target_limit(self) -> int:
         """Target tokens per example of an encoder-decoder model: ``max_target_length``, else ``max_length``."""
-        return self.max_target_length or self.max_length
+        return self.max_target_length or self.row_length()
+
+    def row_length(self) -> int:
+        """``max_length`` once resolved; ``auto`` is resolved at set-up (engine/row_length.py) before anything reads it."""
+        if self.max_length == "auto":
+            raise ConfigError("data.max_length: auto must be resolved (engine/row_length.py) before the row length is read")
+        return self.max_length
 
     def too_long_for(self, fmt: str) -> str:
         """The too-long policy for data of format ``fmt``: the set one, else split for text, truncate otherwise."""

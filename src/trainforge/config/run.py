@@ -167,6 +167,9 @@ class RunConfig(Section):
                 )
             return self
         what = f"the model ({kind.model_type or 'encoder-decoder'}) is an encoder-decoder"
+        if d.max_length == "auto":  # a source length and a target length: no one longest row to search for
+            raise ValueError(f"data.max_length: auto is for decoder-only models; {what}: give data.max_length (source "
+                             "tokens) and data.max_target_length as numbers")
         if d.packing is not False:  # given (an unset one resolved to false): packing across examples would need
             raise ValueError(  # per-document cross-attention
                 f"data.packing: {what}; it trains one source -> target example per row, batches grouped by "
@@ -191,8 +194,8 @@ class RunConfig(Section):
         """Tokens one row holds at most: ``data.max_length``, plus the target side of an encoder-decoder, or (grpo)
         a completion behind its prompt (rl/stage.py packs rows of that capacity)."""
         if self.model.kind.encoder_decoder:
-            return self.data.max_length + self.data.target_limit()
-        return self.data.max_length + (self.rl.max_completion_length if self.train.objective == "grpo" else 0)
+            return self.data.row_length() + self.data.target_limit()
+        return self.data.row_length() + (self.rl.max_completion_length if self.train.objective == "grpo" else 0)
 
     def to_yaml(self) -> str:
         """The resolved configuration as YAML (every default spelled out)."""

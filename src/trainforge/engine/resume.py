@@ -188,10 +188,13 @@ def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 def resolved_against(info: CheckpointInfo, cfg: RunConfig) -> dict[str, Any]:
     """``fixed_settings(cfg)`` as the run resolves them when it resumes ``info`` (a checkpoint binds resolved values):
-    ``micro_batch_size: auto`` takes the checkpoint's micro-batch (``fit_to_machine`` keeps it), and a grad_accum
-    that ``global_batch_size`` derives is derived from that (at the checkpoint's process count: another count is
-    ``check_world``'s to refuse)."""
+    ``micro_batch_size: auto`` takes the checkpoint's micro-batch (``fit_to_machine`` keeps it), ``data.max_length:
+    auto`` its length (``row_length.fit_length`` keeps it), and a grad_accum that ``global_batch_size`` derives is
+    derived from that (at the checkpoint's process count: another count is ``check_world``'s to refuse)."""
     t = cfg.train
+    saved_length = info.meta.get("fixed", {}).get("data.max_length")
+    if cfg.data.max_length == "auto" and isinstance(saved_length, int):
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": saved_length})})
     saved_micro = info.meta.get("fixed", {}).get("train.micro_batch_size")
     if t.micro_batch_size == "auto" and isinstance(saved_micro, int):
         t = t.model_copy(update={"micro_batch_size": saved_micro})

@@ -19,7 +19,6 @@ from ..data.examples import row_describer
 from ..data.loader import eval_batches
 from ..data.plan import check_objective_data, describe_data, get_tokenizer, note_run_epochs
 from ..dist import DistContext, device_for
-from ..errors import TrainforgeError
 from ..hardware.device import (
     PRECISIONS, Precision, available_memory_bytes, configure_backends, cpu_has_native_bf16, cpu_matmul_flops,
     cpu_peak_precision, describe, device_memory, emulated_precision, peak_flops, pick_device, resolve_precision, this_profile,
@@ -34,7 +33,7 @@ from ..metrics.window import LogWindow
 from ..model.experts_impl import describe as describe_experts
 from ..model.fp8 import resolve_fp8
 from ..model.kernels import resolve_kernels
-from ..model.load import build_model, check_positions, count_parameters, describe_storage, overflows_in_fp16, weight_storage
+from ..model.load import build_model, count_parameters, describe_storage, overflows_in_fp16, weight_storage
 from ..rundir.writing import writing
 from ..rl.wiring import bind_rollouts, data_planner, loader_type
 from .advisor import Advisor
@@ -42,13 +41,12 @@ from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .ending import eval_stopped_at_checkpoint
 from .levers import apply_levers, resolve_run_levers
 from .evaluate import auto_eval_batches, planned_evals
-from .predict.fit import Fit, fit_run, rough_skeleton_estimate
+from .predict.fit import Fit, fit_run
 from .predict.trace_cache import reusing_traces
-from .predict.memory import estimate_memory, memory_refusal, memory_warning
+from .predict.memory import estimate_memory, memory_warning
 from .nonfinite import NonFiniteGuard
 from .objective import build_objective, describe_objective
 from .reference import attach_reference
-from .oom import OutOfMemory
 from .optim import build_optimizer, check_optimizer, describe_optimizer
 from ..stop import StopRequest
 from .resume import (
@@ -56,6 +54,7 @@ from .resume import (
     resumes_a_checkpoint, wrote_its_end,
 )
 from .ranks import batch_layout, wrap_for_ranks
+from .row_length import fit_length
 from .run import Run, RunFacts
 from .saver import Checkpointer
 from .schedule import build_scheduler
@@ -96,13 +95,15 @@ def setup(
     check_optimizer(cfg.optim, device.type, None)
     laps("device")
 
-    with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
+    with ctx.main_first():  # rank 0 builds the tokenizer (a BPE trained on the data: cached); the others load it
         check_objective_data(cfg)  # data of the wrong kind fails before a tokenizer is trained on it
         tokenizer = get_tokenizer(cfg, reporter)
-        laps("tokenizer")
-        check_positions(cfg.model, cfg.data.max_length, reporter.warn)  # a row past a learned position table fails mid-step
-        refuse_what_cannot_fit(cfg, tokenizer, precision, device, ctx)  # before the data and the model cost anything
-        laps("fit_check")
+    laps("tokenizer")
+    # data.max_length auto resolved; a row past a learned position table (exit 2) or a run that cannot fit (exit 4)
+    # refused before the data and the model cost anything (row_length.py; rank 0 decides)
+    cfg, length_facts = fit_length(cfg, tokenizer, precision, device, ctx, Path(output_dir), resume, reporter)
+    laps("fit_check")
+    with ctx.main_first():  # rank 0 tokenizes into the cache and checks the run directory; the others reuse both
         # a signal stops tokenizing at the next chunk; bad data fails before the run dir exists
         data = data_planner(cfg)(cfg, tokenizer, reporter, device.type == "cuda", lambda: stop.stop_before_training(output_dir, ctx.enabled))
         out = Path(output_dir)
@@ -204,6 +205,7 @@ def setup(
             judge_loss=cfg.train.objective != "grpo",
         ),
     )
+    run.facts.choices.update(length_facts)  # what data.max_length is and why (auto: what it chose)
     laps("services")
     # a signal is in events.jsonl when it comes: a second one (or a SIGKILL) that ends the process before its stop
     # event is written leaves doctor that much
@@ -261,43 +263,6 @@ def build_eval_set(cfg: RunConfig, data: Any, max_steps: int, world_size: int, r
     else:
         reporter.info(f"eval: all {n} batch{'es' if n > 1 else ''} per evaluation, {evals} evaluations (within {share} of the training compute)")
     return eval_batches(data.eval_rows, data.eval_collate, t.micro_batch_size, n)
-
-
-def refuse_what_cannot_fit(cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx: DistContext) -> None:
-    """Raise ``OutOfMemory`` (exit 4) before anything is allocated when the rough estimate of the run, from the
-    model's skeleton on the meta device, exceeds the device's memory ``REFUSE_FACTOR`` times over (memory.py),
-    even at the least the run can get to on its own: one row on a single GPU (out of memory backs off to it),
-    else the configured micro-batch (a CPU process is killed, data-parallel ranks do not back off); with
-    activation checkpointing when it is on or auto; under FSDP the model state shared by the processes."""
-    capacity, where = device_memory(device)
-    if not capacity:
-        return
-    t = cfg.train
-    backs_off = device.type == "cuda" and not ctx.enabled
-    rows = t.micro_batch_size if isinstance(t.micro_batch_size, int) and not backs_off else 1
-    ckpt = t.activation_checkpointing is not False
-    shards = ctx.world_size if ctx.enabled and t.distributed != "ddp" else 1
-    try:
-        est = rough_skeleton_estimate(cfg, tokenizer, precision, rows, ckpt, shards)
-    except TrainforgeError:
-        raise
-    except Exception:  # a model the skeleton cannot describe: the run goes on, the warning after loading still speaks
-        return
-    at = f"at micro-batch {rows}" + (" with activation checkpointing" if ckpt else "")
-    fixes = (["lower train.micro_batch_size (raise train.grad_accum to keep the global batch)"] if rows > 1 else []) + [
-        f"lower data.max_length ({cfg.data.max_length})"
-    ]
-    if not ckpt:
-        fixes.append("set train.activation_checkpointing: auto")
-    if cfg.model.init is not None:
-        fixes.append("make model.init smaller (hidden_size, intermediate_size, num_hidden_layers)")
-    elif cfg.model.method != "qlora":
-        fixes.append("use model.method: " + ("lora or qlora" if cfg.model.method == "full" else "qlora"))
-    if ctx.enabled and shards == 1:
-        fixes.append("use train.distributed: fsdp")
-    message = memory_refusal(est, capacity, where, at, fixes)
-    if message:
-        raise OutOfMemory(message)
 
 
 def choose_device_and_precision(

@@ -59,6 +59,8 @@ def eval_config(src: ModelSource, data: str, overrides: list[str], max_positions
         parts, value = parse_override(item)
         apply_override(raw, parts, value)
         overridden.add(tuple(parts))
+    if raw["data"].get("max_length") == "auto":  # sized for a training step on this machine: eval reads as it is told
+        raise ConfigError("data.max_length: auto is for training; give eval a number of tokens (--set data.max_length=N)")
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:

@@ -28,7 +28,7 @@ from ..hardware.device import PRECISIONS, Precision, cpu_has_native_bf16, emulat
 from ..hardware.profiles import GIB, HardwareProfile, find_profile
 from .plan_memory import memory_table, rollout_facts
 from .plan_moe import moe_findings, no_fit_fix, with_moe
-from .plan_decisions import decisions
+from .plan_decisions import decisions, with_auto_length
 from .plan_kernels import attention_share, fp8_problem, fp8_uncompiled, planned_attention
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
 from .plan_preference import describe_reference, with_reference
@@ -116,6 +116,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
     profile, device = resolve_profile(hardware, cfg)
     precision, precision_why = plan_precision(cfg, profile, device)
     tokenizer = plan_tokenizer(cfg)
+    cfg, length_row = with_auto_length(cfg, tokenizer, precision, profile, world_size)  # data.max_length: auto, as a run
     mode = _distributed_mode(cfg, tokenizer, precision, profile, world_size)
     cfg, lever_why = with_decided_levers(cfg, tokenizer, precision, profile, world_size, mode)  # as a run takes them
     fit = fit_run(cfg, tokenizer, precision, profile, world_size, mode, quick=True)
@@ -172,7 +173,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
         "optimizer": optimizer,
         "preference": preference,
         "data": data,
-        "decisions": decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile, lever_why),
+        "decisions": length_row + decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile, lever_why),
     }
     plan["findings"] = findings(cfg, resolved, with_moe(plan, resolved, tokenizer, precision, profile), memory, step, profile, device, precision, output)
     return plan

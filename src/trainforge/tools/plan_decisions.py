@@ -1,6 +1,6 @@
 """What ``trainforge plan`` says the run would decide by itself on a hardware profile, and why: one row per
-setting a run resolves (precision, attention, compile, kernels, checkpointing, micro-batch, accumulation, the
-long-context levers, FP8, the distributed mode)."""
+setting a run resolves (the row length, precision, attention, compile, kernels, checkpointing, micro-batch,
+accumulation, the long-context levers, FP8, the distributed mode)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,21 @@ from ..config.run import RunConfig
 from ..hardware.device import Precision
 from ..hardware.profiles import HardwareProfile
 from .plan_kernels import fp8_decision, kernels_choice, planned_attention
+
+
+def with_auto_length(cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile,
+                     world_size: int = 1) -> tuple[RunConfig, list[dict[str, str]]]:
+    """``cfg`` with ``data.max_length: auto`` taken as a run on ``profile`` takes it (``auto_length``), and its decision
+    row (none where the length is a number); where nothing fits, the shortest row, for the plan to show why."""
+    if cfg.data.max_length != "auto":
+        return cfg, []
+    from ..engine.predict.longest import GRANULE, auto_cap, auto_length
+
+    mode = "fsdp" if world_size > 1 and cfg.train.distributed == "fsdp" else "ddp"
+    choice = auto_length(cfg, tokenizer, precision, profile, world_size, mode)
+    length = choice.length or min(GRANULE, auto_cap(cfg)[0])
+    data = cfg.data.model_copy(update={"max_length": length})
+    return cfg.model_copy(update={"data": data}), [{"setting": "max_length", "choice": str(length), "why": choice.why}]
 
 
 def decisions(

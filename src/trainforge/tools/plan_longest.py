@@ -7,7 +7,8 @@ from typing import Any
 
 from ..config.run import RunConfig
 from ..engine.predict.fit import FIT_MARGIN
-from ..engine.predict.longest import Longest, lever_table, longest_length, run_levers
+from ..engine.predict.longest import Longest, auto_length, lever_table, longest_length, run_levers
+from ..engine.predict.trace_cache import reusing_traces
 from ..hardware.profiles import GIB
 from .plan import plan_precision, plan_tokenizer, resolve_profile
 
@@ -28,11 +29,13 @@ def longest_plan(cfg: RunConfig, hardware: str = "this", world_size: int = 1, mo
     profile, device = resolve_profile(hardware, cfg)
     precision, _ = plan_precision(cfg, profile, device)
     tokenizer = plan_tokenizer(cfg)
-    table = lever_table(cfg, tokenizer, precision, profile, FIT_MARGIN, world_size, mode)
-    levers = run_levers(cfg, profile)
-    mine = next((found for found in table if found.levers == levers), None)
-    if mine is None:
-        mine = longest_length(cfg, tokenizer, precision, profile, levers, FIT_MARGIN, world_size, mode)
+    with reusing_traces():  # data.max_length: auto at one row traces what the run's row of the table traced
+        table = lever_table(cfg, tokenizer, precision, profile, FIT_MARGIN, world_size, mode)
+        levers = run_levers(cfg, profile)
+        mine = next((found for found in table if found.levers == levers), None)
+        if mine is None:
+            mine = longest_length(cfg, tokenizer, precision, profile, levers, FIT_MARGIN, world_size, mode)
+        auto = auto_length(cfg, tokenizer, precision, profile, world_size, mode)
     return {
         "hardware": profile.name,
         "capacity_gib": round(profile.memory_bytes / GIB, 2),
@@ -41,6 +44,7 @@ def longest_plan(cfg: RunConfig, hardware: str = "this", world_size: int = 1, mo
         "method": cfg.model.method,
         "configured_max_length": cfg.data.max_length,
         "run": _row(mine),
+        "auto": {"max_length": auto.length, "why": auto.why},  # what data.max_length: auto takes (its micro-batch and cap)
         "levers": [_row(found) for found in table],
     }
 
@@ -55,6 +59,7 @@ def render_longest(result: dict[str, Any], console) -> None:
     )
     console.print(f"  with the run's levers ({run['levers']}): [bold]{run['longest']:,}[/bold] tokens"
                   + (f" (capped: {run['capped']})" if run["capped"] else ""))
+    console.print(f"  data.max_length: auto takes [bold]{result['auto']['max_length']:,}[/bold] ({result['auto']['why']})")
     console.print(f"  {'levers':<42} {'longest':>10} {'gain':>7} {'peak there':>11} {'+256 tokens':>12}")
     before = None
     for row in result["levers"]:

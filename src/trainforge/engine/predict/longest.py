@@ -1,5 +1,6 @@
 """The longest ``data.max_length`` that fits at micro-batch 1, by the memory model (no training), and what
-each long-context lever buys: ``trainforge plan --longest`` and ``data.max_length: auto``.
+each long-context lever buys: ``trainforge plan --longest`` and ``data.max_length: auto`` (``auto_length``: at the
+run's micro-batch, capped by the model's positions).
 
 A step's predicted peak grows with the row length (linearly where attention keeps no length x length
 matrix, which is what every path trainforge trains with does), so the search needs few traces: two
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from ...config.base import MAX_TOKENS
 from ...config.run import RunConfig
 from ...hardware.device import Precision
-from ...hardware.profiles import HardwareProfile
-from .fit import FIT_MARGIN, MemoryPrediction, predict_memory
+from ...hardware.profiles import GIB, HardwareProfile
+from .fit import FIT_MARGIN, QUICK_SHARE, MemoryPrediction, predict_memory, rough_skeleton_bytes
 from .levers import Levers, tiling_covers, with_levers
 
 GRANULE = 256  # lengths are searched in multiples of this
@@ -48,19 +49,21 @@ def length_cap(cfg: RunConfig) -> tuple[int, str | None]:
 
 def longest_length(
     cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, levers: Levers,
-    margin: float = FIT_MARGIN, world_size: int = 1, mode: str = "ddp",
+    margin: float = FIT_MARGIN, world_size: int = 1, mode: str = "ddp", rows: int = 1,
+    cap: tuple[int, str | None] | None = None,
 ) -> Longest:
-    """The longest multiple of ``GRANULE`` tokens per row whose step fits in ``margin`` of ``profile`` at one row
-    with ``levers``, searched over the memory model."""
+    """The longest multiple of ``GRANULE`` tokens per row whose step fits in ``margin`` of ``profile`` at ``rows``
+    rows with ``levers``, searched over the memory model; ``cap``: (the longest length allowed, why), by default
+    ``length_cap``'s (a cap under ``GRANULE`` is the only length tried)."""
     budget = margin * profile.memory_bytes
-    cap, why_cap = length_cap(cfg)
-    cap = cap // GRANULE * GRANULE
+    cap, why_cap = cap or length_cap(cfg)
+    cap = cap // GRANULE * GRANULE or cap
     predictions: dict[int, MemoryPrediction] = {}
 
     def at(length: int) -> MemoryPrediction:
         if length not in predictions:
             run = with_levers(cfg, levers, length)
-            predictions[length] = predict_memory(run, tokenizer, precision, profile, 1, levers.checkpointing,
+            predictions[length] = predict_memory(run, tokenizer, precision, profile, rows, levers.checkpointing,
                                                  cfg.train.grad_accum, world_size, mode)
         return predictions[length]
 
@@ -125,3 +128,73 @@ def run_levers(cfg: RunConfig, profile: HardwareProfile) -> Levers:
     tiled = t.tiled_mlp is True or (t.tiled_mlp == "auto" and tiling_covers(cfg))
     offload = ckpt and (t.activation_offload is True or (t.activation_offload == "auto" and profile.kind == "gpu"))
     return Levers(ckpt, tiled, offload)
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB for messages: one decimal, two under 10 GiB (a small device's figures stay apart)."""
+    return f"{n / GIB:.1f} GiB" if n >= 10 * GIB else f"{n / GIB:.2f} GiB"
+
+
+def auto_cap(cfg: RunConfig) -> tuple[int, str | None]:
+    """The longest length ``data.max_length: auto`` may take: the model's positions (a learned table's size, or the
+    ``max_position_embeddings`` a rotary model declares: past it its positions run beyond what it was trained on),
+    less a grpo completion behind the prompt; ``MAX_TOKENS`` where the model declares none."""
+    from ...model.load import position_limit
+
+    limit, learned = position_limit(cfg.model)
+    if not limit:
+        return MAX_TOKENS, None
+    what = f"the model's learned position table ({limit} positions)" if learned else \
+        f"the model's max_position_embeddings ({limit})"
+    if cfg.train.objective == "grpo":  # the prompt's row leaves room for the completion sampled behind it
+        completion = cfg.rl.max_completion_length
+        return max(1, limit - completion), f"{what} less rl.max_completion_length ({completion})"
+    return limit, what
+
+
+@dataclass
+class AutoLength:
+    """What ``data.max_length: auto`` takes here and why; ``length`` 0: not even the shortest row fits."""
+
+    length: int
+    why: str
+    found: Longest | None  # the search (None: the cap, taken without one)
+
+
+def auto_rows(cfg: RunConfig) -> int:
+    """The rows per pass ``auto`` sizes a row for: the configured micro-batch, one row (grpo: one group) when auto."""
+    from .rollout_memory import micro_batch_unit
+
+    rows = cfg.train.micro_batch_size
+    return rows if isinstance(rows, int) else micro_batch_unit(cfg)
+
+
+def auto_length(
+    cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile, world_size: int = 1, mode: str = "ddp",
+    margin: float = FIT_MARGIN,
+) -> AutoLength:
+    """``data.max_length: auto`` on ``profile``: the longest length that fits in ``margin`` at the run's micro-batch
+    (``auto_rows``) with the levers the run may use (``run_levers``), capped by ``auto_cap``. Where the cap is
+    finite and a rough estimate there is far below the device, the cap without a search."""
+    rows, levers = auto_rows(cfg), run_levers(cfg, profile)
+    cap, why_cap = auto_cap(cfg)
+    capacity = f"{margin:.0%} of {gib(profile.memory_bytes)}"
+    at_rows = f"{rows} row{'s' if rows != 1 else ''}"
+    if cap < MAX_TOKENS:
+        rough = rough_skeleton_bytes(with_levers(cfg, levers, cap), tokenizer, precision, rows)
+        if rough < QUICK_SHARE * profile.memory_bytes:
+            return AutoLength(cap, f"{cap}: capped by {why_cap}; a rough estimate of a step there ({gib(rough)} at "
+                                   f"{at_rows}) is far below the {gib(profile.memory_bytes)} of the device", None)
+    found = longest_length(cfg, tokenizer, precision, profile, levers, margin, world_size, mode, rows, (cap, why_cap))
+    n = found.length
+    if n == 0:
+        shortest = min(GRANULE, cap)
+        return AutoLength(0, f"not even {shortest} tokens per row fit in {capacity} at {at_rows} with {levers.describe()}",
+                          found)
+    peak = f"predicted {gib(found.memory.process)}"
+    if found.capped:
+        return AutoLength(n, f"{n}: capped by {found.capped} ({peak} at {at_rows} with {levers.describe()}, under "
+                             f"{capacity})", found)
+    beyond = f"; {n + GRANULE} tokens: {gib(found.beyond.process)}" if found.beyond else ""
+    return AutoLength(n, f"{n}: the longest that fits in {capacity} at {at_rows} with {levers.describe()} ({peak}"
+                         f"{beyond})", found)
