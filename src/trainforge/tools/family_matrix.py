@@ -120,9 +120,9 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits.float()
 
 
-def _train_and_reload(family: str, model_dir: Path, data: Path, method: str, work: Path) -> tuple[str, str]:
-    """One method through trainforge; (packing, "ok") when the reloaded export gives the trained model's logits.
-    Raises what trainforge raised."""
+def _train_and_reload(model_dir: Path, data: Path, method: str, work: Path, seen: dict[str, str]) -> str:
+    """One method through trainforge; "ok" when the reloaded export gives the trained model's logits (``seen`` gets
+    the resolved packing as soon as the config validates). Raises what trainforge raised."""
     import yaml
     from transformers import AutoModelForCausalLM
 
@@ -134,7 +134,7 @@ def _train_and_reload(family: str, model_dir: Path, data: Path, method: str, wor
     cfg_file = work / f"{method}.yaml"
     cfg_file.write_text(yaml.safe_dump(_config(model_dir, data, method)))
     cfg = load_config(cfg_file)
-    packing = str(cfg.data.packing).lower()
+    seen["packing"] = str(cfg.data.packing).lower()
     out = work / f"run-{method}"
     run = train(cfg, out, quiet(), resume="never")
     exported = work / f"export-{method}"
@@ -144,8 +144,8 @@ def _train_and_reload(family: str, model_dir: Path, data: Path, method: str, wor
     reloaded = _logits(AutoModelForCausalLM.from_pretrained(exported), ids)
     if not torch.allclose(trained, reloaded, rtol=1e-4, atol=1e-4):
         gap = (trained - reloaded).abs().max().item()
-        return packing, f"fails: the export reloads with other logits (max gap {gap:.2e})"
-    return packing, "ok"
+        return f"fails: the export reloads with other logits (max gap {gap:.2e})"
+    return "ok"
 
 
 def run_family(family: str, work: Path) -> Outcome:
@@ -163,10 +163,10 @@ def run_family(family: str, work: Path) -> Outcome:
     except Exception as e:  # a package or input this machine lacks, or a config the shrinker cannot build
         return Outcome(family, "skipped", "skipped", "-", f"no tiny model built here: {_one_line(e)}")
     kind = model_kind(model_dir)
-    results, notes, packing = {}, [], "-"
+    results, notes, seen = {}, [], {"packing": "-"}
     for method in ("full", "lora"):
         try:
-            packing, results[method] = _train_and_reload(family, model_dir, data, method, work)
+            results[method] = _train_and_reload(model_dir, data, method, work, seen)
         except TrainforgeError as e:
             results[method] = "refused" if e.exit_code == 2 else f"fails (exit {e.exit_code})"
             notes.append(f"{method}: {_one_line(e)}")
@@ -178,7 +178,7 @@ def run_family(family: str, work: Path) -> Outcome:
             results[method] = "fails"
     if kind.recurrent:
         notes.insert(0, f"{kind.recurrent} layers: one example per row")
-    return Outcome(family, results["full"], results["lora"], packing, "; ".join(dict.fromkeys(notes)))
+    return Outcome(family, results["full"], results["lora"], seen["packing"], "; ".join(dict.fromkeys(notes)))
 
 
 def parse_table(text: str) -> dict[str, str]:

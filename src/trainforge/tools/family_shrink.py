@@ -85,6 +85,10 @@ def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict
         for key in ("num_key_value_heads", "num_kv_heads"):
             if isinstance(out.get(key), int):
                 out[key] = out.get("num_attention_heads", 4)
+    default_layers = next((d[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if isinstance(d.get(k), int)), None)
+    for key, value in d.items():
+        if key not in _PER_LAYER and out[key] is value and isinstance(value, list) and layers and len(value) == default_layers != layers:
+            out[key] = value[:layers]  # a list with one entry per layer (Gemma 3n's activation sparsity)
     for key in _PER_LAYER:
         value = d.get(key)
         if isinstance(value, list) and layers and len(value) > layers:
