@@ -38,12 +38,13 @@ _SIZES: dict[str, Any] = {
     "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "n_groups": 1,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "sliding_window": 16, "attention_window_size": 16, "window_size": 16, "chunk_size": 16,
-    "num_codebooks": 2, "audio_vocab_size": 64,
+    "num_codebooks": 2, "audio_vocab_size": 64, "hidden_size_per_layer_input": 8,
+    "encoder_hash_byte_group_vocab": 64,  # BLT's hash embeddings (500k rows by default)
 }
 _EVEN_NONE = {"head_dim"}
 _PER_LAYER = ("layer_types", "layers_block_type", "block_types", "mlp_layer_types", "hybrid_override_pattern",
               "layers_block_types", "attn_layer_indices", "no_rope_layers", "moe_layers")
-_VOCAB = ("vocab_size", "text_vocab_size")
+_VOCAB = ("vocab_size", "text_vocab_size", "vocab_size_per_layer_input")  # Gemma 3n/4's per-layer embeddings too
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
               "mask_token_id", "unk_token_id")
 
