@@ -14,12 +14,14 @@ LAYERS = 2
 
 # field -> tiny value; a field is set only where the default config has it (not None unless listed in _EVEN_NONE)
 _SIZES: dict[str, Any] = {
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "hidden_dim", "model_dim"), HIDDEN),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "hidden_dim", "model_dim",
+                     "emb_dim"), HIDDEN),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim",
                      "encoder_ffn_dim", "mlp_dim", "inner_hidden_size", "dense_intermediate_size"), 64),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
                      "moe_ffn_hidden_size", "shared_intermediate_size", "intermediate_size_mlp",
                      "moe_shared_expert_intermediate_size", "expert_dim"), 32),
+    **dict.fromkeys(("ext_pw_out_channel", "depthwise_separable_out_channel", "nemo_conv_channels"), 32),  # Phi-4-mm audio
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers", "decoder_layers",
                      "encoder_layers", "num_encoder_layers"), LAYERS),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads", "encoder_attention_heads",
