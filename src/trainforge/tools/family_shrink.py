@@ -38,6 +38,7 @@ _SIZES: dict[str, Any] = {
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
     "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16,
     "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "n_groups": 1,
+    "linear_head_dim": 8, "linear_num_heads": 4,  # Kimi Linear's delta-rule heads (32 x 128 by default)
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "sliding_window": 16, "attention_window_size": 16, "window_size": 16, "chunk_size": 16,
     "num_codebooks": 2, "audio_vocab_size": 64, "hidden_size_per_layer_input": 8,
@@ -51,6 +52,7 @@ _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_tok
               "mask_token_id", "unk_token_id")
 
 OVERRIDES: dict[str, dict[str, Any]] = {
+    "hrm_text": {"H_cycles": 1, "L_cycles": 1, "L_bp_cycles": [1]},
     "mamba2": {"num_heads": 4, "head_dim": 16, "expand": 2},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
     "zaya": {"num_experts_per_tok": 1},
