@@ -43,3 +43,16 @@ def test_dense_all_linear_is_left_to_peft_and_text_models_exclude_nothing():
     model = build("llama")
     assert lora_targets(model, "all-linear") == ("all-linear", [])
     assert non_text_parts(model) == [] and lora_exclusion(model) is None
+
+
+def test_all_linear_on_mamba_leaves_out_what_peft_refuses_and_naming_it_is_exit_2():
+    """PEFT refuses LoRA on a Mamba's out_proj and conv1d (its kernels read them directly): all-linear adapts the
+    other projections; naming one is a ConfigError that says so (a PEFT ValueError traceback before)."""
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    model = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=4))
+    modules, params = lora_targets(model, "all-linear")
+    assert "out_proj" not in modules and "conv1d" not in modules and {"in_proj", "x_proj", "dt_proj"} <= set(modules)
+    assert params == []
+    with pytest.raises(ConfigError, match="out_proj.*Mamba kernels"):
+        lora_targets(model, ["in_proj", "out_proj"])

@@ -90,3 +90,25 @@ def test_low_precision_inputs_attend_in_fp32_on_cpu():
         rounded, _ = packed_sdpa_forward(module, q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), None, position_ids=pos)
         torch.testing.assert_close(out, rounded.to(dtype), rtol=0, atol=0)
         torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_values_narrower_than_queries_as_in_multi_head_latent_attention():
+    """DeepSeek-style attention: queries and keys of 16 dims, values of 8; the output has the values' width and
+    equals the stock masked SDPA per document (a traceback before: every tensor was reshaped to the queries' width)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from trainforge.model.packed_attention import packed_sdpa_forward
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 12, 16, generator=gen), torch.randn(1, 4, 12, 16, generator=gen)
+    v = torch.randn(1, 4, 12, 8, generator=gen)
+    module = torch.nn.Module()
+    module.is_causal = True
+    pos = torch.tensor([list(range(5)) + list(range(7))])
+    out, _ = packed_sdpa_forward(module, q, k, v, None, position_ids=pos)
+    assert out.shape == (1, 12, 4, 8)
+    mask = torch.zeros(12, 12, dtype=torch.bool)
+    mask[:5, :5] = torch.ones(5, 5).tril().bool()
+    mask[5:, 5:] = torch.ones(7, 7).tril().bool()
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask[None, None], scaling=None)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)

@@ -15,6 +15,10 @@ from ..config.run import ConfigError
 from .moe import expert_modules
 
 HEAD = "lm_head"
+# PEFT refuses LoRA on these modules of the model types whose Mamba kernels read the weights directly
+# (peft/tuners/tuners_utils.py): all-linear leaves them out there, naming one is refused
+PEFT_MAMBA_TYPES = {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"}
+PEFT_MAMBA_REFUSED = {"out_proj", "conv1d"}
 
 
 def _is_router(name: str) -> bool:
@@ -46,13 +50,20 @@ def lora_targets(model: torch.nn.Module, targets: str | list[str]) -> tuple[str 
     experts' parameter (``gate_up_proj``, ``experts.down_proj``) adapts those experts; a name that neither a
     module nor an experts' parameter ends with is refused, listing what the model has."""
     experts = expert_parameters(model)
+    mamba = getattr(getattr(model, "config", None), "model_type", None) in PEFT_MAMBA_TYPES
     if targets == "all-linear":
-        if not experts:
+        if not experts and not mamba:
             return targets, []
         names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                  if (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D") and not _is_router(n)}
-        return sorted(names - {HEAD}), experts
+        return sorted(names - {HEAD} - (PEFT_MAMBA_REFUSED if mamba else set())), experts
     targets = [targets] if isinstance(targets, str) else list(targets)
+    refused = [t for t in targets if mamba and t.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED]
+    if refused:
+        raise ConfigError(
+            f"model.lora.target_modules: {', '.join(refused)}: PEFT does not adapt {', '.join(sorted(PEFT_MAMBA_REFUSED))} "
+            f"of a {model.config.model_type} model (its Mamba kernels read those weights directly); leave them out"
+        )
     names = [name for name, _ in model.named_modules()]
     params = [e for t in targets for e in experts if e == t or e.endswith("." + t)]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)

@@ -121,14 +121,16 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, **kwarg
     if position_ids is None or query.shape[2] != key.shape[2] or attention_mask is not None:
         # generation with a KV cache, or a caller-provided mask: the stock path is right there
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    b, h, t, d = query.shape
+    b, h, t, _ = query.shape
     plan = _cached_plan(position_ids, b)
     groups = h // key.shape[1]
     if groups > 1:  # grouped-query attention: share each key/value head across its query heads
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
 
     def slots(x: torch.Tensor) -> list[torch.Tensor]:
-        # (B, H, T, D) -> one row per token (a view for HF's layout) -> all documents' slots -> per bucket
+        # (B, H, T, D) -> one row per token (a view for HF's layout) -> all documents' slots -> per bucket;
+        # D is each tensor's own: multi-head latent attention (DeepSeek) has values narrower than queries and keys
+        d = x.shape[-1]
         flat = _Gather.apply(x.transpose(1, 2).reshape(b * t, h, d), plan.slot_token, plan.token_slot, False)
         return [part.view(n, length, h, d).transpose(1, 2) for part, (n, length) in zip(flat.split([n * m for n, m in plan.shapes]), plan.shapes)]
 
@@ -143,9 +145,10 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, **kwarg
             return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=p, scale=scaling)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling)
 
-    outs = [attend(q, k, v).transpose(1, 2).reshape(-1, h, d) for q, k, v in zip(slots(query), slots(key), slots(value))]
+    dv = value.shape[-1]
+    outs = [attend(q, k, v).transpose(1, 2).reshape(-1, h, dv) for q, k, v in zip(slots(query), slots(key), slots(value))]
     out = _Gather.apply(torch.cat(outs), plan.token_slot, plan.slot_grad, True)  # token order; padded outputs dropped
-    return out.view(b, t, h, d), None
+    return out.view(b, t, h, dv), None
 
 
 def _no_mask(*args, **kwargs):
