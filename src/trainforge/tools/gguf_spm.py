@@ -56,7 +56,7 @@ def check_spm(backend: dict[str, Any], vocab: dict[str, int]) -> list[str]:
             raise GGUFExportError(
                 f"the tokenizer's pre-tokenizer {step.get('type')} splits the text before BPE; llama.cpp's SentencePiece "
                 f"tokenizer does not, so it would tokenize differently. {ADVICE}")
-        spanning = [piece for piece in vocab if SPACE in piece[1:]]
+        spanning = sorted((piece for piece in vocab if SPACE in piece[1:]), key=vocab.__getitem__)  # by id: the same message every run
         if step.get("split", True) and spanning:
             warnings.append(f"the tokenizer's Metaspace pre-tokenizer splits the text at every space (split: true) and "
                             f"llama.cpp does not: pieces across a space ({spanning[0]!r} and {len(spanning) - 1} more) "
