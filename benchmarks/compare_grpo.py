@@ -73,6 +73,7 @@ from pathlib import Path
 # compare_hf's module level imports the standard library only, and its T_START (a child's whole-job clock, read
 # by run_in_child) starts here, before torch / transformers are imported
 from compare_hf import (
+    end_session,
     add_common_arguments,
     combine,
     known_runs,
@@ -582,13 +583,9 @@ def main() -> int:
             if n.startswith("trl") and "error" not in r and r["bf16"] and r["generation_autocast"] == [False]:
                 print(f"  {n}: bf16 autocast in its training forwards only; it sampled without autocast (fp32)")
         comparisons = compare(results)
-        total = time.perf_counter() - started
-        print(f"\nbenchmark total {total:.0f}s")
+        end_session(args, started, settings=s, starting_policy=start, sft=sft, runs=results, comparisons=comparisons,
+                    date=datetime.date.today().isoformat())
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"settings": s, "starting_policy": start, "sft": sft, "runs": results,
-                                            "comparisons": comparisons, "total_s": total, "command": sys.argv,
-                                            "date": datetime.date.today().isoformat()}, indent=2, default=str))
             print(f"wrote {args.out}")
         return 0
     finally:

@@ -707,6 +707,16 @@ def start_session(args: argparse.Namespace, prefix: str) -> Path:
     return work
 
 
+def end_session(args: argparse.Namespace, started: float, **record) -> None:
+    """Print the benchmark's total time and, with ``--out``, write ``record`` (settings, runs, comparisons, ...) as
+    JSON with the total and the command."""
+    total = time.perf_counter() - started
+    print(f"\nbenchmark total {total:.0f}s")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**record, "total_s": total, "command": sys.argv}, indent=2, default=str))
+
+
 def run_rounds(names: list[str], repeat: int, run_one) -> dict[str, list[dict]]:
     """``repeat`` rounds, each running every one of ``names`` in turn (interleaved: a slow spell of the
     machine spreads over the runs); each run's results, round by round."""
@@ -775,11 +785,7 @@ def main() -> int:
                                        f"max_length {b['max_length']} (eval: {b['eval_tokens']:,} held-out completion "
                                        f"tokens, initial loss {b['eval_loss_initial']:.4f})" if "eval_tokens" in b
                                   else "B. prompt/completion", order["b"], results)
-        total = time.perf_counter() - started
-        print(f"\nbenchmark total {total:.0f}s")
-        if args.out:
-            args.out.write_text(json.dumps({"settings": s, "runs": results, "comparisons": comparisons,
-                                            "total_s": total, "command": sys.argv}, indent=2, default=str))
+        end_session(args, started, settings=s, runs=results, comparisons=comparisons)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -54,6 +54,7 @@ from pathlib import Path
 # compare_hf's module level imports the standard library only; its T_START (a child's whole-job clock, read
 # by run_in_child) starts here, before torch / transformers are imported
 from compare_hf import (  # noqa: E402
+    end_session,
     HEADER,
     Counter,
     add_common_arguments,
@@ -386,11 +387,7 @@ def main() -> int:
                     if n in results:
                         print(fmt_row(results[n]))
         comparisons = compare(results)
-        total = time.perf_counter() - started
-        print(f"\nbenchmark total {total:.0f}s")
-        if args.out:
-            args.out.write_text(json.dumps({"settings": s, "runs": results, "comparisons": comparisons, "total_s": total,
-                                            "command": sys.argv}, indent=2, default=str))
+        end_session(args, started, settings=s, runs=results, comparisons=comparisons)
         return 0
     finally:
         if args.workdir is None:

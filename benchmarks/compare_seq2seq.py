@@ -69,6 +69,7 @@ from pathlib import Path
 # the same machinery; compare_hf's module level imports the standard library only, and its T_START (a child's
 # whole-job clock, read by run_in_child) starts here, before torch / transformers are imported
 from compare_hf import (  # noqa: E402
+    end_session,
     Counter,
     add_common_arguments,
     combine,
@@ -470,11 +471,7 @@ def main() -> int:
                 print(fmt_row(results[n]))
             if names[-1] == f"trainforge-{a}":
                 comparisons += compare(a, names, results)
-        total = time.perf_counter() - started
-        print(f"\nbenchmark total {total:.0f}s")
-        if args.out:
-            args.out.write_text(json.dumps({"settings": s, "runs": results, "comparisons": comparisons, "total_s": total,
-                                            "command": sys.argv}, indent=2, default=str))
+        end_session(args, started, settings=s, runs=results, comparisons=comparisons)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
