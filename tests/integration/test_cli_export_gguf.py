@@ -66,18 +66,7 @@ def test_a_chat_lora_run_exports_merged_with_its_template_and_modelfile(tmp_path
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
-    chats = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
-             for r in conftest.toy_prompt_completions(40)]
-    config = conftest.write_config(tmp_path / "lora.yaml", {
-        "model": {"path": str(tiny_model_dir), "method": "lora", "lora": {"r": 4, "alpha": 16}},
-        "data": {"train": str(conftest.write_jsonl(tmp_path / "chats.jsonl", chats)), "eval": None, "max_length": 64},
-        "train": {"max_steps": 3, "micro_batch_size": 4, "precision": "fp32", "device": "cpu"},
-        "optim": {"lr": 3.0e-3, "warmup_steps": 1},
-        "log": {"every_steps": 1, "report": False},
-    })
-    run = tmp_path / "run"
-    proc = run_cli(["train", config, "--output", run], tmp_path)
-    assert proc.returncode == 0, show(proc)
+    run = _lora_chat_run(tmp_path, tiny_model_dir)
     out = tmp_path / "lora.gguf"
     proc = run_cli(["export", run, "--format", "gguf", "--quant", "f16", "--out", out, "--ollama", tmp_path / "ollama"], tmp_path)
     assert proc.returncode == 0, show(proc)
