@@ -12,6 +12,12 @@ source), trains one byte-level BPE on it, then from cold caches runs, each in it
 Reported per tool: seconds, tokens, tokens/s, and the peak resident memory of the whole process tree (the
 process and its workers, sampled every 0.2 s); then the ratio of tokens/s. Memory constant in corpus size shows
 as the same peak at both sizes.
+
+``--resume-shards N`` (0: off) then measures a killed prepare on the largest size, the corpus cut into N JSONL
+shards of a directory: an uninterrupted ``prepare`` (T seconds, its cache entry kept); the same command into a
+fresh cache, SIGKILLed at ``--kill-at`` (0.6) of T; the same command again (T2 seconds). Reported: the shards
+the rerun reused, the work redone as ``(kill_at x T + T2 - T) / T`` (start-up included: what the user waits
+for twice), and whether the resumed entry's files equal the uninterrupted entry's byte for byte.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,23 +66,19 @@ def timed(cmd: list[str]) -> tuple[float, int, str]:
     return seconds, peak, output
 
 
-def one_size(work: Path, gb: float, workers: int) -> dict:
+def one_size(work: Path, gb: float, workers: int, resume_shards: int = 0, kill_at: float = 0.6) -> dict:
     corpus = work / "corpus.jsonl"
     rows = write_corpus(corpus, gb, "text")
     tok_dir = tokenizer_for(corpus, work / "tokenizer")
-    tf_cmd = [
-        sys.executable, "-m", "trainforge", "prepare",
-        "--set", f"data.train={corpus}", "--set", f"model.tokenizer={tok_dir}", "--set", "data.max_documents=null",
-        "--set", "data.eval=null", "--set", "data.max_length=1024", "--set", f"data.cache_dir={work / 'cache'}",
-        "--set", f"data.num_workers={workers}",
-    ]  # fmt: skip
-    tf_s, tf_rss, _ = timed(tf_cmd)
+    tf_s, tf_rss, _ = timed(prepare_cmd(corpus, tok_dir, work / "cache", workers))
     stats = json.loads(next((work / "cache" / "data").glob("*/stats.json")).read_text())
     tf_tokens = stats["train_tokens"] + stats["train_sequences"]  # stored tokens (inputs + each sequence's last)
     hf_s, hf_rss, out = timed([sys.executable, "-c", HF_SCRIPT, str(corpus), str(tok_dir), str(work / "hf"), str(workers)])
     hf_tokens = json.loads(out.strip().splitlines()[-1])["tokens"]
+    shutil.rmtree(work / "hf", ignore_errors=True)  # datasets' Arrow copy: disk, before the resume's two caches
+    resumed = resume_after_kill(work, corpus, tok_dir, workers, resume_shards, kill_at) if resume_shards else None
     return {
-        "gb": round(corpus.stat().st_size / 1e9, 3), "rows": rows, "workers": workers,
+        "gb": round(corpus.stat().st_size / 1e9, 3), "rows": rows, "workers": workers, "resume": resumed,
         "trainforge": {"seconds": round(tf_s, 1), "tokens": tf_tokens, "tokens_per_s": round(tf_tokens / tf_s),
                        "peak_rss_gib": round(tf_rss / 2**30, 3)},
         "datasets": {"seconds": round(hf_s, 1), "tokens": hf_tokens, "tokens_per_s": round(hf_tokens / hf_s),
@@ -84,17 +87,68 @@ def one_size(work: Path, gb: float, workers: int) -> dict:
     }
 
 
+def prepare_cmd(train: Path, tok_dir: Path, cache: Path, workers: int) -> list[str]:
+    """The real CLI's ``prepare`` of ``train`` into ``cache`` (no eval held out, max_length 1024)."""
+    return [
+        sys.executable, "-m", "trainforge", "prepare",
+        "--set", f"data.train={train}", "--set", f"model.tokenizer={tok_dir}", "--set", "data.max_documents=null",
+        "--set", "data.eval=null", "--set", "data.max_length=1024", "--set", f"data.cache_dir={cache}",
+        "--set", f"data.num_workers={workers}",
+    ]  # fmt: skip
+
+
+def split_corpus(corpus: Path, out: Path, shards: int) -> Path:
+    """``corpus`` cut into ``shards`` files of consecutive rows under ``out`` (the order of a directory listing)."""
+    out.mkdir(parents=True)
+    with open(corpus) as f:
+        lines = f.readlines()
+    per = -(-len(lines) // shards)
+    for i in range(shards):
+        (out / f"part-{i:03d}.jsonl").write_text("".join(lines[i * per : (i + 1) * per]))
+    return out
+
+
+def entry_files(cache: Path) -> dict[str, bytes]:
+    """The published cache entry's files (relative path -> bytes); exactly one entry is expected."""
+    (entry,) = [p for p in (cache / "data").iterdir() if not p.name.startswith(".")]
+    return {str(p.relative_to(entry)): p.read_bytes() for p in sorted(entry.rglob("*")) if p.is_file()}
+
+
+def resume_after_kill(work: Path, corpus: Path, tok_dir: Path, workers: int, shards: int, kill_at: float) -> dict:
+    """An uninterrupted prepare of the sharded corpus, then one SIGKILLed at ``kill_at`` of its time and resumed."""
+    train = split_corpus(corpus, work / "shards", shards)
+    full_s, _, _ = timed(prepare_cmd(train, tok_dir, work / "cache-full", workers))
+    proc = subprocess.Popen(prepare_cmd(train, tok_dir, work / "cache-killed", workers),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(kill_at * full_s)
+    killed_before_end = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    again_s, _, out = timed(prepare_cmd(train, tok_dir, work / "cache-killed", workers))
+    reused = int(out.split("reusing ")[1].split(" of ")[0]) if "reusing " in out else 0
+    return {
+        "shards": shards, "kill_at": kill_at, "killed_before_end": killed_before_end,
+        "uninterrupted_s": round(full_s, 1), "resumed_s": round(again_s, 1), "shards_reused": reused,
+        "redone_fraction": round((kill_at * full_s + again_s - full_s) / full_s, 3),
+        "byte_identical": entry_files(work / "cache-full") == entry_files(work / "cache-killed"),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, nargs="+", default=[0.05, 0.2])
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--resume-shards", type=int, default=0, help="measure a SIGKILLed prepare resumed, on the largest "
+                    "size cut into this many shards (0: off)")
+    ap.add_argument("--kill-at", type=float, default=0.6, help="the SIGKILL, as a fraction of the uninterrupted time")
     args = ap.parse_args()
     results = []
     for gb in args.gb:
         work = Path(tempfile.mkdtemp(prefix="tf-bench-prepare-"))
         try:
-            results.append(one_size(work, gb, args.workers))
+            shards = args.resume_shards if gb == max(args.gb) else 0
+            results.append(one_size(work, gb, args.workers, shards, args.kill_at))
         finally:
             shutil.rmtree(work, ignore_errors=True)
         print(json.dumps(results[-1], indent=2), flush=True)

@@ -1,7 +1,7 @@
 """Side by side: trainforge GRPO (``train.objective: grpo``) against TRL ``GRPOTrainer`` + PEFT LoRA, no vLLM.
 
     python benchmarks/compare_grpo.py [--quick] [--small] [--steps N] [--hidden N --layers N --sft-steps N] [--eval-samples N]
-                                      [--precision bf16|fp32] [--runs NAME,NAME] [--repeat N] [--threads 2]
+                                      [--precision auto|bf16|fp32] [--runs NAME,NAME] [--repeat N] [--threads 2]
                                       [--workdir DIR] [--out results.json]
 
 The default model is a Llama of about 20M parameters (hidden 512, 6 layers, MLP 1536, 8 heads), as issue 44 asks
@@ -515,11 +515,20 @@ def main() -> int:
     ap.add_argument("--sft-steps", type=int, default=None, help="steps of the SFT warm start (default 200)")
     ap.add_argument("--eval-samples", type=int, default=None, help="completions per prompt when scoring the final "
                     "policies (default 4)")
-    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="both sides (default bf16 autocast)")
+    ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="both sides: auto (default) is bf16 autocast where the CPU has native bf16 (AVX512-BF16 / AMX), "
+                    "as trainforge's precision: auto decides, else fp32 (emulated bf16 matmuls ran ~25x slower than fp32 "
+                    "on an AVX2 CPU, and both sides then measure torch's emulation)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated: {', '.join(RUNS + EXTRA)}")
     add_common_arguments(ap)
-    ap.set_defaults(out=RESULTS / f"compare_grpo-{datetime.date.today().isoformat()}.json")
     args = ap.parse_args()
+    if args.precision == "auto":
+        from trainforge.hardware.device import cpu_has_native_bf16
+
+        args.precision = "bf16" if cpu_has_native_bf16() else "fp32"
+    if args.out is None:  # one file per model size and precision: a day's runs do not overwrite each other
+        size = "small" if args.small else f"h{args.hidden}" if args.hidden else "20m"
+        args.out = RESULTS / f"compare_grpo-{size}-{args.precision}-{datetime.date.today().isoformat()}.json"
     if args.child:
         child(args.child, args.spec, args.result)
         return 0
