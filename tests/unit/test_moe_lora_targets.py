@@ -63,8 +63,8 @@ def test_routers_whose_forward_returns_their_choice_are_left_out_and_naming_one_
     LoRA wrapped them (a tuple has no dtype). all-linear finds them by role (one output per expert, beside the
     experts) and leaves them out; the model then trains with LoRA; naming one is a ConfigError saying why."""
     from trainforge.config.run import LoraSettings
-    from trainforge.model.lora_targets import routers
     from trainforge.model.load import apply_lora
+    from trainforge.model.lora_targets import routers
 
     for arch, fields in (("phimoe", {"num_local_experts": 4}), ("llama4_text", {"num_local_experts": 4, "head_dim": 8})):
         model = build(arch, **fields)
