@@ -56,3 +56,53 @@ def test_all_linear_on_mamba_leaves_out_what_peft_refuses_and_naming_it_is_exit_
     assert params == []
     with pytest.raises(ConfigError, match="out_proj.*Mamba kernels"):
         lora_targets(model, ["in_proj", "out_proj"])
+
+
+def test_routers_whose_forward_returns_their_choice_are_left_out_and_naming_one_is_exit_2():
+    """Phi-MoE's and Llama 4's routers are linear layers whose forward returns (logits, weights, experts): PEFT's
+    LoRA wrapped them (a tuple has no dtype). all-linear finds them by role (one output per expert, beside the
+    experts) and leaves them out; the model then trains with LoRA; naming one is a ConfigError saying why."""
+    from trainforge.config.run import LoraSettings
+    from trainforge.model.load import apply_lora
+    from trainforge.model.lora_targets import routers
+
+    for arch, fields in (("phimoe", {"num_local_experts": 4}), ("llama4_text", {"num_local_experts": 4, "head_dim": 8})):
+        model = build(arch, **fields)
+        found = routers(model)
+        assert found and all(name.endswith(".router") for name in found)
+        modules, params = lora_targets(model, "all-linear")
+        assert "router" not in modules and {"q_proj", "o_proj"} <= set(modules) and params
+        with pytest.raises(ConfigError, match=r"router \((PhimoeTopKRouter|Llama4Router)\).*not x W\^T \+ b"):
+            lora_targets(model, ["q_proj", "router"])
+        torch.manual_seed(0)
+        peft = apply_lora(model, LoraSettings(r=4, alpha=8))
+        ids = torch.randint(0, 64, (2, 6))
+        peft(input_ids=ids, labels=ids).loss.backward()
+        assert all(p.grad is not None for n, p in peft.named_parameters() if p.requires_grad and "lora_" in n)
+
+
+def test_a_linear_layer_computing_per_group_is_left_out():
+    """DeepSeek-V4's grouped output projection (``o_a_proj``) is an nn.Linear whose forward multiplies each group of
+    heads by its own block: LoRA's B A x had the width of the whole layer (8192 against 1024 at its real size)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainforge.model.lora_targets import not_linear_maps
+    from trainforge.tools.family_shrink import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v4", 64))
+    odd = not_linear_maps(model)
+    assert odd and all(n.endswith("o_a_proj") and cls == "DeepseekV4GroupedLinear" for n, cls in odd.items())
+    modules, _ = lora_targets(model, "all-linear")
+    assert "o_a_proj" not in modules and "o_b_proj" in modules
+
+
+def test_a_linear_subclass_computing_x_w_plus_b_stays_in_all_linear():
+    """Falcon's layers override forward with the same x W^T + b: a dense model's all-linear is still PEFT's."""
+    from transformers import AutoModelForCausalLM, FalconConfig
+
+    from trainforge.model.lora_targets import not_linear_maps
+
+    model = AutoModelForCausalLM.from_config(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=4))
+    assert not_linear_maps(model) == {}
+    assert lora_targets(model, "all-linear") == ("all-linear", [])

@@ -22,7 +22,7 @@ from ..data.formats import trained_chat_template
 from ..data.loader import Batch
 from ..data.prompt import sample_prompt
 from ..dist import init_distributed, shutdown
-from ..hf_dir import readable_like_config
+from ..model.adapter_keys import save_model
 from ..hardware.device import describe, peak_memory_bytes, pick_device
 from ..metrics.console import ConsoleReporter
 from ..metrics.profile import StepProfile, describe_split
@@ -416,9 +416,8 @@ def finish(run: Run) -> RunResult:
         run.tokenizer.chat_template = template
 
     def write_final(tmp: Path) -> None:
-        run.model.save_pretrained(tmp, **({"state_dict": weights} if weights is not None else {}))
+        save_model(run.model, tmp, weights, run.reporter.warn)  # weights readable as config.json; adapter keys kept
         run.tokenizer.save_pretrained(tmp)
-        readable_like_config(tmp)  # transformers writes the weights 0600
 
     final_dir = out / "final"
     if run.dist.is_main:

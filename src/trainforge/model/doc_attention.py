@@ -51,6 +51,10 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         return "eager", f"its attention logits are soft-capped at {softcap:g}"
+    if "indexed_attention" in (getattr(config, "layer_types", None) or ()):
+        # DeepSeek sparse attention: each layer's indexer scores the keys against the causal mask itself and keeps
+        # each query's top ones; the kernels hand the layer no mask (they separate documents on their own)
+        return "sdpa", "its sparse attention's indexer picks each query's keys from the causal mask it reads"
     model = _causal_lm_class(config)
     if model is not None and not getattr(model, "_supports_sdpa", True):
         # the kernels compute what SDPA computes: what transformers keeps from SDPA (GPT-OSS's attention sinks,

@@ -45,6 +45,11 @@ _SIZES: dict[str, Any] = {
     "encoder_hash_byte_group_vocab": 64,  # BLT's hash embeddings (500k rows by default)
 }
 _EVEN_NONE = {"head_dim"}
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+# routing keys some MoE config classes default to None (DeepSeek-V2's experts per token, dots1's every count), set in
+# every published checkpoint's config.json: filled wherever the config is a MoE one (see _is_moe)
+_ROUTING = (*_EXPERT_COUNTS, "num_experts_per_tok", "moe_topk", "num_experts_per_token", "n_shared_experts",
+            "num_shared_experts", "n_group", "topk_group")
 _PER_LAYER = ("layer_types", "layers_block_type", "block_types", "mlp_layer_types", "hybrid_override_pattern",
               "layers_block_types", "attn_layer_indices", "no_rope_layers", "moe_layers")
 _VOCAB = ("vocab_size", "text_vocab_size", "vocab_size_per_layer_input")  # Gemma 3n/4's per-layer embeddings too
@@ -60,6 +65,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "falcon_mamba": {"time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
+    # its config class has no default per-layer kinds (every checkpoint lists them); one dense layer, one MoE
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
 }
 """Per-family keys the generic shrinker cannot guess (set after it, at the top level)."""
 
@@ -69,6 +76,7 @@ def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict
     out = dict(d)
     layers = next((_SIZES[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if isinstance(d.get(k), int)), None)
     mla = d.get("kv_lora_rank") is not None  # multi-head latent attention: as many key/value heads as query heads
+    moe = _is_moe(d)
     for key, value in d.items():
         if isinstance(value, dict) and ("model_type" in value or any(k in value for k in ("hidden_size", "d_model"))):
             out[key] = _shrink(value, vocab_size, special)
@@ -76,7 +84,7 @@ def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict
             out[key] = _SIZES[key]
         elif key in _SIZES and isinstance(value, list) and layers and all(isinstance(v, int) for v in value):
             out[key] = [_SIZES[key]] * layers  # a per-layer size (Gemma 3n's intermediate sizes)
-        elif key in _SIZES and value is None and key in _EVEN_NONE:
+        elif key in _SIZES and value is None and (key in _EVEN_NONE or (moe and key in _ROUTING)):
             out[key] = _SIZES[key]
         elif key in _VOCAB and isinstance(value, int):
             out[key] = vocab_size
@@ -103,6 +111,24 @@ def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict
     return out
 
 
+def _is_moe(d: dict[str, Any]) -> bool:
+    """A mixture-of-experts config: an expert count or an expert's width is set."""
+    return any(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) for k in (*_EXPERT_COUNTS, "moe_intermediate_size"))
+
+
+def _derived(cls: type, base: dict[str, Any]) -> list[str]:
+    """Scalar fields the config class declares as None and fills in ``__post_init__`` from other sizes (LongCat's
+    ``qk_head_dim``, the sum of two head widths): left out of the tiny config so they follow the tiny sizes (fields
+    the shrinker sets itself, the vocabulary and token ids excepted)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return []
+    return [f.name for f in dataclasses.fields(cls)
+            if f.default is None and isinstance(base.get(f.name), int) and not isinstance(base.get(f.name), bool)
+            and f.name not in _SIZES and f.name not in _VOCAB and f.name not in _TOKEN_IDS]
+
+
 def _keep_kinds(kinds: list[Any], n: int) -> list[Any]:
     """The first ``n`` entries of a per-layer list, with each distinct kind kept where there is room (a hybrid's
     first layers are often all of one kind)."""
@@ -120,6 +146,8 @@ def tiny_config(family: str, vocab_size: int, special: dict[str, int] | None = N
 
     cls = CONFIG_MAPPING[family]
     base = cls().to_dict()
+    for key in _derived(cls, base):
+        base[key] = None
     shrunk = _shrink(base, vocab_size, special or {})
     shrunk.update(OVERRIDES.get(family, {}))
     shrunk.pop("model_type", None)
