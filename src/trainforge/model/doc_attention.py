@@ -56,7 +56,22 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
         # the kernels compute what SDPA computes: what transformers keeps from SDPA (GPT-OSS's attention sinks,
         # passed as an extra argument a kernel would silently drop) they cannot compute either
         return "eager", f"transformers gives {model.__name__} no SDPA attention: it computes more, as GPT-OSS's sinks"
+    if model is not None and _adds_to_its_mask(model):
+        # the kernels' mask function builds no mask (they separate documents themselves): such a model would add its
+        # terms onto nothing and hand the kernel a mask without the causal part, which then attends to later tokens
+        return "sdpa", f"{model.__name__} adds its own terms to the attention mask (as Doge's dynamic mask)"
     return None  # sliding windows (Mistral, Gemma 2/3, OLMo 3) the kernels apply: transformers passes them per layer
+
+
+def _adds_to_its_mask(model: type) -> bool:
+    """Whether transformers' modeling code of ``model`` asks for its causal mask always materialized
+    (``allow_is_causal_skip=False``): it adds terms of its own onto the mask (Doge's dynamic mask, ALiBi)."""
+    import sys
+
+    try:
+        return "allow_is_causal_skip=False" in inspect.getsource(sys.modules[model.__module__])
+    except (OSError, TypeError, KeyError):  # no source shipped: nothing known against the kernels
+        return False
 
 
 def _causal_lm_class(config: Any) -> type | None:

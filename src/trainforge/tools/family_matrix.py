@@ -83,9 +83,9 @@ def assets(work: Path) -> tuple[Path, Path]:
 
 
 def _save_tiny(family: str, tok_dir: Path, out: Path) -> None:
-    """The family's tiny random model, seeded, saved with the tokenizer as a hub-like directory."""
-    from transformers import AutoModelForCausalLM
-
+    """The family's tiny random model, seeded, saved with the tokenizer as a hub-like directory: the published
+    shape, the whole image-text model where the family is one (Mllama, Emu3)."""
+    from ..model.load import auto_model_class
     from ..model.tokenizer import load_tokenizer
     from .family_shrink import tiny_config
 
@@ -93,7 +93,7 @@ def _save_tiny(family: str, tok_dir: Path, out: Path) -> None:
     special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     config = tiny_config(family, len(tok), {k: v for k, v in special.items() if v is not None})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = auto_model_class(False, family).from_config(config)
     model.save_pretrained(out)
     tok.save_pretrained(out)
 
@@ -127,10 +127,10 @@ def _train_and_reload(model_dir: Path, data: Path, method: str, work: Path, seen
     """One method through trainforge; "ok" when the reloaded export gives the trained model's logits (``seen`` gets
     the resolved packing as soon as the config validates). Raises what trainforge raised."""
     import yaml
-    from transformers import AutoModelForCausalLM
 
     from ..config.run import load_config
     from ..engine.trainer import train
+    from ..model.load import auto_model_class
     from .export import export
     from .selftest.reporters import quiet
 
@@ -146,7 +146,7 @@ def _train_and_reload(model_dir: Path, data: Path, method: str, work: Path, seen
         export(out / "final", exported, merge=True, dtype=None, reporter=quiet())
     ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(1))
     trained = _logits(run.model, ids)
-    reloaded = _logits(AutoModelForCausalLM.from_pretrained(exported), ids)
+    reloaded = _logits(auto_model_class(False, cfg.model.kind.model_type).from_pretrained(exported), ids)
     if not torch.allclose(trained, reloaded, rtol=1e-4, atol=1e-4):
         gap = (trained - reloaded).abs().max().item()
         return f"fails: the export reloads with other logits (max gap {gap:.2e})"

@@ -3,10 +3,18 @@
 ``tiny_config(family, vocab_size)`` takes the family's config class with its defaults and shrinks the
 known size fields (hidden size, layers, heads, experts, ...) recursively through sub-configs; a few
 families need their own keys (``OVERRIDES``). Used by the family matrix (``family_matrix.py``).
+
+A default config's ``to_dict()`` also holds the sizes its ``__post_init__`` derived from the full ones (Zamba2's
+``mamba_headdim``, xLSTM's ``embedding_dim``, DeepSeek's ``qk_head_dim``): such a size the shrinker does not set
+itself is left out (a derived attribute) or given back as its declared default None, so the tiny config derives it
+again from the tiny sizes.
+A size field stored under another name (``attribute_map``: Bailing's ``n_group`` is ``num_expert_group``) is
+shrunk under that name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 HIDDEN = 32
@@ -60,24 +68,36 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "falcon_mamba": {"time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
+    # image-text checkpoints as published (the full config): a cross-attention layer in the tiny text stack, a vision
+    # tower whose output width matches its layers, a small VQ-VAE (GroupNorm of 32 groups: 32 channels) whose 16 codes
+    # map to tokens of the vocabulary
+    "mllama": {"text_config": {"cross_attention_layers": [1]},
+               "vision_config": {"num_global_layers": 1, "intermediate_layers_indices": [0], "vision_output_dim": 64}},
+    "emu3": {"vq_config": {"base_channels": 32, "channel_multiplier": [1, 1], "num_res_blocks": 1, "codebook_size": 16},
+             "vocabulary_map": {"<image>": 8, "<|extra_200|>": 9, **{f"<|visual token {i:06d}|>": 10 + i for i in range(16)}}},
 }
-"""Per-family keys the generic shrinker cannot guess (set after it, at the top level)."""
+"""Per-family keys the generic shrinker cannot guess (set after it; a dict is merged into that sub-config)."""
 
 
-def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict[str, Any]:
-    """``d`` (a config's to_dict()) with its size fields tiny, recursively through sub-config dicts."""
+def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int], cls: type | None = None) -> dict[str, Any]:
+    """``d`` (a config's to_dict()) with its size fields tiny, recursively through sub-config dicts; ``cls`` is the
+    config class of ``d`` where known (its fields, aliases and sub-config classes)."""
     out = dict(d)
+    alias = {real: name for name, real in getattr(cls, "attribute_map", {}).items()}  # to_dict() uses the real name
+    fields = _fields(cls)
     layers = next((_SIZES[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if isinstance(d.get(k), int)), None)
     mla = d.get("kv_lora_rank") is not None  # multi-head latent attention: as many key/value heads as query heads
+    touched: set[str] = set()  # keys given a tiny value here
     for key, value in d.items():
+        size = key if key in _SIZES else alias.get(key) if alias.get(key) in fields else None  # fields take the alias
         if isinstance(value, dict) and ("model_type" in value or any(k in value for k in ("hidden_size", "d_model"))):
-            out[key] = _shrink(value, vocab_size, special)
-        elif key in _SIZES and isinstance(value, int) and not isinstance(value, bool):
-            out[key] = _SIZES[key]
-        elif key in _SIZES and isinstance(value, list) and layers and all(isinstance(v, int) for v in value):
-            out[key] = [_SIZES[key]] * layers  # a per-layer size (Gemma 3n's intermediate sizes)
-        elif key in _SIZES and value is None and key in _EVEN_NONE:
-            out[key] = _SIZES[key]
+            out[key] = _shrink(value, vocab_size, special, _sub_config_class(cls, key, value))
+        elif size in _SIZES and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = _SIZES[size]
+        elif size in _SIZES and isinstance(value, list) and layers and all(isinstance(v, int) for v in value):
+            out[key] = [_SIZES[size]] * layers  # a per-layer size (Gemma 3n's intermediate sizes)
+        elif size in _SIZES and value is None and size in _EVEN_NONE:
+            out[key] = _SIZES[size]
         elif key in _VOCAB and isinstance(value, int):
             out[key] = vocab_size
         elif key in _TOKEN_IDS and isinstance(value, int) and value >= vocab_size:
@@ -86,6 +106,9 @@ def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict
             out[key] = {k: v for k, v in value.items() if int(k) < layers}  # per-layer settings keyed by index
         elif isinstance(value, list) and layers and key.endswith("_per_layer") and len(value) > layers:
             out[key] = value[:layers]
+        else:
+            continue
+        touched.add(key)
     if mla:
         for key in ("num_key_value_heads", "num_kv_heads"):
             if isinstance(out.get(key), int):
@@ -94,13 +117,57 @@ def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict
     for key, value in d.items():
         if key not in _PER_LAYER and out[key] is value and isinstance(value, list) and layers and len(value) == default_layers != layers:
             out[key] = value[:layers]  # a list with one entry per layer (Gemma 3n's activation sparsity)
+            touched.add(key)
     for key in _PER_LAYER:
         value = d.get(key)
         if isinstance(value, list) and layers and len(value) > layers:
             out[key] = _keep_kinds(value, layers)
         elif isinstance(value, str) and layers and len(value) > layers:
             out[key] = value[:layers]
+    if fields:  # sizes __post_init__ derived from the full sizes, left as they were: derived again from the tiny ones
+        for key, value in d.items():
+            if key not in touched and _is_size(value) and key not in _PER_LAYER and key not in _common_fields():
+                declared = key if key in fields else alias.get(key)
+                if declared not in fields:
+                    del out[key]
+                elif fields[declared] is None:
+                    out[key] = None
     return out
+
+
+_NO_DEFAULT = object()
+
+
+def _fields(cls: type | None) -> dict[str, Any]:
+    """A config class's dataclass fields with their declared defaults (``_NO_DEFAULT`` where a factory or nothing
+    gives it); {} where the class is not known or not a dataclass."""
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return {}
+    return {f.name: f.default if f.default is not dataclasses.MISSING else _NO_DEFAULT for f in dataclasses.fields(cls)}
+
+
+def _is_size(value: Any) -> bool:
+    """A number of units or a list of layer indices (what a config derives from its sizes), not a flag or a ratio."""
+    if isinstance(value, list):
+        return bool(value) and all(_is_size(v) for v in value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _common_fields() -> dict[str, Any]:
+    """The fields every config has (labels, token ids, dtype, ...): none of them derives from a size."""
+    from transformers import PreTrainedConfig
+
+    return _fields(PreTrainedConfig)
+
+
+def _sub_config_class(cls: type | None, key: str, value: dict[str, Any]) -> type | None:
+    """The config class of the sub-config ``key`` of ``cls``: its declared class, else its model type's."""
+    from transformers import CONFIG_MAPPING
+
+    sub = getattr(cls, "sub_configs", {}).get(key)
+    if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+        return sub
+    return CONFIG_MAPPING[value["model_type"]] if value.get("model_type") in CONFIG_MAPPING else None
 
 
 def _keep_kinds(kinds: list[Any], n: int) -> list[Any]:
@@ -120,8 +187,9 @@ def tiny_config(family: str, vocab_size: int, special: dict[str, int] | None = N
 
     cls = CONFIG_MAPPING[family]
     base = cls().to_dict()
-    shrunk = _shrink(base, vocab_size, special or {})
-    shrunk.update(OVERRIDES.get(family, {}))
+    shrunk = _shrink(base, vocab_size, special or {}, cls)
+    for key, value in OVERRIDES.get(family, {}).items():
+        shrunk[key] = {**shrunk[key], **value} if isinstance(value, dict) and isinstance(shrunk.get(key), dict) else value
     shrunk.pop("model_type", None)
     shrunk.pop("transformers_version", None)
     return cls(**shrunk)
