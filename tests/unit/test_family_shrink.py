@@ -32,3 +32,12 @@ def test_image_text_families_keep_their_full_config():
     assert vision.vision_output_dim == vision.hidden_size * (len(vision.intermediate_layers_indices) + 1)
     emu3 = tiny_config("emu3", 300)
     assert emu3.model_type == "emu3" and emu3.text_config.hidden_size == 32 and emu3.vq_config.base_channels == 32
+
+
+def test_families_with_keys_of_their_own_build():
+    """Nemotron leaves its key/value heads None, Qwen4-Exp its token indexer's sizes; Zamba ties one shared block
+    across its hybrid layers, so it needs two of them."""
+    from transformers import AutoModelForCausalLM
+
+    for family in ("nemotron", "qwen4_exp_text", "zamba"):
+        assert AutoModelForCausalLM.from_config(tiny_config(family, 300)).num_parameters() > 0

@@ -14,10 +14,13 @@ DOGE = {"architecture": "doge", "hidden_size": 32, "intermediate_size": 64, "num
 
 
 def test_doge_is_a_model_that_adds_to_its_mask_and_llama_is_not():
-    from transformers import DogeConfig, LlamaConfig
+    """transformers' code of such a model asks for its mask always materialized, as an argument (Doge) or a dict
+    entry (Qwen4-Exp, whose token indexer reads the mask)."""
+    from transformers import DogeConfig, LlamaConfig, Qwen4ExpTextConfig
 
+    assert doc_attention.uncovered_attention(Qwen4ExpTextConfig())[0] == "sdpa"
     stock, why = doc_attention.uncovered_attention(DogeConfig())
-    assert stock == "sdpa" and "DogeForCausalLM adds its own terms" in why
+    assert stock == "sdpa" and "DogeForCausalLM works on its causal mask" in why
     assert doc_attention.uncovered_attention(LlamaConfig()) is None
 
 
@@ -52,6 +55,6 @@ def test_doge_trains_causally_with_its_documents_apart(tiny_tokenizer_dir):
     other = ids.clone()
     other[0, :10] = 4  # the whole first document
     assert torch.allclose(logits(other)[0, 10:], base[0, 10:], atol=1e-6)
-    with pytest.raises(AttentionUnavailable, match="packed_sdpa would change.*own terms"):
+    with pytest.raises(AttentionUnavailable, match="packed_sdpa would change.*works on its causal mask"):
         build_model(ModelSettings(init=DOGE, tokenizer=tiny_tokenizer_dir, attention="packed_sdpa"), tok, 0,
                     torch.device("cpu"), False)

@@ -20,6 +20,7 @@ take the paths that handle them (stock SDPA, per-document SDPA).
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,17 +60,22 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
     if model is not None and _adds_to_its_mask(model):
         # the kernels' mask function builds no mask (they separate documents themselves): such a model would add its
         # terms onto nothing and hand the kernel a mask without the causal part, which then attends to later tokens
-        return "sdpa", f"{model.__name__} adds its own terms to the attention mask (as Doge's dynamic mask)"
+        # (Doge), or find no mask to read (Qwen4-Exp's indexer)
+        return "sdpa", f"{model.__name__} works on its causal mask itself (as Doge adds its dynamic mask to it)"
     return None  # sliding windows (Mistral, Gemma 2/3, OLMo 3) the kernels apply: transformers passes them per layer
+
+
+_ALWAYS_MASK = re.compile(r"""allow_is_causal_skip["']?\s*[=:]\s*False""")  # as an argument or a dict entry
 
 
 def _adds_to_its_mask(model: type) -> bool:
     """Whether transformers' modeling code of ``model`` asks for its causal mask always materialized
-    (``allow_is_causal_skip=False``): it adds terms of its own onto the mask (Doge's dynamic mask, ALiBi)."""
+    (``allow_is_causal_skip=False``): it adds terms of its own onto the mask (Doge's dynamic mask, ALiBi) or reads
+    it (Qwen4-Exp's token indexer)."""
     import sys
 
     try:
-        return "allow_is_causal_skip=False" in inspect.getsource(sys.modules[model.__module__])
+        return _ALWAYS_MASK.search(inspect.getsource(sys.modules[model.__module__])) is not None
     except (OSError, TypeError, KeyError):  # no source shipped: nothing known against the kernels
         return False
 

@@ -52,12 +52,15 @@ _SIZES: dict[str, Any] = {
     "num_codebooks": 2, "audio_vocab_size": 64, "hidden_size_per_layer_input": 8,
     "encoder_hash_byte_group_vocab": 64,  # BLT's hash embeddings (500k rows by default)
 }
-_EVEN_NONE = {"head_dim"}
+_EVEN_NONE = {"head_dim", "num_key_value_heads"}  # Nemotron leaves its key/value heads None (a checkpoint names them)
 _PER_LAYER = ("layer_types", "layers_block_type", "block_types", "mlp_layer_types", "hybrid_override_pattern",
               "layers_block_types", "attn_layer_indices", "no_rope_layers", "moe_layers")
 _VOCAB = ("vocab_size", "text_vocab_size", "vocab_size_per_layer_input")  # Gemma 3n/4's per-layer embeddings too
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
               "mask_token_id", "unk_token_id")
+
+_QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 16,
+                  "indexer_compress_ratio": 4}  # Qwen4-Exp's indexed attention: no defaults (None // None)
 
 OVERRIDES: dict[str, dict[str, Any]] = {
     "hrm_text": {"H_cycles": 1, "L_cycles": 1, "L_bp_cycles": [1]},
@@ -73,6 +76,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # map to tokens of the vocabulary
     "mllama": {"text_config": {"cross_attention_layers": [1]},
                "vision_config": {"num_global_layers": 1, "intermediate_layers_indices": [0], "vision_output_dim": 64}},
+    "qwen4_exp_text": {**_QWEN4_INDEXER},
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},  # one shared block, tied
+    "qwen4_exp": {"text_config": _QWEN4_INDEXER},
     "emu3": {"vq_config": {"base_channels": 32, "channel_multiplier": [1, 1], "num_res_blocks": 1, "codebook_size": 16},
              "vocabulary_map": {"<image>": 8, "<|extra_200|>": 9, **{f"<|visual token {i:06d}|>": 10 + i for i in range(16)}}},
 }
