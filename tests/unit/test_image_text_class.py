@@ -44,3 +44,16 @@ def test_the_published_directory_trains_its_language_model(family, cls, frozen, 
     lora = build_model(ModelSettings(path=tmp_path, method="lora"), tok, 0, torch.device("cpu"), False)
     adapted = [n for n, p in lora.named_parameters() if p.requires_grad]
     assert adapted and not any(frozen in n for n in adapted)
+
+
+def test_a_causal_class_that_is_one_part_of_a_composite_model_is_refused():
+    """MusicGen's causal-LM class is its audio-code decoder alone: its published directory (text encoder, audio
+    encoder, decoder) stopped with a traceback in transformers ('no attribute dropout'); now exit 2 before loading."""
+    from trainforge.hf_dir import UnsupportedModelDir
+    from trainforge.model.multimodal import refuse_a_part
+
+    with pytest.raises(UnsupportedModelDir, match="musicgen checkpoint .* is not a language model.*its decoder alone") as err:
+        refuse_a_part("musicgen")
+    assert err.value.exit_code == 2
+    for fine in ("llama", "mllama", "gemma3", "exaone", None):  # exaone: Llama's class takes its config
+        refuse_a_part(fine)

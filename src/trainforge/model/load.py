@@ -18,7 +18,7 @@ from .fp8 import apply_fp8
 from .kernels import apply_liger, restore_torch_layers
 from .lora_fused import fuse_lora_layers
 from .lora_targets import lora_targets
-from .multimodal import describe_text_only, freeze_non_text, image_text_class, lora_exclusion
+from .multimodal import describe_text_only, freeze_non_text, image_text_class, lora_exclusion, refuse_a_part
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -160,6 +160,7 @@ def check_model_dir(path: str | Path) -> None:
     and a model, not a PEFT adapter to merge first."""
     refuse_custom_code(path, "model.path")
     refuse_adapter(path)
+    refuse_a_part(read_config(path).get("model_type"))
 
 
 def build_model(

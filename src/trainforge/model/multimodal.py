@@ -39,6 +39,31 @@ def image_text_class(model_type: str | None):
     return AutoModelForImageTextToText if takes_text_config else None
 
 
+def refuse_a_part(model_type: str | None) -> None:
+    """``UnsupportedModelDir`` (exit 2) where transformers' causal-LM class of this model type is one part of its
+    composite config other than a language model (MusicGen: the audio-code decoder beside a text encoder): no
+    auto class trainforge loads builds the published checkpoint, which would stop with a traceback."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from ..hf_dir import UnsupportedModelDir
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    config = CONFIG_MAPPING[model_type]
+    causal = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
+    parts = {cls: key for key, cls in getattr(config, "sub_configs", {}).items() if key != "text_config"}
+    part = parts.get(getattr(causal, "config_class", None))
+    if part is not None:
+        raise UnsupportedModelDir(
+            f"model.path: a {model_type} checkpoint ({config.__name__}: {', '.join(config.sub_configs)}) is not a "
+            f"language model: transformers' causal-LM class {causal.__name__} is its {part} alone, built from a "
+            f"{causal.config_class.__name__}, and cannot load the whole; trainforge trains text models (decoder-only "
+            "or encoder-decoder): give the directory of one"
+        )
+
+
 def non_text_parts(model: torch.nn.Module) -> list[str]:
     """Full names of the submodules beside the language model of an image-text model (empty for a text model)."""
     for name, module in model.named_modules():

@@ -93,9 +93,28 @@ def _save_tiny(family: str, tok_dir: Path, out: Path) -> None:
     special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     config = tiny_config(family, len(tok), {k: v for k, v in special.items() if v is not None})
     torch.manual_seed(0)
-    model = auto_model_class(False, family).from_config(config)
+    cls = _published_class(family, auto_model_class(False, family))
+    model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)  # an auto class, or a model's own
     model.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def _published_class(family: str, chosen):
+    """The class a published checkpoint of ``family`` is saved from: trainforge's ``chosen`` auto class, or, where the
+    causal-LM class is one part of the family's composite config (MusicGen's decoder), the whole model's class."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto as auto
+
+    config = CONFIG_MAPPING[family]
+    causal = getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family], None)
+    if getattr(causal, "config_class", config) not in {c for k, c in getattr(config, "sub_configs", {}).items() if k != "text_config"}:
+        return chosen
+    for names in (auto.MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES):
+        whole = getattr(transformers, names.get(family, ""), None)
+        if getattr(whole, "config_class", None) is config:
+            return whole
+    return chosen
 
 
 def _config(model_dir: Path, data: Path, method: str) -> dict:
