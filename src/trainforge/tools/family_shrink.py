@@ -71,14 +71,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "falcon_mamba": {"time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
+    "qwen4_exp_text": _QWEN4_INDEXER,
+    "qwen4_exp": {"text_config": _QWEN4_INDEXER},
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},  # one shared block, tied
     # image-text checkpoints as published (the full config): a cross-attention layer in the tiny text stack, a vision
     # tower whose output width matches its layers, a small VQ-VAE (GroupNorm of 32 groups: 32 channels) whose 16 codes
     # map to tokens of the vocabulary
     "mllama": {"text_config": {"cross_attention_layers": [1]},
                "vision_config": {"num_global_layers": 1, "intermediate_layers_indices": [0], "vision_output_dim": 64}},
-    "qwen4_exp_text": {**_QWEN4_INDEXER},
-    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},  # one shared block, tied
-    "qwen4_exp": {"text_config": _QWEN4_INDEXER},
     "emu3": {"vq_config": {"base_channels": 32, "channel_multiplier": [1, 1], "num_res_blocks": 1, "codebook_size": 16},
              "vocabulary_map": {"<image>": 8, "<|extra_200|>": 9, **{f"<|visual token {i:06d}|>": 10 + i for i in range(16)}}},
 }
