@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -68,6 +69,7 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
 _ALWAYS_MASK = re.compile(r"""allow_is_causal_skip["']?\s*[=:]\s*False""")  # as an argument or a dict entry
 
 
+@lru_cache(maxsize=None)  # reads the modeling file's source: once per class
 def _adds_to_its_mask(model: type) -> bool:
     """Whether transformers' modeling code of ``model`` asks for its causal mask always materialized
     (``allow_is_causal_skip=False``): it adds terms of its own onto the mask (Doge's dynamic mask, ALiBi) or reads
