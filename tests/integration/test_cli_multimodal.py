@@ -1,5 +1,6 @@
-"""An image-text checkpoint (Gemma 3: text_config + vision_config) as model.path with text data: its language
-model trains, the vision tower stays frozen, and the saved model is still the full image-text model."""
+"""An image-text checkpoint (Gemma 3, Llama 3.2 Vision: text_config + vision_config) as model.path with text data: its
+language model trains, the vision tower stays frozen, and the saved model is still the full image-text model.
+(Mllama's causal-LM class is its language model alone: through it the vision parts were dropped.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from integration_helpers import root_conftest, run_cli, show
 
 write_config = root_conftest().write_config
-VISION = ("vision_tower", "multi_modal_projector")
+VISION = ("vision_tower", "vision_model", "multi_modal_projector")
+CLASSES = {"gemma3": "Gemma3ForConditionalGeneration", "mllama": "MllamaForConditionalGeneration"}
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,29 @@ def gemma3_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     Gemma3ForConditionalGeneration(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def mllama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """A tiny random MllamaForConditionalGeneration (a cross-attention layer, a vision model) as published: the full
+    config, model_type mllama."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from trainforge.tools.family_shrink import tiny_config
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("mllama-image-text")
+    AutoModelForImageTextToText.from_config(tiny_config("mllama", len(tok))).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(params=sorted(CLASSES))
+def image_text(request) -> tuple[str, Path]:
+    """(the family, its tiny image-text directory)."""
+    return request.param, request.getfixturevalue(f"{request.param}_dir")
 
 
 def settings(model: dict, data_dir: Path) -> dict:
@@ -59,22 +84,24 @@ def assert_text_trained_vision_kept(before: dict, after: dict) -> None:
     assert any(not torch.equal(before[k], after[k]) for k in before if "language_model" in k)
 
 
-def test_full_finetune_trains_the_language_model_and_keeps_the_vision_tower(tmp_path, gemma3_dir, toy_data_dir):
+def test_full_finetune_trains_the_language_model_and_keeps_the_vision_tower(tmp_path, image_text, toy_data_dir):
     from transformers import AutoModelForImageTextToText
 
-    cfg = write_config(tmp_path / "g.yaml", settings({"path": str(gemma3_dir)}, toy_data_dir))
+    family, model_dir = image_text
+    cfg = write_config(tmp_path / "g.yaml", settings({"path": str(model_dir)}, toy_data_dir))
     proc = run_cli(["train", cfg, "--output", tmp_path / "run"], tmp_path)
     assert proc.returncode == 0, show(proc)
-    assert "image-text model (Gemma3ForConditionalGeneration)" in proc.stdout + proc.stderr, show(proc)
-    assert_text_trained_vision_kept(weights(gemma3_dir), weights(tmp_path / "run" / "final"))
+    assert f"image-text model ({CLASSES[family]})" in proc.stdout + proc.stderr, show(proc)
+    assert_text_trained_vision_kept(weights(model_dir), weights(tmp_path / "run" / "final"))
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "run" / "final")
-    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    assert type(model).__name__ == CLASSES[family]
 
 
-def test_lora_adapts_the_language_model_only_and_merges_into_the_full_model(tmp_path, gemma3_dir, toy_data_dir):
+def test_lora_adapts_the_language_model_only_and_merges_into_the_full_model(tmp_path, image_text, toy_data_dir):
     import json
 
-    cfg = write_config(tmp_path / "g.yaml", settings({"path": str(gemma3_dir), "method": "lora"}, toy_data_dir))
+    _, model_dir = image_text
+    cfg = write_config(tmp_path / "g.yaml", settings({"path": str(model_dir), "method": "lora"}, toy_data_dir))
     proc = run_cli(["train", cfg, "--output", tmp_path / "run"], tmp_path)
     assert proc.returncode == 0, show(proc)
     from safetensors.torch import load_file
@@ -84,4 +111,4 @@ def test_lora_adapts_the_language_model_only_and_merges_into_the_full_model(tmp_
     assert json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())["exclude_modules"]
     proc = run_cli(["export", tmp_path / "run", "--merge", "--out", tmp_path / "merged"], tmp_path)
     assert proc.returncode == 0, show(proc)
-    assert_text_trained_vision_kept(weights(gemma3_dir), weights(tmp_path / "merged"))
+    assert_text_trained_vision_kept(weights(model_dir), weights(tmp_path / "merged"))

@@ -20,7 +20,9 @@ take the paths that handle them (stock SDPA, per-document SDPA).
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -60,7 +62,28 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
         # the kernels compute what SDPA computes: what transformers keeps from SDPA (GPT-OSS's attention sinks,
         # passed as an extra argument a kernel would silently drop) they cannot compute either
         return "eager", f"transformers gives {model.__name__} no SDPA attention: it computes more, as GPT-OSS's sinks"
+    if model is not None and _adds_to_its_mask(model):
+        # the kernels' mask function builds no mask (they separate documents themselves): such a model would add its
+        # terms onto nothing and hand the kernel a mask without the causal part, which then attends to later tokens
+        # (Doge), or find no mask to read (Qwen4-Exp's indexer)
+        return "sdpa", f"{model.__name__} works on its causal mask itself (as Doge adds its dynamic mask to it)"
     return None  # sliding windows (Mistral, Gemma 2/3, OLMo 3) the kernels apply: transformers passes them per layer
+
+
+_ALWAYS_MASK = re.compile(r"""allow_is_causal_skip["']?\s*[=:]\s*False""")  # as an argument or a dict entry
+
+
+@lru_cache(maxsize=None)  # reads the modeling file's source: once per class
+def _adds_to_its_mask(model: type) -> bool:
+    """Whether transformers' modeling code of ``model`` asks for its causal mask always materialized
+    (``allow_is_causal_skip=False``): it adds terms of its own onto the mask (Doge's dynamic mask, ALiBi) or reads
+    it (Qwen4-Exp's token indexer)."""
+    import sys
+
+    try:
+        return _ALWAYS_MASK.search(inspect.getsource(sys.modules[model.__module__])) is not None
+    except (OSError, TypeError, KeyError):  # no source shipped: nothing known against the kernels
+        return False
 
 
 def _causal_lm_class(config: Any) -> type | None:

@@ -18,7 +18,7 @@ from .fp8 import apply_fp8
 from .kernels import apply_liger, restore_torch_layers
 from .lora_fused import fuse_lora_layers
 from .lora_targets import lora_targets
-from .multimodal import describe_text_only, freeze_non_text, lora_exclusion
+from .multimodal import describe_text_only, freeze_non_text, image_text_class, lora_exclusion, refuse_a_part
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -46,15 +46,16 @@ def init_config(init: dict[str, Any], tokenizer):
 
 def model_class(cfg: ModelSettings):
     """``AutoModelForSeq2SeqLM`` for an encoder-decoder (T5, BART, ...), else ``AutoModelForCausalLM``."""
-    return auto_model_class(cfg.kind.encoder_decoder)
+    return auto_model_class(cfg.kind.encoder_decoder, cfg.kind.model_type)
 
 
-def auto_model_class(encoder_decoder: bool):
-    """The transformers auto class of a model of this kind (``hf_dir.dir_is_encoder_decoder`` of a directory).
-    Chosen, never guessed: ``AutoModelForCausalLM`` would load BART's directory as its decoder alone."""
+def auto_model_class(encoder_decoder: bool, model_type: str | None = None):
+    """The transformers auto class of a model of this kind (``hf_dir.model_kind`` of a directory). Chosen, never
+    guessed: ``AutoModelForCausalLM`` would load BART's directory as its decoder alone, and Mllama's or Emu3's
+    image-text checkpoint as its language model alone (``multimodal.image_text_class``)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    return AutoModelForSeq2SeqLM if encoder_decoder else AutoModelForCausalLM
+    return AutoModelForSeq2SeqLM if encoder_decoder else image_text_class(model_type) or AutoModelForCausalLM
 
 
 # model types of the T5 family: trained in bf16, their feed-forward activations exceed fp16's range (65504)
@@ -159,6 +160,7 @@ def check_model_dir(path: str | Path) -> None:
     and a model, not a PEFT adapter to merge first."""
     refuse_custom_code(path, "model.path")
     refuse_adapter(path)
+    refuse_a_part(read_config(path).get("model_type"))
 
 
 def build_model(

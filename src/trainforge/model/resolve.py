@@ -64,6 +64,11 @@ class ModelSource:
         return dir_is_encoder_decoder(self.base or self.weights)
 
     @property
+    def model_type(self) -> str | None:
+        """The model's ``model_type`` (an adapter's: its base's)."""
+        return model_kind(self.base or self.weights).model_type
+
+    @property
     def quantized(self) -> bool:
         """The run trained its adapters on a 4-bit NF4 base (QLoRA)."""
         return self.method == "qlora"
@@ -189,9 +194,9 @@ def load_model(
 
     if attention is None:
         attention = (src.run_config or {}).get("model", {}).get("attention", "auto")
-    auto_class = auto_model_class(src.encoder_decoder)  # AutoModelForSeq2SeqLM for T5, BART, ...
+    auto_class = auto_model_class(src.encoder_decoder, src.model_type)  # AutoModelForSeq2SeqLM for T5, BART, ...
     attn = attention_implementation(attention, device, precision.autocast_dtype is not None, src.encoder_decoder,
-                                    model_kind(src.base or src.weights).model_type)
+                                    src.model_type)
     compute = precision.autocast_dtype or torch.float32
     if src.adapter is None:
         dtype = torch.float32 if src.run_dir is not None else compute

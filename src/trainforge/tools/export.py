@@ -129,7 +129,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _resave(src: ModelSource, out: Path, dtype: torch.dtype) -> str:
     """A full model re-saved in ``dtype`` with its tokenizer."""
-    model = auto_model_class(src.encoder_decoder).from_pretrained(str(src.weights), dtype=dtype, trust_remote_code=False)
+    model = auto_model_class(src.encoder_decoder, src.model_type).from_pretrained(str(src.weights), dtype=dtype, trust_remote_code=False)
     return _save_plain(model, load_source_tokenizer(src), out, dtype)
 
 

@@ -83,9 +83,9 @@ def assets(work: Path) -> tuple[Path, Path]:
 
 
 def _save_tiny(family: str, tok_dir: Path, out: Path) -> None:
-    """The family's tiny random model, seeded, saved with the tokenizer as a hub-like directory."""
-    from transformers import AutoModelForCausalLM
-
+    """The family's tiny random model, seeded, saved with the tokenizer as a hub-like directory: the published
+    shape, the whole image-text model where the family is one (Mllama, Emu3)."""
+    from ..model.load import auto_model_class
     from ..model.tokenizer import load_tokenizer
     from .family_shrink import tiny_config
 
@@ -93,9 +93,28 @@ def _save_tiny(family: str, tok_dir: Path, out: Path) -> None:
     special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     config = tiny_config(family, len(tok), {k: v for k, v in special.items() if v is not None})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    cls = _published_class(family, auto_model_class(False, family))
+    model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)  # an auto class, or a model's own
     model.save_pretrained(out)
     tok.save_pretrained(out)
+
+
+def _published_class(family: str, chosen):
+    """The class a published checkpoint of ``family`` is saved from: trainforge's ``chosen`` auto class, or, where the
+    causal-LM class is one part of the family's composite config (MusicGen's decoder), the whole model's class."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto as auto
+
+    config = CONFIG_MAPPING[family]
+    causal = getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family], None)
+    if getattr(causal, "config_class", config) not in {c for k, c in getattr(config, "sub_configs", {}).items() if k != "text_config"}:
+        return chosen
+    for names in (auto.MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES):
+        whole = getattr(transformers, names.get(family, ""), None)
+        if getattr(whole, "config_class", None) is config:
+            return whole
+    return chosen
 
 
 def _config(model_dir: Path, data: Path, method: str) -> dict:
@@ -127,10 +146,10 @@ def _train_and_reload(model_dir: Path, data: Path, method: str, work: Path, seen
     """One method through trainforge; "ok" when the reloaded export gives the trained model's logits (``seen`` gets
     the resolved packing as soon as the config validates). Raises what trainforge raised."""
     import yaml
-    from transformers import AutoModelForCausalLM
 
     from ..config.run import load_config
     from ..engine.trainer import train
+    from ..model.load import auto_model_class
     from .export import export
     from .selftest.reporters import quiet
 
@@ -146,7 +165,7 @@ def _train_and_reload(model_dir: Path, data: Path, method: str, work: Path, seen
         export(out / "final", exported, merge=True, dtype=None, reporter=quiet())
     ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(1))
     trained = _logits(run.model, ids)
-    reloaded = _logits(AutoModelForCausalLM.from_pretrained(exported), ids)
+    reloaded = _logits(auto_model_class(False, cfg.model.kind.model_type).from_pretrained(exported), ids)
     if not torch.allclose(trained, reloaded, rtol=1e-4, atol=1e-4):
         gap = (trained - reloaded).abs().max().item()
         return f"fails: the export reloads with other logits (max gap {gap:.2e})"

@@ -3,10 +3,18 @@
 ``tiny_config(family, vocab_size)`` takes the family's config class with its defaults and shrinks the
 known size fields (hidden size, layers, heads, experts, ...) recursively through sub-configs; a few
 families need their own keys (``OVERRIDES``). Used by the family matrix (``family_matrix.py``).
+
+A default config's ``to_dict()`` also holds the sizes its ``__post_init__`` derived from the full ones (Zamba2's
+``mamba_headdim``, xLSTM's ``embedding_dim``, DeepSeek's ``qk_head_dim``): such a size the shrinker does not set
+itself is left out (a derived attribute) or given back as its declared default None, so the tiny config derives it
+again from the tiny sizes.
+A size field stored under another name (``attribute_map``: Bailing's ``n_group`` is ``num_expert_group``) is
+shrunk under that name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 HIDDEN = 32
@@ -44,7 +52,7 @@ _SIZES: dict[str, Any] = {
     "num_codebooks": 2, "audio_vocab_size": 64, "hidden_size_per_layer_input": 8,
     "encoder_hash_byte_group_vocab": 64,  # BLT's hash embeddings (500k rows by default)
 }
-_EVEN_NONE = {"head_dim"}
+_EVEN_NONE = {"head_dim", "num_key_value_heads"}  # Nemotron leaves its key/value heads None (a checkpoint names them)
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
 # routing keys some MoE config classes default to None (DeepSeek-V2's experts per token, dots1's every count), set in
 # every published checkpoint's config.json: filled wherever the config is a MoE one (see _is_moe)
@@ -55,6 +63,9 @@ _PER_LAYER = ("layer_types", "layers_block_type", "block_types", "mlp_layer_type
 _VOCAB = ("vocab_size", "text_vocab_size", "vocab_size_per_layer_input")  # Gemma 3n/4's per-layer embeddings too
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
               "mask_token_id", "unk_token_id")
+
+_QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 16,
+                  "indexer_compress_ratio": 4}  # Qwen4-Exp's indexed attention: no defaults (None // None)
 
 OVERRIDES: dict[str, dict[str, Any]] = {
     "hrm_text": {"H_cycles": 1, "L_cycles": 1, "L_bp_cycles": [1]},
@@ -67,25 +78,40 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba": {"time_step_rank": 4},
     # its config class has no default per-layer kinds (every checkpoint lists them); one dense layer, one MoE
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "qwen4_exp_text": _QWEN4_INDEXER,
+    "qwen4_exp": {"text_config": _QWEN4_INDEXER},
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},  # one shared block, tied
+    # image-text checkpoints as published (the full config): a cross-attention layer in the tiny text stack, a vision
+    # tower whose output width matches its layers, a small VQ-VAE (GroupNorm of 32 groups: 32 channels) whose 16 codes
+    # map to tokens of the vocabulary
+    "mllama": {"text_config": {"cross_attention_layers": [1]},
+               "vision_config": {"num_global_layers": 1, "intermediate_layers_indices": [0], "vision_output_dim": 64}},
+    "emu3": {"vq_config": {"base_channels": 32, "channel_multiplier": [1, 1], "num_res_blocks": 1, "codebook_size": 16},
+             "vocabulary_map": {"<image>": 8, "<|extra_200|>": 9, **{f"<|visual token {i:06d}|>": 10 + i for i in range(16)}}},
 }
-"""Per-family keys the generic shrinker cannot guess (set after it, at the top level)."""
+"""Per-family keys the generic shrinker cannot guess (set after it; a dict is merged into that sub-config)."""
 
 
-def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict[str, Any]:
-    """``d`` (a config's to_dict()) with its size fields tiny, recursively through sub-config dicts."""
+def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int], cls: type | None = None) -> dict[str, Any]:
+    """``d`` (a config's to_dict()) with its size fields tiny, recursively through sub-config dicts; ``cls`` is the
+    config class of ``d`` where known (its fields, aliases and sub-config classes)."""
     out = dict(d)
+    alias = {real: name for name, real in getattr(cls, "attribute_map", {}).items()}  # to_dict() uses the real name
+    fields = _fields(cls)
     layers = next((_SIZES[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if isinstance(d.get(k), int)), None)
     mla = d.get("kv_lora_rank") is not None  # multi-head latent attention: as many key/value heads as query heads
     moe = _is_moe(d)
+    touched: set[str] = set()  # keys given a tiny value here
     for key, value in d.items():
+        size = key if key in _SIZES else alias.get(key) if alias.get(key) in fields else None  # fields take the alias
         if isinstance(value, dict) and ("model_type" in value or any(k in value for k in ("hidden_size", "d_model"))):
-            out[key] = _shrink(value, vocab_size, special)
-        elif key in _SIZES and isinstance(value, int) and not isinstance(value, bool):
-            out[key] = _SIZES[key]
-        elif key in _SIZES and isinstance(value, list) and layers and all(isinstance(v, int) for v in value):
-            out[key] = [_SIZES[key]] * layers  # a per-layer size (Gemma 3n's intermediate sizes)
-        elif key in _SIZES and value is None and (key in _EVEN_NONE or (moe and key in _ROUTING)):
-            out[key] = _SIZES[key]
+            out[key] = _shrink(value, vocab_size, special, _sub_config_class(cls, key, value))
+        elif size in _SIZES and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = _SIZES[size]
+        elif size in _SIZES and isinstance(value, list) and layers and all(isinstance(v, int) for v in value):
+            out[key] = [_SIZES[size]] * layers  # a per-layer size (Gemma 3n's intermediate sizes)
+        elif size in _SIZES and value is None and (size in _EVEN_NONE or (moe and size in _ROUTING)):
+            out[key] = _SIZES[size]
         elif key in _VOCAB and isinstance(value, int):
             out[key] = vocab_size
         elif key in _TOKEN_IDS and isinstance(value, int) and value >= vocab_size:
@@ -94,6 +120,9 @@ def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict
             out[key] = {k: v for k, v in value.items() if int(k) < layers}  # per-layer settings keyed by index
         elif isinstance(value, list) and layers and key.endswith("_per_layer") and len(value) > layers:
             out[key] = value[:layers]
+        else:
+            continue
+        touched.add(key)
     if mla:
         for key in ("num_key_value_heads", "num_kv_heads"):
             if isinstance(out.get(key), int):
@@ -102,12 +131,21 @@ def _shrink(d: dict[str, Any], vocab_size: int, special: dict[str, int]) -> dict
     for key, value in d.items():
         if key not in _PER_LAYER and out[key] is value and isinstance(value, list) and layers and len(value) == default_layers != layers:
             out[key] = value[:layers]  # a list with one entry per layer (Gemma 3n's activation sparsity)
+            touched.add(key)
     for key in _PER_LAYER:
         value = d.get(key)
         if isinstance(value, list) and layers and len(value) > layers:
             out[key] = _keep_kinds(value, layers)
         elif isinstance(value, str) and layers and len(value) > layers:
             out[key] = value[:layers]
+    if fields:  # sizes __post_init__ derived from the full sizes, left as they were: derived again from the tiny ones
+        for key, value in d.items():
+            if key not in touched and _is_size(value) and key not in _PER_LAYER and key not in _common_fields():
+                declared = key if key in fields else alias.get(key)
+                if declared not in fields:
+                    del out[key]
+                elif fields[declared] is None:
+                    out[key] = None
     return out
 
 
@@ -116,17 +154,39 @@ def _is_moe(d: dict[str, Any]) -> bool:
     return any(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) for k in (*_EXPERT_COUNTS, "moe_intermediate_size"))
 
 
-def _derived(cls: type, base: dict[str, Any]) -> list[str]:
-    """Scalar fields the config class declares as None and fills in ``__post_init__`` from other sizes (LongCat's
-    ``qk_head_dim``, the sum of two head widths): left out of the tiny config so they follow the tiny sizes (fields
-    the shrinker sets itself, the vocabulary and token ids excepted)."""
-    import dataclasses
+_NO_DEFAULT = object()
 
-    if not dataclasses.is_dataclass(cls):
-        return []
-    return [f.name for f in dataclasses.fields(cls)
-            if f.default is None and isinstance(base.get(f.name), int) and not isinstance(base.get(f.name), bool)
-            and f.name not in _SIZES and f.name not in _VOCAB and f.name not in _TOKEN_IDS]
+
+def _fields(cls: type | None) -> dict[str, Any]:
+    """A config class's dataclass fields with their declared defaults (``_NO_DEFAULT`` where a factory or nothing
+    gives it); {} where the class is not known or not a dataclass."""
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return {}
+    return {f.name: f.default if f.default is not dataclasses.MISSING else _NO_DEFAULT for f in dataclasses.fields(cls)}
+
+
+def _is_size(value: Any) -> bool:
+    """A number of units or a list of layer indices (what a config derives from its sizes), not a flag or a ratio."""
+    if isinstance(value, list):
+        return bool(value) and all(_is_size(v) for v in value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _common_fields() -> dict[str, Any]:
+    """The fields every config has (labels, token ids, dtype, ...): none of them derives from a size."""
+    from transformers import PreTrainedConfig
+
+    return _fields(PreTrainedConfig)
+
+
+def _sub_config_class(cls: type | None, key: str, value: dict[str, Any]) -> type | None:
+    """The config class of the sub-config ``key`` of ``cls``: its declared class, else its model type's."""
+    from transformers import CONFIG_MAPPING
+
+    sub = getattr(cls, "sub_configs", {}).get(key)
+    if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+        return sub
+    return CONFIG_MAPPING[value["model_type"]] if value.get("model_type") in CONFIG_MAPPING else None
 
 
 def _keep_kinds(kinds: list[Any], n: int) -> list[Any]:
@@ -146,10 +206,9 @@ def tiny_config(family: str, vocab_size: int, special: dict[str, int] | None = N
 
     cls = CONFIG_MAPPING[family]
     base = cls().to_dict()
-    for key in _derived(cls, base):
-        base[key] = None
-    shrunk = _shrink(base, vocab_size, special or {})
-    shrunk.update(OVERRIDES.get(family, {}))
+    shrunk = _shrink(base, vocab_size, special or {}, cls)
+    for key, value in OVERRIDES.get(family, {}).items():
+        shrunk[key] = {**shrunk[key], **value} if isinstance(value, dict) and isinstance(shrunk.get(key), dict) else value
     shrunk.pop("model_type", None)
     shrunk.pop("transformers_version", None)
     return cls(**shrunk)

@@ -24,7 +24,7 @@ def merged_model(src: ModelSource, reporter: ConsoleReporter) -> tuple[torch.nn.
     from peft import PeftModel
 
     tokenizer = load_source_tokenizer(src)
-    auto_class = auto_model_class(src.encoder_decoder)
+    auto_class = auto_model_class(src.encoder_decoder, src.model_type)
     if src.quantized:
         from ..model.load import nf4_config
 
@@ -48,5 +48,5 @@ def full_model(src: ModelSource, reporter: ConsoleReporter) -> tuple[torch.nn.Mo
     """(the model ``src`` names in fp32, an adapter merged into its base; the tokenizer)."""
     if src.adapter is not None:
         return merged_model(src, reporter)
-    model = auto_model_class(src.encoder_decoder).from_pretrained(str(src.weights), dtype=torch.float32, trust_remote_code=False)
+    model = auto_model_class(src.encoder_decoder, src.model_type).from_pretrained(str(src.weights), dtype=torch.float32, trust_remote_code=False)
     return model, load_source_tokenizer(src)
