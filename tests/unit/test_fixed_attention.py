@@ -93,3 +93,19 @@ def test_xmod_takes_its_only_language_and_refuses_to_guess_among_several():
     with pytest.raises(ModelInputUnknown, match="en_XX, de_DE and no default_language .* set default_language") as e:
         settle_inputs(several)
     assert e.value.exit_code == 2
+
+
+def test_a_saved_xmod_without_a_default_language_loads_for_generation_and_export(tmp_path, tiny_tokenizer_dir):
+    """The base an adapter trained on, a merged export, ``generate``: each load settles the language as training did."""
+    from transformers import AutoModelForCausalLM
+
+    from trainforge.hardware.device import PRECISIONS
+    from trainforge.model.resolve import load_model, resolve_source
+    from trainforge.model.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("xmod", VOCAB)).save_pretrained(tmp_path / "xmod")
+    load_tokenizer(tiny_tokenizer_dir).save_pretrained(tmp_path / "xmod")
+    assert json.loads((tmp_path / "xmod" / "config.json").read_text()).get("default_language") is None
+    model = load_model(resolve_source(tmp_path / "xmod"), torch.device("cpu"), PRECISIONS["fp32"])
+    assert model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=False).logits.shape == (1, 3, VOCAB)
