@@ -39,6 +39,7 @@ class ModelKind:
     model_type: str | None  # transformers' model_type (llama, t5, bart, ...); None where the directory names none
     encoder_decoder: bool  # T5, mT5, BART, ...: a source into the encoder, a target out of the decoder
     recurrent: str | None = None  # layers whose state runs along the sequence (Mamba, linear attention): what they are
+    fixed_attention: str | None = None  # why its attention takes no attention function by name (Falcon): no packing
 
 
 # model types whose layers carry a state along the sequence, past any position reset: Mamba / SSM mixers,
@@ -96,9 +97,10 @@ def model_kind(path: str | Path) -> ModelKind:
     config = _read_json(config_file, config_version)
     model_type = config.get("model_type")
     if "is_encoder_decoder" in config:
-        return ModelKind(model_type, bool(config["is_encoder_decoder"]), recurrent_layers(config))
-    encoder_decoder = architecture_is_encoder_decoder(model_type) if "model_type" in config else False
-    return ModelKind(model_type, encoder_decoder, recurrent_layers(config))
+        encoder_decoder = bool(config["is_encoder_decoder"])
+    else:
+        encoder_decoder = architecture_is_encoder_decoder(model_type) if "model_type" in config else False
+    return ModelKind(model_type, encoder_decoder, recurrent_layers(config), attention_of(config))
 
 
 def dir_is_encoder_decoder(path: str | Path) -> bool:
@@ -111,7 +113,42 @@ def init_kind(init: dict[str, Any]) -> ModelKind:
     """The kind of a model built from scratch from ``{architecture: ..., <config fields>}``."""
     arch = init["architecture"]
     encoder_decoder = init["is_encoder_decoder"] if "is_encoder_decoder" in init else architecture_is_encoder_decoder(arch)
-    return ModelKind(str(arch), bool(encoder_decoder), recurrent_layers(_built_config(str(arch), json.dumps(init, default=str))))
+    config = _built_config(str(arch), json.dumps(init, default=str))
+    return ModelKind(str(arch), bool(encoder_decoder), recurrent_layers(config), attention_of(config))
+
+
+def attention_of(config: dict[str, Any]) -> str | None:
+    """``fixed_attention`` of a config.json's model: of its text model where it has one (an image-text model's
+    language model is another model type, with its own attention layers)."""
+    text = config.get("text_config")
+    text_type = text.get("model_type") if isinstance(text, dict) else None
+    return fixed_attention(str(text_type or config.get("model_type") or "") or None)
+
+
+ATTENTION_INTERFACE = "ALL_ATTENTION_FUNCTIONS"  # where transformers' modeling code looks attention functions up
+
+
+@lru_cache(maxsize=None)
+def fixed_attention(model_type: str | None) -> str | None:
+    """Why ``model_type``'s attention layers cannot run an attention function registered by name (trainforge's
+    document kernels, which keep packed documents apart), or None where they can or nothing is known. Read from
+    transformers' modeling source of the type, without importing it: layers that take a registered function look it
+    up in ``ALL_ATTENTION_FUNCTIONS``; Falcon, Bloom, GPT-Neo, MPT, ... compute attention their own way."""
+    if not model_type:
+        return None
+    import importlib.util
+
+    try:
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+        spec = importlib.util.find_spec(f"transformers.models.{model_type_to_module_name(model_type)}")
+    except (ImportError, ValueError):
+        return None
+    sources = [f for d in (spec.submodule_search_locations or []) for f in Path(d).glob("modeling_*.py")] if spec else []
+    if not sources or any(ATTENTION_INTERFACE in f.read_text(errors="replace") for f in sources):
+        return None
+    return (f"transformers' {model_type} layers compute attention their own way (not through its attention "
+            "interface, where trainforge's document kernels plug in)")
 
 
 def built_config(init: dict[str, Any]) -> dict[str, Any]:

@@ -273,10 +273,16 @@ def test_the_fused_head_takes_falcon_h1s_multiplied_logits():
 
     from trainforge.engine.loss import fused_head
 
-    config = transformers.FalconH1Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, mamba_d_state=8, mamba_n_heads=2,
-                                         mamba_d_head=16, mamba_d_ssm=32, mamba_n_groups=1, lm_head_multiplier=0.25)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    def tiny(multiplier: float):
+        return transformers.AutoModelForCausalLM.from_config(transformers.FalconH1Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, mamba_d_state=8, mamba_n_heads=2, mamba_d_head=16, mamba_d_ssm=32, mamba_n_groups=1,
+            lm_head_multiplier=multiplier))
+
+    model = tiny(0.25)
     assert fused_head(model) is None  # the model's own head, multiplier included
+    # the model keeps the multiplier it was built with: a config edited afterwards does not change its logits, and the
+    # probe of engine/head_exact.py sees that (the config alone would have said "exact")
     model.config.lm_head_multiplier = 1.0
-    assert fused_head(model) is not None
+    assert fused_head(model) is None
+    assert fused_head(tiny(1.0)) is not None

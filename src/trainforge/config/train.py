@@ -57,7 +57,8 @@ class TrainSettings(Section):
         True,
         description="LM head and cross-entropy fused and chunked over target positions only (no full logits "
         "tensor); false: the model's own head and a standard cross-entropy. Models whose head is not a plain "
-        "linear layer (LoRA on the head, soft-capped logits) always take the standard path",
+        "linear layer (LoRA on the head, soft-capped logits) or whose logits are not that head over the decoder's "
+        "output (ELECTRA, RoFormer: a probe of a few tokens, once per model) always take the standard path",
     )
     kernels: Literal["auto", "liger", "torch"] = Field(
         "auto",

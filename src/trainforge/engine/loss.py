@@ -11,7 +11,7 @@ completion-only loss, padding) never get logits at all.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..data.formats import IGNORE
 from ..hardware.device import cuda_has_native_bf16, fp32_out_addmm_in
 from ..model.kernels import liger_linear_cross_entropy, transforms_logits, uses_liger_loss
+from .head_exact import decoder_stack, head_mismatch
 
 CHUNK = 4096  # at most this many target positions per head matmul on GPU: large enough for efficient GEMMs
 LOGITS_CHUNK_BYTES = 256 * 2**20  # ... and at most this much fp32 logits per chunk: at a 128k vocabulary, 4096
@@ -272,18 +273,43 @@ def seq2seq_fused_head(model: torch.nn.Module):
 
 
 def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
-    """(decoder, lm_head) when the model computes ``logits = lm_head(decoder(...))`` exactly.
+    """(decoder, lm_head) when the model computes ``logits = lm_head(decoder(...).last_hidden_state)`` exactly, else
+    None: the standard path (``head_choice`` says why)."""
+    choice = head_choice(model)
+    return None if isinstance(choice, str) else choice
 
-    None for heads that are not a plain Linear (LoRA on the head, quantized) and for models
-    that transform logits (soft-capping, scaling): those take the standard path.
-    """
+
+def head_choice(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | str:
+    """(decoder, lm_head) for the fused head, or why the model takes its own head: wrapped for data parallelism,
+    a head that is not a plain Linear (LoRA on the head, quantized), logits transformed by a config field
+    (soft-capping, scaling), or anything between the decoder and the head (``head_exact``: decided once per model)."""
     base = _plain_base(model)
-    if base is None or transforms_logits(base.config):
-        return None
-    get_decoder, get_head = getattr(base, "get_decoder", None), getattr(base, "get_output_embeddings", None)
-    if get_decoder is None or get_head is None:
-        return None
-    decoder, head = get_decoder(), get_head()
-    if type(head) is not torch.nn.Linear or decoder is None:
-        return None
-    return decoder, head
+    if base is None:
+        return "the model is wrapped for data parallelism (FSDP/DDP): its own forward computes the logits"
+    if transforms_logits(base.config):
+        return "its config scales or soft-caps the logits after the head"
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if head is None:
+        return "it exposes no output embedding (get_output_embeddings)"
+    if type(head) is not torch.nn.Linear:
+        return f"its output embedding is {type(head).__name__}, not a plain Linear (LoRA on the head, quantized)"
+    decoder = decoder_stack(base, head)
+    if decoder is None:
+        return "it exposes no decoder stack (get_decoder)"
+    why = head_mismatch(base, decoder, head)
+    return (decoder, head) if why is None else f"its logits are not lm_head(decoder output): {why}"
+
+
+def loss_head_fact(model: torch.nn.Module, fused: bool, encoder_decoder: bool, say: Callable[[str], None]) -> str:
+    """What computes the loss, for summary.json: ``fused`` (the chunked head) or ``model`` (the model's logits); where
+    ``train.fused_loss`` is on but the model cannot take the fused head, ``say`` gets why (decided here, once)."""
+    if not fused:
+        return "model"
+    if encoder_decoder:
+        return "fused" if seq2seq_fused_head(model) is not None else "model"
+    choice = head_choice(model)
+    if isinstance(choice, str):
+        say(f"loss: the model's own head, full logits per micro-batch (train.fused_loss cannot apply: {choice})")
+        return "model"
+    return "fused"

@@ -40,6 +40,7 @@ from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .ending import eval_stopped_at_checkpoint
 from .levers import apply_levers, resolve_run_levers
+from .loss import loss_head_fact
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run
 from .predict.trace_cache import reusing_traces
@@ -124,6 +125,8 @@ def setup(
     )
     efficiency = loader.padding_efficiency()
     reporter.info(describe_data(data, efficiency))
+    if cfg.data.packing is False and (kind := cfg.model.kind).fixed_attention and not (kind.recurrent or kind.encoder_decoder):
+        reporter.info(f"data.packing false: {kind.fixed_attention}; packed documents would attend to each other")
     data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
 
     model = build_run_model(cfg, tokenizer, precision, device, reporter)
@@ -206,6 +209,7 @@ def setup(
         ),
     )
     run.facts.choices.update(length_facts)  # what data.max_length is and why (auto: what it chose)
+    run.facts.choices["loss_head"] = loss_head_fact(train_model, cfg.train.fused_loss, cfg.model.kind.encoder_decoder, reporter.info)
     laps("services")
     # a signal is in events.jsonl when it comes: a second one (or a SIGKILL) that ends the process before its stop
     # event is written leaves doctor that much

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ..hf_dir import attention_of
+
 VARLEN_NAME = "trainforge_varlen"
 FLEX_NAME = "trainforge_flex"
 VARLEN_MIN_CAPABILITY = (8, 0)  # Flash Attention 2's kernels: Ampere and newer
@@ -47,7 +49,8 @@ def choose(requested: str, device_type: str, capability: tuple[int, int] | None,
 
 def uncovered_attention(config: Any) -> tuple[str, str] | None:
     """What a model's attention does that the document kernels (varlen, flex, packed_sdpa) do not: logit
-    soft-capping (Gemma 2), or anything for which transformers gives its model class no SDPA path
+    soft-capping (Gemma 2), attention layers that take no function by name (Falcon: ``hf_dir.fixed_attention``; then
+    its SDPA where transformers gives it one), or anything for which transformers gives its model class no SDPA path
     (GPT-OSS's attention sinks). Returns (the stock implementation that computes it, on packed rows with
     transformers' own document mask, and why), or None where the kernels are exact."""
     softcap = getattr(config, "attn_logit_softcapping", None)
@@ -58,6 +61,9 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
         # each query's top ones; the kernels hand the layer no mask (they separate documents on their own)
         return "sdpa", "its sparse attention's indexer picks each query's keys from the causal mask it reads"
     model = _causal_lm_class(config)
+    fixed = attention_of(config.to_dict())
+    if fixed:  # no packing for it (config/run.py): its own implementation, on one example per row
+        return ("sdpa" if getattr(model, "_supports_sdpa", False) else "eager"), fixed
     if model is not None and not getattr(model, "_supports_sdpa", True):
         # the kernels compute what SDPA computes: what transformers keeps from SDPA (GPT-OSS's attention sinks,
         # passed as an extra argument a kernel would silently drop) they cannot compute either

@@ -76,18 +76,20 @@ _TORCH_NAMES: dict[str, dict[str, object]] = {}
 
 
 # config fields by which a causal LM scales lm_head's output before its loss, away from 1 (None: unset)
-LOGIT_SCALES = ("logits_scaling", "lm_head_multiplier", "output_multiplier")
+# (Inkling divides the hidden state by ``logits_mup_width_multiplier``: the same to a linear head)
+LOGIT_SCALES = ("logits_scaling", "lm_head_multiplier", "output_multiplier", "logits_mup_width_multiplier")
 
 
 def transforms_logits(config: Any) -> bool:
-    """The model changes ``lm_head``'s output before its loss: Gemma 2's soft-capping, Cohere's ``logit_scale``,
+    """The model changes ``lm_head``'s output before its loss: Gemma 2's and RecurrentGemma's soft-capping, Cohere's ``logit_scale``,
     Granite's ``logits_scaling`` (HyperCLOVAX multiplies by it), Falcon-H1's ``lm_head_multiplier``, or such a field
     of a multimodal model's ``text_config``. A fused head (trainforge's or Liger's) would compute another loss, so
-    such models take their own head."""
+    such models take their own head (``engine/head_exact.py`` finds the rest on a probe; these fields also tell a plan,
+    which cannot probe, and Liger's marking)."""
     for c in (config, getattr(config, "text_config", None)):
         if c is None:
             continue
-        if getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None):
+        if any(getattr(c, name, None) for name in ("final_logit_softcapping", "logits_soft_cap", "logit_scale")):
             return True
         if any(getattr(c, name, None) not in (None, 1) for name in LOGIT_SCALES):
             return True

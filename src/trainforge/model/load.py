@@ -12,9 +12,10 @@ import torch
 
 from ..config.run import ConfigError, LoraSettings, ModelSettings
 from ..errors import TrainforgeError
-from ..hf_dir import has_sdpa, init_kind, read_config, refuse_adapter, refuse_custom_code
+from ..hf_dir import attention_of, has_sdpa, init_kind, read_config, refuse_adapter, refuse_custom_code
 from .experts_impl import use_experts_implementation
 from .fp8 import apply_fp8
+from .inputs import settle_inputs
 from .kernels import apply_liger, restore_torch_layers
 from .lora_fused import fuse_lora_layers
 from .lora_targets import lora_targets
@@ -141,13 +142,15 @@ def exact_attention(config: Any, requested: str, attn: str, warn: Callable[[str]
     if uncovered is None:
         return attn
     stock, why = uncovered
+    fixed = why == attention_of(config.to_dict())  # attention of its own: one example per row, no document mask
     if requested != "auto":
         raise AttentionUnavailable(
             f"model.attention: {requested} would change this model's attention: {why}, which it does not apply; "
-            f"use auto or {stock} (transformers' own, with a document mask)"
+            f"use auto or {stock} (transformers' own, {'one example per row' if fixed else 'with a document mask'})"
         )
-    warn(f"attention: {stock} for this model ({why}, which trainforge's document kernels do not apply): "
-         "transformers masks each row's documents with a row x row mask, slower on long rows")
+    if not fixed:  # said by data.packing's note instead (engine/setup.py)
+        warn(f"attention: {stock} for this model ({why}, which trainforge's document kernels do not apply): "
+             "transformers masks each row's documents with a row x row mask, slower on long rows")
     return stock
 
 
@@ -218,9 +221,9 @@ def build_model(
                      f"({', '.join(added)}{', ...' if n > 3 else ''}): their new rows start random and "
                      f"{cfg.method} trains none of them, so the model cannot learn to read or write them; use model.method: full, "
                      "or a tokenizer without added tokens (reuse an existing token as the marker)")
-    note = describe_text_only(model, freeze_non_text(model))  # an image-text checkpoint: its language model trains
-    if note:
-        warn(note)
+    for note in (settle_inputs(model.config), describe_text_only(model, freeze_non_text(model))):  # X-MOD's language;
+        if note:  # an image-text checkpoint: its language model trains
+            warn(note)
     used = apply_liger(model, warn) if kernels == "liger" else []
     fp8_layers = apply_fp8(model, fp8) if fp8 else 0
     if fp8 and not fp8_layers:
@@ -366,6 +369,7 @@ def build_model_skeleton(
 
         uncovered = uncovered_attention(config)
         attn = uncovered[0] if uncovered else register_causal()
+    settle_inputs(config)  # X-MOD's default language, as the run sets it
     with torch.device("meta"):
         model = model_class(cfg).from_config(config, dtype=base_dtype, attn_implementation=attn, trust_remote_code=False)
         return adapt(model, cfg, activation_checkpointing)

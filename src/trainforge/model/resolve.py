@@ -190,6 +190,7 @@ def load_model(
     ``vocab_size``: the tokenizer's size; a base with fewer embeddings is resized, as training did.
     ``attention``: the run's ``model.attention`` (default ``auto``, the same rule as training).
     """
+    from .inputs import settle_inputs
     from .load import attention_implementation, auto_model_class, keep_norms_fp32, nf4_config, one_weight_layout
 
     if attention is None:
@@ -201,6 +202,7 @@ def load_model(
     if src.adapter is None:
         dtype = torch.float32 if src.run_dir is not None else compute
         model = auto_class.from_pretrained(str(src.weights), dtype=dtype, attn_implementation=attn, trust_remote_code=False)
+        settle_inputs(model.config)  # X-MOD's only language, as training settles it (a run's final/ has it already)
         return model.to(device).eval()
 
     from peft import PeftModel
@@ -208,6 +210,7 @@ def load_model(
     quantized = src.quantized if quantized is None else quantized
     extra = {"quantization_config": nf4_config(precision.autocast_dtype)} if quantized else {}
     base = auto_class.from_pretrained(str(src.base), dtype=compute, attn_implementation=attn, trust_remote_code=False, **extra)
+    settle_inputs(base.config)  # the base as the adapter trained on it (X-MOD's language): a merged export keeps it
     if vocab_size is not None and base.get_input_embeddings().num_embeddings < vocab_size:
         base.resize_token_embeddings(vocab_size)
     if quantized:

@@ -202,6 +202,8 @@ def run_family(family: str, work: Path) -> Outcome:
             results[method] = "fails"
     if kind.recurrent:
         notes.insert(0, f"{kind.recurrent} layers: one example per row")
+    elif kind.fixed_attention and not kind.encoder_decoder:  # transformers' own attention code, which no document kernel plugs into
+        notes.insert(0, "attention of its own: one example per row")
     return Outcome(family, results["full"], results["lora"], seen["packing"], "; ".join(dict.fromkeys(notes)))
 
 

@@ -51,6 +51,7 @@ _SIZES: dict[str, Any] = {
     "sliding_window": 16, "attention_window_size": 16, "window_size": 16, "chunk_size": 16,
     "num_codebooks": 2, "audio_vocab_size": 64, "hidden_size_per_layer_input": 8,
     "encoder_hash_byte_group_vocab": 64,  # BLT's hash embeddings (500k rows by default)
+    "hidden_size_global": HIDDEN,  # BLT's local encoder/decoder: the global model's width (2048 by default)
 }
 _EVEN_NONE = {"head_dim", "num_key_value_heads"}  # Nemotron leaves its key/value heads None (a checkpoint names them)
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..metrics.console import ConsoleReporter
+from ..model.inputs import settle_inputs
 from ..model.load import auto_model_class
 from ..model.resolve import ModelSource, load_source_tokenizer
 
@@ -37,6 +38,7 @@ def merged_model(src: ModelSource, reporter: ConsoleReporter) -> tuple[torch.nn.
         base = auto_class.from_pretrained(str(src.base), dtype=torch.float32, trust_remote_code=False)
     if base.get_input_embeddings().num_embeddings < len(tokenizer):
         base.resize_token_embeddings(len(tokenizer))  # as training did
+    settle_inputs(base.config)  # as training did too (X-MOD's only language): the merged model's config keeps it
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = PeftModel.from_pretrained(base, str(src.weights))
