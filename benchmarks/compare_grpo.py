@@ -37,7 +37,7 @@ as a reward function), ``num_generations`` 8, ``max_completion_length``, tempera
 completions per step (micro-batch x grad_accum), the loss (``grpo``: each completion's token mean, then the mean
 over completions), beta 0 (no reference model), one iteration per batch, group-scaled advantages, the LoRA
 adapters (rank, alpha, dropout 0, every linear layer of the blocks), AdamW (lr, betas, eps, no weight decay) at a
-constant lr, gradient clipping, the seed, the steps, and the precision (bf16 autocast on the CPU by default: TRL's
+constant lr, gradient clipping, the seed, the steps, and the precision (``--precision auto``: bf16 autocast where the CPU has native bf16, else fp32; in bf16 TRL's
 ``bf16=True`` with ``use_cpu=True``, trainforge's ``train.precision: bf16``). The prompts of each step differ
 (each side shuffles them with its own seeded sampler).
 
