@@ -116,3 +116,19 @@ def test_the_run_says_why_its_loss_takes_the_models_head():
     assert len(said) == 1 and "train.fused_loss cannot apply" in said[0] and "cls" in said[0]
     assert loss_head_fact(tiny("llama"), True, False, said.append) == "fused" and len(said) == 1
     assert loss_head_fact(tiny("llama"), False, False, said.append) == "model" and len(said) == 1
+
+
+def test_a_model_whose_own_forward_fails_on_text_is_refused_before_any_step(monkeypatch):
+    """transformers 5.24's Llama4ForConditionalGeneration.forward reads ``image_outputs`` its language model never
+    returns: every step would raise. The probe turns that into exit 2 naming the class and the error."""
+    from trainforge.hf_dir import UnsupportedModelDir
+
+    model = tiny("llama")
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'")
+
+    monkeypatch.setattr(model, "forward", broken)
+    with pytest.raises(UnsupportedModelDir, match=r"LlamaForCausalLM\.forward fails on text input .*image_outputs") as e:
+        fused_head(model)
+    assert e.value.exit_code == 2

@@ -50,3 +50,11 @@ def test_a_packed_row_computes_each_document_alone():
         together = model(input_ids=packed, position_ids=position_ids, use_cache=False).logits
         alone = torch.cat([model(input_ids=x, use_cache=False).logits for x in (a, b)], dim=1)
     torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_indexed_attention_without_an_sdpa_path_takes_eager():
+    """HY-V4's indexer reads the mask like DeepSeek's, and transformers gives it no SDPA: eager, not a ValueError."""
+    from trainforge.model.doc_attention import uncovered_attention
+    from trainforge.tools.family_shrink import tiny_config
+
+    assert uncovered_attention(tiny_config("hy_v4", 64))[0] == "eager"

@@ -118,7 +118,15 @@ def _probe(base: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Linea
             step = "decoder + head"
             got = head(decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state).float()
     except Exception as e:  # noqa: BLE001 - a failure of the split path means: not this model's computation
-        return f"{step} failed on a probe: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+        error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        if step == "the model's own forward":  # every training step would fail the same way: stop before any
+            from ..hf_dir import UnsupportedModelDir
+
+            raise UnsupportedModelDir(
+                f"model.path: transformers' {type(base).__name__}.forward fails on text input ({error}): this "
+                "transformers version cannot train it on text; a text-only checkpoint of the family, or another "
+                "transformers version, may") from e
+        return f"{step} failed on a probe: {error}"
     finally:
         for m, training in modes.items():
             m.training = training

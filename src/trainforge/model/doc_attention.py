@@ -56,11 +56,12 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         return "eager", f"its attention logits are soft-capped at {softcap:g}"
+    model = _causal_lm_class(config)
+    stock = "sdpa" if model is None or getattr(model, "_supports_sdpa", True) else "eager"  # HY-V4: no SDPA path
     if "indexed_attention" in (getattr(config, "layer_types", None) or ()):
         # DeepSeek sparse attention: each layer's indexer scores the keys against the causal mask itself and keeps
         # each query's top ones; the kernels hand the layer no mask (they separate documents on their own)
-        return "sdpa", "its sparse attention's indexer picks each query's keys from the causal mask it reads"
-    model = _causal_lm_class(config)
+        return stock, "its sparse attention's indexer picks each query's keys from the causal mask it reads"
     fixed = attention_of(config.to_dict())
     if fixed:  # no packing for it (config/run.py): its own implementation, on one example per row
         return ("sdpa" if getattr(model, "_supports_sdpa", False) else "eager"), fixed
@@ -72,7 +73,7 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
         # the kernels' mask function builds no mask (they separate documents themselves): such a model would add its
         # terms onto nothing and hand the kernel a mask without the causal part, which then attends to later tokens
         # (Doge), or find no mask to read (Qwen4-Exp's indexer)
-        return "sdpa", f"{model.__name__} works on its causal mask itself (as Doge adds its dynamic mask to it)"
+        return stock, f"{model.__name__} works on its causal mask itself (as Doge adds its dynamic mask to it)"
     return None  # sliding windows (Mistral, Gemma 2/3, OLMo 3) the kernels apply: transformers passes them per layer
 
 
