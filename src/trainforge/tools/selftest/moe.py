@@ -160,7 +160,6 @@ class MoEChecks:
         _, visible, _ = worst_gap(reference, without_aux)
         if not visible > 3 * tol:  # the aux term must move some gradient by far more than rounding, or it is unchecked
             raise CheckFailed(f"the aux loss moves no gradient by more than {visible:.1e}: the check cannot see it")
-        path = f"{chosen} ({why})" if chosen != "eager" else f"eager ({why}): the same experts"
         if not (gap <= tol and ce_gap <= tol and aux_gap <= tol):
             got_aux = f"{aux:.5f}" if aux is not None else "not computed"
             raise CheckFailed(
@@ -169,5 +168,6 @@ class MoEChecks:
                 f"{ref_aux:.5f}; gradient of {worst} by {gap:.2e} (relative norm; tolerance {tol:.0e})"
             )
         why_tol = ", the experts' fp32 masters unrounded vs eager's bf16" if masters else ""
-        return (f"{path} vs eager: loss {ce_gap:.1e}, aux {aux_gap:.1e}, gradients {gap:.1e} (tol {tol:.0e}{why_tol}; "
+        path = f"{chosen} ({why}) vs eager" if chosen != "eager" else f"eager ({why}), as the reference"
+        return (f"{path}: loss {ce_gap:.1e}, aux {aux_gap:.1e}, gradients {gap:.1e} (tol {tol:.0e}{why_tol}; "
                 f"without the aux term {visible:.1e})")
