@@ -1,6 +1,6 @@
 """The selftest matrix as tests: every precision x data shape x method x head (and one compiled
 case) trains through the real entry point and tracks fp32; the checks beside it; and broken
-paths, to show that the checks catch what they are there for.
+paths, to show that the checks catch what they are there for (the mixture-of-experts rows too).
 
 The matrix, its tolerances and their justification live in ``trainforge/tools/selftest/``
 (``cases.py``, ``tolerances.py``): ``trainforge selftest`` runs the same cases on the user's
@@ -265,3 +265,47 @@ def test_a_signal_between_paths_stops_the_run_before_the_next(selftest, tmp_path
     with pytest.raises(Interrupted, match="SIGTERM between paths") as stopped:
         fresh.run([], ["nonfinite-guard", "head-grads-fp32"], arrives_during_the_first, stop)
     assert ran == ["nonfinite-guard"] and stopped.value.signal_name == "SIGTERM"
+
+
+def test_the_moe_rows_compare_the_grouped_path_on_a_cpu(selftest):
+    """On a CPU ``auto`` picks grouped_mm for the experts: the rows compare it with eager, not eager with itself."""
+    for name in ("moe-full-fp32", "moe-lora-bf16"):
+        result = selftest.check(name)
+        assert result.status == "ok", result.error
+        assert result.detail.startswith("grouped_mm (auto") and " vs eager: " in result.detail, result.detail
+
+
+@pytest.mark.parametrize("name", ["moe-full-fp32", "moe-lora-bf16"])
+def test_a_grouped_experts_path_that_drops_a_routed_term_fails(selftest, tmp_path, monkeypatch, name):
+    """Each token's second expert left out of the grouped path's weighted sum (its routing weight zeroed)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    runner = runner_with(selftest, tmp_path)
+    grouped = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+
+    def without_second_expert(self, hidden_states, top_k_index, top_k_weights):
+        kept = top_k_weights.clone()
+        kept[:, 1:] = 0
+        return grouped(self, hidden_states, top_k_index, kept)
+
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm", without_second_expert)
+    result = runner.check(name)
+    assert result.status == "FAILED"
+    assert "trainforge's step with experts grouped_mm and transformers' eager experts" in result.error, result.error
+
+
+def test_a_router_aux_loss_missing_from_the_gradient_fails(selftest, tmp_path, monkeypatch):
+    """The aux loss computed and logged, but its term left out of what the step differentiates."""
+    from trainforge.engine.router_loss import RouterLoss
+
+    runner = runner_with(selftest, tmp_path)
+    add = RouterLoss.add
+
+    def logged_only(self, ce_sum, routed, batch, metrics):
+        add(self, ce_sum, routed, batch, metrics)  # the metrics as usual...
+        return ce_sum  # ...but the gradient without coef x aux
+
+    monkeypatch.setattr(RouterLoss, "add", logged_only)
+    result = runner.check("moe-full-fp32")
+    assert result.status == "FAILED"
+    assert "mlp.gate.weight by" in result.error, result.error

@@ -81,6 +81,7 @@ CHECKS = (
     *(f"kernels-{p}" for p in PRECISIONS),
     *(f"preference-{p}" for p in PRECISIONS),
     *(f"grpo-{p}" for p in ("fp32", "bf16")),
+    *(f"moe-{m}-{p}" for m in METHODS for p in ("fp32", "bf16")),
     "fp8-bf16",
     "nonfinite-guard",
     "pinned-memory",

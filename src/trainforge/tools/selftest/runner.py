@@ -18,6 +18,7 @@ from ...hardware.device import cuda_has_native_bf16
 from .assets import Assets, build_assets
 from .cases import CHECKS, PRECISIONS, STEPS, Case, plan
 from .checks import Checks
+from .moe import MoEChecks
 from .results import CheckFailed, Result, Skip
 from .training import TrainingCases
 
@@ -28,7 +29,7 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" + (f" (at {where})" if where else "")
 
 
-class SelfTest(TrainingCases, Checks):
+class SelfTest(TrainingCases, Checks, MoEChecks):
     """Runs cases and checks on one device and remembers the results (each fp32 reference runs once)."""
 
     def __init__(
