@@ -159,6 +159,7 @@ def _train_and_reload(model_dir: Path, data: Path, method: str, work: Path, seen
     seen["packing"] = str(cfg.data.packing).lower()
     out = work / f"run-{method}"
     run = train(cfg, out, quiet(), resume="never")
+    seen["packing"] = str(run.cfg.data.packing).lower()  # as setup settled it (engine/packing_check.py)
     exported = out / "final"  # a full run's final/ is already a plain transformers directory
     if method == "lora":
         exported = work / "export-lora"
@@ -203,7 +204,7 @@ def run_family(family: str, work: Path) -> Outcome:
     if kind.recurrent:
         notes.insert(0, f"{kind.recurrent} layers: one example per row")
     elif kind.fixed_attention and not kind.encoder_decoder:  # transformers' own attention code, which no document kernel plugs into
-        notes.insert(0, "attention of its own: one example per row")
+        notes.insert(0, "attention of its own: " + ("packs (its document mask checked)" if seen["packing"] == "true" else "one example per row"))
     return Outcome(family, results["full"], results["lora"], seen["packing"], "; ".join(dict.fromkeys(notes)))
 
 

@@ -1,0 +1,76 @@
+"""``data.packing`` settled against the attention the run will use, before any data is packed.
+
+trainforge's document kernels keep packed documents apart themselves. Where the run trains on transformers' stock
+attention instead (``model/doc_attention.uncovered_attention``: soft-capping, sinks, layers that take no attention
+function by name; or ``model.attention: eager|sdpa`` asked for), transformers' mask is all that separates them,
+and whether it does is measured (``model/packing_probe``) on a tiny random copy of the run's config:
+
+- it does (Gemma 2, Falcon, GPT-Neo): packing stays on;
+- it does not (GPT-OSS, Bloom, MPT): an unset ``data.packing`` resolves to false, said once on the console;
+  ``data.packing: true`` given is refused (exit 2) naming why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..config.errors import ConfigError
+from ..config.run import RunConfig
+
+STOCK = ("eager", "sdpa")  # transformers' implementations the probe can run on the CPU
+
+
+def settle_packing(cfg: RunConfig, tokenizer: Any, device: torch.device, half_precision: bool,
+                   info: Callable[[str], None]) -> RunConfig:
+    """``cfg``, with ``data.packing`` false where it was left unset and the run's attention would let packed
+    documents read each other; raises ConfigError where ``data.packing: true`` was given for such a run."""
+    kind = cfg.model.kind
+    if cfg.data.packing is not True or kind.encoder_decoder or kind.recurrent:
+        return cfg  # nothing packed into one row as separate documents (or the config already refused it)
+    attn = run_attention(cfg, tokenizer, device, half_precision)
+    if attn is None:
+        return cfg
+    attn_name, config = attn
+    from ..model.load import model_class
+    from ..model.packing_probe import packing_leak
+    from ..tools.family_shrink import shrink_config
+
+    try:
+        tiny = shrink_config(config)
+    except Exception as e:  # noqa: BLE001 - a config the shrinker cannot rebuild: nothing measured
+        why: str | None = f"a packing probe could not shrink the model's config ({type(e).__name__}: {str(e)[:120]})"
+    else:
+        why = packing_leak(tiny, attn_name, model_class(cfg.model))
+    if why is None:
+        return cfg
+    if "packing" in cfg.data.model_fields_set:
+        raise ConfigError(
+            f"data.packing: true, but the run trains on {why}; set data.packing: false (one example per row, batches "
+            "grouped by length) or leave it unset; 'concat' (text as one stream, for pretraining) is fine"
+        )
+    info(f"data.packing false: {why}; one example per row, batches grouped by length")
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"packing": False})})
+
+
+def run_attention(cfg: RunConfig, tokenizer: Any, device: torch.device, half_precision: bool) -> tuple[str, Any] | None:
+    """The stock attention (``eager``/``sdpa``) the run's model will train with, and its transformers config; None
+    where it trains on a trainforge document kernel (which separates documents itself) or another implementation."""
+    from ..model.load import attention_implementation, exact_attention, init_config
+
+    attn = attention_implementation(cfg.model.attention, device, half_precision, False, cfg.model.kind.model_type)
+    if not attn.startswith("trainforge_") and attn not in STOCK:
+        return None  # flash_attention_2 (needs CUDA and its package): documents from position_ids in its varlen call
+    if cfg.model.init is not None:
+        config = init_config(cfg.model.init, tokenizer)
+    else:
+        from transformers import AutoConfig
+
+        from ..hf_dir import refuse_custom_code
+
+        refuse_custom_code(cfg.model.path, "model.path")
+        config = AutoConfig.from_pretrained(str(cfg.model.path.resolve()), trust_remote_code=False)
+    attn = exact_attention(config, cfg.model.attention, attn, lambda _: None)  # said when the model is built
+    return (attn, config) if attn in STOCK else None

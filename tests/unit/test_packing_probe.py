@@ -1,0 +1,100 @@
+"""data.packing settled by measurement: where a run trains on transformers' stock attention, two documents packed
+into one row must give the logits each gives alone. GPT-OSS's mask ignores the restarting position_ids (its
+documents leaked): packing resolves off, and given is refused. Falcon and GPT-Neo (attention of their own) and
+Gemma 2 (soft-capped, on eager) build a per-document mask: they stay packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trainforge.config.run import RunConfig
+from trainforge.engine.packing_check import settle_packing
+from trainforge.errors import TrainforgeError
+from trainforge.model.packing_probe import packing_leak
+from trainforge.tools.family_shrink import shrink_config, tiny_config
+
+VOCAB = 64
+CPU = torch.device("cpu")
+
+
+def _packed_and_alone(family: str, attn: str) -> float:
+    """The largest logit gap between two documents packed into one row and each run alone (an independent check)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, VOCAB), attn_implementation=attn).eval()
+    a, b = torch.tensor([5, 9, 13, 2, 40]), torch.tensor([7, 33, 21, 8, 11, 50])
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat([a, b])[None], position_ids=torch.tensor([list(range(5)) + list(range(6))]),
+                       use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=x[None], use_cache=False).logits[0] for x in (a, b)])
+    return (packed - alone).abs().max().item()
+
+
+@pytest.mark.parametrize(("family", "attn", "leaks"), [("gpt_oss", "eager", True), ("falcon", "sdpa", False),
+                                                        ("gpt_neo", "eager", False), ("gemma2", "eager", False)])
+def test_the_probe_finds_what_packed_rows_compute(family, attn, leaks):
+    why = packing_leak(shrink_config(tiny_config(family, VOCAB)), attn, AutoModelForCausalLM)
+    assert (why is not None) == leaks == (_packed_and_alone(family, attn) > 1e-4)
+    if leaks:
+        assert "attend to each other" in why
+
+
+def test_the_probe_leaves_the_random_state_and_runs_once(monkeypatch):
+    import trainforge.model.packing_probe as probe
+
+    runs: list[str] = []
+    real = probe._probe
+    monkeypatch.setattr(probe, "_DECIDED", {})
+    monkeypatch.setattr(probe, "_probe", lambda *a: runs.append(a[1]) or real(*a))
+    config = shrink_config(tiny_config("gpt_neo", VOCAB))
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    for _ in range(2):
+        assert packing_leak(config, "eager", AutoModelForCausalLM) is None
+    assert torch.equal(torch.get_rng_state(), state) and runs == ["eager"]
+
+
+def _run(tokenizer_dir, architecture: str, **data) -> RunConfig:
+    return RunConfig.model_validate({
+        "model": {"init": {"architecture": architecture}, "tokenizer": str(tokenizer_dir)},
+        "data": {"train": "builtin:python-stdlib", **data},
+    })
+
+
+def _settle(cfg: RunConfig, said: list[str]) -> RunConfig:
+    from trainforge.model.tokenizer import load_tokenizer
+
+    return settle_packing(cfg, load_tokenizer(cfg.model.tokenizer), CPU, False, said.append)
+
+
+def test_gpt_oss_trains_one_example_per_row_and_packing_given_is_refused(tiny_tokenizer_dir):
+    """The real (20B-sized) config is never built: the probe runs a tiny copy of it."""
+    said: list[str] = []
+    cfg = _run(tiny_tokenizer_dir, "gpt_oss")
+    assert cfg.data.packing is True  # nothing assumed from the config alone
+    assert _settle(cfg, said).data.packing is False
+    assert len(said) == 1 and said[0].startswith("data.packing false: transformers' eager attention of GptOssForCausalLM")
+    with pytest.raises(TrainforgeError, match=r"data.packing: true, but the run trains on transformers' eager .* "
+                                              r"attend to each other .* set data.packing: false") as e:
+        _settle(_run(tiny_tokenizer_dir, "gpt_oss", packing=True), [])
+    assert e.value.exit_code == 2
+    concat = _run(tiny_tokenizer_dir, "gpt_oss", packing="concat")
+    assert _settle(concat, []) is concat  # one stream, no documents to keep apart
+
+
+@pytest.mark.parametrize("family", ["falcon", "gpt_neo", "gemma2"])
+def test_models_whose_stock_mask_separates_documents_stay_packed(tiny_tokenizer_dir, family):
+    said: list[str] = []
+    for data in ({}, {"packing": True}):
+        cfg = _run(tiny_tokenizer_dir, family, **data)
+        assert _settle(cfg, said).data.packing is True
+    assert said == []
+
+
+def test_a_model_on_a_document_kernel_is_not_probed(tiny_tokenizer_dir, monkeypatch):
+    import trainforge.model.packing_probe as probe
+
+    monkeypatch.setattr(probe, "_probe", lambda *a: pytest.fail("llama trains on packed_sdpa: nothing to probe"))
+    cfg = _run(tiny_tokenizer_dir, "llama")
+    assert _settle(cfg, []) is cfg
