@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainforge.config.run import RunConfig
+from trainforge.config.run import RunConfig, TrainSettings
 from trainforge.engine.packing_check import settle_packing
 from trainforge.errors import TrainforgeError
 from trainforge.model.packing_probe import packing_leak
@@ -78,6 +78,9 @@ def test_gpt_oss_trains_one_example_per_row_and_packing_given_is_refused(tiny_to
     with pytest.raises(TrainforgeError, match=r"data.packing: true, but the run trains on transformers' eager .* "
                                               r"attend to each other .* set data.packing: false") as e:
         _settle(_run(tiny_tokenizer_dir, "gpt_oss", packing=True), [])
+    assert e.value.exit_code == 2
+    with pytest.raises(TrainforgeError, match=r"train.objective: grpo packs its rollouts into one row .* eager") as e:
+        _settle(_run(tiny_tokenizer_dir, "gpt_oss", packing=False).model_copy(update={"train": TrainSettings(objective="grpo")}), [])
     assert e.value.exit_code == 2
     concat = _run(tiny_tokenizer_dir, "gpt_oss", packing="concat")
     assert _settle(concat, []) is concat  # one stream, no documents to keep apart

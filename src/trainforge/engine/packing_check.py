@@ -7,7 +7,8 @@ and whether it does is measured (``model/packing_probe``) on a tiny random copy 
 
 - it does (Gemma 2, Falcon, GPT-Neo): packing stays on;
 - it does not (GPT-OSS, Bloom, MPT): an unset ``data.packing`` resolves to false, said once on the console;
-  ``data.packing: true`` given is refused (exit 2) naming why.
+  ``data.packing: true`` given is refused (exit 2) naming why, and so are the objectives that pack whatever
+  ``data.packing`` says (DPO's pairs, GRPO's rollouts).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def settle_packing(cfg: RunConfig, tokenizer: Any, device: torch.device, half_pr
                    info: Callable[[str], None]) -> RunConfig:
     """``cfg``, with ``data.packing`` false where it was left unset and the run's attention would let packed
     documents read each other; raises ConfigError where ``data.packing: true`` was given for such a run."""
-    kind = cfg.model.kind
-    if cfg.data.packing is not True or kind.encoder_decoder or kind.recurrent:
+    kind, objective = cfg.model.kind, cfg.train.objective
+    if kind.encoder_decoder or kind.recurrent or (objective == "sft" and cfg.data.packing is not True):
         return cfg  # nothing packed into one row as separate documents (or the config already refused it)
     attn = run_attention(cfg, tokenizer, device, half_precision)
     if attn is None:
@@ -46,6 +47,12 @@ def settle_packing(cfg: RunConfig, tokenizer: Any, device: torch.device, half_pr
         why = packing_leak(tiny, attn_name, model_class(cfg.model))
     if why is None:
         return cfg
+    if objective != "sft":  # packs whatever data.packing says: DPO's pairs as two documents, GRPO's rollouts
+        what = "its rollouts" if objective == "grpo" else "a pair's chosen and rejected sides"
+        raise ConfigError(
+            f"train.objective: {objective} packs {what} into one row as separate documents, but the run trains on "
+            f"{why}; this model trains train.objective: sft here (one example per row)"
+        )
     if "packing" in cfg.data.model_fields_set:
         raise ConfigError(
             f"data.packing: true, but the run trains on {why}; set data.packing: false (one example per row, batches "

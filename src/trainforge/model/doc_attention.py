@@ -57,11 +57,13 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         return "eager", f"its attention logits are soft-capped at {softcap:g}"
+    model = _causal_lm_class(config)
     if "indexed_attention" in (getattr(config, "layer_types", None) or ()):
         # DeepSeek sparse attention: each layer's indexer scores the keys against the causal mask itself and keeps
-        # each query's top ones; the kernels hand the layer no mask (they separate documents on their own)
-        return "sdpa", "its sparse attention's indexer picks each query's keys from the causal mask it reads"
-    model = _causal_lm_class(config)
+        # each query's top ones; the kernels hand the layer no mask (they separate documents on their own).
+        # HY-V4's class has no SDPA: eager, which reads the same materialized mask
+        stock = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
+        return stock, "its sparse attention's indexer picks each query's keys from the causal mask it reads"
     fixed = attention_of(config.to_dict())
     if fixed:  # its own implementation; whether its mask keeps packed documents apart is measured (engine/packing_check)
         return ("sdpa" if getattr(model, "_supports_sdpa", False) else "eager"), fixed
