@@ -75,8 +75,8 @@ def test_gpt_oss_trains_one_example_per_row_and_packing_given_is_refused(tiny_to
     assert cfg.data.packing is True  # nothing assumed from the config alone
     assert _settle(cfg, said).data.packing is False
     assert len(said) == 1 and said[0].startswith("data.packing false: transformers' eager attention of GptOssForCausalLM")
-    with pytest.raises(TrainforgeError, match=r"data.packing: true, but the run trains on transformers' eager .* "
-                                              r"attend to each other .* set data.packing: false") as e:
+    with pytest.raises(TrainforgeError, match=r"data.packing: true, but transformers. eager attention of GptOssForCausalLM "
+                                              r"lets packed documents attend to each other .* set data.packing: false") as e:
         _settle(_run(tiny_tokenizer_dir, "gpt_oss", packing=True), [])
     assert e.value.exit_code == 2
     with pytest.raises(TrainforgeError, match=r"train.objective: grpo packs its rollouts into one row .* eager") as e:

@@ -50,12 +50,12 @@ def settle_packing(cfg: RunConfig, tokenizer: Any, device: torch.device, half_pr
     if objective != "sft":  # packs whatever data.packing says: DPO's pairs as two documents, GRPO's rollouts
         what = "its rollouts" if objective == "grpo" else "a pair's chosen and rejected sides"
         raise ConfigError(
-            f"train.objective: {objective} packs {what} into one row as separate documents, but the run trains on "
+            f"train.objective: {objective} packs {what} into one row as separate documents, but "
             f"{why}; this model trains train.objective: sft here (one example per row)"
         )
     if "packing" in cfg.data.model_fields_set:
         raise ConfigError(
-            f"data.packing: true, but the run trains on {why}; set data.packing: false (one example per row, batches "
+            f"data.packing: true, but {why}; set data.packing: false (one example per row, batches "
             "grouped by length) or leave it unset; 'concat' (text as one stream, for pretraining) is fine"
         )
     info(f"data.packing false: {why}; one example per row, batches grouped by length")

@@ -150,7 +150,7 @@ def exact_attention(config: Any, requested: str, attn: str, warn: Callable[[str]
         )
     if not fixed:  # attention of its own: the model line names it; packing was settled by engine/packing_check
         warn(f"attention: {stock} for this model ({why}, which trainforge's document kernels do not apply): "
-             "transformers masks each row's documents with a row x row mask, slower on long rows")
+             "transformers builds a row x row mask, slower on long rows")
     return stock
 
 
