@@ -65,7 +65,7 @@ def _run(tokenizer_dir, architecture: str, **data) -> RunConfig:
 def _settle(cfg: RunConfig, said: list[str]) -> RunConfig:
     from trainforge.model.tokenizer import load_tokenizer
 
-    return settle_packing(cfg, load_tokenizer(cfg.model.tokenizer), CPU, False, said.append)
+    return settle_packing(cfg, load_tokenizer(cfg.model.tokenizer), CPU, said.append)
 
 
 def test_gpt_oss_trains_one_example_per_row_and_packing_given_is_refused(tiny_tokenizer_dir):
@@ -101,3 +101,41 @@ def test_a_model_on_a_document_kernel_is_not_probed(tiny_tokenizer_dir, monkeypa
     monkeypatch.setattr(probe, "_probe", lambda *a: pytest.fail("llama trains on packed_sdpa: nothing to probe"))
     cfg = _run(tiny_tokenizer_dir, "llama")
     assert _settle(cfg, []) is cfg
+
+
+def test_the_attention_the_run_takes_is_found_without_building_it(tiny_tokenizer_dir):
+    from trainforge.engine.packing_check import run_attention
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+
+    def attn(family: str, device: torch.device | None, attention: str = "auto") -> str | None:
+        cfg = RunConfig.model_validate({"model": {"init": {"architecture": family}, "attention": attention},
+                                        "data": {"train": "builtin:python-stdlib"}})
+        found = run_attention(cfg, tok, device)
+        return None if found is None else found[0]
+
+    assert attn("llama", CPU) is None and attn("llama", None) is None  # packed_sdpa, varlen / flex
+    assert attn("llama", CPU, "sdpa") == "sdpa" and attn("llama", torch.device("mps")) == "sdpa"  # stock: probed
+    assert attn("llama", None, "flash_attention_2") is None
+    assert attn("gpt_oss", None) == "eager" and attn("falcon", CPU) == "sdpa"
+
+
+def test_prepare_builds_the_rows_the_run_will_train_on(tmp_path, tiny_tokenizer_dir):
+    import json
+
+    from rich.console import Console
+
+    from trainforge.data.plan import prepare_only
+    from trainforge.metrics.console import ConsoleReporter
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(40)))
+    cfg = RunConfig.model_validate({
+        "model": {"init": {"architecture": "gpt_oss"}, "tokenizer": str(tiny_tokenizer_dir)},
+        "data": {"train": str(data), "max_length": 64, "cache_dir": str(tmp_path / "cache"), "num_workers": 1},
+    })
+    console = Console(record=True, width=400)
+    stats = prepare_only(cfg, ConsoleReporter(console))
+    assert "data.packing false: transformers' eager attention of GptOssForCausalLM" in console.export_text()
+    assert stats["rows"] == stats["train_sequences"]  # one example per row

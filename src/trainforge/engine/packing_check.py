@@ -24,14 +24,14 @@ from ..config.run import RunConfig
 STOCK = ("eager", "sdpa")  # transformers' implementations the probe can run on the CPU
 
 
-def settle_packing(cfg: RunConfig, tokenizer: Any, device: torch.device, half_precision: bool,
-                   info: Callable[[str], None]) -> RunConfig:
-    """``cfg``, with ``data.packing`` false where it was left unset and the run's attention would let packed
-    documents read each other; raises ConfigError where ``data.packing: true`` was given for such a run."""
+def settle_packing(cfg: RunConfig, tokenizer: Any, device: torch.device | None, info: Callable[[str], None]) -> RunConfig:
+    """``cfg``, with ``data.packing`` false where it was left unset and the run's attention on ``device`` (None: a GPU
+    planned for) would let packed documents read each other; raises ConfigError where ``data.packing: true`` was
+    given for such a run, or its objective packs documents whatever data.packing says."""
     kind, objective = cfg.model.kind, cfg.train.objective
     if kind.encoder_decoder or kind.recurrent or (objective == "sft" and cfg.data.packing is not True):
         return cfg  # nothing packed into one row as separate documents (or the config already refused it)
-    attn = run_attention(cfg, tokenizer, device, half_precision)
+    attn = run_attention(cfg, tokenizer, device)
     if attn is None:
         return cfg
     attn_name, config = attn
@@ -62,13 +62,18 @@ def settle_packing(cfg: RunConfig, tokenizer: Any, device: torch.device, half_pr
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"packing": False})})
 
 
-def run_attention(cfg: RunConfig, tokenizer: Any, device: torch.device, half_precision: bool) -> tuple[str, Any] | None:
-    """The stock attention (``eager``/``sdpa``) the run's model will train with, and its transformers config; None
-    where it trains on a trainforge document kernel (which separates documents itself) or another implementation."""
-    from ..model.load import attention_implementation, exact_attention, init_config
+def run_attention(cfg: RunConfig, tokenizer: Any, device: torch.device | None, half_precision: bool = True) -> tuple[str, Any] | None:
+    """The stock attention (``eager``/``sdpa``) the run's model will train with on ``device`` (None: a GPU planned
+    for), and its transformers config; None where it trains on a trainforge document kernel (which separates
+    documents itself) or another implementation. As ``model/load.attention_implementation`` and ``exact_attention``
+    choose, without registering anything: the kernels' names stand for themselves here."""
+    from ..model.doc_attention import uncovered_attention
+    from ..model.load import init_config
 
-    attn = attention_implementation(cfg.model.attention, device, half_precision, False, cfg.model.kind.model_type)
-    if not attn.startswith("trainforge_") and attn not in STOCK:
+    requested = cfg.model.attention
+    if requested == "auto" and device is not None and device.type not in ("cpu", "cuda"):
+        requested = "sdpa"  # MPS: stock SDPA (attention_implementation)
+    if requested not in (*STOCK, "auto", "packed_sdpa", "varlen", "flex"):
         return None  # flash_attention_2 (needs CUDA and its package): documents from position_ids in its varlen call
     if cfg.model.init is not None:
         config = init_config(cfg.model.init, tokenizer)
@@ -79,5 +84,8 @@ def run_attention(cfg: RunConfig, tokenizer: Any, device: torch.device, half_pre
 
         refuse_custom_code(cfg.model.path, "model.path")
         config = AutoConfig.from_pretrained(str(cfg.model.path.resolve()), trust_remote_code=False)
-    attn = exact_attention(config, cfg.model.attention, attn, lambda _: None)  # said when the model is built
-    return (attn, config) if attn in STOCK else None
+    if requested in STOCK:
+        return requested, config
+    uncovered = uncovered_attention(config)
+    # a kernel named where it cannot compute the model is refused when the model is built (exact_attention)
+    return (uncovered[0], config) if uncovered is not None and requested == "auto" else None

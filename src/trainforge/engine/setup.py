@@ -101,7 +101,7 @@ def setup(
         check_objective_data(cfg)  # data of the wrong kind fails before a tokenizer is trained on it
         tokenizer = get_tokenizer(cfg, reporter)
     # packed documents kept apart by the attention the run will use, measured before any row is packed
-    cfg = settle_packing(cfg, tokenizer, device, precision.autocast_dtype is not None, reporter.info)
+    cfg = settle_packing(cfg, tokenizer, device, reporter.info)
     laps("tokenizer")
     # data.max_length auto resolved; a row past a learned position table (exit 2) or a run that cannot fit (exit 4)
     # refused before the data and the model cost anything (row_length.py; rank 0 decides)
