@@ -6,7 +6,9 @@ function by name; or ``model.attention: eager|sdpa`` asked for), transformers' m
 and whether it does is measured (``model/packing_probe``) on a tiny random copy of the run's config:
 
 - it does (Gemma 2, Falcon, GPT-Neo): packing stays on;
-- it does not (GPT-OSS, Bloom, MPT): an unset ``data.packing`` resolves to false, said once on the console;
+- eager does not, but the model's eager function run per document does (GPT-OSS, under ``auto``: ``doc_eager``):
+  packing stays on, and ``model/load.exact_attention`` takes that path;
+- nothing does (DeepSeek-V4, Bloom, MPT; GPT-OSS on ``eager`` asked for): an unset ``data.packing`` resolves to false, said once on the console;
   ``data.packing: true`` given is refused (exit 2) naming why, and so are the objectives that pack whatever
   ``data.packing`` says (DPO's pairs, GRPO's rollouts).
 """
@@ -34,17 +36,14 @@ def settle_packing(cfg: RunConfig, tokenizer: Any, device: torch.device | None, 
     attn = run_attention(cfg, tokenizer, device)
     if attn is None:
         return cfg
-    attn_name, config = attn
+    stock, config = attn
     from ..model.load import model_class
-    from ..model.packing_probe import packing_leak
-    from ..tools.family_shrink import shrink_config
+    from ..model.packing_probe import config_leak, packing_attention
 
-    try:
-        tiny = shrink_config(config)
-    except Exception as e:  # noqa: BLE001 - a config the shrinker cannot rebuild: nothing measured
-        why: str | None = f"a packing probe could not shrink the model's config ({type(e).__name__}: {str(e)[:120]})"
-    else:
-        why = packing_leak(tiny, attn_name, model_class(cfg.model))
+    # auto may take the model's eager attention per document where its stock mask leaks (model/load.exact_attention
+    # chooses the same); eager or sdpa asked for by name is what the run takes
+    cls = model_class(cfg.model)
+    why = packing_attention(config, stock, cls)[1] if cfg.model.attention == "auto" else config_leak(config, stock, cls)
     if why is None:
         return cfg
     if objective != "sft":  # packs whatever data.packing says: DPO's pairs as two documents, GRPO's rollouts
@@ -89,3 +88,4 @@ def run_attention(cfg: RunConfig, tokenizer: Any, device: torch.device | None, h
     uncovered = uncovered_attention(config)
     # a kernel named where it cannot compute the model is refused when the model is built (exact_attention)
     return (uncovered[0], config) if uncovered is not None and requested == "auto" else None
+

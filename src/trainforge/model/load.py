@@ -148,9 +148,14 @@ def exact_attention(config: Any, requested: str, attn: str, warn: Callable[[str]
             f"model.attention: {requested} would change this model's attention: {why}, which it does not apply; "
             f"use auto or {stock} (transformers' own, {'one example per row' if fixed else 'with a document mask'})"
         )
+    if stock == "eager":  # where eager's mask lets packed documents meet (GPT-OSS), its eager run per document
+        from .packing_probe import packing_attention
+
+        stock = packing_attention(config, stock, auto_model_class(False, getattr(config, "model_type", None)))[0]
     if not fixed:  # attention of its own: the model line names it; packing was settled by engine/packing_check
-        warn(f"attention: {stock} for this model ({why}, which trainforge's document kernels do not apply): "
-             "transformers builds a row x row mask, slower on long rows")
+        warn(f"attention: {stock} for this model ({why}, which trainforge's document kernels do not apply): " + (
+             "its eager attention per document, with transformers' row x row mask" if stock.startswith("trainforge_") else "transformers "
+             "builds a row x row mask") + ", slower on long rows")
     return stock
 
 

@@ -11,6 +11,8 @@ two short documents packed into one row (positions restarting) and each alone, a
 The probe model is random and tiny (the run's config with its sizes shrunk): the mask is the modeling code's,
 not the weights', and the decision is needed before the data is packed, so before the real model is loaded.
 It runs once per (config, attention) in a process: eval mode, no gradient, fp32 on the CPU, the random state kept.
+Where the stock eager attention leaks, the model's own eager function run per document (``doc_eager``) is measured
+next: GPT-OSS packs on it, its sinks intact.
 """
 
 from __future__ import annotations
@@ -24,6 +26,31 @@ DOC_LENGTHS = (5, 7)  # two documents: the second's first tokens would read the 
 TOLERANCE = 1e-4  # relative to the largest logit, fp32: the same kernels on the same tokens, rounding at most
 
 _DECIDED: dict[tuple[str, str, str], str | None] = {}
+
+
+def packing_attention(config: Any, stock: str, model_class: Any) -> tuple[str, str | None]:
+    """The attention a model of ``config`` trains packed rows with where trainforge's kernels leave it ``stock``:
+    ``stock`` where its mask keeps packed documents apart, else the model's own eager attention run per document
+    (``doc_eager``: GPT-OSS) where that does; and why neither does (None where one does)."""
+    from .doc_eager import candidate
+
+    why = config_leak(config, stock, model_class)
+    other = candidate(stock) if why is not None else None
+    if other is not None and config_leak(config, other, model_class) is None:
+        return other, None
+    return stock, why
+
+
+def config_leak(config: Any, attn: str, model_class: Any) -> str | None:
+    """``packing_leak`` of a tiny copy of ``config`` (``tools/family_shrink.shrink_config``: the config's own
+    fields, tiny sizes)."""
+    from ..tools.family_shrink import shrink_config  # a pure function of a config; tools/family_shrink imports nothing
+
+    try:
+        tiny = shrink_config(config)
+    except Exception as e:  # noqa: BLE001 - a config the shrinker cannot rebuild: nothing measured
+        return f"a packing probe could not shrink the model's config ({type(e).__name__}: {str(e)[:120]})"
+    return packing_leak(tiny, attn, model_class)
 
 
 def packing_leak(tiny_config: Any, attn: str, model_class: Any) -> str | None:
