@@ -12,6 +12,7 @@ per row) take the model's eager function on the whole row, unchanged. ``model/pa
 from __future__ import annotations
 
 import sys
+
 import torch
 
 NAME = "trainforge_doc_eager"

@@ -44,7 +44,8 @@ def packing_attention(config: Any, stock: str, model_class: Any) -> tuple[str, s
 def config_leak(config: Any, attn: str, model_class: Any) -> str | None:
     """``packing_leak`` of a tiny copy of ``config`` (``tools/family_shrink.shrink_config``: the config's own
     fields, tiny sizes)."""
-    from ..tools.family_shrink import shrink_config  # a pure function of a config; tools/family_shrink imports nothing
+    # a pure function of a config: tools/family_shrink imports nothing of trainforge
+    from ..tools.family_shrink import shrink_config
 
     try:
         tiny = shrink_config(config)
