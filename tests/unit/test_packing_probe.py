@@ -159,3 +159,15 @@ def test_prepare_builds_the_rows_the_run_will_train_on(tmp_path, tiny_tokenizer_
     stats = prepare_only(cfg, ConsoleReporter(console))
     assert "data.packing false: transformers' eager attention of GptOssForCausalLM" in console.export_text()
     assert stats["rows"] == stats["train_sequences"]  # one example per row
+
+
+def test_per_document_eager_is_plain_eager_on_rows_without_a_reset_and_in_generation():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("gpt_oss", VOCAB), attn_implementation="eager").eval()
+    ids = torch.tensor([[5, 9, 13, 2, 40, 7]])
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        greedy = model.generate(ids, max_new_tokens=4, do_sample=False)
+        model.set_attn_implementation(DOC_EAGER)
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits, plain)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), greedy)  # a KV cache: no reset
