@@ -1,7 +1,7 @@
 """Models whose attention layers take no attention function by name (Falcon: transformers' own code picks eager, SDPA or
-flash itself): trainforge's document kernels cannot plug in, so packed documents could not be kept apart. Unset
-data.packing resolves to false, true is refused naming the key, and the model runs its own attention; X-MOD's
-language adapter is settled from its config."""
+flash itself): trainforge's document kernels cannot plug in; the model runs its own attention, and whether its
+mask keeps packed documents apart is measured at setup (test_packing_probe.py); X-MOD's language adapter is settled
+from its config."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from trainforge.config.run import ConfigError, ModelSettings, RunConfig
+from trainforge.config.run import ModelSettings, RunConfig
 from trainforge.errors import TrainforgeError
 from trainforge.hf_dir import attention_of, fixed_attention, init_kind, model_kind
 from trainforge.tools.family_shrink import tiny_config
@@ -27,17 +27,16 @@ def test_attention_of_its_own_is_read_from_transformers_modeling_code():
     assert init_kind({"architecture": "falcon"}).fixed_attention and not init_kind({"architecture": "llama"}).fixed_attention
 
 
-def test_packing_resolves_to_false_and_is_refused_when_given(tmp_path):
+def test_packing_is_left_to_the_setup_probe(tmp_path):
+    """Attention of its own says nothing about packed documents by itself: Falcon's mask separates them (the probe
+    measures it at setup: test_packing_probe.py)."""
     model = tmp_path / "falcon"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "falcon", "vocab_size": 64}))
     assert model_kind(model).fixed_attention
     raw = {"model": {"init": {"architecture": "falcon"}}, "data": {"train": "builtin:python-stdlib"}}
-    assert RunConfig.model_validate(raw).data.packing is False
-    assert RunConfig.model_validate({**raw, "data": {**raw["data"], "packing": "concat"}}).data.packing == "concat"
-    with pytest.raises((ConfigError, ValueError), match=r"data.packing: transformers' falcon layers compute attention "
-                                                        r"their own way .* set data.packing: false"):
-        RunConfig.model_validate({**raw, "data": {**raw["data"], "packing": True}})
+    assert RunConfig.model_validate(raw).data.packing is True
+    assert RunConfig.model_validate({**raw, "data": {**raw["data"], "packing": True}}).data.packing is True
 
 
 def _tiny_falcon(tmp_path, tok_dir):

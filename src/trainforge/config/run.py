@@ -131,9 +131,10 @@ class RunConfig(Section):
     @classmethod
     def _packing_follows_the_model_kind(cls, raw: Any) -> Any:
         """An encoder-decoder trains one source -> target example per row, and a model with recurrent layers (Mamba,
-        linear attention) or with attention of its own (Falcon: ``ModelKind.fixed_attention``) cannot keep packed
-        documents apart: an unset ``data.packing`` resolves to false on (a copy of) the input, before validation; no
-        validator changes a section, config.yaml says false."""
+        linear attention) cannot keep packed documents apart: an unset ``data.packing`` resolves to false on (a copy
+        of) the input, before validation; no validator changes a section, config.yaml says false. Whether a model's
+        stock attention keeps them apart (Falcon's does, GPT-OSS's not) is measured at setup
+        (``engine/packing_check``)."""
         if not isinstance(raw, dict):
             return raw
         data = raw.get("data")
@@ -142,7 +143,7 @@ class RunConfig(Section):
         else:
             unset = isinstance(data, dict) and "packing" not in data
         kind = input_kind(raw.get("model")) if unset else None
-        if kind is None or not (kind.encoder_decoder or kind.recurrent or kind.fixed_attention):
+        if kind is None or not (kind.encoder_decoder or kind.recurrent):
             return raw
         resolved = data.model_copy(update={"packing": False}) if isinstance(data, DataSettings) else {**data, "packing": False}
         return {**raw, "data": resolved}
@@ -159,12 +160,6 @@ class RunConfig(Section):
                     f"data.packing: the model ({kind.model_type}) has {kind.recurrent} layers, whose state runs along the "
                     "row past any position reset: documents packed into one row would read each other; set "
                     "data.packing: false (one example per row, batches grouped by length) or leave it unset; "
-                    "'concat' (text as one stream, for pretraining) is fine"
-                )
-            if kind.fixed_attention and d.packing is True:
-                raise ValueError(
-                    f"data.packing: {kind.fixed_attention}: documents packed into one row would attend to each other; "
-                    "set data.packing: false (one example per row, batches grouped by length) or leave it unset; "
                     "'concat' (text as one stream, for pretraining) is fine"
                 )
             if d.max_target_length is not None:

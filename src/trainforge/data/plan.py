@@ -214,6 +214,9 @@ def prepare_only(cfg: RunConfig, reporter: ConsoleReporter | None = None, stop: 
 
     check_objective_data(cfg)  # from the first row: refused before a tokenizer is trained or anything tokenized
     tokenizer = get_tokenizer(cfg, reporter)
+    from ..engine.packing_check import settle_packing
+
+    cfg = settle_packing(cfg, tokenizer, None, reporter.info)  # rows as the run will build them (engine/packing_check)
     stop_if_asked()
     plan = plan_data(cfg, tokenizer, reporter, between_chunks=stop_if_asked)
     loader = TrainLoader(plan.train_rows, plan.collate, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.packing is False)

@@ -47,6 +47,7 @@ from .predict.trace_cache import reusing_traces
 from .predict.memory import estimate_memory, memory_warning
 from .nonfinite import NonFiniteGuard
 from .objective import build_objective, describe_objective
+from .packing_check import settle_packing
 from .reference import attach_reference
 from .optim import build_optimizer, check_optimizer, describe_optimizer
 from ..stop import StopRequest
@@ -99,6 +100,8 @@ def setup(
     with ctx.main_first():  # rank 0 builds the tokenizer (a BPE trained on the data: cached); the others load it
         check_objective_data(cfg)  # data of the wrong kind fails before a tokenizer is trained on it
         tokenizer = get_tokenizer(cfg, reporter)
+    # packed documents kept apart by the attention the run will use, measured before any row is packed
+    cfg = settle_packing(cfg, tokenizer, device, reporter.info)
     laps("tokenizer")
     # data.max_length auto resolved; a row past a learned position table (exit 2) or a run that cannot fit (exit 4)
     # refused before the data and the model cost anything (row_length.py; rank 0 decides)
@@ -125,8 +128,6 @@ def setup(
     )
     efficiency = loader.padding_efficiency()
     reporter.info(describe_data(data, efficiency))
-    if cfg.data.packing is False and (kind := cfg.model.kind).fixed_attention and not (kind.recurrent or kind.encoder_decoder):
-        reporter.info(f"data.packing false: {kind.fixed_attention}; packed documents would attend to each other")
     data_stats = {**data.prepared.stats, "rows": len(data.train_rows), "row_efficiency": efficiency}
 
     model = build_run_model(cfg, tokenizer, precision, device, reporter)

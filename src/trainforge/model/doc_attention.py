@@ -51,8 +51,9 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
     """What a model's attention does that the document kernels (varlen, flex, packed_sdpa) do not: logit
     soft-capping (Gemma 2), attention layers that take no function by name (Falcon: ``hf_dir.fixed_attention``; then
     its SDPA where transformers gives it one), or anything for which transformers gives its model class no SDPA path
-    (GPT-OSS's attention sinks). Returns (the stock implementation that computes it, on packed rows with
-    transformers' own document mask, and why), or None where the kernels are exact."""
+    (GPT-OSS's attention sinks). Returns (the stock implementation that computes it, and why), or None where the
+    kernels are exact. Packed rows on it rely on the mask transformers builds, which separates documents only where
+    the model hands it the position_ids (Gemma 2, Falcon; not GPT-OSS): ``engine/packing_check`` measures it."""
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         return "eager", f"its attention logits are soft-capped at {softcap:g}"
@@ -63,7 +64,7 @@ def uncovered_attention(config: Any) -> tuple[str, str] | None:
         # each query's top ones; the kernels hand the layer no mask (they separate documents on their own)
         return stock, "its sparse attention's indexer picks each query's keys from the causal mask it reads"
     fixed = attention_of(config.to_dict())
-    if fixed:  # no packing for it (config/run.py): its own implementation, on one example per row
+    if fixed:  # its own implementation; whether its mask keeps packed documents apart is measured (engine/packing_check)
         return ("sdpa" if getattr(model, "_supports_sdpa", False) else "eager"), fixed
     if model is not None and not getattr(model, "_supports_sdpa", True):
         # the kernels compute what SDPA computes: what transformers keeps from SDPA (GPT-OSS's attention sinks,

@@ -134,8 +134,8 @@ def attention_implementation(
 def exact_attention(config: Any, requested: str, attn: str, warn: Callable[[str], None]) -> str:
     """``attn``, unless it is a document kernel and the model (its transformers ``config``) computes attention
     in a way the kernel does not (Gemma 2's soft-capped logits): then, under ``auto``, transformers' stock
-    implementation, which applies it beside its own document mask (built from position_ids), said once; a
-    kernel asked for by name is refused."""
+    implementation, said once (whether its mask keeps packed documents apart was measured before the data was
+    packed: ``engine/packing_check``); a kernel asked for by name is refused."""
     from .doc_attention import uncovered_attention
 
     uncovered = uncovered_attention(config) if attn.startswith("trainforge_") else None
@@ -148,9 +148,14 @@ def exact_attention(config: Any, requested: str, attn: str, warn: Callable[[str]
             f"model.attention: {requested} would change this model's attention: {why}, which it does not apply; "
             f"use auto or {stock} (transformers' own, {'one example per row' if fixed else 'with a document mask'})"
         )
-    if not fixed:  # said by data.packing's note instead (engine/setup.py)
-        warn(f"attention: {stock} for this model ({why}, which trainforge's document kernels do not apply): "
-             "transformers masks each row's documents with a row x row mask, slower on long rows")
+    if stock == "eager":  # where eager's mask lets packed documents meet (GPT-OSS), its eager run per document
+        from .packing_probe import packing_attention
+
+        stock = packing_attention(config, stock, auto_model_class(False, getattr(config, "model_type", None)))[0]
+    if not fixed:  # attention of its own: the model line names it; packing was settled by engine/packing_check
+        warn(f"attention: {stock} for this model ({why}, which trainforge's document kernels do not apply): " + (
+             "its eager attention per document, with transformers' row x row mask" if stock.startswith("trainforge_") else "transformers "
+             "builds a row x row mask") + ", slower on long rows")
     return stock
 
 

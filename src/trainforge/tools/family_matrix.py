@@ -158,7 +158,11 @@ def _train_and_reload(model_dir: Path, data: Path, method: str, work: Path, seen
     cfg = load_config(cfg_file)
     seen["packing"] = str(cfg.data.packing).lower()
     out = work / f"run-{method}"
-    run = train(cfg, out, quiet(), resume="never")
+    try:
+        run = train(cfg, out, quiet(), resume="never")
+    finally:  # as setup settled it (engine/packing_check.py), written before the first step
+        if (out / "config.yaml").is_file():
+            seen["packing"] = str(yaml.safe_load((out / "config.yaml").read_text())["data"]["packing"]).lower()
     exported = out / "final"  # a full run's final/ is already a plain transformers directory
     if method == "lora":
         exported = work / "export-lora"
@@ -202,8 +206,10 @@ def run_family(family: str, work: Path) -> Outcome:
             results[method] = "fails"
     if kind.recurrent:
         notes.insert(0, f"{kind.recurrent} layers: one example per row")
-    elif kind.fixed_attention and not kind.encoder_decoder:  # transformers' own attention code, which no document kernel plugs into
-        notes.insert(0, "attention of its own: one example per row")
+    elif not kind.encoder_decoder and (kind.fixed_attention or seen["packing"] == "false"):
+        # transformers' stock attention, whose mask setup's probe found to keep packed documents apart, or not
+        own = "attention of its own" if kind.fixed_attention else "stock attention, whose mask the probe found leaking"
+        notes.insert(0, f"{own}: " + ("packs (its document mask checked)" if seen["packing"] == "true" else "one example per row"))
     return Outcome(family, results["full"], results["lora"], seen["packing"], "; ".join(dict.fromkeys(notes)))
 
 

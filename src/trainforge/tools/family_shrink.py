@@ -213,3 +213,15 @@ def tiny_config(family: str, vocab_size: int, special: dict[str, int] | None = N
     shrunk.pop("model_type", None)
     shrunk.pop("transformers_version", None)
     return cls(**shrunk)
+
+
+def shrink_config(config: Any, vocab_size: int = 64):
+    """A tiny copy of ``config`` (a transformers config): its own fields (soft-capping, sliding windows, layer kinds,
+    attention sinks) with the sizes shrunk as ``tiny_config`` shrinks a family's defaults, and ``vocab_size`` tokens."""
+    cls = type(config)
+    shrunk = _shrink(config.to_dict(), vocab_size, {}, cls)
+    for key, value in OVERRIDES.get(str(getattr(config, "model_type", "")), {}).items():
+        shrunk[key] = {**shrunk[key], **value} if isinstance(value, dict) and isinstance(shrunk.get(key), dict) else value
+    for key in ("model_type", "transformers_version", "architectures", "auto_map", "quantization_config"):
+        shrunk.pop(key, None)
+    return cls(**shrunk)

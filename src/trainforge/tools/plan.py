@@ -18,6 +18,7 @@ import torch
 from ..config.run import RunConfig, resolve_grad_accum
 from ..hardware.cpu_threads import CpuThreads
 from ..engine.evaluate import auto_eval_batches, planned_evals
+from ..engine.packing_check import settle_packing
 from ..engine.predict.fit import FIT_MARGIN, MemoryPrediction, allocator_overhead, fit_run, predict_load_memory, predict_memory
 from ..engine.predict.levers import with_decided_levers
 from ..engine.predict.memory import estimate_memory
@@ -116,6 +117,7 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
     profile, device = resolve_profile(hardware, cfg)
     precision, precision_why = plan_precision(cfg, profile, device)
     tokenizer = plan_tokenizer(cfg)
+    cfg = settle_packing(cfg, tokenizer, device, lambda _: None)  # as the run settles it: rows one example each or packed
     cfg, length_row = with_auto_length(cfg, tokenizer, precision, profile, world_size)  # data.max_length: auto, as a run
     mode = _distributed_mode(cfg, tokenizer, precision, profile, world_size)
     cfg, lever_why = with_decided_levers(cfg, tokenizer, precision, profile, world_size, mode)  # as a run takes them
