@@ -16,6 +16,7 @@ from conftest import make_store
 from trainforge.config.run import LoraSettings, ModelSettings
 from trainforge.data.loader import RowCollator
 from trainforge.data.packing import packed_rows, single_rows
+from trainforge.engine.loss import fused_head
 from trainforge.engine.step import forward_backward
 from trainforge.hardware.device import PRECISIONS
 from trainforge.model.load import build_model, count_parameters, describe_storage, weight_storage
@@ -54,6 +55,7 @@ def model_for(tiny_model_dir, tok, method: str, checkpointing: bool, dtype: torc
     settings = ModelSettings(path=tiny_model_dir, method=method, lora=LoraSettings(r=4, **lora))
     model = build_model(settings, tok, seed=0, compute_dtype=dtype, activation_checkpointing=checkpointing)
     model.train()
+    fused_head(model)  # decided now: its one probe forward (engine/head_exact.py) is not a training step's
     return model
 
 
@@ -191,3 +193,14 @@ def test_qlora_trains_with_checkpointing_and_final_loads_on_4bit_and_plain_bases
             outputs.append(loaded(input_ids=x).logits.float())
     assert all(torch.isfinite(o).all() for o in outputs)
     assert (outputs[0] - outputs[1]).abs().max() < 0.5  # 4-bit vs plain base: close, not equal
+
+
+def test_a_lora_on_a_bf16_base_keeps_the_fused_head(tiny_model_dir, tok):
+    """fp32 adapters beside bf16 weights run under autocast only: the head probe runs them so (without autocast it
+    failed on mixed dtypes and sent the most common LoRA set-up to the model's own head, full logits and all)."""
+    from trainforge.engine.head_exact import head_mismatch
+
+    model = model_for(tiny_model_dir, tok, "lora", False, torch.bfloat16)
+    assert fused_head(model) is not None
+    decoder, head = fused_head(model)
+    assert head_mismatch(model.get_base_model(), decoder, head) is None

@@ -7,7 +7,7 @@ ModernBERT's decoder and BLT have their own heads, Llama 4's ``get_decoder`` is 
 (soft-capping, logit scales) are read by ``kernels.transforms_logits``; the rest is found here:
 
 - a real model runs a probe: a few tokens, once, through the model and through decoder + head (eval mode, no
-  gradient, no autocast, compiled layers eager, the random state kept), and the two logits must agree;
+  gradient, no autocast (bf16 autocast where fp32 adapters sit on a bf16 base: as it trains), compiled layers eager, the random state kept), and the two logits must agree;
 - a model on fake or meta tensors (a plan's traced step) cannot compute: there the parameters decide, and any
   parameter outside the decoder, the head and an image-text model's non-text parts means "not exact".
 
@@ -107,19 +107,25 @@ def _probe(base: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Linea
     positions = torch.arange(PROBE_TOKENS, device=device)[None]
     modes = {m: m.training for m in base.modules()}
     devices = [device] if device.type == "cuda" else []
+    # a LoRA on a bf16 frozen base holds fp32 adapters beside bf16 weights: it runs under autocast only, as it trains
+    floats = {p.dtype for p in base.parameters() if p.is_floating_point()}
+    half = next((d for d in (torch.bfloat16, torch.float16) if d in floats), None)
+    mixed = half is not None and len(floats) > 1
     step = "the model's own forward"
     try:
         base.eval()  # no dropout: the two forwards must see the same function
         # fork_rng: a forward in eval mode should draw nothing, but the run's random stream must not move if one does
         # (a resumed run probes at another point of it); force_eager: compiled layers would compile an eval graph
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type, enabled=False), \
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=mixed), \
                 torch.compiler.set_stance("force_eager"):
             want = base(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
             step = "decoder + head"
             got = head(decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state).float()
     except Exception as e:  # noqa: BLE001 - a failure of the split path means: not this model's computation
         error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-        if step == "the model's own forward":  # every training step would fail the same way: stop before any
+        # an error in the modeling code's Python (Llama 4's image-text forward reads an attribute its language model
+        # never returns) fails every training step the same way: stop before any; a tensor error may be the probe's
+        if step == "the model's own forward" and not isinstance(e, RuntimeError):
             from ..hf_dir import UnsupportedModelDir
 
             raise UnsupportedModelDir(
@@ -133,6 +139,6 @@ def _probe(base: torch.nn.Module, decoder: torch.nn.Module, head: torch.nn.Linea
     if got.shape != want.shape:
         return f"decoder + head give logits of shape {tuple(got.shape)}, the model {tuple(want.shape)}"
     gap = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
-    if gap > PROBE_TOLERANCE.get(head.weight.dtype, HALF_TOLERANCE):
+    if gap > (HALF_TOLERANCE if mixed else PROBE_TOLERANCE.get(head.weight.dtype, HALF_TOLERANCE)):
         return f"decoder + head give other logits than the model (relative gap {gap:.2g})"
     return None

@@ -79,8 +79,9 @@ def run_attention(cfg: RunConfig, tokenizer: Any, device: torch.device | None, h
     else:
         from transformers import AutoConfig
 
-        from ..hf_dir import refuse_custom_code
+        from ..hf_dir import refuse_adapter, refuse_custom_code
 
+        refuse_adapter(cfg.model.path)  # a LoRA run's final/: "merge it first", not transformers' "Unrecognized model"
         refuse_custom_code(cfg.model.path, "model.path")
         config = AutoConfig.from_pretrained(str(cfg.model.path.resolve()), trust_remote_code=False)
     if requested in STOCK:
