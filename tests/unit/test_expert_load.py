@@ -13,6 +13,7 @@ import torch
 from test_router_loss import VOCAB, batch_of, tiny_moe
 from trainforge.engine.advisor import Advisor, RunTimes
 from trainforge.engine.router_loss import AUX, LOAD, load_fields, router_loss_for, router_means
+from trainforge.engine.loss import fused_head
 from trainforge.engine.step import TokenObjective, forward_backward
 from trainforge.hardware.device import PRECISIONS
 from trainforge.metrics.thresholds import limit
@@ -42,6 +43,7 @@ def window(model, parts, aux: bool = True) -> tuple[dict, list[torch.Tensor]]:
     """One step over ``parts`` (micro-batches): (its router record, the experts the model chose)."""
     metrics: dict = {}
     objective = TokenObjective(router_loss_for(model, aux=aux))
+    fused_head(model)  # decided before the hooks: its probe's forwards choose experts too (engine/head_exact.py)
     chosen = chosen_by_model(model, lambda: forward_backward(model, parts, FP32, CPU, objective=objective, metrics=metrics))
     return router_means(metrics), chosen
 

@@ -308,4 +308,6 @@ def test_a_router_aux_loss_missing_from_the_gradient_fails(selftest, tmp_path, m
     monkeypatch.setattr(RouterLoss, "add", logged_only)
     result = runner.check("moe-full-fp32")
     assert result.status == "FAILED"
-    assert "mlp.gate.weight by" in result.error, result.error
+    # every gradient upstream of a router moves (by ~1.0 relative): the row names the worst, router or attention
+    gap = float(result.error.split(" by ")[-1].split(" ")[0])
+    assert "gradient of model.layers." in result.error and gap > 0.5, result.error
