@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -219,16 +220,24 @@ def shutdown(wait_for_peers: bool = True, timeout_s: float = 30.0) -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    gc.collect()
-    if wait_for_peers:
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - a peer that already failed: tear down what is left
-            pass
-    time.sleep(0.05)
-    closer = threading.Thread(target=dist.destroy_process_group, name="trainforge-pg-shutdown", daemon=True)
-    closer.start()
-    closer.join(timeout_s)
+    # a failing rank is already on its way out with its error: torchrun's SIGTERM to the group must not turn that
+    # exit into an interrupted one (exit 75, the error printed again in a traceback) while it tears down here
+    ignored = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)} \
+        if not wait_for_peers and threading.current_thread() is threading.main_thread() else {}
+    try:
+        gc.collect()
+        if wait_for_peers:
+            try:
+                dist.barrier()
+            except Exception:  # noqa: BLE001 - a peer that already failed: tear down what is left
+                pass
+        time.sleep(0.05)
+        closer = threading.Thread(target=dist.destroy_process_group, name="trainforge-pg-shutdown", daemon=True)
+        closer.start()
+        closer.join(timeout_s)
+    finally:
+        for s, handler in ignored.items():
+            signal.signal(s, handler)
 
 
 def choose_mode(requested: str, static_bytes: int, available: int | None, local_world_size: int) -> tuple[str, str]:
