@@ -206,21 +206,19 @@ def tiny_config(family: str, vocab_size: int, special: dict[str, int] | None = N
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[family]
-    base = cls().to_dict()
-    shrunk = _shrink(base, vocab_size, special or {}, cls)
-    for key, value in OVERRIDES.get(family, {}).items():
-        shrunk[key] = {**shrunk[key], **value} if isinstance(value, dict) and isinstance(shrunk.get(key), dict) else value
-    shrunk.pop("model_type", None)
-    shrunk.pop("transformers_version", None)
-    return cls(**shrunk)
+    return _shrunk(cls, cls().to_dict(), family, vocab_size, special or {})
 
 
 def shrink_config(config: Any, vocab_size: int = 64):
     """A tiny copy of ``config`` (a transformers config): its own fields (soft-capping, sliding windows, layer kinds,
     attention sinks) with the sizes shrunk as ``tiny_config`` shrinks a family's defaults, and ``vocab_size`` tokens."""
-    cls = type(config)
-    shrunk = _shrink(config.to_dict(), vocab_size, {}, cls)
-    for key, value in OVERRIDES.get(str(getattr(config, "model_type", "")), {}).items():
+    return _shrunk(type(config), config.to_dict(), str(getattr(config, "model_type", "")), vocab_size, {})
+
+
+def _shrunk(cls: type, d: dict[str, Any], family: str, vocab_size: int, special: dict[str, int]):
+    """``cls`` built from ``d`` with its sizes shrunk and the family's ``OVERRIDES`` merged in."""
+    shrunk = _shrink(d, vocab_size, special, cls)
+    for key, value in OVERRIDES.get(family, {}).items():
         shrunk[key] = {**shrunk[key], **value} if isinstance(value, dict) and isinstance(shrunk.get(key), dict) else value
     for key in ("model_type", "transformers_version", "architectures", "auto_map", "quantization_config"):
         shrunk.pop(key, None)
