@@ -52,7 +52,7 @@ cat "$OUT/versions.txt"
 # SIGTERM to the precision-matrix test, the matrix went on (selftest stopped only the path it arrived in; it stops
 # everything now) and never ended, and the call ran out with neither selftest nor the suite started
 if [ -z "${REUSE:-}" ]; then  # a second call (REUSE=1) goes straight on with the suite
-  timeout -k 10 90 $PY -m pytest -v -p no:cacheprovider -m gpu tests/unit/test_doc_attention.py tests/unit/test_kernels.py \
+  timeout -k 10 120 $PY -m pytest -v -p no:cacheprovider -m gpu tests/unit/test_doc_attention.py tests/unit/test_kernels.py \
     tests/unit/test_allocator.py > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests: exit $? ($(tail -1 "$OUT/gpu-tests.log")) at ${SECONDS}s"
 fi

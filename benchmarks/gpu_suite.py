@@ -476,8 +476,8 @@ def run_trainforge(spec: dict, variant: str) -> dict:
     steps = [{"step": r["step"], "elapsed_s": r["elapsed_s"], "tokens": r["tokens"], "loss": r["loss"],
               **({"reward": r["reward"]} if "reward" in r else {})} for r in rows if "loss" in r]
     sm = result.summary
-    return {"steps": steps, "attention": sm.get("attention"), "kernels": sm.get("kernels"), "precision": sm.get("precision"),
-            "compile": sm.get("compile"), "compiled": sm.get("compiled"), "fp8": sm.get("fp8"), "flops_per_token": sm.get("flops_per_token"),
+    return {"steps": steps, "attention": sm.get("attention"), "kernels": sm.get("kernels"), "loss_head": sm.get("loss_head"),
+            "precision": sm.get("precision"), "compile": sm.get("compile"), "compiled": sm.get("compiled"), "fp8": sm.get("fp8"), "flops_per_token": sm.get("flops_per_token"),
             "profile": profile, "cuda_allocator": sm.get("cuda_allocator")}
 
 
@@ -538,7 +538,7 @@ def summarize(r: dict, warmup: int, peak_flops: float | None) -> dict:
         "peak_memory_bytes": r.get("peak_memory_bytes"),
         "peak_allocated_bytes": r.get("peak_allocated_bytes"),
         "tokens": steps[-1]["tokens"],
-        **{k: r[k] for k in ("attention", "kernels", "precision", "compile", "compiled", "fp8", "profile", "cuda_allocator") if r.get(k) is not None},
+        **{k: r[k] for k in ("attention", "kernels", "loss_head", "precision", "compile", "compiled", "fp8", "profile", "cuda_allocator") if r.get(k) is not None},
     }
 
 

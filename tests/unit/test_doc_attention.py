@@ -108,6 +108,27 @@ def reference_varlen(q, k, v, cu, max_len, scale):
     return torch.cat(outs)
 
 
+def use_kernel(monkeypatch, kernel) -> None:
+    """Stand ``kernel`` in for the flash varlen kernel (CUDA only), computing in fp32 as well as bf16/fp16."""
+    monkeypatch.setattr(doc_attention, "varlen_kernel", kernel)
+    monkeypatch.setattr(doc_attention, "VARLEN_DTYPES", (torch.bfloat16, torch.float16, torch.float32))
+
+
+def test_an_fp32_forward_attends_per_document_without_the_half_only_kernel(monkeypatch):
+    """Outside autocast with fp32 weights (the fused head's probe at set-up, an fp32 eval) the flash kernel cannot
+    run: each document is attended with SDPA instead, the same logits as the documents run alone."""
+    def refuse(*args):
+        raise RuntimeError("FlashAttention only supports fp16 and bf16")
+
+    monkeypatch.setattr(doc_attention, "varlen_kernel", refuse)
+    doc_attention.register(VARLEN_NAME)
+    model = tiny_llama(VARLEN_NAME)
+    ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions(), use_cache=False).logits
+        torch.testing.assert_close(packed, one_at_a_time(model, ids), atol=1e-4, rtol=1e-4)
+
+
 def tiny_llama(impl: str, kv_heads: int = 2, head_dim: int = 8):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -138,7 +159,7 @@ def one_at_a_time(model, ids: torch.Tensor) -> torch.Tensor:
 def test_varlen_wrapper_matches_documents_run_alone(monkeypatch, kv_heads):
     """Layout, offsets and grouped-query heads of the varlen path, with the kernel replaced by its
     contract (the real kernel needs CUDA: see test_varlen_kernel_on_cuda). Gradients too."""
-    monkeypatch.setattr(doc_attention, "varlen_kernel", reference_varlen)
+    use_kernel(monkeypatch, reference_varlen)
     doc_attention.register(VARLEN_NAME)
     model = tiny_llama(VARLEN_NAME, kv_heads)
     ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(1))
@@ -164,7 +185,7 @@ def test_varlen_gets_the_autocast_dtype(monkeypatch):
         seen.append((q.dtype, k.dtype, v.dtype))
         return reference_varlen(q, k, v, cu, max_len, scale)
 
-    monkeypatch.setattr(doc_attention, "varlen_kernel", recording)
+    use_kernel(monkeypatch, recording)
     doc_attention.register(VARLEN_NAME)
     model = tiny_llama(VARLEN_NAME)
     ids = torch.randint(0, 96, (2, WIDTH), generator=torch.Generator().manual_seed(1))
@@ -249,7 +270,7 @@ def test_generation_with_a_cache_takes_the_stock_path(monkeypatch):
         called.append(1)
         return reference_varlen(*args)
 
-    monkeypatch.setattr(doc_attention, "varlen_kernel", counting)
+    use_kernel(monkeypatch, counting)
     doc_attention.register(VARLEN_NAME)
     model = tiny_llama(VARLEN_NAME).eval()
     prompt = torch.tensor([[1, 2, 3]])
@@ -427,7 +448,23 @@ def test_selftest_attention_check_runs_the_varlen_kernel_in_half_precision_only(
         calls.append(args[0].dtype)
         return flash_contract(*args)
 
-    monkeypatch.setattr(doc_attention, "varlen_kernel", recording)
+    use_kernel(monkeypatch, recording)
     gap, leak = packed_attention_gap(doc_attention.register(VARLEN_NAME), PRECISIONS["bf16"], torch.device("cpu"))
     assert calls and set(calls) == {torch.bfloat16}
     assert gap < 0.05 < leak
+
+
+def test_the_fused_head_stays_on_a_varlen_model_with_fp32_weights(monkeypatch):
+    """A full fine-tune keeps fp32 weights and trains under bf16 autocast; the fused head's probe runs at set-up,
+    outside autocast. On an H200 the probe's fp32 forward reached the half-only flash kernel, failed, and every such
+    run took the model's full logits instead (0.94x HF's memory where the plan said 0.73x)."""
+    from trainforge.engine.loss import fused_head
+
+    def half_only(q, k, v, cu, max_len, scale):
+        if q.dtype == torch.float32:
+            raise RuntimeError("FlashAttention only supports fp16 and bf16")
+        return reference_varlen(q, k, v, cu, max_len, scale)
+
+    monkeypatch.setattr(doc_attention, "varlen_kernel", half_only)
+    doc_attention.register(VARLEN_NAME)
+    assert fused_head(tiny_llama(VARLEN_NAME)) is not None

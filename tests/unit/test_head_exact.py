@@ -132,3 +132,13 @@ def test_a_model_whose_own_forward_fails_on_text_is_refused_before_any_step(monk
     with pytest.raises(UnsupportedModelDir, match=r"LlamaForCausalLM\.forward fails on text input .*image_outputs") as e:
         fused_head(model)
     assert e.value.exit_code == 2
+
+
+def test_summary_kernels_drop_liger_head_loss_where_the_model_computes_its_logits():
+    from trainforge.engine.loss import kernels_for_head
+
+    liger = ["rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"]
+    assert kernels_for_head(liger, "fused") == liger
+    assert kernels_for_head(liger, "model") == ["rms_norm", "rope", "swiglu"]
+    assert kernels_for_head(["fused_linear_cross_entropy"], "model") == "torch"
+    assert kernels_for_head("torch", "model") == "torch"

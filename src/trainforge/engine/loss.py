@@ -313,3 +313,11 @@ def loss_head_fact(model: torch.nn.Module, fused: bool, encoder_decoder: bool, s
         say(f"loss: the model's own head, full logits per micro-batch (train.fused_loss cannot apply: {choice})")
         return "model"
     return "fused"
+
+
+def kernels_for_head(kernels: list[str] | str, loss_head: str) -> list[str] | str:
+    """The kernels a run uses, for summary.json: Liger's fused linear cross-entropy serves the fused head only, so
+    a run on the model's own head (``loss_head: model``) does not list it."""
+    if loss_head == "fused" or not isinstance(kernels, list):
+        return kernels
+    return [k for k in kernels if k != "fused_linear_cross_entropy"] or "torch"

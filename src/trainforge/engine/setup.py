@@ -40,7 +40,7 @@ from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .ending import eval_stopped_at_checkpoint
 from .levers import apply_levers, resolve_run_levers
-from .loss import loss_head_fact
+from .loss import kernels_for_head, loss_head_fact
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run
 from .predict.trace_cache import reusing_traces
@@ -211,6 +211,7 @@ def setup(
     )
     run.facts.choices.update(length_facts)  # what data.max_length is and why (auto: what it chose)
     run.facts.choices["loss_head"] = loss_head_fact(train_model, cfg.train.fused_loss, cfg.model.kind.encoder_decoder, reporter.info)
+    run.facts.choices["kernels"] = kernels_for_head(run.facts.choices["kernels"], run.facts.choices["loss_head"])
     laps("services")
     # a signal is in events.jsonl when it comes: a second one (or a SIGKILL) that ends the process before its stop
     # event is written leaves doctor that much

@@ -192,6 +192,9 @@ def _varlen_args() -> dict[str, Any]:
     return _VARLEN_ARGS
 
 
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)  # what the flash kernel computes in (tests' CPU stand-in: fp32 too)
+
+
 def varlen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None) -> torch.Tensor:
     """Causal varlen attention: q (N, H, D), k/v (N, Hkv, D) -> (N, H, D). Tests replace it on CPU."""
     from torch.nn.attention.varlen import varlen_attn
@@ -226,9 +229,16 @@ def varlen_forward(module, query, key, value, attention_mask, dropout=0.0, scali
     window = kwargs.get("sliding_window")
     if window and window < query.shape[2]:  # a sliding-window layer: FlexAttention masks the window as well
         return flex_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    query, key, value = _autocast_dtype(query, key, value)
+    if query.dtype not in VARLEN_DTYPES:
+        # the flash kernel under varlen_attn computes in bf16/fp16 only: an fp32 forward (outside autocast: the
+        # fused head's probe at set-up, an fp32 eval) attends per document with SDPA, which is exact there (before
+        # this, the probe failed on CUDA and every fp32-weight run quietly lost the fused head: H200, 2026-11-28)
+        from .packed_attention import packed_sdpa_forward
+
+        return packed_sdpa_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     b, h, t, d = query.shape
     plan = cached_plan(kwargs["position_ids"], b)
-    query, key, value = _autocast_dtype(query, key, value)
     # (B, H, T, D) -> every row's tokens end to end, (B*T, H, D); contiguous as the kernel requires
     q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
     out = varlen_kernel(q, k, v, plan.cu_seqlens, plan.max_len, scaling)
