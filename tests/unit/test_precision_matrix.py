@@ -277,18 +277,23 @@ def test_the_moe_rows_compare_the_grouped_path_on_a_cpu(selftest):
 
 @pytest.mark.parametrize("name", ["moe-full-fp32", "moe-lora-bf16"])
 def test_a_grouped_experts_path_that_drops_a_routed_term_fails(selftest, tmp_path, monkeypatch, name):
-    """Each token's second expert left out of the grouped path's weighted sum (its routing weight zeroed)."""
+    """Each token's second expert left out of the grouped path's weighted sum (its routing weight zeroed); under LoRA
+    the experts run trainforge's grouped implementation (the adapters as factors): the same fault there."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    from trainforge.model.experts_forward import register_grouped
+
     runner = runner_with(selftest, tmp_path)
-    grouped = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
 
-    def without_second_expert(self, hidden_states, top_k_index, top_k_weights):
-        kept = top_k_weights.clone()
-        kept[:, 1:] = 0
-        return grouped(self, hidden_states, top_k_index, kept)
+    def without_second_expert(grouped):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            kept = top_k_weights.clone()
+            kept[:, 1:] = 0
+            return grouped(self, hidden_states, top_k_index, kept)
+        return forward
 
-    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, "grouped_mm", without_second_expert)
+    for key in ("grouped_mm", register_grouped()):
+        monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, key, without_second_expert(ALL_EXPERTS_FUNCTIONS[key]))
     result = runner.check(name)
     assert result.status == "FAILED"
     assert "trainforge's step with experts grouped_mm and transformers' eager experts" in result.error, result.error

@@ -345,6 +345,7 @@ def run_facts(
         "kernels": getattr(model, "trainforge_kernels", []) or "torch",
         "fp8": getattr(model, "trainforge_fp8", None),
         "lora_fused_layers": getattr(model, "trainforge_lora_fused", None),
+        "lora_expert_weights_factored": getattr(model, "trainforge_lora_experts", None) or None,  # lora_experts.py
         "experts_implementation": (getattr(model, "trainforge_experts", None) or (None,))[0],
     }
     return RunFacts(why, data_format, data_stats, per_token, peak, choices)

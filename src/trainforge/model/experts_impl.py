@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .experts_forward import GROUPED_NAME
 from .moe import expert_modules
 
 IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
@@ -82,10 +83,12 @@ def use_experts_implementation(model: torch.nn.Module, setting: str, device: tor
 
 
 def current(model: torch.nn.Module) -> str | None:
-    """The implementation the model's routed experts run now, or None for a dense model."""
+    """The implementation the model's routed experts run now, or None for a dense model. trainforge's grouped
+    implementation (a LoRA of the experts as factors, ``lora_experts.py``) is ``grouped_mm``'s computation: so named."""
     mods = expert_modules(model)
     config = getattr(mods[0], "config", None) if mods else None
-    return getattr(config, "_experts_implementation", None) if config is not None else None
+    name = getattr(config, "_experts_implementation", None) if config is not None else None
+    return "grouped_mm" if name == GROUPED_NAME else name
 
 
 def describe(model: torch.nn.Module) -> str:

@@ -17,6 +17,7 @@ from .experts_impl import use_experts_implementation
 from .fp8 import apply_fp8
 from .inputs import settle_inputs
 from .kernels import apply_liger, restore_torch_layers
+from .lora_experts import factor_expert_lora
 from .lora_fused import fuse_lora_layers
 from .lora_targets import lora_targets
 from .multimodal import describe_text_only, freeze_non_text, image_text_class, lora_exclusion, refuse_a_part
@@ -467,6 +468,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
         model = get_peft_model(model, config)
     if lora.fused:
         model.trainforge_lora_fused = fuse_lora_layers(model)  # the update added inside the GEMM (lora_fused.py)
+        model.trainforge_lora_experts = factor_expert_lora(model)  # experts' LoRA as factors, no W + BA (lora_experts.py)
     return model
 
 

@@ -27,6 +27,7 @@ import types
 import torch
 
 from ...errors import TrainforgeError
+from ...model.experts_forward import lora_of, routed_experts
 from ...model.experts_impl import choose, expert_weight_dtype
 from ...model.moe import expert_modules
 
@@ -52,28 +53,19 @@ def _balanced_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool, au
 
 def _static_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' grouped experts forward (sort by expert, gather, project, gate, project, weight, sum),
-    with the grouped GEMM replaced by ``_balanced_linear``: the same tensors, of static shapes."""
+    """transformers' grouped experts forward (``model/experts_forward.py``) with the grouped GEMM replaced by
+    ``_balanced_linear``: the same tensors, of static shapes; a LoRA of the experts as the run computes it."""
     autocast = self._trainforge_autocast
-    tokens, top_k = top_k_index.shape
-    hidden = hidden_states.shape[-1]
-    _, perm = torch.sort(top_k_index.reshape(-1))
-    routed = hidden_states[perm // top_k]  # (tokens x top_k, hidden)
-    weights = top_k_weights.reshape(-1)[perm]
-    up = self.gate_up_proj if self.has_gate else self.up_proj  # read here: a LoRA parametrization applies
-    out = _balanced_linear(routed, up, self.is_transposed, autocast)
-    if self.has_bias:
-        out = out + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[top_k_index.reshape(-1)[perm]]
-    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
-    out = _balanced_linear(out, self.down_proj, self.is_transposed, autocast)
-    if self.has_bias:
-        out = out + self.down_proj_bias[top_k_index.reshape(-1)[perm]]
-    if getattr(self, "has_post_expert_norm", False):
-        out = self.post_expert_norm(out)
-    out = out * weights.unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
-    return out[inverse].view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+    def project(rows: torch.Tensor, name: str, expert_ids: torch.Tensor) -> torch.Tensor:
+        out = _balanced_linear(rows, getattr(self, name), self.is_transposed, autocast)  # a parametrization applies
+        lora = lora_of(self, name)
+        if lora is not None:  # factored (model/lora_experts.py): two rank-r GEMMs per expert
+            a, b, scaling = lora
+            out = out + _balanced_linear(_balanced_linear(rows, a, True, autocast), b, True, autocast) * scaling
+        return out
+
+    return routed_experts(self, hidden_states, top_k_index, top_k_weights, project)
 
 
 def trace_experts(model: torch.nn.Module, setting: str, device_type: str) -> str | None:

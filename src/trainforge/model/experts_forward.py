@@ -1,0 +1,95 @@
+"""The routed experts' computation, one skeleton for every way trainforge runs it.
+
+transformers' experts interface (``@use_experts_implementation``: 3-D ``gate_up_proj`` / ``up_proj`` and
+``down_proj`` weights, ``has_gate``, ``has_bias``, ``is_transposed``, ``_apply_gate``) computes: sort the
+(token, expert) pairs by expert, gather their rows, project up, gate, project down, weight by the router, put the
+rows back and sum each token's ``top_k``. ``routed_experts`` does exactly that with the projection left to the
+caller, who gets the rows sorted by expert and their expert ids:
+
+- ``trainforge_grouped`` (registered in transformers' ``ExpertsInterface``): the grouped GEMM transformers' own
+  ``grouped_mm`` uses, plus a LoRA of the expert weights as two low-rank grouped GEMMs (``model/lora_experts.py``)
+  instead of PEFT's ``W + B A`` over every expert of the layer at each forward;
+- a plan's shape-static stand-in (``engine/predict/moe.py``): one ``bmm`` with every expert taking an equal share.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+GROUPED_NAME = "trainforge_grouped"
+LORA_STASH = "_trainforge_lora"  # on an experts module during a LoRA forward: {weight name: (a, b, scaling)}
+
+# project(rows sorted by expert, weight name, their expert ids) -> rows @ that expert's weight (no bias)
+Project = Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor]
+
+
+def routed_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   project: Project) -> torch.Tensor:
+    """transformers' grouped experts forward with the projections done by ``project``: (tokens, hidden) out."""
+    tokens, top_k = top_k_index.shape
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    routed = hidden_states[perm // top_k]  # (tokens x top_k, hidden), grouped by expert
+    weights = top_k_weights.reshape(-1)[perm]
+    up = "gate_up_proj" if self.has_gate else "up_proj"
+    out = project(routed, up, expert_ids)
+    if self.has_bias:
+        out = out + getattr(self, f"{up}_bias")[expert_ids]
+    out = self._apply_gate(out) if self.has_gate else self.act_fn(out)
+    out = project(out, "down_proj", expert_ids)
+    if self.has_bias:
+        out = out + self.down_proj_bias[expert_ids]
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    out = out * weights.unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.shape[0], device=perm.device)
+    return out[inverse].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def lora_of(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """The LoRA factors ``(a (experts, in, r), b (experts, r, out), scaling)`` set on ``module`` for its weight
+    ``name`` during this forward, or None."""
+    return (getattr(module, LORA_STASH, None) or {}).get(name)
+
+
+def _offsets(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Each expert's end in the rows sorted by expert (int32, as the grouped GEMM takes them)."""
+    # histc, as transformers counts them: bincount's output size depends on the data (no CUDA graphs); histc takes
+    # floats only on CPU and ints only on CUDA under deterministic algorithms
+    counts = torch.histc(expert_ids.float() if expert_ids.device.type in ("cpu", "mps") else expert_ids.int(),
+                         bins=experts, min=0, max=experts - 1)
+    return torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts on transformers' grouped GEMM (``torch._grouped_mm`` where it serves, its own loop of GEMMs
+    elsewhere), with a LoRA of the expert weights as ``scaling x (rows @ A_e) @ B_e`` per expert where one is set."""
+    from transformers.integrations.moe import _grouped_mm
+
+    offsets: list[torch.Tensor] = []
+
+    def project(rows: torch.Tensor, name: str, expert_ids: torch.Tensor) -> torch.Tensor:
+        if not offsets:
+            offsets.append(_offsets(expert_ids, self.num_experts))
+        weight = getattr(self, name)
+        out = _grouped_mm(rows, weight if self.is_transposed else weight.transpose(-2, -1), offsets[0])
+        lora = lora_of(self, name)
+        if lora is not None:
+            a, b, scaling = lora
+            # rank-r intermediates only: no expert-sized tensor is made, kept for backward or recomputed
+            out = out + _grouped_mm(_grouped_mm(rows, a, offsets[0]), b, offsets[0]) * scaling
+        return out
+
+    return routed_experts(self, hidden_states, top_k_index, top_k_weights, project)
+
+
+def register_grouped() -> str:
+    """Make ``GROUPED_NAME`` an experts implementation transformers dispatches to (once); returns the name."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if GROUPED_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(GROUPED_NAME, grouped_experts_forward)
+    return GROUPED_NAME
