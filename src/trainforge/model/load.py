@@ -448,19 +448,14 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     ``AutoPeftModelForSeq2SeqLM``). ``all-linear`` adapts every linear layer but the LM head: on
     T5 ``q, k, v, o, wi (wi_0, wi_1), wo``, on BART ``q_proj, k_proj, v_proj, out_proj, fc1, fc2``,
     in the encoder, the decoder and its cross-attention alike. ``lora.fused``: the layers add their update
-    inside the GEMM (``lora_fused.py``)."""
+    inside the GEMM (``lora_fused.py``), the experts' adapters as factors (``lora_experts.py``)."""
     from peft import LoraConfig, get_peft_model
 
     modules, parameters = lora_targets(model, lora.target_modules)  # MoE: the experts' 3-D weights as parameters
     config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=modules or None,
-        target_parameters=parameters or None,
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora, use_rslora=lora.use_rslora,
+        target_modules=modules or None, target_parameters=parameters or None,
         exclude_modules=lora_exclusion(model),  # an image-text model: adapters on its language model only
-        use_dora=lora.use_dora,
-        use_rslora=lora.use_rslora,
         task_type="SEQ_2_SEQ_LM" if getattr(model.config, "is_encoder_decoder", False) else "CAUSAL_LM",
     )
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
