@@ -14,12 +14,13 @@ caller, who gets the rows sorted by expert and their expert ids:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 GROUPED_NAME = "trainforge_grouped"
 LORA_STASH = "_trainforge_lora"  # on an experts module during a LoRA forward: {weight name: (a, b, scaling)}
+NF4_STASH = "_trainforge_nf4"  # on an experts module QLoRA quantized: {weight name: (packed bytes, QuantState)}
 
 # project(rows sorted by expert, weight name, their expert ids) -> rows @ that expert's weight (no bias)
 Project = Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor]
@@ -54,6 +55,45 @@ def lora_of(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch.Ten
     return (getattr(module, LORA_STASH, None) or {}).get(name)
 
 
+def nf4_of(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, Any] | None:
+    """``(packed 4-bit bytes, bitsandbytes QuantState)`` of the experts' weight ``name`` where QLoRA quantized it."""
+    return (getattr(module, NF4_STASH, None) or {}).get(name)
+
+
+class NF4GroupedMM(torch.autograd.Function):
+    """``rows @ W_e`` per expert for a weight held in NF4: dequantized in forward and again in backward, so no
+    dequantized copy of the layer's experts outlives the GEMM (autograd would keep it for backward). The frozen
+    weight gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, packed: torch.Tensor, state: Any, offsets: torch.Tensor, transposed: bool):
+        ctx.state, ctx.transposed, ctx.rows_dtype = state, transposed, rows.dtype
+        ctx.save_for_backward(packed, offsets)
+        return _grouped_mm(rows, _dequantized(packed, state, transposed), offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        packed, offsets = ctx.saved_tensors
+        weight = _dequantized(packed, ctx.state, ctx.transposed)  # (experts, in, out)
+        grad_rows = _grouped_mm(grad, weight.transpose(-2, -1), offsets)
+        return grad_rows.to(ctx.rows_dtype), None, None, None, None
+
+
+def _dequantized(packed: torch.Tensor, state: Any, transposed: bool) -> torch.Tensor:
+    """The weight as (experts, in, out), in its stored dtype."""
+    import bitsandbytes.functional as bnbf
+
+    weight = bnbf.dequantize_4bit(packed, state)
+    return weight if transposed else weight.transpose(-2, -1)
+
+
+def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped GEMM dispatch: ``torch._grouped_mm`` where it serves, its own loop of GEMMs elsewhere."""
+    from transformers.integrations.moe import _grouped_mm as grouped
+
+    return grouped(rows, weight, offsets)
+
+
 def _offsets(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
     """Each expert's end in the rows sorted by expert (int32, as the grouped GEMM takes them)."""
     # histc, as transformers counts them: bincount's output size depends on the data (no CUDA graphs); histc takes
@@ -67,15 +107,17 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts on transformers' grouped GEMM (``torch._grouped_mm`` where it serves, its own loop of GEMMs
     elsewhere), with a LoRA of the expert weights as ``scaling x (rows @ A_e) @ B_e`` per expert where one is set."""
-    from transformers.integrations.moe import _grouped_mm
-
     offsets: list[torch.Tensor] = []
 
     def project(rows: torch.Tensor, name: str, expert_ids: torch.Tensor) -> torch.Tensor:
         if not offsets:
             offsets.append(_offsets(expert_ids, self.num_experts))
-        weight = getattr(self, name)
-        out = _grouped_mm(rows, weight if self.is_transposed else weight.transpose(-2, -1), offsets[0])
+        nf4 = nf4_of(self, name)
+        if nf4 is not None:  # QLoRA: the weight dequantized for this GEMM only, again in backward (nf4_experts.py)
+            out = NF4GroupedMM.apply(rows, nf4[0], nf4[1], offsets[0], self.is_transposed)
+        else:
+            weight = getattr(self, name)
+            out = _grouped_mm(rows, weight if self.is_transposed else weight.transpose(-2, -1), offsets[0])
         lora = lora_of(self, name)
         if lora is not None:
             a, b, scaling = lora

@@ -19,6 +19,7 @@ from .inputs import settle_inputs
 from .kernels import apply_liger, restore_torch_layers
 from .lora_experts import factor_expert_lora
 from .lora_fused import fuse_lora_layers
+from .nf4_experts import quantize_experts
 from .lora_targets import lora_targets
 from .multimodal import describe_text_only, freeze_non_text, image_text_class, lora_exclusion, refuse_a_part
 
@@ -257,6 +258,8 @@ def adapt(model: torch.nn.Module, cfg: ModelSettings, activation_checkpointing: 
             keep_norms_fp32(model)
             one_weight_layout(model)
         model = apply_lora(model, cfg.lora)
+        if cfg.method == "qlora":
+            model.trainforge_nf4_experts = quantize_experts(model)  # the routed experts' 3-D weights too (nf4_experts.py)
         for param in model.parameters():  # adapters (and anything else that trains) in fp32, with fp32 Adam state
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()

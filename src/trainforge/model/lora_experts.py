@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from .experts_forward import GROUPED_NAME, LORA_STASH, register_grouped
+from ..errors import TrainforgeError
+from .experts_forward import GROUPED_NAME, LORA_STASH, NF4_STASH, register_grouped
 from .subclass import forward_subclass
 
 _FACTORED: dict[type, type] = {}
@@ -53,13 +54,13 @@ def factored_forward(wrapper: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
     while isinstance(layer, tuple(_FACTORED.values())):  # wrappers of one module nest: one per adapted weight
         factors = _factors(layer)
         if factors is None:
-            return wrapper._peft_forward(x, *args, **kwargs)
+            return _peft_forward(wrapper, x, *args, **kwargs)
         stash[layer.parameter_name] = factors
         layer = layer.base_layer
     config = getattr(layer, "config", None)
     static = getattr(layer, "_trainforge_autocast", None) is not None  # a plan's traced stand-in reads the factors too
     if not static and getattr(config, "_experts_implementation", None) != GROUPED_NAME:
-        return wrapper._peft_forward(x, *args, **kwargs)
+        return _peft_forward(wrapper, x, *args, **kwargs)
     transposed = layer.is_transposed
     for name, (lhs, rhs, scaling) in stash.items():
         dtype = getattr(layer, name).dtype  # the factors in the weight's dtype, as PEFT's W + B A is
@@ -77,6 +78,20 @@ def factored_forward(wrapper: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -
         return layer(x, *args, **kwargs)
     finally:
         setattr(layer, LORA_STASH, None)
+
+
+def _peft_forward(wrapper: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """PEFT's own forward (``W + B A``), which needs the experts' weights as values: not for 4-bit experts."""
+    if getattr(wrapper.get_base_layer(), NF4_STASH, None):
+        raise UnsupportedExpertsLora(
+            "model.lora: the routed experts are 4-bit (QLoRA) and this adapter set-up needs PEFT's W + B A (several "
+            "active adapters, a merged adapter, DoRA, or LoRA dropout or bias on the experts): use one plain adapter "
+            "with model.lora.dropout: 0, or model.method: lora")
+    return wrapper._peft_forward(x, *args, **kwargs)
+
+
+class UnsupportedExpertsLora(TrainforgeError, RuntimeError):
+    """An adapter set-up on 4-bit experts that only PEFT's forward computes (it needs their weights as values)."""
 
 
 def factored_class(cls: type) -> type:

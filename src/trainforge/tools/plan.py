@@ -28,7 +28,7 @@ from ..data.mixture import describe_planned, planned_epochs, planned_mixture
 from ..hardware.device import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
 from ..hardware.profiles import GIB, HardwareProfile, find_profile
 from .plan_memory import memory_table, rollout_facts
-from .plan_moe import moe_findings, no_fit_fix, with_moe
+from .plan_moe import no_fit_fix, with_moe
 from .plan_decisions import decisions, with_auto_length
 from .plan_kernels import attention_share, fp8_problem, fp8_uncompiled, planned_attention
 from .plan_optimizer import optimizer_facts, optimizer_levers, with_offload
@@ -367,7 +367,7 @@ def findings(
     if cfg.train.micro_batch_size == 1 and cfg.train.grad_accum > 1 and given.train.micro_batch_size != "auto":
         add("warn", "micro-batch 1 with accumulation: each pass is too small to use the device well",
             "set train.micro_batch_size: auto with train.global_batch_size to keep the global batch")
-    return out + moe_findings(cfg, plan.get("moe"))
+    return out
 
 
 def eval_batches_per_pass(cfg: RunConfig, data: dict[str, Any], steps: int | None = None, world_size: int = 1) -> int:

@@ -25,25 +25,32 @@ def moe_facts(cfg: RunConfig, tokenizer, precision: Precision, profile: Hardware
     bytes in their stored dtype) and the experts implementation the run would use on ``profile``; None for a
     dense model."""
     from ..model.load import build_model_skeleton, storage_dtype
+    from ..model.nf4_experts import nf4_bytes
 
     base = build_model_skeleton(cfg.model.model_copy(update={"method": "full"}), tokenizer, None, False)
     found = routing(getattr(base, "config", None))
     experts = [p for m in expert_modules(base) for p in m.parameters(recurse=False) if p.ndim == 3]
     if found is None or not experts:
         return None
-    # the dtype the run stores the experts in: a LoRA/QLoRA base in the compute dtype (bitsandbytes leaves
-    # 3-D weights as they are), a full fine-tune's fp32 masters; model.init builds fp32
+    # the dtype the run stores the experts in: a LoRA base in the compute dtype, a full fine-tune's fp32 masters
+    # (model.init builds fp32); QLoRA in NF4 (model/nf4_experts.py), computed on trainforge's grouped path
     dtype = torch.float32 if cfg.model.init is not None else storage_dtype(cfg.model, precision.autocast_dtype)
     implementation, why = choose(cfg.model.experts_implementation, "cpu" if profile.kind == "cpu" else "cuda", dtype)
     embeddings = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Embedding))
     expert_params = sum(p.numel() for p in experts)
+    if cfg.model.method == "qlora":
+        return {**_facts(base, found, expert_params, embeddings, implementation, why),
+                "expert_bytes": sum(nf4_bytes(p.numel()) for p in experts), "expert_dtype": "nf4"}
+    return {**_facts(base, found, expert_params, embeddings, implementation, why),
+            "expert_bytes": expert_params * dtype.itemsize, "expert_dtype": str(dtype).removeprefix("torch.")}
+
+
+def _facts(base: torch.nn.Module, found: tuple, expert_params: int, embeddings: int, implementation: str, why: str) -> dict[str, Any]:
     return {
         "experts": found[1], "experts_per_token": found[2],
         "total_parameters": sum(p.numel() for p in base.parameters()),
         "active_parameters": int(sum(linear_params(base)) + embeddings),
         "expert_parameters": expert_params,
-        "expert_bytes": expert_params * dtype.itemsize,
-        "expert_dtype": str(dtype).removeprefix("torch."),
         "experts_implementation": implementation, "experts_implementation_why": why,
     }
 
@@ -71,20 +78,10 @@ def moe_decisions(facts: dict[str, Any]) -> list[dict[str, str]]:
     ]
 
 
-def moe_findings(cfg: RunConfig, facts: dict[str, Any] | None) -> list[dict[str, str]]:
-    """The plan's findings on an MoE model: a QLoRA of it keeps its routed experts in 16 bits."""
-    if facts is None or cfg.model.method != "qlora":
-        return []
-    return [{"level": "info",
-             "message": f"QLoRA quantizes linear layers only: the {facts['expert_parameters'] / 1e9:.1f}B parameters of "
-             f"the routed experts (3-D weights, {facts['expert_bytes'] / GIB:.1f} GiB) stay in {facts['expert_dtype']}",
-             "fix": "count them in the memory the run needs (model.method: lora holds them in the same bytes)"}]
-
-
 def no_fit_fix(facts: dict[str, Any] | None, capacity: int) -> str | None:
     """The fix of a run no single change fits, where the routed experts alone are past the device's memory."""
     if facts is None or facts["expert_bytes"] < capacity:
         return None
     return (f"the routed experts alone are {facts['expert_bytes'] / GIB:.1f} GiB in {facts['expert_dtype']}, more than "
-            f"the {capacity / GIB:.1f} GiB of the device (QLoRA does not quantize them): a GPU with more memory, or "
+            f"the {capacity / GIB:.1f} GiB of the device: a GPU with more memory, or "
             "several with train.distributed: fsdp (plan --nproc N)")

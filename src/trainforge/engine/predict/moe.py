@@ -100,6 +100,20 @@ def use_static_routing(model: torch.nn.Module, implementation: str) -> int:
     return swapped
 
 
+def nf4_experts_priced(model: torch.nn.Module, parts: dict[str, int], peak: int, compute_dtype: torch.dtype) -> int:
+    """A traced step that held the routed experts in 16 bits priced as QLoRA runs them (``model/nf4_experts.py``):
+    ``parts``' weights in NF4 and, in its temporaries, the largest expert weight dequantized (one lives at a time,
+    for its GEMM); returns the peak so changed. A dense model: nothing changes."""
+    from ...model.nf4_experts import nf4_bytes
+
+    weights = [p for m in expert_modules(model) for p in m.parameters(recurse=False) if p.ndim == 3]
+    saved = sum(p.numel() * p.element_size() - nf4_bytes(p.numel()) for p in weights)
+    dequantized = max((p.numel() * compute_dtype.itemsize for p in weights), default=0)
+    parts["weights"] -= saved
+    parts["temporaries"] += dequantized
+    return peak - saved + dequantized
+
+
 class UntraceableExperts(TrainforgeError, RuntimeError):
     """A routed-experts module outside transformers' experts interface: its routing cannot be traced statically."""
 

@@ -386,10 +386,10 @@ def _trace(
     from ...model.load import build_model_skeleton
     from ..loss import chunk_as
     from ..optim import build_optimizer, optimizer_state_bytes
-    from ..step import loss_sum, optimizer_step
     from ...model.fp8 import apply_fp8, fp8_recipe
+    from ..step import loss_sum, optimizer_step
     from .kernel_standins import use_liger_stand_ins
-    from .moe import trace_experts
+    from .moe import nf4_experts_priced, trace_experts
 
     cpu = torch.device("cpu")
     skeleton = build_model_skeleton(cfg.model, tokenizer, precision.autocast_dtype, activation_checkpointing, layers)
@@ -452,6 +452,8 @@ def _trace(
         on_device, _ = optimizer_state_bytes(params, cfg.optim)
         peak += on_device - parts["optimizer"]
         parts["optimizer"] = on_device
+    if cfg.model.method == "qlora":  # MoE: the routed experts in NF4, each dequantized for its GEMM (nf4_experts.py)
+        peak = nf4_experts_priced(model, parts, peak, precision.autocast_dtype or torch.float32)
     return StepTrace(peak, parts, tracer.ops, batch.n_tokens, largest, grads)
 
 
