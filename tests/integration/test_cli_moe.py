@@ -127,6 +127,44 @@ def test_mixtral_lora_adapts_experts_not_router_and_merges_to_the_same_logits(tm
     assert any(".experts." in k for k in changed) and not any(k.endswith("gate.weight") for k in changed), changed
 
 
+def test_mixtral_qlora_trains_4bit_experts_and_merges_what_it_computed(tmp_path, tiny_tokenizer_dir, toy_data_dir):
+    """QLoRA quantizes the routed experts too (the weight facts count them as nf4); ``export --merge`` merges the
+    adapters into the experts rounded through NF4, so the merged model computes what the trained QLoRA model did."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = tiny_mixtral_dir(tmp_path / "mixtral", tiny_tokenizer_dir)
+    settings = moe_config(tiny_tokenizer_dir, toy_data_dir)
+    settings["model"] = {"path": str(base), "method": "qlora"}
+    settings["train"]["max_steps"] = 3
+    settings["optim"] = {"lr": 0.01}
+    proc = run_cli(["train", write_config(tmp_path / "qlora.yaml", settings), "--output", tmp_path / "run"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "frozen nf4" in proc.stdout and summary.get("lora_expert_weights_factored") == 4, proc.stdout[-2000:]
+    proc = run_cli(["export", tmp_path / "run", "--merge", "--out", tmp_path / "merged"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    from safetensors.torch import load_file
+
+    from trainforge.config.run import RunConfig
+    from trainforge.model.load import build_model
+    from trainforge.model.tokenizer import load_tokenizer
+
+    # the trained QLoRA model as trainforge computes it (NF4 linear layers and experts, fp32 compute), its adapters
+    cfg = RunConfig.model_validate({"model": {"path": str(base), "method": "qlora"}, "data": {"train": str(toy_data_dir)}})
+    qlora = build_model(cfg.model, load_tokenizer(str(base)), seed=0, compute_dtype=torch.float32)
+    adapters = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
+    params = {n.replace(".default", ""): p for n, p in qlora.named_parameters()}
+    assert adapters.keys() <= params.keys()
+    for name, value in adapters.items():
+        params[name].data.copy_(value)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, qlora.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
 def test_switch_transformers_trains_with_its_router_z_loss(tmp_path):
     """The one family whose transformers model adds a router z-loss (encoder-decoder, eager attention only:
     ``auto`` picks eager for it)."""

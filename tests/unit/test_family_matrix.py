@@ -44,3 +44,13 @@ def test_family(family, tmp_path_factory):
     if "refused" in (outcome.full, outcome.lora):  # a refusal is exit 2 and says why
         assert outcome.note
     assert outcome.row() == ROWS.get(family), f"docs/models.md's row differs: python -m trainforge.tools.family_matrix {family}"
+
+
+def test_options_print_the_usage_and_an_unknown_family_writes_no_row(capsys, monkeypatch):
+    from trainforge.tools import family_matrix
+
+    monkeypatch.setattr(family_matrix, "write_table", lambda rows: pytest.fail("the table was rewritten"))
+    family_matrix.main(["--help"])
+    assert "family matrix" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a causal-LM model type of this transformers: lama"):
+        family_matrix.main(["lama"])

@@ -61,3 +61,18 @@ def quantize_experts(model: torch.nn.Module) -> int:
         setattr(module, NF4_STASH, stash)
         config._experts_implementation_internal = register_grouped()
     return count
+
+
+def round_experts_through_nf4(model: torch.nn.Module) -> int:
+    """Replace every routed expert weight of ``model`` by its NF4 values, in place (its dtype kept): what a QLoRA run
+    computed with, for ``export --merge`` to merge the adapters into. Returns how many weights."""
+    import bitsandbytes.functional as bnbf
+
+    count = 0
+    for module in expert_modules(model):
+        for param in module.parameters(recurse=False):
+            if param.ndim == 3:
+                packed, state = bnbf.quantize_4bit(param.data, blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4")
+                param.data.copy_(bnbf.dequantize_4bit(packed, state))
+                count += 1
+    return count

@@ -234,6 +234,12 @@ def main(argv: list[str]) -> None:
     """Run the named families (all when none), update their rows of docs/models.md."""
     import tempfile
 
+    if any(a.startswith("-") for a in argv):  # --help (or any option): this module takes family names only
+        print(__doc__)
+        return
+    unknown = sorted(set(argv) - set(families()))
+    if unknown:  # a typo must not become a row of the table
+        raise SystemExit(f"family_matrix: not a causal-LM model type of this transformers: {', '.join(unknown)}")
     torch.set_num_threads(1)
     rows = parse_table(DOC.read_text())
     wanted = argv or families()

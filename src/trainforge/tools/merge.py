@@ -2,7 +2,8 @@
 
 QLoRA: the adapters were trained against the 4-bit NF4 base, not the original weights, so the base is loaded
 in NF4 exactly as the run trained it and *dequantized* once to fp32 before merging: the merged model computes
-what the QLoRA model computed (up to rounding); merging into the original unquantized weights instead would
+what the QLoRA model computed (up to rounding; the routed experts of an MoE, which trainforge quantizes itself,
+are rounded through NF4 the same way); merging into the original unquantized weights instead would
 shift every layer by its quantization error, and merging into the 4-bit values would round the adapter away.
 """
 
@@ -16,6 +17,7 @@ import torch
 from ..metrics.console import ConsoleReporter
 from ..model.inputs import settle_inputs
 from ..model.load import auto_model_class
+from ..model.nf4_experts import round_experts_through_nf4
 from ..model.resolve import ModelSource, load_source_tokenizer
 
 
@@ -34,6 +36,7 @@ def merged_model(src: ModelSource, reporter: ConsoleReporter) -> tuple[torch.nn.
             str(src.base), dtype=torch.float32, quantization_config=nf4_config(torch.float32), trust_remote_code=False
         )
         base = base.dequantize(dtype=torch.float32)
+        round_experts_through_nf4(base)  # bitsandbytes left the routed experts' 3-D weights: trainforge quantized them
     else:
         base = auto_class.from_pretrained(str(src.base), dtype=torch.float32, trust_remote_code=False)
     if base.get_input_embeddings().num_embeddings < len(tokenizer):
