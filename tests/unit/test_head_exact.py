@@ -142,3 +142,12 @@ def test_summary_kernels_drop_liger_head_loss_where_the_model_computes_its_logit
     assert kernels_for_head(liger, "model") == ["rms_norm", "rope", "swiglu"]
     assert kernels_for_head(["fused_linear_cross_entropy"], "model") == "torch"
     assert kernels_for_head("torch", "model") == "torch"
+
+
+def test_a_probe_that_fails_is_a_warning_not_a_note(monkeypatch):
+    """A failing probe is trainforge's problem, not the model's: the run still trains (on the model's head), but the
+    console warns; a model whose logits differ is said as a note."""
+    monkeypatch.setattr(head_exact, "_probe", lambda *a: "decoder + head failed on a probe: RuntimeError: no fp32 kernel")
+    said, warned = [], []
+    assert loss_head_fact(tiny("llama"), True, False, said.append, warned.append) == "model"
+    assert not said and len(warned) == 1 and "RuntimeError: no fp32 kernel" in warned[0] and "report" in warned[0]

@@ -301,16 +301,23 @@ def head_choice(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linea
     return (decoder, head) if why is None else f"its logits are not lm_head(decoder output): {why}"
 
 
-def loss_head_fact(model: torch.nn.Module, fused: bool, encoder_decoder: bool, say: Callable[[str], None]) -> str:
+def loss_head_fact(model: torch.nn.Module, fused: bool, encoder_decoder: bool, say: Callable[[str], None],
+                   warn: Callable[[str], None] | None = None) -> str:
     """What computes the loss, for summary.json: ``fused`` (the chunked head) or ``model`` (the model's logits); where
-    ``train.fused_loss`` is on but the model cannot take the fused head, ``say`` gets why (decided here, once)."""
+    ``train.fused_loss`` is on but the model cannot take the fused head, ``say`` gets why (decided here, once), and
+    ``warn`` where the probe failed rather than found a difference: that is a path trainforge should take and did not
+    (on an H200 an fp32 probe reached a bf16-only kernel, and runs quietly held full logits)."""
     if not fused:
         return "model"
     if encoder_decoder:
         return "fused" if seq2seq_fused_head(model) is not None else "model"
     choice = head_choice(model)
     if isinstance(choice, str):
-        say(f"loss: the model's own head, full logits per micro-batch (train.fused_loss cannot apply: {choice})")
+        line = f"loss: the model's own head, full logits per micro-batch (train.fused_loss cannot apply: {choice})"
+        if warn is not None and "failed on a probe" in choice:
+            warn(line + "; please report it")
+        else:
+            say(line)
         return "model"
     return "fused"
 

@@ -210,7 +210,8 @@ def setup(
         ),
     )
     run.facts.choices.update(length_facts)  # what data.max_length is and why (auto: what it chose)
-    run.facts.choices["loss_head"] = loss_head_fact(train_model, cfg.train.fused_loss, cfg.model.kind.encoder_decoder, reporter.info)
+    run.facts.choices["loss_head"] = loss_head_fact(
+        train_model, cfg.train.fused_loss, cfg.model.kind.encoder_decoder, reporter.info, reporter.warn)
     run.facts.choices["kernels"] = kernels_for_head(run.facts.choices["kernels"], run.facts.choices["loss_head"])
     laps("services")
     # a signal is in events.jsonl when it comes: a second one (or a SIGKILL) that ends the process before its stop
