@@ -99,19 +99,25 @@ def tiny_mixtral_dir(path: Path, tokenizer_dir: Path) -> Path:
     return path
 
 
+def train_mixtral(tmp_path: Path, tokenizer_dir: Path, data_dir: Path, method: str):
+    """(a tiny Mixtral directory, the CLI's process having trained ``method`` on it for 3 steps into tmp_path/run)."""
+    base = tiny_mixtral_dir(tmp_path / "mixtral", tokenizer_dir)
+    settings = moe_config(tokenizer_dir, data_dir)
+    settings["model"] = {"path": str(base), "method": method}
+    settings["train"]["max_steps"] = 3
+    settings["optim"] = {"lr": 0.01}
+    proc = run_cli(["train", write_config(tmp_path / f"{method}.yaml", settings), "--output", tmp_path / "run"], tmp_path)
+    assert proc.returncode == 0, show(proc)
+    return base, proc
+
+
 def test_mixtral_lora_adapts_experts_not_router_and_merges_to_the_same_logits(tmp_path, tiny_tokenizer_dir, toy_data_dir):
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    base = tiny_mixtral_dir(tmp_path / "mixtral", tiny_tokenizer_dir)
-    settings = moe_config(tiny_tokenizer_dir, toy_data_dir)
-    settings["model"] = {"path": str(base), "method": "lora"}
-    settings["train"]["max_steps"] = 3
-    settings["optim"] = {"lr": 0.01}
-    proc = run_cli(["train", write_config(tmp_path / "lora.yaml", settings), "--output", tmp_path / "run"], tmp_path)
-    assert proc.returncode == 0, show(proc)
+    base, proc = train_mixtral(tmp_path, tiny_tokenizer_dir, toy_data_dir, "lora")
     adapter = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
     assert sorted(adapter["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
     assert "gate" not in adapter["target_modules"]
@@ -134,13 +140,7 @@ def test_mixtral_qlora_trains_4bit_experts_and_merges_what_it_computed(tmp_path,
     import torch
     from transformers import AutoModelForCausalLM
 
-    base = tiny_mixtral_dir(tmp_path / "mixtral", tiny_tokenizer_dir)
-    settings = moe_config(tiny_tokenizer_dir, toy_data_dir)
-    settings["model"] = {"path": str(base), "method": "qlora"}
-    settings["train"]["max_steps"] = 3
-    settings["optim"] = {"lr": 0.01}
-    proc = run_cli(["train", write_config(tmp_path / "qlora.yaml", settings), "--output", tmp_path / "run"], tmp_path)
-    assert proc.returncode == 0, show(proc)
+    base, proc = train_mixtral(tmp_path, tiny_tokenizer_dir, toy_data_dir, "qlora")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "frozen nf4" in proc.stdout and summary.get("lora_expert_weights_factored") == 4, proc.stdout[-2000:]
     proc = run_cli(["export", tmp_path / "run", "--merge", "--out", tmp_path / "merged"], tmp_path)
