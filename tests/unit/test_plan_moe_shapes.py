@@ -82,3 +82,12 @@ def test_qlora_of_an_moe_holds_its_experts_in_nf4(tmp_path, name, hardware):
     else:
         assert not memory.fits() and memory.process < 1.15 * memory.capacity  # 69.4 GiB with its experts in bf16
     assert no_fit_fix(facts, profile.memory_bytes) is None  # the experts alone no longer exceed the card
+
+def test_a_qlora_run_that_does_not_fit_is_not_told_to_use_qlora(tmp_path):
+    from trainforge.tools.plan import make_plan
+
+    cfg = run_config(tmp_path, "qwen3", "qlora").model_copy(deep=True)
+    cfg.train.micro_batch_size, cfg.train.activation_checkpointing = 1, True
+    plan = make_plan(cfg, hardware="rtx4090", time_ops=False)
+    errors = [f for f in plan["findings"] if f["level"] == "error" and "exceeds" in f["message"]]
+    assert errors and "lower data.max_length" in errors[0]["fix"] and "qlora" not in errors[0]["fix"], errors

@@ -306,7 +306,8 @@ def findings(
         auto = given.train.micro_batch_size == "auto" and given.train.activation_checkpointing == "auto"
         smallest = cfg.train.micro_batch_size == 1 and cfg.train.activation_checkpointing is True  # nothing auto could lower
         fix = remedy["text"] if remedy else no_fit_fix(plan.get("moe"), cap) or (
-            "no single change fits it: lower data.max_length and use model.method: qlora, or a card with more memory"
+            "no single change fits it: lower data.max_length"
+            + (", or a card with more memory" if cfg.model.method == "qlora" else " and use model.method: qlora, or a card with more memory")
             if auto or smallest else "set train.micro_batch_size: auto (and keep train.activation_checkpointing: auto)")
         add("error", f"predicted peak {mem / GIB:.2f} GiB exceeds the {cap / GIB:.1f} GiB of {profile.title}", fix)
     elif memory.share > FIT_MARGIN:
