@@ -31,11 +31,17 @@ def nf4_bytes(weights: int) -> int:
     return (weights + 1) // 2 + blocks + 4 * -(-blocks // NF4_CONST_BLOCK)
 
 
+def _quantized(weight: torch.Tensor):
+    """``(packed bytes, QuantState)`` of ``weight`` in NF4 as QLoRA quantizes a linear layer (blocks of ``NF4_BLOCK``,
+    double quantization)."""
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.quantize_4bit(weight, blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4")
+
+
 def quantize_experts(model: torch.nn.Module) -> int:
     """Quantize every routed expert weight of ``model`` to NF4 in place; returns how many weights. Experts outside
     transformers' experts interface are left as they are (0 for them)."""
-    import bitsandbytes.functional as bnbf
-
     count = 0
     for module in expert_modules(model):
         config = getattr(module, "config", None)
@@ -50,7 +56,7 @@ def quantize_experts(model: torch.nn.Module) -> int:
         for name, param in list(module.named_parameters(recurse=False)):
             if param.ndim != 3 or name in stash or param.is_meta or is_fake(param):
                 continue  # a plan's skeleton has no values: the plan prices the experts in NF4 (predict/moe.py)
-            packed, state = bnbf.quantize_4bit(param.data, blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4")
+            packed, state = _quantized(param.data)
             # a weight of the same shape and dtype (what PEFT's wrappers, the plan and the facts read) holding one element
             placeholder = torch.nn.Parameter(torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape),
                                              requires_grad=False)
@@ -72,7 +78,7 @@ def round_experts_through_nf4(model: torch.nn.Module) -> int:
     for module in expert_modules(model):
         for param in module.parameters(recurse=False):
             if param.ndim == 3:
-                packed, state = bnbf.quantize_4bit(param.data, blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4")
+                packed, state = _quantized(param.data)
                 param.data.copy_(bnbf.dequantize_4bit(packed, state))
                 count += 1
     return count

@@ -38,21 +38,17 @@ def moe_facts(cfg: RunConfig, tokenizer, precision: Precision, profile: Hardware
     implementation, why = choose(cfg.model.experts_implementation, "cpu" if profile.kind == "cpu" else "cuda", dtype)
     embeddings = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Embedding))
     expert_params = sum(p.numel() for p in experts)
-    if cfg.model.method == "qlora":
-        return {**_facts(base, found, expert_params, embeddings, implementation, why),
-                "expert_bytes": sum(nf4_bytes(p.numel()) for p in experts), "expert_dtype": "nf4"}
-    return {**_facts(base, found, expert_params, embeddings, implementation, why),
-            "expert_bytes": expert_params * dtype.itemsize, "expert_dtype": str(dtype).removeprefix("torch.")}
-
-
-def _facts(base: torch.nn.Module, found: tuple, expert_params: int, embeddings: int, implementation: str, why: str) -> dict[str, Any]:
-    return {
+    facts = {
         "experts": found[1], "experts_per_token": found[2],
         "total_parameters": sum(p.numel() for p in base.parameters()),
         "active_parameters": int(sum(linear_params(base)) + embeddings),
         "expert_parameters": expert_params,
+        "expert_bytes": expert_params * dtype.itemsize, "expert_dtype": str(dtype).removeprefix("torch."),
         "experts_implementation": implementation, "experts_implementation_why": why,
     }
+    if cfg.model.method == "qlora":
+        facts.update(expert_bytes=sum(nf4_bytes(p.numel()) for p in experts), expert_dtype="nf4")
+    return facts
 
 
 def with_moe(plan: dict[str, Any], cfg: RunConfig, tokenizer, precision: Precision, profile: HardwareProfile) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ...model.nf4_experts import NF4_BLOCK, NF4_CONST_BLOCK  # the run's NF4 layout, priced here
 from .trace_cache import remembered
 
 if TYPE_CHECKING:
@@ -258,7 +259,6 @@ def attention_flops(func, args: tuple, kwargs: dict) -> float:  # noqa: ANN001 -
 
 
 # ---------------------------------------------------------------------------------- QLoRA stand-in
-NF4_BLOCK, NF4_CONST_BLOCK = 64, 256  # bitsandbytes' NF4 block and its double-quantization block
 
 
 class _Dequantized4bitMatmul(torch.autograd.Function):
