@@ -43,6 +43,33 @@ def learned_targets(tok, rendered, max_length=256):
     return ids, [int(t) for t, m in zip(ids[1:], learn[1:]) if m]
 
 
+def test_plain_text_is_tokenized_without_offsets_into_the_same_ids(tok, monkeypatch):
+    """Text rows have no spans to place: the batch encoder skips the offsets (``encode_batch_fast``) and stores
+    exactly the ids the tokenizer gives each document, special tokens and EOS as before; rows with spans keep
+    their offsets. Every call is recorded to see which path ran."""
+    from trainforge.data.formats import Rendered, encoder_for
+
+    encoder = encoder_for(tok, True)
+    assert encoder.backend is not None and hasattr(encoder.backend, "encode_batch_fast")
+    calls: list[str] = []
+    backend = encoder.backend
+
+    class Recording:
+        def __getattr__(self, name):
+            method = getattr(backend, name)
+            return lambda *a, **k: calls.append(name) or method(*a, **k)
+
+    monkeypatch.setattr(encoder, "backend", Recording())
+    texts = ["def f(x):\n    return x  # café ☕", "  two  spaces\tand a tab", "ünïcödé and emoji 🚀 end"]
+    chunk = tokenize_rendered([Rendered(t, None, True, f"x:{i}") for i, t in enumerate(texts)], tok, 512, "truncate")
+    assert calls == ["encode_batch_fast"]
+    want = [tok(t)["input_ids"] + [tok.eos_token_id] for t in texts]
+    assert chunk.ids.tolist() == [i for ids in want for i in ids] and chunk.lengths.tolist() == [len(w) for w in want]
+    r = Renderer("prompt_completion", FieldNames(), tok)(Row({"prompt": "alpha", "completion": " beta"}, "x:1"))
+    tokenize_rendered([r], tok, 512, "truncate")
+    assert calls == ["encode_batch_fast", "encode_batch"]
+
+
 def test_prompt_completion_learns_completion_and_eos_only(tok):
     r = Renderer("prompt_completion", FieldNames(), tok)(Row({"prompt": "continue: alpha beta", "completion": " gamma delta"}, "x:1"))
     ids, targets = learned_targets(tok, r)

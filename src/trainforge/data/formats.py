@@ -342,8 +342,12 @@ class _Encoder:
             else None
         )
 
-    def __call__(self, texts: list[str]) -> list:
+    def __call__(self, texts: list[str], offsets: bool = True) -> list:
+        """Encodings of ``texts``; ``offsets=False``: the caller reads only their ids."""
         if self.backend is not None:
+            if not offsets and hasattr(self.backend, "encode_batch_fast"):  # tokenizers >= 0.21
+                # skips computing each token's character offsets: about 4% of the tokenizer's time
+                return self.backend.encode_batch_fast(texts, add_special_tokens=self.special)
             return self.backend.encode_batch(texts, add_special_tokens=self.special)
         return tokenizer_encodings(self.tokenizer, texts, self.special)
 
@@ -388,7 +392,8 @@ def tokenize_rendered(
     chunk = TokenizedChunk(np.empty(0, np.int64), np.empty(0, np.uint8), np.empty(0, np.int64))
     if not items:
         return chunk
-    encodings = encoder_for(tokenizer, special_tokens)([r.text for r in items])
+    spans = any(r.spans is not None for r in items)  # offsets place the span boundaries; plain text has none
+    encodings = encoder_for(tokenizer, special_tokens)([r.text for r in items], offsets=spans)
     out_ids, out_learn, lengths, continues = [], [], [], []
     limit = max_length + 1
     for r, enc in zip(items, encodings):

@@ -24,7 +24,7 @@ from .store import TokenStore
 
 
 def _encode(tokenizer, texts: list[str], special_tokens: bool) -> list[np.ndarray]:
-    return [np.asarray(e.ids, dtype=np.int64) for e in encoder_for(tokenizer, special_tokens)(texts)] if texts else []
+    return [np.asarray(e.ids, dtype=np.int64) for e in encoder_for(tokenizer, special_tokens)(texts, offsets=False)] if texts else []
 
 
 def _with_eos(ids: np.ndarray, eos: int) -> np.ndarray:
