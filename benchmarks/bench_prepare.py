@@ -9,9 +9,11 @@ source), trains one byte-level BPE on it, then from cold caches runs, each in it
 - datasets: ``load_dataset("json", ...)["train"].map(tokenize, batched=True, num_proc=WORKERS)`` with the same
   tokenizer loaded by ``AutoTokenizer`` (a fast tokenizer), written to its Arrow cache as ``datasets`` does.
 
-Reported per tool: seconds, tokens, tokens/s, and the peak resident memory of the whole process tree (the
-process and its workers, sampled every 0.2 s); then the ratio of tokens/s. Memory constant in corpus size shows
-as the same peak at both sizes.
+Reported per tool: seconds, tokens, tokens/s, and the peak memory of the whole process tree (the process and its
+workers, sampled every 0.2 s) as the sum of their RSS and as the sum of their PSS (pages the forked workers share
+with the parent counted once); then the ratio of tokens/s. Memory constant in corpus size shows as the same peak at
+both sizes. ``tokenizer_ceiling``: the same tokenizer's batch calls alone on the same rows in as many processes
+(nothing read, parsed or stored in the timing), and each tool's tokens/s as a share of it: what is left to win.
 
 ``--resume-shards N`` (0: off) then measures a killed prepare on the largest size, the corpus cut into N JSONL
 shards of a directory: an uninterrupted ``prepare`` (T seconds, its cache entry kept); the same command into a
@@ -51,13 +53,68 @@ print(json.dumps({"tokens": sum(len(ids) for ids in out.with_format(None)["input
 """
 
 
+CEILING_SCRIPT = """
+import json, os, sys, time
+from multiprocessing import get_context
+from transformers import AutoTokenizer
+corpus, tok_dir, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+backend = AutoTokenizer.from_pretrained(tok_dir).backend_tokenizer
+def share(k):  # every workers-th row from the k-th; only the encode calls are timed
+    tokens, seconds, batch = 0, 0.0, []
+    def encode():
+        nonlocal tokens, seconds
+        t = time.perf_counter()
+        tokens += sum(len(e.ids) for e in backend.encode_batch_fast(batch))
+        seconds += time.perf_counter() - t
+        batch.clear()
+    with open(corpus) as f:
+        for i, line in enumerate(f):
+            if i % workers == k:
+                batch.append(json.loads(line)["text"])
+                if len(batch) == 1000:
+                    encode()
+    encode()
+    return tokens, seconds
+with get_context("fork").Pool(workers) as pool:
+    parts = pool.map(share, range(workers))
+print(json.dumps({"tokens": sum(t for t, _ in parts), "seconds": max(s for _, s in parts)}))
+"""
+
+
+def tokenizer_ceiling(corpus: Path, tok_dir: Path, workers: int) -> dict:
+    """The tokenizer's own speed on ``corpus`` in ``workers`` processes: the time of its batch calls alone (no
+    start-up, reading, parsing or storing), offsets skipped: no tool that calls it can tokenize faster."""
+    out = subprocess.run([sys.executable, "-c", CEILING_SCRIPT, str(corpus), str(tok_dir), str(workers)],
+                         capture_output=True, text=True, check=True).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    return {"tokens": r["tokens"], "encode_s": round(r["seconds"], 1), "tokens_per_s": round(r["tokens"] / r["seconds"])}
+
+
+def tree_pss(proc: psutil.Process) -> int:
+    """Proportional set size of the process and its descendants, bytes: pages shared between them (the forked
+    workers' copy of what the parent imported) counted once, where a sum of RSS counts them in every process."""
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_full_info().pss
+        except (psutil.Error, AttributeError):
+            pass
+    return total
+
+
+TIMED_PSS = [0]
+
+
 def timed(cmd: list[str]) -> tuple[float, int, str]:
-    """(seconds, peak RSS of the process tree in bytes, output) of a command run to its end."""
+    """(seconds, peak RSS of the process tree in bytes, output) of a command run to its end; ``TIMED_PSS`` holds
+    the peak PSS of the tree (``tree_pss``) of the last call."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ps, peak = psutil.Process(proc.pid), 0
+    ps, peak, TIMED_PSS[0] = psutil.Process(proc.pid), 0, 0
     while proc.poll() is None:
         peak = max(peak, tree_rss(ps)[1])
+        TIMED_PSS[0] = max(TIMED_PSS[0], tree_pss(ps))
         time.sleep(0.2)
     seconds = time.perf_counter() - start
     output = proc.stdout.read()
@@ -71,18 +128,24 @@ def one_size(work: Path, gb: float, workers: int, resume_shards: int = 0, kill_a
     rows = write_corpus(corpus, gb, "text")
     tok_dir = tokenizer_for(corpus, work / "tokenizer")
     tf_s, tf_rss, _ = timed(prepare_cmd(corpus, tok_dir, work / "cache", workers))
+    tf_pss = TIMED_PSS[0]
     stats = json.loads(next((work / "cache" / "data").glob("*/stats.json")).read_text())
     tf_tokens = stats["train_tokens"] + stats["train_sequences"]  # stored tokens (inputs + each sequence's last)
     hf_s, hf_rss, out = timed([sys.executable, "-c", HF_SCRIPT, str(corpus), str(tok_dir), str(work / "hf"), str(workers)])
+    hf_pss = TIMED_PSS[0]
     hf_tokens = json.loads(out.strip().splitlines()[-1])["tokens"]
+    ceiling = tokenizer_ceiling(corpus, tok_dir, workers)
     shutil.rmtree(work / "hf", ignore_errors=True)  # datasets' Arrow copy: disk, before the resume's two caches
     resumed = resume_after_kill(work, corpus, tok_dir, workers, resume_shards, kill_at) if resume_shards else None
     return {
         "gb": round(corpus.stat().st_size / 1e9, 3), "rows": rows, "workers": workers, "resume": resumed,
         "trainforge": {"seconds": round(tf_s, 1), "tokens": tf_tokens, "tokens_per_s": round(tf_tokens / tf_s),
-                       "peak_rss_gib": round(tf_rss / 2**30, 3)},
+                       "peak_rss_gib": round(tf_rss / 2**30, 3), "peak_pss_gib": round(tf_pss / 2**30, 3),
+                       "share_of_ceiling": round(tf_tokens / tf_s / ceiling["tokens_per_s"], 3)},
         "datasets": {"seconds": round(hf_s, 1), "tokens": hf_tokens, "tokens_per_s": round(hf_tokens / hf_s),
-                     "peak_rss_gib": round(hf_rss / 2**30, 3)},
+                     "peak_rss_gib": round(hf_rss / 2**30, 3), "peak_pss_gib": round(hf_pss / 2**30, 3),
+                     "share_of_ceiling": round(hf_tokens / hf_s / ceiling["tokens_per_s"], 3)},
+        "tokenizer_ceiling": ceiling,
         "ratio_tokens_per_s": round((tf_tokens / tf_s) / (hf_tokens / hf_s), 2),
     }
 

@@ -16,6 +16,8 @@
 # The models and runs stay in WORK, outside $OUT: only $OUT's files travel back.
 # A second call on the same warm machine (within its 30 s): REUSE=1 takes the variants the first call finished
 # from WORK and runs the rest, e.g. `REUSE=1 SESSION_S=190 SELFTEST_S=0 bash benchmarks/gpu_session.sh`.
+# PART=5 runs the suite's MoE LoRA row (Qwen3-30B-A3B's layers, 12 of 48) instead of `first`, e.g. as that second
+# call: `REUSE=1 PART=5 SESSION_S=300 SELFTEST_S=0 bash benchmarks/gpu_session.sh` (it writes part-5.json).
 # Rehearsed on a CPU in about 2 minutes: `TINY=1 OUT=/tmp/s bash benchmarks/gpu_session.sh` (the suite's --tiny shapes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +62,7 @@ fi
 # the suite's budget is when its last variant may start; one started is cut at the same deadline
 BUDGET=$(( $(left) - SELFTEST_S - 20 ))
 if [ "$BUDGET" -gt 30 ]; then
-  timeout -k 10 $((BUDGET + 10)) $PY benchmarks/gpu_suite.py --part first --out "$OUT" --work "$WORK" --budget "$BUDGET" \
+  timeout -k 10 $((BUDGET + 10)) $PY benchmarks/gpu_suite.py --part "${PART:-first}" --out "$OUT" --work "$WORK" --budget "$BUDGET" \
     --timeout "$BUDGET" ${TINY:+--tiny} ${REUSE:+--reuse} > "$OUT/suite.log" 2>&1
   echo "suite: exit $? at ${SECONDS}s"
 else

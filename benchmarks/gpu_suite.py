@@ -1,13 +1,14 @@
 """The GPU truth in one command: trainforge against what users would otherwise run, side by side.
 
-    python benchmarks/gpu_suite.py --part all --out gpu-results      # on one H100, parts of < 9 minutes (1 to 4)
+    python benchmarks/gpu_suite.py --part all --out gpu-results      # on one H100, parts of < 9 minutes (1 to 5)
     python benchmarks/gpu_suite.py --part 1 --out gpu-results        # one part per call (the device's limit)
     python benchmarks/gpu_suite.py --table gpu-results               # the README table from the parts' JSON
     python benchmarks/gpu_suite.py --part first --out gpu-results    # the headline variants of parts 1 and 3, in one call
     python benchmarks/gpu_suite.py --tiny --part all --out /tmp/s    # the same harness on a CPU, in seconds
 
 A session is lent 15 minutes of device time in all: ``benchmarks/gpu_session.sh`` is its one call (the
-CUDA tests, selftest, then ``--part first`` in the time left). Parts 1 to 4 are for sessions with more.
+CUDA tests, ``--part first``, then selftest in the time left; ``PART=5`` runs the MoE row instead). Parts 1 to 5 are
+for sessions with more.
 
 Rows (real shapes, random init from config, nothing downloaded; ``--tiny`` shrinks every shape):
   part 1: Llama-3.2-1B (hidden 2048, 16 layers, 32/8 heads, 128,256 vocabulary, tied), full fine-tune,
@@ -18,6 +19,10 @@ Rows (real shapes, random init from config, nothing downloaded; ``--tiny`` shrin
           linear layers, bf16 base built on the device, packed prompt/completion at 2,048 tokens.
   part 4: online RL: Qwen2.5-0.5B, LoRA r16 on all linear layers, GRPO with 8 completions per prompt (8 prompts
           a step, prompts of at most 128 tokens, completions of 256), every step sampling then learning;
+  part 5: mixture of experts: Qwen3-30B-A3B's layer (hidden 2048, 32/4 heads of 128, 128 experts of 768, top-8,
+          151,936 vocabulary) with 12 of its 48 layers, LoRA r16 on attention and every expert (PEFT:
+          ``target_parameters`` on the 3-D expert weights, transformers' ``grouped_mm`` experts, the router's
+          load-balancing loss on both sides), bf16 base, packed prompt/completion at 2,048 tokens;
   first:  the baselines and trainforge's defaults of parts 1 and 3 first (Llama-1B: HF, trainforge; 8B LoRA:
           HF + PEFT, trainforge), then HF + Liger and trainforge compiled on the 1B row, with fewer steps.
 Variants, at the same micro-batch, sequence length, optimizer (AdamW, same lr/schedule) and steps:
@@ -96,7 +101,22 @@ FULL = ["hf", "hf-liger", "trainforge", "trainforge-compiled"]
 DEFAULT_ALLOCATOR = "trainforge-default-allocator"  # trainforge without the expandable segments it asks CUDA for
 
 
-PARTS = ("1", "2", "3", "4", "first")  # ``--part all`` runs 1 to 4
+QWEN3_30B_A3B = dict(architecture="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, router_aux_loss_coef=0.001, vocab_size=151936,
+                     tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=8192)
+MOE_LAYERS = 12  # of its 48: 7.6B parameters (15 GiB in bf16), one variant well inside a device call
+# an MoE's LoRA on both sides: attention's projections and every expert (PEFT's target_parameters, the 3-D weights)
+MOE_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MOE_LORA_EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+MOE_HF_EXPERTS = "grouped_mm"  # transformers' fastest experts implementation on a GPU (one grouped GEMM per projection)
+
+
+def is_moe(arch: dict) -> bool:
+    return "num_experts" in arch
+
+
+PARTS = ("1", "2", "3", "4", "5", "first")  # ``--part all`` runs 1 to 5
 GRPO = ["trl-grpo-peft", "trainforge"]
 
 
@@ -121,6 +141,9 @@ def parts(tiny: bool) -> dict[str, list[Row]]:
                       ["hf-peft", "hf-peft-liger", "trainforge", "trainforge-fp8"])],
             # the tiniest GRPO step: one prompt's 8 completions of 6 tokens, learned from in one pass
             "4": [grpo_row("qwen-0.5b-shape-grpo", {**QWEN_05B, **small}, prompt=16, completion=6, micro_batch=8, accum=1, steps=4)],
+            "5": [Row("qwen3-30b-a3b-shape-lora", {**QWEN3_30B_A3B, **small, "head_dim": 16, "moe_intermediate_size": 32,
+                                                    "num_experts": 8, "num_experts_per_tok": 2},
+                      "lora", "sft", 128, 2, 8, ["hf-peft", "trainforge"])],
             "first": first_part("llama-1b-shape", llama_1b, "llama-8b-shape-lora", llama_8b, seq=128, micro_batches=(2, 2), steps=(8, 6)),
         }
     return {
@@ -132,6 +155,8 @@ def parts(tiny: bool) -> dict[str, list[Row]]:
                 # the 8B row at micro-batch 2: PEFT's LoRA keeps fp32 copies of each adapted layer's input, so
         # plan puts HF + PEFT at micro-batch 4 near an H100's 80 GiB (a lent machine may be an H100 or an H200)
         "4": [grpo_row("qwen-0.5b-grpo-lora", QWEN_05B, prompt=128, completion=256, micro_batch=16, accum=4, steps=16)],
+        "5": [Row(f"qwen3-30b-a3b-{MOE_LAYERS}l-lora", {**QWEN3_30B_A3B, "num_hidden_layers": MOE_LAYERS}, "lora", "sft",
+                  2048, 2, 30, ["hf-peft", "trainforge", "trainforge-compiled"])],
         "first": first_part("llama-1b", LLAMA_1B, "llama-8b-lora", LLAMA_8B, seq=2048, micro_batches=(4, 2), steps=(40, 24)),
     }
 
@@ -258,7 +283,8 @@ def trainforge_config(spec: dict, variant: str = "trainforge") -> dict:
     row = spec["row"]
     model = {"path": spec["model_dir"], "method": row["method"]}
     if row["method"] == "lora":
-        model["lora"] = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
+        targets = MOE_LORA_MODULES + [e.split(".")[-1] for e in MOE_LORA_EXPERTS] if is_moe(row["arch"]) else "all-linear"
+        model["lora"] = {"r": 16, "alpha": 32, "target_modules": targets}
     data = {"train": spec["data"]["train"], "max_length": row["seq"], "eval": None, "cache_dir": str(Path(spec["work"]) / "tf-cache")}
     if row["data"] == "text":
         data |= {"packing": "concat", "too_long": "split"}
@@ -380,6 +406,14 @@ def hf_arguments(spec: dict, name: str) -> dict:
     )
 
 
+def hf_lora_config(arch: dict):
+    """PEFT's LoRA of the baseline: all linear layers; an MoE's attention and experts (what trainforge_config adapts)."""
+    from peft import LoraConfig
+
+    targets = dict(target_modules=MOE_LORA_MODULES, target_parameters=MOE_LORA_EXPERTS) if is_moe(arch) else dict(target_modules="all-linear")
+    return LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM", **targets)
+
+
 def run_hf(spec: dict, variant: str) -> dict:
     import datasets
     import torch
@@ -388,11 +422,15 @@ def run_hf(spec: dict, variant: str) -> dict:
     row, cuda = spec["row"], torch.cuda.is_available()
     tok = PreTrainedTokenizerFast.from_pretrained(spec["model_dir"])  # the suite's word-level tokenizer.json, as saved
     clock = StepClock(tok.pad_token_id)
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], attn_implementation="sdpa")
+    moe = is_moe(row["arch"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], attn_implementation="sdpa",
+                                                 **({"experts_implementation": MOE_HF_EXPERTS} if moe else {}))
+    if moe:  # the load-balancing loss in the training loss, as trainforge adds it (model.router_aux_loss: true)
+        model.config.output_router_logits = True
     if variant.startswith("hf-peft"):
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+        model = get_peft_model(model, hf_lora_config(row["arch"]))
     model.register_forward_pre_hook(clock.hook, with_kwargs=True)
     args = TrainingArguments(
         **hf_arguments(spec, "hf"), use_liger_kernel=variant.endswith("liger"),
@@ -802,7 +840,7 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="all", choices=[*PARTS, "all"],
-                    help="1, 2, 3, 4 (GRPO), all (1 to 4; each part stays under 9 minutes on one H100) or first (one short call)")
+                    help="1, 2, 3, 4 (GRPO), 5 (MoE LoRA), all (1 to 5; each part stays under 9 minutes on one H100) or first (one short call)")
     ap.add_argument("--out", type=Path, default=Path("gpu-results"), help="folder for part-N.json")
     ap.add_argument("--work", type=Path, help="folder for the models, data and runs (default: OUT/work); keep it out "
                     "of the device's $OUT, whose files travel back")
@@ -830,7 +868,7 @@ def main() -> int:
         args.hardware = gpu_profile_name()
     peak = None if args.tiny else find_profile(args.hardware).peak_flops("bf16")
     chosen = parts(args.tiny)
-    numbers = ["1", "2", "3", "4"] if args.part == "all" else [args.part]
+    numbers = ["1", "2", "3", "4", "5"] if args.part == "all" else [args.part]
     work = args.work or args.out / "work"
     reports = []
     args.out.mkdir(parents=True, exist_ok=True)

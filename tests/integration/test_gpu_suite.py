@@ -14,6 +14,17 @@ import pytest
 SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
 
 
+def load_suite(monkeypatch, name: str = "gpu_suite"):
+    """benchmarks/gpu_suite.py as a module (registered under ``name``: its dataclasses look their module up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, suite)
+    spec.loader.exec_module(suite)
+    return suite
+
+
 @pytest.mark.slow
 def test_tiny_suite_reports_every_variant(tmp_path):
     """The LoRA part (HF + PEFT against trainforge): every variant has a status, the ones that run
@@ -65,17 +76,12 @@ def test_spent_budget_skips_variants_and_still_writes_the_part(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["part-first.json"]
 
 
-def test_the_default_allocator_variant_runs_on_the_users_setting_which_trainforge_keeps():
+def test_the_default_allocator_variant_runs_on_the_users_setting_which_trainforge_keeps(monkeypatch):
     """Part 1's last variant measures what expandable segments save: its process starts with torch's
     default allocator asked for by name, as a user would, and trainforge's own request then stands aside."""
-    import importlib.util
-
     from trainforge.hardware.allocator import allocator_settings, prefer_expandable_segments
 
-    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
-    suite = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_suite"] = suite  # its dataclasses look their module up there
-    spec.loader.exec_module(suite)
+    suite = load_suite(monkeypatch)
     assert suite.DEFAULT_ALLOCATOR in suite.parts(tiny=False)["1"][0].variants
     env = suite.variant_env(suite.DEFAULT_ALLOCATOR, {"PATH": "/bin"})
     prefer_expandable_segments(env, "2.11.0+cu130")
@@ -86,16 +92,11 @@ def test_the_default_allocator_variant_runs_on_the_users_setting_which_trainforg
 
 
 @pytest.mark.slow
-def test_a_part_run_again_into_the_same_folder_measures_trainforge_again(tmp_path):
+def test_a_part_run_again_into_the_same_folder_measures_trainforge_again(tmp_path, monkeypatch):
     """A part started again with the same --out (the device's call timed out, or after a fix): trainforge's run
     directory of the first call held a finished run, and train refused it ('already holds a run'), so every
     trainforge variant of the second call failed. Each call measures a fresh run."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
-    suite = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_suite"] = suite
-    spec.loader.exec_module(suite)
+    suite = load_suite(monkeypatch)
     row = suite.parts(tiny=True)["1"][0]
     row.steps = 3
     work = tmp_path / "work"
@@ -119,12 +120,7 @@ def test_a_report_that_summed_running_totals_is_recounted(monkeypatch):
     """--table on a report from before the fix: trainforge's steady and whole tokens/s, tokens and MFU are
     recounted to what equal steps give, the ratios and plan's errors follow, HF's figures stay, and the table
     marks the recounted rows."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_suite_recount", SUITE)
-    suite = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_suite_recount", suite)
-    spec.loader.exec_module(suite)
+    suite = load_suite(monkeypatch, "gpu_suite_recount")
     n, per_step, seconds = 40, 8000, 0.2
 
     def steps(total):  # step k at k * seconds (the first one 2 s later), `total(k)` tokens recorded
@@ -223,3 +219,43 @@ def test_the_grpo_row_runs_trl_and_trainforge_and_plan_prices_its_rollout(tmp_pa
               "rows": [{"row": spec["row"], "results": results}]}
     text = suite.table([report])
     assert "| qwen-0.5b-shape-grpo | trl-grpo-peft |" in text and "| reward " in text and " / n/a" in text, text
+
+
+def test_the_moe_row_adapts_the_same_weights_on_both_sides(tmp_path, monkeypatch):
+    """Part 5 (Qwen3-30B-A3B's layers): HF + PEFT and trainforge put LoRA on the same weights of the same model:
+    attention's projections and every layer's 3-D expert weights, never the router; HF runs transformers'
+    grouped_mm experts with the router's loss on, as trainforge does by default."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainforge.config.model import LoraSettings
+    from trainforge.model.load import apply_lora
+
+    suite = load_suite(monkeypatch)
+    (full,) = suite.parts(tiny=False)["5"]
+    assert full.arch["architecture"] == "qwen3_moe" and full.arch["num_experts"] == 128 and full.arch["num_hidden_layers"] == 12
+    assert full.method == "lora" and full.variants[:2] == ["hf-peft", "trainforge"] and suite.MOE_HF_EXPERTS == "grouped_mm"
+    (row,) = suite.parts(tiny=True)["5"]
+    spec = {"row": suite.asdict(row), "work": str(tmp_path), "model_dir": str(tmp_path / "model"), "data": {"train": "x"}}
+    suite.prepare_model(spec)
+
+    def adapted(model) -> set[str]:  # the base weights that got adapters: '<layer>.<module path>[.<3-D parameter>]'
+        out = set()
+        for name, module in model.named_modules():
+            if len(getattr(module, "lora_A", ())):  # PEFT's layers; a ParamWrapper names the parameter it adapts
+                param = getattr(module, "parameter_name", None)
+                out.add(name.replace(".base_layer", "").split("layers.")[1] + (f".{param}" if param else ""))
+        return out
+
+    hf = suite.hf_lora_config(row.arch)
+    from peft import get_peft_model
+
+    base = lambda: AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)  # noqa: E731
+    theirs = adapted(get_peft_model(base(), hf))
+    lora = suite.trainforge_config(spec)["model"]["lora"]
+    ours = adapted(apply_lora(base(), LoraSettings(r=lora["r"], alpha=lora["alpha"], target_modules=lora["target_modules"])))
+    assert theirs == ours
+    per_layer = {n.split(".", 1)[1] for n in ours}
+    assert {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"} <= per_layer
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= per_layer
+    assert not any(n.endswith("mlp.gate") for n in per_layer) and len({n.split(".")[0] for n in ours}) == row.arch["num_hidden_layers"]
