@@ -73,7 +73,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 4, "head_dim": 16, "expand": 2},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
     "zaya": {"num_experts_per_tok": 1},
-    "dory": {"n_input_layers": 1, "n_recurrent_layers": 0, "n_output_layers": 1},
+    # one layer before, in and after its recurrent section (an empty section reads as "the remaining layers"); the
+    # layer kinds derived again for three layers
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1, "layer_types": None},
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "falcon_mamba": {"time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
