@@ -77,6 +77,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # layer kinds derived again for three layers
     "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1, "layer_types": None},
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    # DBRX's default attention config has no rope_theta and clip_qkv None (its layer clamps with it): a checkpoint's values
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
     "falcon_mamba": {"time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
     # its config class has no default per-layer kinds (every checkpoint lists them); one dense layer, one MoE
