@@ -79,6 +79,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     # DBRX's default attention config has no rope_theta and clip_qkv None (its layer clamps with it): a checkpoint's values
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
+    "falcon_h1": {"mamba_d_ssm": 64},  # its SSM width (1024 by default): mamba_n_heads x mamba_d_head
     "falcon_mamba": {"time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
     # its config class has no default per-layer kinds (every checkpoint lists them); one dense layer, one MoE
