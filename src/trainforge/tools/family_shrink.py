@@ -79,6 +79,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     # DBRX's default attention config has no rope_theta and clip_qkv None (its layer clamps with it): a checkpoint's values
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
+    # its sliding-window layers' head_dim is the latent attention's qk_nope_head_dim + qk_rope_head_dim (8 + 8)
+    "dots3_note_text": {"head_dim": 16, "index_head_dim": 16, "index_n_heads": 4},
+    "dots3_note": {"text_config": {"head_dim": 16, "index_head_dim": 16, "index_n_heads": 4},  # and its towers' adapters
+                   "vision_config": {"adapter_in_dim": HIDDEN, "adapter_out_dim": HIDDEN},
+                   "audio_config": {"adapter_input_size": HIDDEN, "adapter_out_dim": HIDDEN}},
     "falcon_h1": {"mamba_d_ssm": 64},  # its SSM width (1024 by default): mamba_n_heads x mamba_d_head
     "falcon_mamba": {"time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
