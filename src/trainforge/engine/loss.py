@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..data.formats import IGNORE
 from ..hardware.device import cuda_has_native_bf16, fp32_out_addmm_in
 from ..model.kernels import liger_linear_cross_entropy, transforms_logits, uses_liger_loss
+from ..model.tiled_mlp import run_tiles
 from .head_exact import decoder_stack, head_mismatch
 
 CHUNK = 4096  # at most this many target positions per head matmul on GPU: large enough for efficient GEMMs
@@ -100,12 +101,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
             total = torch.zeros((), device=hidden.device, dtype=torch.float32)
             chunk = chunk_for(hidden.device.type, weight.shape[0])
-            for s in range(0, len(y_all), chunk):
+
+            def one_chunk(i: int) -> None:
+                s = i * chunk
                 h, y = h_all[s : s + chunk], y_all[s : s + chunk]
                 # one fused pass from the (bf16) logits to fp32 log-probabilities: no separate upcast copy
                 log_p = torch.log_softmax(torch.nn.functional.linear(h, w, b), dim=-1, dtype=torch.float32)
                 picked = log_p.gather(1, y[:, None]).squeeze(1)
-                total -= picked.sum()
+                total.sub_(picked.sum())
                 if g_all is not None:
                     g_chunk = g_all[s : s + chunk]
                     group_sums[0].index_add_(0, g_chunk, -picked)
@@ -118,7 +121,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_w is not None:
                     add_weight_grad(grad_w, g, h)
                 if grad_b is not None:
-                    grad_b += g.sum(0, dtype=torch.float32)
+                    grad_b.add_(g.sum(0, dtype=torch.float32))
+
+            # every chunk in order; a plan's fake step traces three and counts the middle one's ops for the rest
+            run_tiles(-(-len(y_all) // chunk), one_chunk)
             # the gradient handed back has the hidden state's dtype, zero where there is no target
             if dense:
                 grad_h = grad_kept.to(hidden.dtype)
@@ -160,10 +166,14 @@ class _LinearTokenLogProbs(torch.autograd.Function):
             out = torch.empty(len(y_all), device=hidden.device, dtype=torch.float32)
             lse = torch.empty_like(out)
             chunk = chunk_for(hidden.device.type, weight.shape[0])
-            for s in range(0, len(y_all), chunk):
+
+            def one_chunk(i: int) -> None:
+                s = i * chunk
                 logits = torch.nn.functional.linear(h_all[s : s + chunk], w, b).float()
                 lse[s : s + chunk] = torch.logsumexp(logits, dim=-1)
                 out[s : s + chunk] = logits.gather(1, y_all[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
+
+            run_tiles(-(-len(y_all) // chunk), one_chunk)
         ctx.save_for_backward(h_all, weight, bias, y_all, lse, keep)
         ctx.compute_dtype, ctx.hidden_shape, ctx.hidden_dtype = compute_dtype, hidden.shape, hidden.dtype
         return out
@@ -179,7 +189,9 @@ class _LinearTokenLogProbs(torch.autograd.Function):
             grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
             grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
             chunk = chunk_for(h_all.device.type, weight.shape[0])
-            for s in range(0, len(y_all), chunk):
+
+            def one_chunk(i: int) -> None:
+                s = i * chunk
                 h, y, up = h_all[s : s + chunk], y_all[s : s + chunk], grad_out[s : s + chunk].float()
                 # d log p_y / d logits = onehot(y) - softmax, times each token's upstream gradient
                 g = torch.exp_(torch.nn.functional.linear(h, w, b).float() - lse[s : s + chunk, None]).neg_()
@@ -189,7 +201,9 @@ class _LinearTokenLogProbs(torch.autograd.Function):
                 if grad_w is not None:
                     add_weight_grad(grad_w, g, h)
                 if grad_b is not None:
-                    grad_b += g.sum(0, dtype=torch.float32)
+                    grad_b.add_(g.sum(0, dtype=torch.float32))
+
+            run_tiles(-(-len(y_all) // chunk), one_chunk)
             grad_h = torch.zeros(ctx.hidden_shape, device=h_all.device, dtype=ctx.hidden_dtype)
             grad_h.index_copy_(0, keep, grad_kept.to(ctx.hidden_dtype))
         return grad_h, grad_w, grad_b, None, None

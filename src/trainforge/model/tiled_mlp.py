@@ -107,7 +107,9 @@ def run_tiles(n: int, one_tile: Callable[[int], None]) -> None:
     """``one_tile(i)`` for every tile in order; under the plan's tracer (a dispatch mode with ``tile_ops``: its list
     of recorded ops), tiles 0, 1 and the last only, the ops of tile 1 recorded again for each tile in between.
     Every tile but the last does the same work on the same shapes and reaches the same peak, so the trace's
-    memory and FLOPs are the full loop's, at a cost that does not grow with the row length."""
+    memory and FLOPs are the full loop's, at a cost that does not grow with the row length. The chunked head's
+    loops (engine/loss.py) run their chunks through it too: a tile's work must write only into buffers made
+    before the loop (its memory is then one tile's), so that leaving the middle tiles untraced changes nothing."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     ops = next((m.tile_ops for m in _get_current_dispatch_mode_stack() if hasattr(m, "tile_ops")), None)
