@@ -83,8 +83,9 @@ def test_tinyllama_lora_fits_8gb_and_an_rtx2080ti(arch):
     peak = plan["memory"]["peak_process_bytes"]
     assert plan["memory"]["fits"] and peak <= 8 * GIB
     # 7.19 GiB when the example was written; 5.79 since the LoRA layers add their update inside the GEMM
-    # (model/lora_fused.py: no bf16 copy of each layer's input kept for lora_A; 6.84 GiB on PEFT's forward)
-    assert peak == pytest.approx(5.79 * GIB, rel=0.10)
+    # (model/lora_fused.py: no bf16 copy of each layer's input kept for lora_A; 6.84 GiB on PEFT's forward);
+    # 6.89 at micro-batch 9 (was 7) since the chunked head frees each chunk's logits before it returns
+    assert peak == pytest.approx(6.89 * GIB, rel=0.10)
     choices = {d["setting"]: d["choice"] for d in plan["decisions"]}
     assert choices["precision"] == "bf16" and int(choices["micro_batch_size"]) >= 1
     turing = example_plan(arch, "tinyllama-lora-8gb.yaml", "tinyllama", "rtx2080ti")
@@ -93,19 +94,19 @@ def test_tinyllama_lora_fits_8gb_and_an_rtx2080ti(arch):
 
 @pytest.mark.slow
 def test_llama_8b_qlora_fits_12gb_and_says_what_would_fit_8gb(arch):
-    """examples/qlora-8b-12gb.yaml fits the guide's RTX 4070 (peak pinned); on an 8 GB RTX 4060 it does
-    not at 2,048 tokens, and plan names the one change that would fit."""
+    """examples/qlora-8b-12gb.yaml fits the guide's RTX 4070 (peak pinned); on an 8 GB RTX 4060 it fits at its
+    2,048 tokens; at 4,096 without the long-context levers it does not, and plan names the one change that would fit."""
     plan = example_plan(arch, "qlora-8b-12gb.yaml", "llama8b", "rtx4070")
     peak = plan["memory"]["peak_process_bytes"]
     assert plan["memory"]["fits"] and peak <= 12 * GIB
     assert peak == pytest.approx(10796449702, rel=0.10)  # measured when the example was written (10.05 GiB)
     assert plan["optimizer"]["name"] == "paged_adamw_8bit" and plan["optimizer"]["paged"]
-    # on 8 GB the long-context levers (tiled_mlp, activation_offload: auto) turn on and it fits (as the run decides);
-    # without them it does not, and plan names the one change that would fit
+    # on 8 GB it fits (the long-context levers on auto, as the run decides); at twice the length without them it does
+    # not (7.64 GiB at 2,048 tokens, 8.64 at 4,096), and plan names the one change that would fit
     tiled = example_plan(arch, "qlora-8b-12gb.yaml", "llama8b", "rtx4060")
     assert tiled["memory"]["fits"] and tiled["memory"]["peak_process_bytes"] <= 8 * GIB
     small = example_plan(arch, "qlora-8b-12gb.yaml", "llama8b", "rtx4060", "train.tiled_mlp=false",
-                         "train.activation_offload=false")
+                         "train.activation_offload=false", "data.max_length=4096")
     assert not small["memory"]["fits"]
     change = small["memory"]["one_change_to_fit"]
     assert change["setting"] == "data.max_length" and change["peak_process_bytes"] <= 8 * GIB
