@@ -106,38 +106,32 @@ def tree_pss(proc: psutil.Process) -> int:
     return total
 
 
-TIMED_PSS = [0]
-
-
-def timed(cmd: list[str]) -> tuple[float, int, str]:
-    """(seconds, peak RSS of the process tree in bytes, output) of a command run to its end; ``TIMED_PSS`` holds
-    the peak PSS of the tree (``tree_pss``) of the last call."""
+def timed(cmd: list[str]) -> tuple[float, int, int, str]:
+    """(seconds, peak RSS and peak PSS of the process tree in bytes, output) of a command run to its end."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ps, peak, TIMED_PSS[0], samples = psutil.Process(proc.pid), 0, 0, 0
+    ps, peak, peak_pss, samples = psutil.Process(proc.pid), 0, 0, 0
     while proc.poll() is None:
         peak = max(peak, tree_rss(ps)[1])
         if samples % 5 == 0:  # PSS once a second: each read walks every mapping of every process in the kernel
-            TIMED_PSS[0] = max(TIMED_PSS[0], tree_pss(ps))
+            peak_pss = max(peak_pss, tree_pss(ps))
         samples += 1
         time.sleep(0.2)
     seconds = time.perf_counter() - start
     output = proc.stdout.read()
     if proc.returncode:
         sys.exit(f"{cmd[:4]} failed with exit code {proc.returncode}:\n{output[-3000:]}")
-    return seconds, peak, output
+    return seconds, peak, peak_pss, output
 
 
 def one_size(work: Path, gb: float, workers: int, resume_shards: int = 0, kill_at: float = 0.6) -> dict:
     corpus = work / "corpus.jsonl"
     rows = write_corpus(corpus, gb, "text")
     tok_dir = tokenizer_for(corpus, work / "tokenizer")
-    tf_s, tf_rss, _ = timed(prepare_cmd(corpus, tok_dir, work / "cache", workers))
-    tf_pss = TIMED_PSS[0]
+    tf_s, tf_rss, tf_pss, _ = timed(prepare_cmd(corpus, tok_dir, work / "cache", workers))
     stats = json.loads(next((work / "cache" / "data").glob("*/stats.json")).read_text())
     tf_tokens = stats["train_tokens"] + stats["train_sequences"]  # stored tokens (inputs + each sequence's last)
-    hf_s, hf_rss, out = timed([sys.executable, "-c", HF_SCRIPT, str(corpus), str(tok_dir), str(work / "hf"), str(workers)])
-    hf_pss = TIMED_PSS[0]
+    hf_s, hf_rss, hf_pss, out = timed([sys.executable, "-c", HF_SCRIPT, str(corpus), str(tok_dir), str(work / "hf"), str(workers)])
     hf_tokens = json.loads(out.strip().splitlines()[-1])["tokens"]
     ceiling = tokenizer_ceiling(corpus, tok_dir, workers)
     shutil.rmtree(work / "hf", ignore_errors=True)  # datasets' Arrow copy: disk, before the resume's two caches
@@ -185,14 +179,14 @@ def entry_files(cache: Path) -> dict[str, bytes]:
 def resume_after_kill(work: Path, corpus: Path, tok_dir: Path, workers: int, shards: int, kill_at: float) -> dict:
     """An uninterrupted prepare of the sharded corpus, then one SIGKILLed at ``kill_at`` of its time and resumed."""
     train = split_corpus(corpus, work / "shards", shards)
-    full_s, _, _ = timed(prepare_cmd(train, tok_dir, work / "cache-full", workers))
+    full_s, _, _, _ = timed(prepare_cmd(train, tok_dir, work / "cache-full", workers))
     proc = subprocess.Popen(prepare_cmd(train, tok_dir, work / "cache-killed", workers),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(kill_at * full_s)
     killed_before_end = proc.poll() is None
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    again_s, _, out = timed(prepare_cmd(train, tok_dir, work / "cache-killed", workers))
+    again_s, _, _, out = timed(prepare_cmd(train, tok_dir, work / "cache-killed", workers))
     reused = int(out.split("reusing ")[1].split(" of ")[0]) if "reusing " in out else 0
     return {
         "shards": shards, "kill_at": kill_at, "killed_before_end": killed_before_end,

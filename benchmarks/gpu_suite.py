@@ -868,7 +868,7 @@ def main() -> int:
         args.hardware = gpu_profile_name()
     peak = None if args.tiny else find_profile(args.hardware).peak_flops("bf16")
     chosen = parts(args.tiny)
-    numbers = ["1", "2", "3", "4", "5"] if args.part == "all" else [args.part]
+    numbers = [p for p in PARTS if p != "first"] if args.part == "all" else [args.part]
     work = args.work or args.out / "work"
     reports = []
     args.out.mkdir(parents=True, exist_ok=True)
