@@ -233,14 +233,9 @@ def fit_run(
         one, two = predict(1, ckpt), predict(2, ckpt)
         if not one.fits(margin) and ckpt != ckpt_options[-1]:
             continue
-        largest, per_row = rows_that_fit(one, two, budget)
-        mbs = max(1, min(cap, largest))
-        mbs = _allowed(mbs, cfg, world_size)
-        m = predict(mbs, ckpt) if mbs > 2 else (one if mbs == 1 else two)
-        smallest = _allowed(1, cfg, world_size)  # grpo: whole groups of completions
-        while not m.fits(margin) and mbs > smallest:  # the line was optimistic: step down until the check fits
-            mbs = _allowed(mbs - 1, cfg, world_size)
-            m = predict(mbs, ckpt)
+        m, per_row = _largest_that_fits(lambda rows: predict(rows, ckpt), one, two, budget, margin,
+                                        sorted({_allowed(n, cfg, world_size) for n in range(1, cap + 1)}))
+        mbs = m.micro_batch_size
         why = (
             f"{mbs}: the largest that fits in {margin:.0%} of {profile.memory_bytes / GIB:.1f} GiB "
             f"(predicted {m.process / GIB:.2f} GiB; {per_row / GIB:.3f} GiB per row)"
@@ -254,6 +249,40 @@ def fit_run(
                     f"{m.rollout['kv_cache'] / GIB:.2f} GiB")
         return Fit(mbs, ckpt, why, _why_ckpt(auto_ckpt, ckpt, m, profile), m)
     raise AssertionError("unreachable: the last checkpointing option always returns")
+
+
+def _largest_that_fits(
+    predict, one: MemoryPrediction, two: MemoryPrediction, budget: float, margin: float, allowed: list[int],
+) -> tuple[MemoryPrediction, int]:
+    """(the prediction at the largest of the ``allowed`` micro-batches predicted to fit in ``margin``, the bytes
+    per row of the line that found it); the smallest allowed when none fits.
+
+    Memory grows in rows along a line whose slope may steepen past a few rows (the step's peak moves from
+    the weights' and optimizer's moments to the activations'), so the line through 1 and 2 rows can be
+    optimistic by many rows. The search keeps the largest checked size that fits and the smallest that does
+    not, and checks next where the line through those two crosses the budget (an end left unchecked: the
+    line through the last two checks); a guess that makes no headway halves the bracket instead."""
+    checked = {one.micro_batch_size: one, two.micro_batch_size: two}
+    fits = [r for r, m in checked.items() if m.fits(margin)]
+    lo = max((i for i, r in enumerate(allowed) if r in fits), default=-1)  # indices into allowed
+    hi = min((i for i, r in enumerate(allowed) if r in checked and r not in fits), default=len(allowed))
+    line, last, streak = (one, two), "", 0
+    guess, per_row = rows_that_fit(*line, budget)
+    while lo + 1 < hi:
+        i = min(max(sum(r <= guess for r in allowed) - 1, lo + 1), hi - 1)
+        if streak >= 2:  # the last two checks moved the same end: bisect, so a curved line cannot crawl
+            i = (lo + hi) // 2
+        m = checked[allowed[i]] = checked.get(allowed[i]) or predict(allowed[i])
+        side = "lo" if m.fits(margin) else "hi"
+        streak, last = (streak + 1 if side == last else 1), side
+        lo, hi = (i, hi) if side == "lo" else (lo, i)
+        if 0 <= lo and hi < len(allowed):
+            line = (checked[allowed[lo]], checked[allowed[hi]])
+        else:
+            line = tuple(sorted(checked.values(), key=lambda p: p.micro_batch_size)[-2:])
+        guess, per_row = rows_that_fit(*line, budget)
+    pick = allowed[max(lo, 0)]
+    return checked.get(pick) or predict(pick), per_row
 
 
 def rough_skeleton_bytes(cfg: RunConfig, tokenizer, precision: Precision, micro_batch_size: int) -> int:

@@ -143,14 +143,16 @@ def micro_batch_unit(cfg: Any) -> int:
     return g // math.gcd(g, cfg.train.grad_accum)
 
 
-def rows_that_fit(one: Any, two: Any, budget: float) -> tuple[int, int]:
+def rows_that_fit(a: Any, b: Any, budget: float) -> tuple[int, int]:
     """(the largest micro-batch at which every phase of the step stays within ``budget`` process bytes, the
-    steepest phase's bytes per row), each phase on the line through the predictions (``fit.MemoryPrediction``) at
-    1 and 2 rows: both the learning step and the rollout grow linearly in rows, at rates of their own."""
+    steepest phase's bytes per row), each phase on the line through two predictions (``fit.MemoryPrediction``)
+    at different micro-batches: both the learning step and the rollout grow linearly in rows, at rates of their own."""
     largest, steepest = None, 1
-    for phase, tensors in one.phases.items():
-        at_one = one.process_of(tensors)
-        per_row = max(two.process_of(two.phases[phase]) - at_one, 1)  # 1: a rollout whose size the global batch sets
-        n = int((budget - at_one) // per_row) + 1
+    rows_a, rows_b = a.micro_batch_size, b.micro_batch_size
+    for phase, tensors in a.phases.items():
+        at_a = a.process_of(tensors)
+        # 1: a rollout whose size the global batch sets
+        per_row = max((b.process_of(b.phases[phase]) - at_a) // (rows_b - rows_a), 1)
+        n = rows_a + int((budget - at_a) // per_row)
         largest, steepest = n if largest is None else min(largest, n), max(steepest, per_row)
     return largest, steepest
