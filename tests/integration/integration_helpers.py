@@ -65,7 +65,7 @@ def run_cli(
     with ``nproc``, under ``torchrun --standalone --nproc_per_node nproc``.
     """
     argv, env = cli_command(args, faults, nproc)
-    if faults is None and not nproc and os.environ.get("TRAINFORGE_TESTS_COLD") != "1":
+    if not nproc and os.environ.get("TRAINFORGE_TESTS_COLD") != "1":
         warm = WarmCli.for_env(env)
         if warm is not None:
             return warm.run(argv, cwd, env, input, timeout)
@@ -138,7 +138,7 @@ class WarmCli:
             files = {k: str(Path(tmp) / k) for k in ("stdin", "stdout", "stderr")}
             if input is not None:
                 Path(files["stdin"]).write_text(input)
-            request = {"argv": argv[3:], "cwd": str(cwd), "env": env, **files, "stdin": files["stdin"] if input is not None else None}
+            request = {"argv": argv[1:], "cwd": str(cwd), "env": env, **files, "stdin": files["stdin"] if input is not None else None}
             try:
                 self.sock.settimeout(None)
                 self.stream.write(json.dumps(request) + "\n")

@@ -6,10 +6,11 @@ environment, stdin/stdout/stderr (files the test reads back), signal handlers, e
 ends it), and the shutdown of a real interpreter (non-daemon threads joined, then the atexit handlers). What it
 skips is only the interpreter's start and the imports, about five CPU-seconds of every CLI call on these
 machines. The start-up path itself stays covered by the runs that are still real subprocesses (``--nproc``,
-the fault runner, ``start_cli``, the smoke runs before every stop).
+``start_cli``, the smoke runs before every stop). The fault runner runs here too: its monkeypatches live in the
+child alone.
 
 Protocol on the socket whose fd is argv[1], one JSON object per line:
-request ``{"argv", "cwd", "env", "stdin", "stdout", "stderr"}``; answers ``{"pid"}``, then ``{"returncode"}``.
+request ``{"argv", "cwd", "env", "stdin", "stdout", "stderr"}`` (argv without the interpreter); answers ``{"pid"}``, then ``{"returncode"}``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,13 @@ def run_child(request: dict) -> int:
     sys.path[0] = os.getcwd()  # as `python -m` sets it: the working directory, not this file's folder
     code: object = 0
     try:
-        sys.argv = ["trainforge", *request["argv"]]
-        runpy.run_module("trainforge", run_name="__main__", alter_sys=True)
+        argv = request["argv"]  # after the interpreter's path: ["-m", "trainforge", ...] or [script, ...]
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:  # the fault runner: its faults installed in this child only, as in its own process
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
         code = stop.code
     except BaseException:  # noqa: BLE001 - an uncaught error ends a real interpreter with its traceback and 1
