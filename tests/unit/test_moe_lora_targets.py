@@ -106,3 +106,40 @@ def test_a_linear_subclass_computing_x_w_plus_b_stays_in_all_linear():
                                                           num_attention_heads=4))
     assert not_linear_maps(model) == {}
     assert lora_targets(model, "all-linear") == ("all-linear", [])
+
+
+def test_all_linear_on_an_image_text_moe_never_names_a_towers_sequential_index():
+    """dots.3-note: its towers' projectors are Sequentials (``proj.0``, ``proj.2``); all-linear named their linear
+    layers by their last component, ``0`` and ``2``, which PEFT matched to the language model's ``layers.0`` too
+    (ValueError: Target module ...DecoderLayer is not supported). Names are now the shortest endings that pick the
+    wanted layers alone, and the towers (kept out by exclude_modules) are not named at all."""
+    from trainforge.config.run import LoraSettings
+    from trainforge.model.load import apply_lora
+
+    text = build("qwen3_moe", num_experts=4, moe_intermediate_size=16)
+    inner = torch.nn.Module()
+    inner.language_model = text.model
+    inner.visual = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 32))
+    wrapper = torch.nn.Module()
+    wrapper.model, wrapper.lm_head, wrapper.config = inner, text.lm_head, text.config
+    modules, params = lora_targets(wrapper, "all-linear")
+    assert modules == ["k_proj", "o_proj", "q_proj", "v_proj"] and params == ["experts.down_proj", "experts.gate_up_proj"]
+    assert non_text_parts(wrapper) == ["model.visual"]
+
+    peft = apply_lora(text, LoraSettings(r=4, alpha=8))  # the names PEFT gets adapt what they say
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in peft.named_modules() if n.endswith(".lora_A")}
+    # attention by name, the experts through target_parameters (PEFT's wrapper of their 3-D weights)
+    assert {n.rsplit(".", 1)[-1] for n in adapted} == {"q_proj", "k_proj", "v_proj", "o_proj", "experts", "base_layer"}
+
+
+def test_a_name_shared_with_a_layer_left_out_is_made_longer_not_dropped():
+    from trainforge.model.lora_targets import matching_suffixes
+
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.gate_proj, model.mlp.router = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    model.shared = torch.nn.Module()
+    model.shared.gate_proj = torch.nn.Linear(4, 4)
+    assert matching_suffixes(model, {"mlp.gate_proj", "shared.gate_proj"}) == ["gate_proj"]
+    assert matching_suffixes(model, {"shared.gate_proj"}) == ["shared.gate_proj"]
+    assert matching_suffixes(model, {"mlp.router"}) == ["router"]

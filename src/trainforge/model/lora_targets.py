@@ -104,6 +104,31 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)} - {HEAD})
 
 
+def matching_suffixes(model: torch.nn.Module, wanted: set[str]) -> list[str]:
+    """The shortest dotted name endings that, as PEFT matches ``target_modules`` (a module whose path is the name or
+    ends with "." + it), pick the ``wanted`` modules and nothing else of the model: ``q_proj`` where every module so
+    named is wanted, ``shared_expert.gate_proj`` where another ``gate_proj`` is not. Modules PEFT's
+    ``exclude_modules`` keeps out anyway (an image-text model's towers) may match or not: their Sequential
+    projector's ``0`` would otherwise pick the language model's ``layers.0``."""
+    from .multimodal import non_text_parts
+
+    skipped = tuple(non_text_parts(model))
+    inside = tuple(f"{p}." for p in skipped)
+    names = [n for n, _ in model.named_modules() if n and n not in skipped and not n.startswith(inside)]
+    wanted = {n for n in wanted if n not in skipped and not n.startswith(inside)}
+    unwanted: set[str] = set()  # every ending of a module that must not be matched
+    for n in names:
+        if n not in wanted:
+            parts = n.split(".")
+            unwanted.update(".".join(parts[-k:]) for k in range(1, len(parts) + 1))
+    found = set()
+    for n in wanted:
+        parts = n.split(".")
+        found.add(next(".".join(parts[-k:]) for k in range(1, len(parts) + 1)
+                       if ".".join(parts[-k:]) not in unwanted or k == len(parts)))
+    return sorted(found)
+
+
 def lora_targets(model: torch.nn.Module, targets: str | list[str]) -> tuple[str | list[str], list[str]]:
     """(``target_modules``, ``target_parameters``) for PEFT. A single name is a list of one (PEFT would read a
     string as a regular expression over full module names, so ``q_proj`` matched nothing); a name that is an
@@ -116,11 +141,10 @@ def lora_targets(model: torch.nn.Module, targets: str | list[str]) -> tuple[str 
         if not experts and not mamba and not odd:
             return targets, []
         left_out = routers(model) | set(odd) if experts else set(odd)
-        linears = [n for n, m in model.named_modules() if _is_linear(m)]
-        kept = {n.rsplit(".", 1)[-1] for n in linears if n not in left_out and not (experts and _is_router(n))}
-        # PEFT matches a name at the end of a module's path: a name some left-out layer ends with is dropped too
-        dropped = {n.rsplit(".", 1)[-1] for n in left_out}
-        return sorted(kept - dropped - {HEAD} - (PEFT_MAMBA_REFUSED if mamba else set())), experts
+        wanted = {n for n, m in model.named_modules() if _is_linear(m) and n not in left_out
+                  and not (experts and _is_router(n)) and n.rsplit(".", 1)[-1] != HEAD
+                  and not (mamba and n.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED)}
+        return matching_suffixes(model, wanted), experts
     targets = [targets] if isinstance(targets, str) else list(targets)
     refused = [t for t in targets if mamba and t.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED]
     if refused:
