@@ -215,6 +215,23 @@ def test_memory_estimate_counts_weights_grads_adam_and_activations(tiny_model_di
     assert "may not fit" in warning and "micro_batch_size" in warning and "0.00 GiB available" in warning
 
 
+def test_a_config_with_one_mlp_width_per_layer_is_estimated_at_its_widest(tiny_model_dir):
+    """Gemma 3n's checkpoints list intermediate_size per layer: the estimate added the list to an int (TypeError at
+    setup, before any step); it now takes the widest layer."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from trainforge.engine.predict.memory import mlp_width
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    flat = estimate_memory(model, 4, 64, PRECISIONS["fp32"])
+    widths = [model.config.intermediate_size // 2, model.config.intermediate_size]
+    model.config = SimpleNamespace(**{**model.config.to_dict(), "intermediate_size": widths})  # strict configs refuse a list
+    assert estimate_memory(model, 4, 64, PRECISIONS["fp32"]) == flat
+    assert mlp_width(SimpleNamespace(intermediate_size=None), 32) == 128 and mlp_width(SimpleNamespace(), 8) == 32
+
+
 def test_run_warns_when_memory_is_short(config, tmp_path, monkeypatch):
     monkeypatch.setattr(engine_setup, "available_memory_bytes", lambda device: 1024)
     config["train"]["max_steps"] = 1

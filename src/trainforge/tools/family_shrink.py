@@ -61,7 +61,8 @@ _ROUTING = (*_EXPERT_COUNTS, "num_experts_per_tok", "moe_topk", "num_experts_per
             "num_shared_experts", "n_group", "topk_group")
 _PER_LAYER = ("layer_types", "layers_block_type", "block_types", "mlp_layer_types", "hybrid_override_pattern",
               "layers_block_types", "attn_layer_indices", "no_rope_layers", "moe_layers")
-_VOCAB = ("vocab_size", "text_vocab_size", "vocab_size_per_layer_input")  # Gemma 3n/4's per-layer embeddings too
+_VOCAB = ("vocab_size", "text_vocab_size", "vocab_size_per_layer_input",  # Gemma 3n/4's per-layer embeddings too
+          "unpadded_vocab_size")  # Inkling 2: the rows its head keeps (the rest padding)
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
               "mask_token_id", "unk_token_id")
 
@@ -85,6 +86,15 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                    "vision_config": {"adapter_in_dim": HIDDEN, "adapter_out_dim": HIDDEN},
                    "audio_config": {"adapter_input_size": HIDDEN, "adapter_out_dim": HIDDEN}},
     "falcon_h1": {"mamba_d_ssm": 64},  # its SSM width (1024 by default): mamba_n_heads x mamba_d_head
+    # Gemma 3n: its last layers reuse the key/value cache of the last earlier layer of their kind (15 of 35 by
+    # default): two producing layers and two sharing, one of each kind, the per-layer lists as long
+    "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "intermediate_size": [64] * 4,
+                     "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0],
+                     "layer_types": ["sliding_attention", "full_attention"] * 2},
+    # rotary settings per layer kind (its default config has none: every checkpoint names them)
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # Reformer's LM head runs as a decoder only; its axial position table factors a 64 x 192 width
+    "reformer": {"is_decoder": True, "axial_pos_embds": False},
     "falcon_mamba": {"time_step_rank": 4},
     "mamba": {"time_step_rank": 4},
     # its config class has no default per-layer kinds (every checkpoint lists them); one dense layer, one MoE

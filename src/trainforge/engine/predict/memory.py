@@ -15,6 +15,15 @@ times over (between 1x and this, it warns): the estimate is rough, never this fa
 FUSED_LOSS_ROWS = 4096  # the fused loss's largest chunk of target positions (loss.CHUNK): its logits are all it holds
 
 
+def mlp_width(config, hidden: int) -> int:
+    """The widest MLP intermediate of a config: ``intermediate_size`` is one width, or one per layer (Gemma 3n's
+    checkpoints list one for every layer); 4 x hidden where the config has none."""
+    inter = getattr(config, "intermediate_size", None)
+    if isinstance(inter, (list, tuple)):
+        inter = max(inter, default=None)
+    return int(inter or 4 * hidden)
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     weights: int
@@ -45,7 +54,7 @@ def estimate_memory(
     """
     c = getattr(model, "config", None)
     hidden = getattr(c, "hidden_size", 0)
-    inter = getattr(c, "intermediate_size", None) or 4 * hidden
+    inter = mlp_width(c, hidden)
     layers = getattr(c, "num_hidden_layers", 0)
     vocab = getattr(c, "vocab_size", 0)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .memory import mlp_width
+
 PERSISTENT = ("weights", "optimizer", "reference", "ddp_buckets")
 """Parts of the learning step's prediction that also exist while the rollout samples."""
 
@@ -61,7 +63,7 @@ def decoder_shape(cfg: Any, tokenizer) -> DecoderShape:
         layers=text.num_hidden_layers, hidden=hidden, heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or hidden // heads,
-        intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
+        intermediate=mlp_width(text, hidden),
         vocab=max(text.vocab_size, len(tokenizer)),
     )
 
