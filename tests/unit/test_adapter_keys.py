@@ -65,3 +65,29 @@ def test_an_adapter_peft_loads_back_as_saved_is_left_as_written(tmp_path):
     before = (tmp_path / "adapter_model.safetensors").read_bytes()
     assert keep_adapter_keys(peft, tmp_path) == []
     assert (tmp_path / "adapter_model.safetensors").read_bytes() == before
+
+
+def test_layers_whose_adapters_peft_reloads_elsewhere_are_left_out_of_all_linear_and_refused_by_name(tmp_path):
+    """Inkling 2's checkpoint renaming ``(convolution|sconv).weight_proj`` -> ``.weight_proj.weight`` also matches the
+    adapter key ``sconv.weight_proj.lora_A.weight``, and no checkpoint form escapes it: those adapters trained, then
+    reloaded (and merged by export) as fresh ones. all-linear now leaves those layers out, so what trains is what
+    reloads; naming them is a ConfigError."""
+    from trainforge.config.run import ConfigError
+    from trainforge.tools.family_shrink import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("inkling2_text", 64, {}))
+    model.save_pretrained(tmp_path / "base")
+    peft = trained_adapter(model)
+    assert peft.trainforge_lora_left_out and all(n.endswith("sconv.weight_proj") for n in peft.trainforge_lora_left_out)
+    assert not any("sconv.weight_proj.lora_" in k for k in lora_weights(peft))
+    assert any(".linear.lora_A" in k for k in lora_weights(peft))  # the rest is adapted
+    warned = []
+    save_model(peft, tmp_path / "adapter", None, warned.append)
+    back = lora_weights(reloaded_adapter(tmp_path / "base", tmp_path / "adapter"))
+    assert not warned and all(torch.equal(back[k], v) for k, v in lora_weights(peft).items())
+
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    with pytest.raises(ConfigError, match="weight_proj: PEFT's load renames"):
+        apply_lora(fresh, LoraSettings(r=4, alpha=8, target_modules=["linear", "weight_proj"]))

@@ -321,6 +321,10 @@ def build_run_model(
         + describe_experts(model) + (", activation checkpointing" if cfg.train.activation_checkpointing else "")
     )
     reporter.info(f"weights: {describe_storage(weight_storage(model))}")
+    left_out = getattr(model, "trainforge_lora_left_out", None)
+    if left_out:
+        reporter.warn(f"LoRA all-linear leaves out {len(left_out)} layers ({', '.join(sorted({n.rsplit('.', 1)[-1] for n in left_out}))}): "
+                      "PEFT's load would put their saved adapters on other names (this model type's checkpoint renamings)")
     return model
 
 

@@ -69,6 +69,24 @@ def keep_adapter_keys(model: torch.nn.Module, directory: Path) -> list[str]:
     return []
 
 
+def reloaded_elsewhere(model: torch.nn.Module) -> list[str]:
+    """Names (as the base model names them) of the adapted layers whose weights PEFT's load would put elsewhere even
+    in their checkpoint form: what ``keep_adapter_keys`` cannot save. Empty for most model types."""
+    from peft import get_peft_model_state_dict
+
+    if not hasattr(model, "peft_config"):
+        return []
+    state = get_peft_model_state_dict(model)
+    loaded = _as_peft_loads(model, state)
+    if _same(loaded, state):
+        return []
+    moved = [k for k in state if k not in loaded or not torch.equal(loaded[k], state[k])]
+    rewritten = {(_checkpoint_form(model, k) if k in moved else k): v for k, v in state.items()}
+    back = _as_peft_loads(model, rewritten)
+    lost = {k for k in state if k not in back or not torch.equal(back[k], state[k])}
+    return sorted({k.removeprefix(PREFIX).split(".lora_", 1)[0] for k in lost})
+
+
 def save_model(model: torch.nn.Module, directory: Path, state_dict: dict | None, warn: Callable[[str], None]) -> None:
     """``model.save_pretrained`` (with ``state_dict`` where given: FSDP's gathered weights), the weight files made
     as readable as config.json (transformers writes them 0600), an adapter's keys as PEFT loads them back (or a

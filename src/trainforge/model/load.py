@@ -17,11 +17,9 @@ from .experts_impl import use_experts_implementation
 from .fp8 import apply_fp8
 from .inputs import settle_inputs
 from .kernels import apply_liger, restore_torch_layers
-from .lora_experts import factor_expert_lora
-from .lora_fused import fuse_lora_layers
 from .nf4_experts import quantize_experts
-from .lora_targets import lora_targets
-from .multimodal import describe_text_only, freeze_non_text, image_text_class, lora_exclusion, refuse_a_part
+from .lora_apply import apply_lora  # noqa: F401 (where callers have always found it)
+from .multimodal import describe_text_only, freeze_non_text, image_text_class, refuse_a_part
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -442,32 +440,6 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     else:  # transformers before ~5.20 has only the older name (kept after as a deprecated alias)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
-
-
-def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
-    """Wrap with PEFT LoRA adapters (DoRA / rank-stabilized scaling when asked); only the adapters train.
-
-    Task type ``SEQ_2_SEQ_LM`` for encoder-decoder models (``final/`` then loads with
-    ``AutoPeftModelForSeq2SeqLM``). ``all-linear`` adapts every linear layer but the LM head: on
-    T5 ``q, k, v, o, wi (wi_0, wi_1), wo``, on BART ``q_proj, k_proj, v_proj, out_proj, fc1, fc2``,
-    in the encoder, the decoder and its cross-attention alike. ``lora.fused``: the layers add their update
-    inside the GEMM (``lora_fused.py``), the experts' adapters as factors (``lora_experts.py``)."""
-    from peft import LoraConfig, get_peft_model
-
-    modules, parameters = lora_targets(model, lora.target_modules)  # MoE: the experts' 3-D weights as parameters
-    config = LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.use_dora, use_rslora=lora.use_rslora,
-        target_modules=modules or None, target_parameters=parameters or None,
-        exclude_modules=lora_exclusion(model),  # an image-text model: adapters on its language model only
-        task_type="SEQ_2_SEQ_LM" if getattr(model.config, "is_encoder_decoder", False) else "CAUSAL_LM",
-    )
-    with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; not the user's concern
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        model = get_peft_model(model, config)
-    if lora.fused:
-        model.trainforge_lora_fused = fuse_lora_layers(model)  # the update added inside the GEMM (lora_fused.py)
-        model.trainforge_lora_experts = factor_expert_lora(model)  # experts' LoRA as factors, no W + BA (lora_experts.py)
-    return model
 
 
 def weight_storage(model: torch.nn.Module) -> dict[str, dict[str, int]]:

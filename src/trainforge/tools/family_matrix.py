@@ -163,6 +163,9 @@ def _train_and_reload(model_dir: Path, data: Path, method: str, work: Path, seen
     finally:  # as setup settled it (engine/packing_check.py), written before the first step
         if (out / "config.yaml").is_file():
             seen["packing"] = str(yaml.safe_load((out / "config.yaml").read_text())["data"]["packing"]).lower()
+    left_out = getattr(run.model, "trainforge_lora_left_out", None)
+    if left_out:
+        seen["left_out"] = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in left_out}))
     exported = out / "final"  # a full run's final/ is already a plain transformers directory
     if method == "lora":
         exported = work / "export-lora"
@@ -204,6 +207,8 @@ def run_family(family: str, work: Path) -> Outcome:
         if results[method].startswith("fails:"):
             notes.append(f"{method}: {results[method][7:]}")
             results[method] = "fails"
+    if "left_out" in seen:  # layers PEFT would reload elsewhere (model/lora_apply.py)
+        notes.append(f"lora: all-linear leaves out {seen['left_out']} (PEFT's load renames their adapters)")
     if kind.recurrent:
         notes.insert(0, f"{kind.recurrent} layers: one example per row")
     elif not kind.encoder_decoder and (kind.fixed_attention or seen["packing"] == "false"):
