@@ -88,3 +88,49 @@ def test_the_choice_is_on_the_console_and_in_the_summary(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "experts eager (model.experts_implementation)" in done.stdout + done.stderr
     assert json.loads((out / "summary.json").read_text())["experts_implementation"] == "eager"
+
+
+def test_auto_on_a_gpu_runs_fp32_masters_under_bf16_autocast_on_the_grouped_kernel():
+    """A full fine-tune's fp32 expert weights: torch's grouped GEMM takes bf16 only and is no autocast op, so auto
+    ran them one linear per expert; under bf16 autocast trainforge's grouped path casts as autocast does."""
+    from trainforge.model.experts_forward import GROUPED_NAME
+
+    assert choose("auto", "cuda", torch.float32, (9, 0), torch.bfloat16)[0] == GROUPED_NAME
+    assert "autocast's bf16 copies" in choose("auto", "cuda", torch.float32, None, torch.bfloat16)[1]
+    assert choose("auto", "cuda", torch.float32, (9, 0), None)[0] == "eager"  # fp32 run: nothing to cast to
+    assert choose("auto", "cuda", torch.float32, (9, 0), torch.float16)[0] == "eager"
+    assert choose("auto", "cuda", torch.float32, (7, 5), torch.bfloat16)[0] == "eager"
+    assert choose("auto", "cpu", torch.float32, None, torch.bfloat16)[0] == "grouped_mm"  # CPU: as before
+
+
+def test_the_grouped_path_under_autocast_equals_eager_under_autocast(monkeypatch):
+    """The GPU branch checked on the CPU (``CAST_DEVICES`` given the CPU): fp32 expert weights under bf16 autocast,
+    trainforge's grouped path against transformers' eager loop under the same autocast: the same loss and gradients
+    to bf16 tolerance, and every grouped GEMM was handed bf16 operands."""
+    import trainforge.model.experts_forward as ef
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from trainforge.model.experts_impl import use_experts_implementation
+
+    monkeypatch.setattr(ef, "CAST_DEVICES", ("cuda", "cpu"))
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    grouped = ef._grouped_mm
+    monkeypatch.setattr(ef, "_grouped_mm", lambda rows, w, off: seen.append((rows.dtype, w.dtype)) or grouped(rows, w, off))
+    fields = {k: v for k, v in INIT.items() if k != "architecture"}
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for name in ("eager", ef.GROUPED_NAME):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[INIT["architecture"]](**fields))
+        assert use_experts_implementation(model, name, torch.device("cpu"))[0] == name
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results[name] = loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if "experts" in n}
+    assert seen and all(dtypes == (torch.bfloat16, torch.bfloat16) for dtypes in seen)
+    (ref_loss, ref), (loss, grads) = results["eager"], results[ef.GROUPED_NAME]
+    assert loss == pytest.approx(ref_loss, rel=TOLERANCE[torch.bfloat16][0])
+    assert grads.keys() == ref.keys() and grads
+    for name, g in grads.items():
+        assert g.dtype == torch.float32  # the fp32 masters get their gradient through the cast
+        assert (g - ref[name]).abs().max() / ref[name].abs().max().clamp_min(1e-12) < TOLERANCE[torch.bfloat16][1], name

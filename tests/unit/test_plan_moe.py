@@ -118,3 +118,21 @@ def test_experts_outside_transformers_interface_are_refused_naming_the_module():
     with pytest.raises(UntraceableExperts, match="OwnExperts") as caught:
         use_static_routing(torch.nn.Sequential(OwnExperts()), "grouped_mm")
     assert caught.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_a_gpu_plan_traces_fp32_masters_on_the_grouped_path_as_eager_under_autocast(tmp_path):
+    """On a GPU, auto runs a bf16 full fine-tune's fp32 expert weights on trainforge's grouped path, which casts as
+    autocast casts eager's linear: the plan traces it so (its bf16 copies kept for backward), about eager's peak."""
+    from trainforge.engine.predict.moe import trace_experts
+    from trainforge.model.experts_forward import GROUPED_NAME
+
+    cfg = run_config(tmp_path, "qwen3_moe", "full", False)
+    model = build_model(cfg.model, VocabOnly(VOCAB), 0)
+    assert trace_experts(model, "auto", "cuda", torch.bfloat16) == GROUPED_NAME
+    assert all(m._trainforge_autocast for m in model.modules() if hasattr(m, "_trainforge_autocast"))
+    bf16 = PRECISIONS["bf16"]
+    grouped = trace_training_step(cfg, VocabOnly(VOCAB), bf16, ROWS, False, device_type="cuda")
+    eager = trace_training_step(run_config(tmp_path, "qwen3_moe", "full", False, "eager"), VocabOnly(VOCAB), bf16, ROWS,
+                                False, device_type="cuda")
+    assert grouped.parts["weights"] == eager.parts["weights"]
+    assert abs(grouped.peak / eager.peak - 1) < 0.10, (grouped.parts, eager.parts)

@@ -76,7 +76,11 @@ def reloaded_elsewhere(model: torch.nn.Module) -> list[str]:
 
     if not hasattr(model, "peft_config"):
         return []
+    from torch._subclasses.fake_tensor import is_fake
+
     state = get_peft_model_state_dict(model)
+    if any(t.is_meta or is_fake(t) for t in state.values()):  # a plan's skeleton: nothing is saved, nothing to compare
+        return []
     loaded = _as_peft_loads(model, state)
     if _same(loaded, state):
         return []

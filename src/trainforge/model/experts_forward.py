@@ -103,26 +103,45 @@ def _offsets(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
     return torch.cumsum(counts, dim=0, dtype=torch.int32)
 
 
+CAST_DEVICES = ("cuda",)  # where autocast's half-precision casts reach the grouped GEMM (tests add "cpu")
+
+
+def autocast_to(rows: torch.Tensor) -> torch.dtype | None:
+    """The half dtype the grouped GEMMs take under autocast on the rows' device, or None (no autocast there, or a
+    CPU: its grouped GEMM multiplies fp32 weights in fp32, as transformers' does, faster than emulated bf16)."""
+    device = rows.device.type
+    if device in CAST_DEVICES and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
 def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts on transformers' grouped GEMM (``torch._grouped_mm`` where it serves, its own loop of GEMMs
-    elsewhere), with a LoRA of the expert weights as ``scaling x (rows @ A_e) @ B_e`` per expert where one is set."""
+    elsewhere), with a LoRA of the expert weights as ``scaling x (rows @ A_e) @ B_e`` per expert where one is set.
+
+    Under CUDA autocast the GEMMs take autocast's dtype, as eager's per-expert ``linear`` would: fp32 master weights
+    (a full fine-tune) are cast for the GEMM, which ``torch._grouped_mm`` then serves in bf16 (it takes no fp32, and
+    it is no autocast op: without the cast a full fine-tune had to run the experts one ``linear`` at a time)."""
     offsets: list[torch.Tensor] = []
 
     def project(rows: torch.Tensor, name: str, expert_ids: torch.Tensor) -> torch.Tensor:
         if not offsets:
             offsets.append(_offsets(expert_ids, self.num_experts))
+        half = autocast_to(rows)
+        cast = (lambda t: t.to(half)) if half is not None else (lambda t: t)  # noqa: E731
+        rows = cast(rows)
         nf4 = nf4_of(self, name)
         if nf4 is not None:  # QLoRA: the weight dequantized for this GEMM only, again in backward (nf4_experts.py)
             out = NF4GroupedMM.apply(rows, nf4[0], nf4[1], offsets[0], self.is_transposed)
         else:
-            weight = getattr(self, name)
+            weight = cast(getattr(self, name))  # autocast's copy, kept for backward as linear's cast is
             out = _grouped_mm(rows, weight if self.is_transposed else weight.transpose(-2, -1), offsets[0])
         lora = lora_of(self, name)
         if lora is not None:
             a, b, scaling = lora
             # rank-r intermediates only: no expert-sized tensor is made, kept for backward or recomputed
-            out = out + _grouped_mm(_grouped_mm(rows, a, offsets[0]), b, offsets[0]) * scaling
+            out = out + _grouped_mm(_grouped_mm(rows, cast(a), offsets[0]), cast(b), offsets[0]) * scaling
         return out
 
     return routed_experts(self, hidden_states, top_k_index, top_k_weights, project)

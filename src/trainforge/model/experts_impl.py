@@ -8,8 +8,9 @@ transformers finds the kernel unusable its own loop of GEMMs). transformers defa
 back to ``eager`` for a model that cannot switch.
 
 ``auto`` picks ``grouped_mm``, except on a GPU whose expert weights are not bf16 (a full fine-tune keeps fp32
-masters): torch's grouped kernel multiplies bf16 only and is not an autocast op, while eager's per-expert
-``linear`` gets autocast's bf16. On this CPU ``grouped_mm`` was 1.6x faster than ``eager`` over forward and
+masters): torch's grouped kernel multiplies bf16 only and is not an autocast op. Under bf16 autocast there
+trainforge's own grouped path (``experts_forward.py``) casts the weights for the GEMM as autocast casts eager's
+per-expert ``linear``, and runs the grouped kernel; eager only without autocast. On this CPU ``grouped_mm`` was 1.6x faster than ``eager`` over forward and
 backward of a 16-expert, top-4 layer on 1024 tokens, in fp32, bf16 and fp32-under-bf16-autocast alike
 (docs/models.md).
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .experts_forward import GROUPED_NAME
+from .experts_forward import GROUPED_NAME, register_grouped
 from .moe import expert_modules
 
 IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
@@ -35,15 +36,19 @@ def grouped_kernel(device_type: str, weight_dtype: torch.dtype, capability: tupl
 
 
 def choose(setting: str, device_type: str, weight_dtype: torch.dtype,
-           capability: tuple[int, int] | None = None) -> tuple[str, str]:
+           capability: tuple[int, int] | None = None, autocast_dtype: torch.dtype | None = None) -> tuple[str, str]:
     """(implementation, why) for ``model.experts_implementation`` on this device type with expert weights of this
-    dtype; ``capability``: the CUDA device's, where there is one (a plan for a profile has none)."""
+    dtype; ``capability``: the CUDA device's, where there is one (a plan for a profile has none); ``autocast_dtype``:
+    the run's (bf16 autocast over fp32 masters takes trainforge's grouped path, which casts as autocast does)."""
     if setting != "auto":
         return setting, "model.experts_implementation"
     if device_type == "cpu":
         return "grouped_mm", "auto: faster than eager on CPU"
     if grouped_kernel(device_type, weight_dtype, capability):
         return "grouped_mm", f"auto: torch's grouped GEMM on {device_type} for bf16 expert weights"
+    if device_type == "cuda" and autocast_dtype == torch.bfloat16 and grouped_kernel(device_type, autocast_dtype, capability):
+        return GROUPED_NAME, (f"auto: torch's grouped GEMM on autocast's bf16 copies of the "
+                              f"{str(weight_dtype).removeprefix('torch.')} expert weights")
     return "eager", (f"auto: {str(weight_dtype).removeprefix('torch.')} expert weights on {device_type}, "
                      "which torch's grouped GEMM does not take")
 
@@ -63,17 +68,20 @@ def settable(model: torch.nn.Module) -> bool:
     return bool(mods) and all(hasattr(m, "has_gate") for m in mods)
 
 
-def use_experts_implementation(model: torch.nn.Module, setting: str, device: torch.device) -> tuple[str, str] | None:
+def use_experts_implementation(model: torch.nn.Module, setting: str, device: torch.device,
+                               autocast_dtype: torch.dtype | None = None) -> tuple[str, str] | None:
     """Set the implementation ``setting`` resolves to on ``model`` (and its sub-models); (implementation, why),
     or None: a dense model, or experts outside the interface (they run their own forward; a set ``setting`` is
-    then refused by ``check_settable``)."""
+    then refused by ``check_settable``). ``autocast_dtype``: the run's autocast (see ``choose``)."""
     dtype = expert_weight_dtype(model)
     if dtype is None or not settable(model):
         return None
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    choice, why = choose(setting, device.type, dtype, capability)
+    choice, why = choose(setting, device.type, dtype, capability, autocast_dtype)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if hasattr(base, "set_experts_implementation"):
+    if choice == GROUPED_NAME:
+        register_grouped()  # trainforge's own, registered in transformers' experts interface
+    elif hasattr(base, "set_experts_implementation"):
         base.set_experts_implementation(choice)
     for m in expert_modules(model):  # the experts read their config at each forward: make sure each one's says so
         config = getattr(m, "config", None)

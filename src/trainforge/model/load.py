@@ -233,7 +233,7 @@ def build_model(
     fp8_layers = apply_fp8(model, fp8) if fp8 else 0
     if fp8 and not fp8_layers:
         warn("train.fp8: no linear layer has sides that are multiples of 16 (FP8 tensor cores need them): the run is plain bf16")
-    experts = use_experts_implementation(model, cfg.experts_implementation, device or torch.device("cpu"))
+    experts = use_experts_implementation(model, cfg.experts_implementation, device or torch.device("cpu"), compute_dtype)
     model = adapt(model, cfg, activation_checkpointing)
     model.trainforge_experts = experts  # (implementation, why) of a mixture-of-experts model's routed experts
     model.trainforge_kernels = used

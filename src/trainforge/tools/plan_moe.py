@@ -35,7 +35,8 @@ def moe_facts(cfg: RunConfig, tokenizer, precision: Precision, profile: Hardware
     # the dtype the run stores the experts in: a LoRA base in the compute dtype, a full fine-tune's fp32 masters
     # (model.init builds fp32); QLoRA in NF4 (model/nf4_experts.py), computed on trainforge's grouped path
     dtype = torch.float32 if cfg.model.init is not None else storage_dtype(cfg.model, precision.autocast_dtype)
-    implementation, why = choose(cfg.model.experts_implementation, "cpu" if profile.kind == "cpu" else "cuda", dtype)
+    implementation, why = choose(cfg.model.experts_implementation, "cpu" if profile.kind == "cpu" else "cuda", dtype,
+                                 autocast_dtype=precision.autocast_dtype)
     embeddings = sum(m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Embedding))
     expert_params = sum(p.numel() for p in experts)
     facts = {

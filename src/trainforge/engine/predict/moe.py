@@ -15,7 +15,8 @@ only. During a trace each routed-experts module (transformers' ``@use_experts_im
 
 Precision follows the implementation the run will use (``model/experts_impl.py``): ``grouped_mm`` is not
 autocast (it multiplies in the weights' dtype: fp32 master weights stay fp32), eager's per-expert
-``linear`` is (its bf16 copies of the expert weights are kept for backward); ``batched_mm`` is shape-static
+``linear`` is (its bf16 copies of the expert weights are kept for backward), and so is trainforge's grouped path
+on a GPU (it casts as autocast does); ``batched_mm`` is shape-static
 already and is traced as it is (it gathers one weight matrix per routed token: a memory a plan must show).
 """
 
@@ -27,7 +28,7 @@ import types
 import torch
 
 from ...errors import TrainforgeError
-from ...model.experts_forward import lora_of, routed_experts
+from ...model.experts_forward import GROUPED_NAME, lora_of, routed_experts
 from ...model.experts_impl import choose, expert_weight_dtype
 from ...model.moe import expert_modules
 
@@ -68,23 +69,24 @@ def _static_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     return routed_experts(self, hidden_states, top_k_index, top_k_weights, project)
 
 
-def trace_experts(model: torch.nn.Module, setting: str, device_type: str) -> str | None:
-    """Prepare a traced model's routed experts as the run will run them on ``device_type``: the implementation
-    ``setting`` (``model.experts_implementation``) resolves to, through its shape-static stand-in. Returns that
-    implementation, or None for a dense model."""
+def trace_experts(model: torch.nn.Module, setting: str, device_type: str,
+                  autocast_dtype: torch.dtype | None = None) -> str | None:
+    """Prepare a traced model's routed experts as the run will run them on ``device_type`` under ``autocast_dtype``:
+    the implementation ``setting`` (``model.experts_implementation``) resolves to, through its shape-static
+    stand-in. Returns that implementation, or None for a dense model."""
     dtype = expert_weight_dtype(model)
     if dtype is None:
         return None
-    choice, _ = choose(setting, device_type, dtype)
+    choice, _ = choose(setting, device_type, dtype, autocast_dtype=autocast_dtype)
     for module in expert_modules(model):
         config = getattr(module, "config", None)
         if config is not None:  # batched_mm runs transformers' own forward, which reads it
             config._experts_implementation_internal = choice
-    use_static_routing(model, choice)
+    use_static_routing(model, choice, device_type)
     return choice
 
 
-def use_static_routing(model: torch.nn.Module, implementation: str) -> int:
+def use_static_routing(model: torch.nn.Module, implementation: str, device_type: str = "cpu") -> int:
     """Give each routed-experts module of ``model`` the shape-static stand-in of ``implementation``, in place;
     returns how many got one. ``batched_mm`` needs none; a module that is not transformers' experts interface
     (no ``has_gate``) is one this plan cannot trace: ``UntraceableExperts``."""
@@ -94,7 +96,8 @@ def use_static_routing(model: torch.nn.Module, implementation: str) -> int:
     for module in expert_modules(model):
         if not hasattr(module, "has_gate"):
             raise UntraceableExperts(type(module).__name__)
-        module._trainforge_autocast = implementation == "eager"
+        # eager's linear is an autocast op; trainforge's grouped path casts as autocast does, on a GPU
+        module._trainforge_autocast = implementation == "eager" or (implementation == GROUPED_NAME and device_type == "cuda")
         module.forward = types.MethodType(_static_experts_forward, module)
         swapped += 1
     return swapped

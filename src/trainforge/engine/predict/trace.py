@@ -403,7 +403,7 @@ def _trace(
             quantize_base_4bit(model, precision.autocast_dtype or torch.float32)
         if kernels == "liger":
             use_liger_stand_ins(model)
-        trace_experts(model, cfg.model.experts_implementation, device_type)  # MoE: routing of static shapes (moe.py)
+        trace_experts(model, cfg.model.experts_implementation, device_type, precision.autocast_dtype)  # MoE: static routing (moe.py)
         if fp8_recipe(cfg.train.fp8) and cfg.model.method != "qlora":
             apply_fp8(model, fp8_recipe(cfg.train.fp8))  # torchao's layers run on fake tensors: their casts are traced
         apply_traced_levers(model, cfg, activation_checkpointing, device_type)

@@ -99,6 +99,7 @@ class MoEChecks:
         from ...engine.router_loss import AUX, router_loss_for, router_means
         from ...engine.step import TokenObjective, forward_backward
         from ...hardware.device import PRECISIONS as MODES
+        from ...model.experts_forward import GROUPED_NAME
         from ...model.experts_impl import current, expert_weight_dtype, use_experts_implementation
         from ...model.load import build_model
         from ...model.tokenizer import load_tokenizer
@@ -117,7 +118,7 @@ class MoEChecks:
                     if "lora_B" in n:  # B starts at zero, which would make A's gradient zero on both paths
                         p.normal_(0, 0.05)
         chosen, why = model.trainforge_experts or (None, "")
-        if chosen is None or current(model) != chosen:
+        if chosen is None or current(model) != ("grouped_mm" if chosen == GROUPED_NAME else chosen):
             raise CheckFailed(f"the experts run {current(model)}, not the implementation chosen for them ({chosen})")
         # fp32 masters under autocast: the chosen path may multiply them unrounded where eager rounds to the half dtype
         masters = mode.autocast_dtype is not None and chosen != "eager" and expert_weight_dtype(model) == torch.float32
