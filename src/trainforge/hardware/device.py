@@ -409,6 +409,10 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
         overhead = cached_probe("op-overhead", measure_op_overhead, cache_dir, better=min)
     else:
         tflops, bandwidth, overhead = {"fp32": 0.0}, 0.0, 0.0
+    # every training process holds transformers' modeling code (0.16 GiB of RSS here); a plan run before anything
+    # imported it measured its own RSS that much under a run's (plan --longest then overshot a 1.5 GiB cap 2.3x)
+    import transformers.modeling_utils  # noqa: F401
+
     memory = available_memory_bytes(device) or 0
     return HardwareProfile(
         name="this",
