@@ -49,6 +49,17 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _round_trip(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], dict, dict]:
+    """(the keys of ``state`` PEFT's load would move, ``state`` with those keys in their checkpoint form, what PEFT's
+    load makes of that form); no keys, ``state`` and its load where nothing moves."""
+    loaded = _as_peft_loads(model, state)
+    if _same(loaded, state):
+        return [], state, loaded
+    moved = sorted(k for k in state if k not in loaded or not torch.equal(loaded[k], state[k]))
+    rewritten = {(_checkpoint_form(model, k) if k in moved else k): v for k, v in state.items()}
+    return moved, rewritten, _as_peft_loads(model, rewritten)
+
+
 def keep_adapter_keys(model: torch.nn.Module, directory: Path) -> list[str]:
     """Rewrite ``directory``'s adapter file (just written by ``model.save_pretrained``) so that PEFT's load puts
     every weight back on its module. Returns the keys PEFT would still move (empty when all load right)."""
@@ -58,12 +69,10 @@ def keep_adapter_keys(model: torch.nn.Module, directory: Path) -> list[str]:
     if not path.is_file() or not hasattr(model, "peft_config"):
         return []
     state = load_file(str(path))
-    loaded = _as_peft_loads(model, state)
-    if _same(loaded, state):
+    moved, rewritten, back = _round_trip(model, state)
+    if not moved:
         return []
-    moved = sorted(k for k in state if k not in loaded or not torch.equal(loaded[k], state[k]))
-    rewritten = {(_checkpoint_form(model, k) if k in moved else k): v for k, v in state.items()}
-    if not _same(_as_peft_loads(model, rewritten), state):
+    if not _same(back, state):
         return moved
     save_file(rewritten, str(path), metadata={"format": "pt"})
     return []
@@ -73,20 +82,14 @@ def reloaded_elsewhere(model: torch.nn.Module) -> list[str]:
     """Names (as the base model names them) of the adapted layers whose weights PEFT's load would put elsewhere even
     in their checkpoint form: what ``keep_adapter_keys`` cannot save. Empty for most model types."""
     from peft import get_peft_model_state_dict
+    from torch._subclasses.fake_tensor import is_fake
 
     if not hasattr(model, "peft_config"):
         return []
-    from torch._subclasses.fake_tensor import is_fake
-
     state = get_peft_model_state_dict(model)
     if any(t.is_meta or is_fake(t) for t in state.values()):  # a plan's skeleton: nothing is saved, nothing to compare
         return []
-    loaded = _as_peft_loads(model, state)
-    if _same(loaded, state):
-        return []
-    moved = [k for k in state if k not in loaded or not torch.equal(loaded[k], state[k])]
-    rewritten = {(_checkpoint_form(model, k) if k in moved else k): v for k, v in state.items()}
-    back = _as_peft_loads(model, rewritten)
+    _, _, back = _round_trip(model, state)
     lost = {k for k in state if k not in back or not torch.equal(back[k], state[k])}
     return sorted({k.removeprefix(PREFIX).split(".lora_", 1)[0] for k in lost})
 

@@ -10,9 +10,9 @@ back to ``eager`` for a model that cannot switch.
 ``auto`` picks ``grouped_mm``, except on a GPU whose expert weights are not bf16 (a full fine-tune keeps fp32
 masters): torch's grouped kernel multiplies bf16 only and is not an autocast op. Under bf16 autocast there
 trainforge's own grouped path (``experts_forward.py``) casts the weights for the GEMM as autocast casts eager's
-per-expert ``linear``, and runs the grouped kernel; eager only without autocast. On this CPU ``grouped_mm`` was 1.6x faster than ``eager`` over forward and
-backward of a 16-expert, top-4 layer on 1024 tokens, in fp32, bf16 and fp32-under-bf16-autocast alike
-(docs/models.md).
+per-expert ``linear``, and runs the grouped kernel; eager only without autocast. On this CPU ``grouped_mm`` was
+1.6x faster than ``eager`` over forward and backward of a 16-expert, top-4 layer on 1024 tokens, in fp32, bf16
+and fp32-under-bf16-autocast alike (docs/models.md).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def choose(setting: str, device_type: str, weight_dtype: torch.dtype,
         return "grouped_mm", "auto: faster than eager on CPU"
     if grouped_kernel(device_type, weight_dtype, capability):
         return "grouped_mm", f"auto: torch's grouped GEMM on {device_type} for bf16 expert weights"
-    if device_type == "cuda" and autocast_dtype == torch.bfloat16 and grouped_kernel(device_type, autocast_dtype, capability):
+    if autocast_dtype is not None and grouped_kernel(device_type, autocast_dtype, capability):  # CUDA: bf16 only
         return GROUPED_NAME, (f"auto: torch's grouped GEMM on autocast's bf16 copies of the "
                               f"{str(weight_dtype).removeprefix('torch.')} expert weights")
     return "eager", (f"auto: {str(weight_dtype).removeprefix('torch.')} expert weights on {device_type}, "

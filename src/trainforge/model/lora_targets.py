@@ -116,17 +116,15 @@ def matching_suffixes(model: torch.nn.Module, wanted: set[str]) -> list[str]:
     inside = tuple(f"{p}." for p in skipped)
     names = [n for n, _ in model.named_modules() if n and n not in skipped and not n.startswith(inside)]
     wanted = {n for n in wanted if n not in skipped and not n.startswith(inside)}
-    unwanted: set[str] = set()  # every ending of a module that must not be matched
-    for n in names:
-        if n not in wanted:
-            parts = n.split(".")
-            unwanted.update(".".join(parts[-k:]) for k in range(1, len(parts) + 1))
-    found = set()
-    for n in wanted:
-        parts = n.split(".")
-        found.add(next(".".join(parts[-k:]) for k in range(1, len(parts) + 1)
-                       if ".".join(parts[-k:]) not in unwanted or k == len(parts)))
-    return sorted(found)
+    unwanted = {e for n in names if n not in wanted for e in _endings(n)}  # what must match nothing wanted
+    # the shortest ending no unwanted module has (the whole path where every ending is shared)
+    return sorted({next((e for e in _endings(n) if e not in unwanted), n) for n in wanted})
+
+
+def _endings(name: str) -> list[str]:
+    """``a.b.c`` -> ``c``, ``b.c``, ``a.b.c``: the names PEFT's ``target_modules`` would match it by, shortest first."""
+    parts = name.split(".")
+    return [".".join(parts[-k:]) for k in range(1, len(parts) + 1)]
 
 
 def lora_targets(model: torch.nn.Module, targets: str | list[str]) -> tuple[str | list[str], list[str]]:

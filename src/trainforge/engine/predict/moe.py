@@ -28,7 +28,7 @@ import types
 import torch
 
 from ...errors import TrainforgeError
-from ...model.experts_forward import GROUPED_NAME, lora_of, routed_experts
+from ...model.experts_forward import CAST_DEVICES, GROUPED_NAME, lora_of, routed_experts
 from ...model.experts_impl import choose, expert_weight_dtype
 from ...model.moe import expert_modules
 
@@ -96,8 +96,8 @@ def use_static_routing(model: torch.nn.Module, implementation: str, device_type:
     for module in expert_modules(model):
         if not hasattr(module, "has_gate"):
             raise UntraceableExperts(type(module).__name__)
-        # eager's linear is an autocast op; trainforge's grouped path casts as autocast does, on a GPU
-        module._trainforge_autocast = implementation == "eager" or (implementation == GROUPED_NAME and device_type == "cuda")
+        # eager's linear is an autocast op; trainforge's grouped path casts as autocast does where it casts at all
+        module._trainforge_autocast = implementation == "eager" or (implementation == GROUPED_NAME and device_type in CAST_DEVICES)
         module.forward = types.MethodType(_static_experts_forward, module)
         swapped += 1
     return swapped
