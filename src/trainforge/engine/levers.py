@@ -1,5 +1,6 @@
 """The long-context levers in a run: ``train.tiled_mlp`` and ``train.activation_offload`` resolved when auto
-(from the plan of this run on this machine: predict/levers.py) and applied to the built model."""
+(from the plan of this run on this machine: predict/levers.py) and applied to the built model; on a CPU the heap
+made compact where the run needs memory (``train.compact_heap``, hardware/heap.py)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,16 @@ def apply_levers(model: torch.nn.Module, cfg: RunConfig, device: torch.device, s
             model.trainforge_offload = offload  # what it moved: count and bytes, for the summary
             say(f"activation offload: the inputs of {n} checkpointed layers kept in pinned host memory")
     return model
+
+
+def settle_heap(cfg: RunConfig, device: torch.device, say: Callable[[str], None]) -> dict[str, object]:
+    """Make this process's heap compact or not as ``train.compact_heap`` says for the run's settled levers (before the
+    model is built, so loading gives its freed blocks back too); the choice and why, for summary.json."""
+    from ..hardware.heap import apply_compact_heap, compact_heap
+
+    t = cfg.train
+    on, why = compact_heap(t.compact_heap, device.type, t.activation_checkpointing is True, t.tiled_mlp is True)
+    apply_compact_heap(on)
+    if on or t.compact_heap is True:  # an auto that stays off is the common case: not worth a line
+        say(f"compact heap {'auto ' if t.compact_heap == 'auto' else ''}-> {why}")
+    return {"compact_heap": on, "compact_heap_reason": why}

@@ -190,7 +190,8 @@ def _lever_hints(cfg: RunConfig, profile: HardwareProfile, rows: int) -> str:
     t = cfg.train
     off = [k for k, off in (("activation_checkpointing", t.activation_checkpointing is False),
                             ("tiled_mlp", t.tiled_mlp is False and tiling_covers(cfg)),
-                            ("activation_offload", t.activation_offload is False and profile.kind == "gpu")) if off]
+                            ("activation_offload", t.activation_offload is False and profile.kind == "gpu"),
+                            ("compact_heap", t.compact_heap is False and profile.kind == "cpu")) if off]
     hints = [f"train.{k}: auto (it is off)" for k in off] + (["a smaller train.micro_batch_size"] if rows > 1 else [])
     return "; or a longer row with " + ", ".join(hints) if hints else ""
 

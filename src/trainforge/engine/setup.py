@@ -39,7 +39,7 @@ from ..rl.wiring import bind_rollouts, data_planner, loader_type
 from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .ending import eval_stopped_at_checkpoint
-from .levers import apply_levers, resolve_run_levers
+from .levers import apply_levers, resolve_run_levers, settle_heap
 from .loss import kernels_for_head, loss_head_fact
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run
@@ -121,6 +121,7 @@ def setup(
     with reusing_traces():  # the levers and the micro-batch search trace some settings alike: each once
         cfg = resolve_run_levers(cfg, tokenizer, precision, device, ctx, reporter.info)  # tiled MLP, offload: auto
         cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
+    heap = settle_heap(cfg, device, reporter.info)  # a CPU run short of memory gives freed blocks back
     laps("fit")
     cfg, micro, accum = batch_layout(cfg, ctx.world_size, resume_plan)
     loader = loader_type(cfg)(
@@ -209,7 +210,7 @@ def setup(
             judge_loss=cfg.train.objective != "grpo",
         ),
     )
-    run.facts.choices.update(length_facts)  # what data.max_length is and why (auto: what it chose)
+    run.facts.choices.update(length_facts | heap)  # what data.max_length is and why (auto: what it chose); the heap
     run.facts.choices["loss_head"] = loss_head_fact(
         train_model, cfg.train.fused_loss, cfg.model.kind.encoder_decoder, reporter.info, reporter.warn)
     run.facts.choices["kernels"] = kernels_for_head(run.facts.choices["kernels"], run.facts.choices["loss_head"])

@@ -61,6 +61,7 @@ class HardwareProfile:
     aliases: tuple[str, ...] = ()
     fixed_gib: float = GPU_CONTEXT_GIB  # process memory that is not tensors
     load_fixed_gib: float | None = None  # the same before the first step (CPU: no loader or metrics yet); None: fixed_gib
+    compact_fixed_gib: float | None = None  # the same with a CPU's compact heap (hardware/heap.py); None: fixed_gib
     allocator_overhead: float = ALLOCATOR_OVERHEAD
     op_overhead_s: float = GPU_OP_OVERHEAD_S
     matmul_efficiency: float = GPU_MATMUL_EFFICIENCY

@@ -25,6 +25,7 @@ from ..engine.predict.memory import estimate_memory
 from ..engine.predict.timing import StepTime, measure_ops, predict_step_time
 from ..engine.predict.trace_cache import reusing_traces
 from ..data.mixture import describe_planned, planned_epochs, planned_mixture
+from ..hardware.heap import heap_as
 from ..hardware.device import PRECISIONS, Precision, cpu_has_native_bf16, emulated_precision, pick_device, resolve_precision, this_profile
 from ..hardware.profiles import GIB, HardwareProfile, find_profile
 from .plan_memory import memory_table, rollout_facts
@@ -131,7 +132,10 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
     load = predict_load_memory(resolved, precision, profile, memory)
     remedy = one_change_to_fit(resolved, tokenizer, precision, profile, memory, accum, world_size, mode)
     threads = 1 if world_size > 1 else None
-    measured = measure_ops(memory.trace, threads=threads) if time_ops and device is not None and device.type == "cpu" else {}
+    measured = {}
+    if time_ops and device is not None and device.type == "cpu":
+        with heap_as(memory.compact_heap):  # a compact run's ops fault in fresh pages for their outputs: timed so
+            measured = measure_ops(memory.trace, threads=threads)
     data = data_facts(cfg, tokenizer)
     step = predict_step_time(memory.trace, profile, accum, measured, attention_share(cfg, precision, device, profile, data))
     step = _with_comms(step, memory, profile, world_size, mode)
@@ -151,6 +155,8 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
         "memory": {
             "peak_tensor_bytes": memory.tensors,
             "peak_process_bytes": memory.process,
+            # what the process adds to its tensors at these settings (on a CPU: less with the compact heap)
+            "allocator_overhead": round(memory.scale - 1, 4), "fixed_bytes": int(memory.fixed),
             # CPU: peak RSS while the weights load (file pages read, the weights they became); None: not predicted
             "load_process_bytes": load.process if load else None,
             "load_parts": {"mapped": load.mapped, "converted": load.converted, "fixed": load.fixed} if load else None,

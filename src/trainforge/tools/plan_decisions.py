@@ -1,6 +1,6 @@
 """What ``trainforge plan`` says the run would decide by itself on a hardware profile, and why: one row per
 setting a run resolves (the row length, precision, attention, compile, kernels, checkpointing, micro-batch,
-accumulation, the long-context levers, FP8, the distributed mode)."""
+accumulation, the long-context levers, a CPU's heap, FP8, the distributed mode)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ def decisions(
     for setting in ("tiled_mlp", "activation_offload"):
         why = (lever_why or {}).get(setting) or f"train.{setting}: {getattr(cfg.train, setting)}"
         out.append({"setting": setting, "choice": str(getattr(cfg.train, setting)).lower(), "why": why})
+    if profile is not None and profile.kind == "cpu":  # a GPU run's tensors are not on the heap
+        from ..hardware.heap import compact_heap
+
+        on, why = compact_heap(cfg.train.compact_heap, "cpu", bool(fit.activation_checkpointing), cfg.train.tiled_mlp is True)
+        out.append({"setting": "compact_heap", "choice": str(on).lower(), "why": why})
     if fp8_decision(cfg):
         out.append(fp8_decision(cfg))
     if world_size > 1:

@@ -13,9 +13,13 @@ from ..hardware.profiles import GIB
 from .plan import plan_precision, plan_tokenizer, resolve_profile
 
 
-def _row(found: Longest) -> dict[str, Any]:
+def _row(found: Longest, cfg: RunConfig, profile) -> dict[str, Any]:
+    from ..engine.predict.fit import heap_is_compact
+    from ..engine.predict.levers import with_levers
+
+    compact = heap_is_compact(with_levers(cfg, found.levers), profile, found.levers.checkpointing)  # a CPU's heap
     return {
-        "levers": found.levers.describe(),
+        "levers": found.levers.describe() + (" + compact heap" if compact else ""),
         "longest": found.length,
         "predicted_gib": round(found.memory.process / GIB, 3) if found.memory else None,
         "beyond_gib": round(found.beyond.process / GIB, 3) if found.beyond else None,
@@ -43,9 +47,9 @@ def longest_plan(cfg: RunConfig, hardware: str = "this", world_size: int = 1, mo
         "precision": precision.name,
         "method": cfg.model.method,
         "configured_max_length": cfg.data.max_length,
-        "run": _row(mine),
+        "run": _row(mine, cfg, profile),
         "auto": {"max_length": auto.length, "why": auto.why},  # what data.max_length: auto takes (its micro-batch and cap)
-        "levers": [_row(found) for found in table],
+        "levers": [_row(found, cfg, profile) for found in table],
     }
 
 

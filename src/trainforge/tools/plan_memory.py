@@ -48,8 +48,8 @@ def memory_table(m: dict[str, Any], h: dict[str, Any]):
         return [gib(value) if i == peak else "" for i in range(columns)]
 
     table.add_row("[bold]tensors at peak[/bold]", *(f"[bold]{v}[/bold]" if v else "" for v in at(m["peak_tensor_bytes"])))
-    fixed = h["fixed_bytes"] / GIB
-    table.add_row(f"process (+{h['allocator_overhead']:.0%} allocator, +{fixed:.2f} fixed)", *at(m["peak_process_bytes"]))
+    fixed, overhead = m.get("fixed_bytes", h["fixed_bytes"]) / GIB, m.get("allocator_overhead", h["allocator_overhead"])
+    table.add_row(f"process (+{overhead:.0%} allocator, +{fixed:.2f} fixed)", *at(m["peak_process_bytes"]))
     if m.get("load_process_bytes"):
         table.add_row("process while loading the weights", *at(m["load_process_bytes"]))
     return table

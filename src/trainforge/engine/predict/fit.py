@@ -40,6 +40,7 @@ class MemoryPrediction:
     rollout_rows: int = 0  # grpo: the completions the rollout samples at once
     scale: float = 1.0  # process bytes per tensor byte (the allocator's overhead)
     fixed: float = 0.0  # the process's fixed cost
+    compact_heap: bool = False  # a CPU run's heap gives freed blocks back (hardware/heap.py): priced in scale and fixed
 
     @property
     def share(self) -> float:
@@ -89,18 +90,32 @@ def predict_memory(
         parts["reference"] = trace.parts["weights"]  # a frozen copy of the starting weights, whole on every process
     rollout = predict_rollout(cfg, tokenizer, precision, micro_batch_size, grad_accum, world_size, parts)
     tensors = max(sum(parts.values()), sum(rollout[0].values()) if rollout else 0)
-    scale, fixed = 1 + allocator_overhead(profile), fixed_bytes(cfg, profile)
+    compact = heap_is_compact(cfg, profile, activation_checkpointing)
+    scale, fixed = 1 + allocator_overhead(profile, compact), fixed_bytes(cfg, profile, compact=compact)
     return MemoryPrediction(parts, tensors, int(tensors * scale + fixed), profile.memory_bytes, micro_batch_size,
-                            activation_checkpointing, trace, *(rollout or (None, 0)), scale, fixed)
+                            activation_checkpointing, trace, *(rollout or (None, 0)), scale, fixed, compact)
 
 
-def allocator_overhead(profile: HardwareProfile) -> float:
+def heap_is_compact(cfg: RunConfig, profile: HardwareProfile, activation_checkpointing: bool) -> bool:
+    """Whether the run's CPU heap gives freed blocks back (``train.compact_heap``, hardware/heap.py) at these settings."""
+    from ...hardware.heap import compact_heap
+
+    device_type = "cpu" if profile.kind == "cpu" else "cuda"
+    return compact_heap(cfg.train.compact_heap, device_type, activation_checkpointing, cfg.train.tiled_mlp is True)[0]
+
+
+def allocator_overhead(profile: HardwareProfile, compact: bool = False) -> float:
     """Reserved over allocated memory the run will see: on a GPU, a run with expandable segments (what
     trainforge asks for unless the user's own allocator variable says otherwise) wastes almost nothing to
-    fragmentation; the profile's figure is the default allocator's."""
+    fragmentation; the profile's figure is the default allocator's. On a CPU with the compact heap, the
+    blocks glibc keeps are the small ones only."""
     from ...hardware.allocator import allocator_settings
 
     if profile.kind != "gpu":
+        if compact:
+            from ...hardware.device import CPU_COMPACT_HEAP_OVERHEAD
+
+            return min(profile.allocator_overhead, CPU_COMPACT_HEAP_OVERHEAD)
         return profile.allocator_overhead
     settings = allocator_settings()
     users = str(settings["settings"]).replace(" ", "").lower()
@@ -117,15 +132,25 @@ def planned_kernels(cfg: RunConfig, profile: HardwareProfile) -> str:
     return "liger" if profile.kind == "gpu" and cfg.train.kernels != "torch" and liger_installed() else "torch"
 
 
-def fixed_bytes(cfg: RunConfig, profile: HardwareProfile, loading: bool = False) -> float:
+def fixed_bytes(cfg: RunConfig, profile: HardwareProfile, loading: bool = False, compact: bool = False) -> float:
     """What the process holds besides the step's tensors: the profile's fixed cost (``loading``: before
     the first step, where the profile tells them apart), on a CPU plus what a run with adapters holds
-    beyond a full fine-tune."""
-    fixed = (profile.load_fixed_gib if loading and profile.load_fixed_gib is not None else profile.fixed_gib) * GIB
-    if profile.kind == "cpu" and cfg.model.method != "full":
-        from ...hardware.device import CPU_ADAPTER_EXTRA_GIB
+    beyond a full fine-tune; with the compact heap (``compact``) the run's extras are what its live data holds,
+    without the freed blocks a default heap keeps."""
+    if loading and profile.load_fixed_gib is not None:
+        fixed = profile.load_fixed_gib * GIB
+    elif compact and profile.compact_fixed_gib is not None:
+        fixed = profile.compact_fixed_gib * GIB
+    else:
+        fixed = profile.fixed_gib * GIB
+    if profile.kind != "cpu":
+        return fixed
+    from ...hardware.device import CPU_ADAPTER_EXTRA_GIB, CPU_COMPACT_ADAPTER_EXTRA_GIB, CPU_QLORA_EXTRA_GIB
 
-        fixed += CPU_ADAPTER_EXTRA_GIB * GIB
+    if cfg.model.method != "full":
+        fixed += (CPU_COMPACT_ADAPTER_EXTRA_GIB if compact and not loading else CPU_ADAPTER_EXTRA_GIB) * GIB
+    if cfg.model.method == "qlora":
+        fixed += CPU_QLORA_EXTRA_GIB * GIB
     return fixed
 
 

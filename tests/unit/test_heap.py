@@ -1,0 +1,102 @@
+"""train.compact_heap: when a CPU run's heap gives freed blocks back, that it does, and how plan prices it."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from trainforge.hardware import heap
+from trainforge.hardware.device import CPU_ADAPTER_EXTRA_GIB, CPU_COMPACT_ADAPTER_EXTRA_GIB, CPU_COMPACT_HEAP_OVERHEAD, CPU_COMPACT_RUN_EXTRA_GIB, CPU_RUN_EXTRA_GIB, process_rss_bytes
+from trainforge.hardware.profiles import GIB, HardwareProfile
+
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+needs_glibc = pytest.mark.skipif(not GLIBC, reason="the compact heap is glibc's mallopt")
+
+
+@needs_glibc
+@pytest.mark.parametrize("setting, ckpt, tiled, on", [
+    ("auto", False, False, False), ("auto", True, False, True), ("auto", False, True, True),
+    (True, False, False, True), (False, True, True, False),
+])
+def test_auto_takes_the_compact_heap_only_with_a_memory_lever(setting, ckpt, tiled, on):
+    got, why = heap.compact_heap(setting, "cpu", ckpt, tiled, environ={})
+    assert got is on
+    if setting == "auto":
+        assert why.startswith("on" if on else "off") and ("10-25%" in why)
+    else:
+        assert why == "as configured"
+
+
+def test_a_gpu_run_and_the_users_own_threshold_decide_alone():
+    assert heap.compact_heap(True, "cuda", True, True, environ={})[0] is False
+    got, why = heap.compact_heap("auto", "cpu", False, False, environ={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert got is True and "65,536" in why and "left as set" in why
+    assert heap.compact_heap(True, "cpu", True, True, environ={"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432"})[0] is False
+
+
+def test_the_users_threshold_is_read_from_either_variable():
+    assert heap.users_threshold({}) is None
+    assert heap.users_threshold({"MALLOC_MMAP_THRESHOLD_": "0x10000"}) == 65536
+    assert heap.users_threshold({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=131072"}) == 131072
+    assert heap.users_threshold({"MALLOC_MMAP_THRESHOLD_": "lots"}) is None
+
+
+@needs_glibc
+def test_the_compact_heap_gives_freed_blocks_back(monkeypatch):
+    """Blocks of a few MiB, each beside a small one kept alive (what a step's many sizes do to a heap), then freed:
+    with the compact heap the process's resident memory falls back by what they held."""
+    for name in heap.USER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    raise_threshold = torch.ones(30 << 18)  # freeing a mapped 30 MiB block makes glibc serve smaller ones from its heap
+    del raise_threshold  # (then none of the 2 MiB blocks below would come back without the compact heap)
+    heap.apply_compact_heap(True)
+    try:
+        before = process_rss_bytes()
+        big, small = [], []
+        for _ in range(40):
+            big.append(torch.ones(2 << 18))  # 2 MiB, pages touched
+            small.append(torch.ones(1024))
+        held = process_rss_bytes() - before
+        del big
+        released = held - (process_rss_bytes() - before)
+        assert held > 60 << 20 and released > 0.9 * (80 << 20)
+    finally:
+        heap.apply_compact_heap(False)
+    assert heap._applied[0] is False
+
+
+def test_plan_prices_the_compact_heap_on_a_cpu(finetune_config, tiny_model_dir):
+    from trainforge.config.run import RunConfig
+    from trainforge.engine.predict.fit import allocator_overhead, fixed_bytes, heap_is_compact
+
+    cpu = HardwareProfile(name="this", title="a CPU", memory_gib=16, peak_tflops={"fp32": 0.1}, bandwidth_gbs=10, bf16=False, kind="cpu",
+                          fixed_gib=0.5, compact_fixed_gib=0.4, allocator_overhead=0.15)
+    gpu = HardwareProfile(name="gpu", title="a GPU", memory_gib=80, peak_tflops={"bf16": 900}, bandwidth_gbs=3000, bf16=True, kind="gpu")
+    cfg = RunConfig.model_validate({**finetune_config, "model": {"path": str(tiny_model_dir), "method": "lora"}})
+    assert heap_is_compact(cfg, cpu, True) is GLIBC and heap_is_compact(cfg, cpu, False) is False
+    assert heap_is_compact(cfg, gpu, True) is False
+    assert allocator_overhead(cpu, compact=True) == CPU_COMPACT_HEAP_OVERHEAD and allocator_overhead(cpu) == 0.15
+    default, compact = fixed_bytes(cfg, cpu), fixed_bytes(cfg, cpu, compact=True)
+    assert default - compact == pytest.approx((0.5 - 0.4 + CPU_ADAPTER_EXTRA_GIB - CPU_COMPACT_ADAPTER_EXTRA_GIB) * GIB)
+    from trainforge.hardware.device import this_profile
+
+    here = this_profile(torch.device("cpu"), timing=False)  # this machine: the run's extra, smaller with the compact heap
+    assert here.fixed_gib - here.compact_fixed_gib == pytest.approx(CPU_RUN_EXTRA_GIB - CPU_COMPACT_RUN_EXTRA_GIB, abs=0.02)
+    assert fixed_bytes(cfg, gpu, compact=True) == fixed_bytes(cfg, gpu)
+
+
+@needs_glibc
+def test_plan_times_ops_with_the_heap_the_run_will_have_and_gives_the_process_its_own_back(monkeypatch):
+    for name in heap.USER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(heap, "_mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
+    assert heap._applied[0] is False
+    with heap.heap_as(True):
+        assert heap._applied[0] is True
+    assert heap._applied[0] is False
+    with heap.heap_as(False):  # nothing trainforge set: nothing to give back
+        pass
+    assert calls == [(heap.M_MMAP_THRESHOLD, heap.COMPACT_MMAP_THRESHOLD), (heap.M_MMAP_THRESHOLD, heap.GLIBC_MAX_MMAP_THRESHOLD)]
