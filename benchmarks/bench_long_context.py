@@ -320,6 +320,8 @@ def longest(s: dict, run: str, say, seed: int | None = None) -> dict:
 
     def fits(n: int) -> bool | None:
         r = measure(s, run, n, 1, forced_levers=run == "trainforge")
+        if r["status"] == "ok" and r["peak_gib"] > s["cap_gib"]:  # past the cap between two of the watchdog's looks
+            r = {**r, "status": "over the cap", "error": f"peak {r['peak_gib']} GiB, over the cap after the step"}
         probes.append(r)
         say(r)
         return None if r["status"] in ("timeout", "failed") else r["status"] == "ok"
@@ -339,7 +341,7 @@ def longest(s: dict, run: str, say, seed: int | None = None) -> dict:
             hi = n
             if lo or n == g:
                 break
-            n = snap(n / 2)
+            n = snap(n / (grow if seed else 2))  # below a prediction: a step of the same size down
     while hi is not None and hi - lo > max(g, tol * lo):
         mid = snap((lo + hi) / 2)
         if mid in (lo, hi):

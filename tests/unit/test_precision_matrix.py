@@ -43,14 +43,15 @@ def runner_with(selftest: SelfTest, tmp_path, *done: Case) -> SelfTest:
 
 def test_matrix_covers_every_combination_once():
     names = [c.name for c in CASES]
-    assert len(names) == len(set(names)) == 3 * 4 * 2 * 2 + 1 + 2
+    assert len(names) == len(set(names)) == 3 * 4 * 2 * 2 + 1 + 2 + 2
     assert names.index("fp32-chat-lora-standard") < names.index("bf16-concat-full-fused")  # references first
     assert [c.name for c in CASES if c.compiled] == ["bf16-packed-full-fused-compiled"]
-    checkpointed = ["fp32-packed-full-fused-checkpointing", "bf16-chat-lora-fused-checkpointing"]
+    checkpointed = ["fp32-packed-full-fused-checkpointing", "bf16-chat-lora-fused-checkpointing",
+                    "fp32-packed-full-fused-checkpointing-tiled-offload", "bf16-chat-lora-fused-checkpointing-tiled-offload"]
     assert [c.name for c in CASES if c.checkpointing] == checkpointed
     assert all(c.reference in CASES and not c.reference.checkpointing for c in CASES if c.checkpointing)
     quick = matrix(quick=True)
-    assert len(quick) == 3 * len(QUICK) + 2 and not any(c.compiled for c in quick)
+    assert len(quick) == 3 * len(QUICK) + 4 and not any(c.compiled for c in quick)
     assert [c.name for c in quick if c.checkpointing] == checkpointed
     for p in ("fp32", "bf16", "fp16"):  # the quick subset still has every data shape, LoRA and the standard head
         mine = [c for c in quick if c.precision == p]
@@ -316,3 +317,22 @@ def test_a_router_aux_loss_missing_from_the_gradient_fails(selftest, tmp_path, m
     # every gradient upstream of a router moves (by ~1.0 relative): the row names the worst, router or attention
     gap = float(result.error.split(" by ")[-1].split(" ")[0])
     assert "gradient of model.layers." in result.error and gap > 0.5, result.error
+
+
+def test_tiled_mlp_weight_gradients_that_count_a_tile_twice_fail(selftest, tmp_path, monkeypatch):
+    """The long-context case tracks its plain reference only if each tile's gradients reach the weights once: a
+    backward that recomputes the last tile twice (its weight gradients summed in twice) is caught."""
+    import trainforge.model.tiled_mlp as tiled_mlp
+
+    case = next(c for c in CASES if c.long_context and c.precision == "fp32")
+    runner = runner_with(selftest, tmp_path, case.reference)
+    every_tile = tiled_mlp.run_tiles
+
+    def last_tile_twice_in_backward(n, one_tile):
+        every_tile(n, one_tile)
+        if torch.is_grad_enabled():  # backward recomputes under enable_grad; forward runs under no_grad
+            one_tile(n - 1)
+
+    monkeypatch.setattr(tiled_mlp, "run_tiles", last_tile_twice_in_backward)
+    result = runner.case(case)
+    assert result.status == "FAILED" and "grad norm departs from fp32" in result.error, result.error

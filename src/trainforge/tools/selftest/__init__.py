@@ -14,6 +14,7 @@ and is checked against the fp32 run of the same (data, method, head):
   x head      {fused: chunked LM-head loss, standard: the model's own head + cross-entropy}
   + compiled  train.compile: true, on one case
   + checkpointing  train.activation_checkpointing: true, on a full and a LoRA case
+  + tiled-offload  the same two with train.tiled_mlp and train.activation_offload: true (the long-context levers)
 
 Beside the training cases, per precision: fused vs standard gradients on a batch with masked
 positions, a run stopped after a checkpoint and resumed against the uninterrupted one, and

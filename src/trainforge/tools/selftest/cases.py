@@ -30,6 +30,7 @@ class Case:
     head: str
     compiled: bool = False
     checkpointing: bool = False  # train.activation_checkpointing
+    long_context: bool = False  # train.tiled_mlp and train.activation_offload (on a CPU offload moves nothing)
 
     @property
     def name(self) -> str:
@@ -37,6 +38,7 @@ class Case:
             f"{self.precision}-{self.data}-{self.method}-{self.head}"
             + ("-compiled" if self.compiled else "")
             + ("-checkpointing" if self.checkpointing else "")
+            + ("-tiled-offload" if self.long_context else "")
         )
 
     @property
@@ -68,6 +70,9 @@ def matrix(quick: bool = False, compiled_precision: str | None = "bf16", compile
             cases.append(Case(compiled_precision, "chat", "lora", "fused", compiled=True))
     # activation checkpointing recomputes each layer in backward: it must track the plain run
     cases += [Case("fp32", "packed", "full", "fused", checkpointing=True), Case(compiled_precision or "bf16", "chat", "lora", "fused", checkpointing=True)]
+    # the long-context levers on top (a micro-batch of 256 tokens in tiles of 64): they too must track the plain run
+    cases += [Case("fp32", "packed", "full", "fused", checkpointing=True, long_context=True),
+              Case(compiled_precision or "bf16", "chat", "lora", "fused", checkpointing=True, long_context=True)]
     return cases
 
 
@@ -118,6 +123,8 @@ def case_config(case: Case, assets: Assets, device: str, cache_dir: Path | None 
             "fused_loss": case.head == "fused",
             "compile": case.compiled,
             "activation_checkpointing": case.checkpointing,
+            "tiled_mlp": case.long_context,
+            "activation_offload": case.long_context,
             "eval_max_batches": 2,
             "seed": 0,
         },
