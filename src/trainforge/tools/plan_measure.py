@@ -68,6 +68,14 @@ def measure_steps(
         rewind_data(run, longest_first=True)
         probe_step(run)  # creates the optimizer state: the traced step is a steady-state one
         rewind_data(run)
+        if run.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(run.device)
+        train_loop(run, warmup)
+        train_loop(run)
+        # read before the counted steps below: the profiler's records and the tracer's are no part of a run's memory
+        process_peak = peak_memory_bytes(run.device)  # peak RSS on a CPU
+        gpu = gpu_process_peak(run.device) if run.device.type == "cuda" else {}
+        rewind_data(run)
         allocated = allocated_step_peak(run)  # the same longest-rows step, counted apart from the tracer
         rewind_data(run)
         tracer = StepTracer()
@@ -76,13 +84,6 @@ def measure_steps(
             probe_step(run)
         tracer.close()
         tracer.ops.clear()
-        rewind_data(run)
-        if run.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(run.device)
-        train_loop(run, warmup)
-        train_loop(run)
-        process_peak = peak_memory_bytes(run.device)  # peak RSS on a CPU
-        gpu = gpu_process_peak(run.device) if run.device.type == "cuda" else {}
     rec = [r for r in read_metrics(run.out / "metrics.jsonl") if "loss" in r][-1]
     return {
         "tokens_per_s": rec["tokens_per_s"],
