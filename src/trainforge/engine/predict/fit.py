@@ -92,7 +92,10 @@ def predict_memory(
     tensors = max(sum(parts.values()), sum(rollout[0].values()) if rollout else 0)
     compact = heap_is_compact(cfg, profile, activation_checkpointing)
     scale, fixed = 1 + allocator_overhead(profile, compact), fixed_bytes(cfg, profile, compact=compact)
-    return MemoryPrediction(parts, tensors, int(tensors * scale + fixed), profile.memory_bytes, micro_batch_size,
+    # a CPU heap maps each block of 32 MiB or more on its own and unmaps it when freed: no overhead on those
+    mapped = min(trace.mapped, tensors) if profile.kind == "cpu" else 0
+    process = int((tensors - mapped) * scale + mapped + fixed)
+    return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size,
                             activation_checkpointing, trace, *(rollout or (None, 0)), scale, fixed, compact)
 
 

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ...model.nf4_experts import NF4_BLOCK, NF4_CONST_BLOCK  # the run's NF4 layout, priced here
+from ...hardware.heap import GLIBC_MAX_MMAP_THRESHOLD
 from .trace_cache import remembered
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class StepTrace:
     trainable_grads: int = 0  # bytes of all gradients (DDP keeps a second copy in its buckets)
     fewer_ops: list[OpRecord] | None = None  # a deep model: ops of the shallower trace (``ops``: the deeper)
     extrapolate: float = 0.0  # ... and the model's depth beyond the deeper trace, in units of their difference
+    mapped: int = 0  # bytes at the peak in storages of 32 MiB or more: a CPU heap (glibc) maps each on its own, keeps none
 
     @property
     def flops(self) -> float:
@@ -124,6 +126,7 @@ class StepTracer(TorchDispatchMode):
         self.live: dict[int, tuple[str, int]] = {}  # id(storage) -> (kind, bytes)
         self.current = dict.fromkeys(KINDS, 0)
         self.peak, self.peak_parts = 0, dict(self.current)
+        self.mapped = self.peak_mapped = 0  # live bytes in storages glibc always maps (GLIBC_MAX_MMAP_THRESHOLD and up)
         self.phase = "forward"
         self.ops: list[OpRecord] = []
         self.tile_ops = self.ops  # the tiled MLP traces a few tiles and records the rest's ops here (model/tiled_mlp.py)
@@ -138,12 +141,14 @@ class StepTracer(TorchDispatchMode):
         n = st.nbytes()
         self.live[key] = (kind, n)
         self.current[kind] += n
+        self.mapped += n if n >= GLIBC_MAX_MMAP_THRESHOLD else 0
         weakref.finalize(st, self._release, key)
 
     def _release(self, key: int) -> None:
         kind, n = self.live.pop(key, (None, 0))
         if kind is not None:
             self.current[kind] -= n
+            self.mapped -= n if n >= GLIBC_MAX_MMAP_THRESHOLD else 0
 
     def _relabel(self, st: torch.UntypedStorage, kind: str) -> None:
         old = self.live.get(id(st))
@@ -157,7 +162,7 @@ class StepTracer(TorchDispatchMode):
     def _note_peak(self) -> None:
         total = sum(self.current.values())
         if total > self.peak:
-            self.peak, self.peak_parts = total, dict(self.current)
+            self.peak, self.peak_parts, self.peak_mapped = total, dict(self.current), self.mapped
 
     def track(self, tensors: object, kind: str) -> None:
         """Count tensors that exist before the traced step (weights, optimizer state, earlier gradients)."""
@@ -366,7 +371,9 @@ def _trace_step(cfg, tokenizer, precision, micro_batch_size, activation_checkpoi
     scale = (depth - FEW_LAYERS[1]) / (FEW_LAYERS[1] - FEW_LAYERS[0])
     parts = {k: int(round(b.parts[k] + scale * (b.parts[k] - a.parts[k]))) for k in b.parts}
     grads = int(round(b.trainable_grads + scale * (b.trainable_grads - a.trainable_grads)))
-    return StepTrace(sum(parts.values()), parts, b.ops, b.tokens, b.largest_layer, grads, fewer_ops=a.ops, extrapolate=scale)
+    mapped = max(0, int(round(b.mapped + scale * (b.mapped - a.mapped))))
+    return StepTrace(sum(parts.values()), parts, b.ops, b.tokens, b.largest_layer, grads, fewer_ops=a.ops, extrapolate=scale,
+                     mapped=min(mapped, sum(parts.values())))
 
 
 def _trace(
@@ -454,7 +461,7 @@ def _trace(
         parts["optimizer"] = on_device
     if cfg.model.method == "qlora":  # MoE: the routed experts in NF4, each dequantized for its GEMM (nf4_experts.py)
         peak = nf4_experts_priced(model, parts, peak, precision.autocast_dtype or torch.float32)
-    return StepTrace(peak, parts, tracer.ops, batch.n_tokens, largest, grads)
+    return StepTrace(peak, parts, tracer.ops, batch.n_tokens, largest, grads, mapped=min(tracer.peak_mapped, peak))
 
 
 def apply_traced_levers(model: torch.nn.Module, cfg: "RunConfig", activation_checkpointing: bool, device_type: str) -> None:
