@@ -118,3 +118,15 @@ def test_plan_times_ops_with_the_heap_the_run_will_have_and_gives_the_process_it
     with heap.heap_as(False):  # nothing trainforge set: nothing to give back
         pass
     assert calls == [(heap.M_MMAP_THRESHOLD, heap.COMPACT_MMAP_THRESHOLD), (heap.M_MMAP_THRESHOLD, heap.GLIBC_MAX_MMAP_THRESHOLD)]
+
+
+def test_the_trace_counts_the_blocks_a_cpu_heap_maps_on_their_own():
+    from trainforge.engine.predict.trace import StepTracer
+
+    tracer = StepTracer()
+    with tracer:
+        big = torch.ones(9 << 20)  # 36 MiB: glibc maps it whatever its threshold
+        small = torch.ones(1 << 20)  # 4 MiB: from the heap once glibc's threshold has risen
+        both = big.sum() + small.sum()
+    tracer.close()
+    assert tracer.peak_mapped == 36 << 20 and tracer.peak >= (40 << 20) and both.item() > 0
