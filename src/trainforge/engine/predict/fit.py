@@ -18,7 +18,8 @@ from ...hardware.device import Precision
 from ...hardware.profiles import EXPANDABLE_ALLOCATOR_OVERHEAD, GIB, HardwareProfile
 from .memory import MemoryEstimate, estimate_memory
 from .rollout_memory import micro_batch_unit, predict_rollout, rows_that_fit
-from .trace import StepTrace, quantize_base_4bit, trace_training_step
+from .qlora_standin import quantize_base_4bit
+from .trace import StepTrace, trace_training_step
 
 FIT_MARGIN = 0.90  # micro_batch_size: auto and checkpointing: auto keep the predicted process peak under this share
 AUTO_MAX_MICRO_BATCH = 256  # auto never picks more rows per pass than this (nor more than the global batch)
