@@ -422,22 +422,22 @@ def this_profile(device: torch.device, cache_dir: Path | None = None, timing: bo
     # imported it measured its own RSS that much under a run's (plan --longest then overshot a 1.5 GiB cap 2.3x)
     import transformers.modeling_utils  # noqa: F401
 
-    memory = available_memory_bytes(device) or 0
+    memory, held = available_memory_bytes(device) or 0, process_rss_bytes() / GIB  # what this process holds now
     return HardwareProfile(
         name="this",
         title=f"{platform.processor() or platform.machine()} CPU, {thread_count()} (this machine)",
-        memory_gib=memory_cap_gib((memory + process_rss_bytes()) / GIB),  # free now plus what this process holds
+        memory_gib=memory_cap_gib(memory / GIB + held),  # free now plus what this process holds
         peak_tflops=tflops,
         bandwidth_gbs=bandwidth / 1e9,
         bf16=cpu_has_native_bf16(),
         kind="cpu",
         source="measured here: matmul, copy-bandwidth and per-op probes (cached in cpu_peak.json)",
         # Python, torch and transformers (loaded by now), plus what a training process holds beyond them
-        fixed_gib=process_rss_bytes() / GIB + CPU_RUN_EXTRA_GIB,
+        fixed_gib=held + CPU_RUN_EXTRA_GIB,
         # until the first step a training process holds what the planner holds: the run's extras come with the steps
         # (bench_memory, 170M Llama: 0.38-0.45 GiB at the end of loading without casts, the planner 0.33 + PEFT's)
-        load_fixed_gib=process_rss_bytes() / GIB,
-        compact_fixed_gib=process_rss_bytes() / GIB + CPU_COMPACT_RUN_EXTRA_GIB,
+        load_fixed_gib=held,
+        compact_fixed_gib=held + CPU_COMPACT_RUN_EXTRA_GIB,
         allocator_overhead=CPU_ALLOCATOR_OVERHEAD,
         op_overhead_s=overhead,
         matmul_efficiency=1.0,  # the probes measure what this CPU reaches, not a datasheet peak

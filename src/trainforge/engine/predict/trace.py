@@ -311,9 +311,9 @@ def _trace_step(cfg, tokenizer, precision, micro_batch_size, activation_checkpoi
     scale = (depth - FEW_LAYERS[1]) / (FEW_LAYERS[1] - FEW_LAYERS[0])
     parts = {k: int(round(b.parts[k] + scale * (b.parts[k] - a.parts[k]))) for k in b.parts}
     grads = int(round(b.trainable_grads + scale * (b.trainable_grads - a.trainable_grads)))
-    mapped = max(0, int(round(b.mapped + scale * (b.mapped - a.mapped))))
+    mapped = max(0, int(round(b.mapped + scale * (b.mapped - a.mapped))))  # fit.predict_memory keeps it within the tensors
     return StepTrace(sum(parts.values()), parts, b.ops, b.tokens, b.largest_layer, grads, fewer_ops=a.ops, extrapolate=scale,
-                     mapped=min(mapped, sum(parts.values())))
+                     mapped=mapped)
 
 
 def _trace(
@@ -401,7 +401,7 @@ def _trace(
         parts["optimizer"] = on_device
     if cfg.model.method == "qlora":  # MoE: the routed experts in NF4, each dequantized for its GEMM (nf4_experts.py)
         peak = nf4_experts_priced(model, parts, peak, precision.autocast_dtype or torch.float32)
-    return StepTrace(peak, parts, tracer.ops, batch.n_tokens, largest, grads, mapped=min(tracer.peak_mapped, peak))
+    return StepTrace(peak, parts, tracer.ops, batch.n_tokens, largest, grads, mapped=tracer.peak_mapped)
 
 
 def apply_traced_levers(model: torch.nn.Module, cfg: "RunConfig", activation_checkpointing: bool, device_type: str) -> None:

@@ -68,11 +68,11 @@ def matrix(quick: bool = False, compiled_precision: str | None = "bf16", compile
         cases.append(Case(compiled_precision, "packed", "full", "fused", compiled=True))
         if compiled_lora:
             cases.append(Case(compiled_precision, "chat", "lora", "fused", compiled=True))
-    # activation checkpointing recomputes each layer in backward: it must track the plain run
-    cases += [Case("fp32", "packed", "full", "fused", checkpointing=True), Case(compiled_precision or "bf16", "chat", "lora", "fused", checkpointing=True)]
-    # the long-context levers on top (a micro-batch of 256 tokens in tiles of 64): they too must track the plain run
-    cases += [Case("fp32", "packed", "full", "fused", checkpointing=True, long_context=True),
-              Case(compiled_precision or "bf16", "chat", "lora", "fused", checkpointing=True, long_context=True)]
+    # activation checkpointing recomputes each layer in backward, then the long-context levers on top (a micro-batch
+    # of 256 tokens in tiles of 64): each must track the plain run
+    for long_context in (False, True):
+        cases += [Case("fp32", "packed", "full", "fused", checkpointing=True, long_context=long_context),
+                  Case(compiled_precision or "bf16", "chat", "lora", "fused", checkpointing=True, long_context=long_context)]
     return cases
 
 
