@@ -53,8 +53,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+T0 = time.perf_counter()
 SHAPES = {
     "tiny": dict(vocab_size=2048, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4),
@@ -62,8 +64,13 @@ SHAPES = {
                   num_key_value_heads=4),
     "0.1b": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=12),
+    # Llama-3.1-8B's shape (gpu_suite.py's part 6: its QLoRA's longest row on a GPU); built on the device in bf16
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
 }
+TOKENIZER_VOCAB = 32000  # the BPE's size at most: a 128k-entry one takes minutes to train; the model's rows stay
 RUNS = ("trainforge", "hf-peft", "trl-padding-free")
+METHODS = ("lora", "qlora")  # QLoRA: the base in 4-bit NF4 with double quantization on both sides
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0}
 LR = 2e-4
 OVER_CAP = 3  # a child's exit code when its memory passed the cap
@@ -73,10 +80,12 @@ DOC_MARGIN = 1.05  # documents are this much (and 64 tokens) longer than the row
 # ---------------------------------------------------------------- the shared model, tokenizer and documents
 
 
-def prepare(work: Path, shape: str, positions: int) -> Path:
-    """The model directory (random Llama weights of ``shape``, ``positions`` rotary positions, a BPE of its
-    vocabulary), built once per shape and position count."""
-    model_dir = work / f"model-{shape}-{positions}"
+def prepare(work: Path, shape: str, positions: int, device: str = "cpu") -> Path:
+    """The model directory (random Llama weights of ``shape``, ``positions`` rotary positions, a BPE of at most
+    ``TOKENIZER_VOCAB`` tokens), built once per shape, position count and device: on a GPU built there in bf16 (an
+    8B model's fp32 init on the host takes minutes and 32 GB), on a CPU in fp32."""
+    on_gpu = device == "cuda"
+    model_dir = work / f"model-{shape}-{positions}{'-bf16' if on_gpu else ''}"
     if (model_dir / "config.json").is_file():
         return model_dir
     import sysconfig
@@ -88,11 +97,14 @@ def prepare(work: Path, shape: str, positions: int) -> Path:
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files[:3000]]
-    tok = train_bpe_tokenizer(texts, vocab_size=SHAPES[shape]["vocab_size"])
+    tok = train_bpe_tokenizer(texts, vocab_size=min(SHAPES[shape]["vocab_size"], TOKENIZER_VOCAB))
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=positions, tie_word_embeddings=False,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    model.save_pretrained(model_dir)
+    del model
     tok.save_pretrained(model_dir)
     (work / f"corpus-{shape}.json").write_text(json.dumps([t for t in texts if t.strip()]))
     return model_dir
@@ -194,28 +206,58 @@ def lora_config():
 
 
 def base_model(s: dict):
+    """The frozen base as trainforge stores it: bf16 or fp32 weights; ``qlora``: 4-bit NF4 with double quantization,
+    computing in the run's precision (bitsandbytes, as PEFT's QLoRA guide and trainforge load it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if s["precision"] == "bf16" else torch.float32  # the frozen base as trainforge stores it
+    dtype = torch.bfloat16 if s["precision"] == "bf16" else torch.float32
+    if s["method"] == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                 bnb_4bit_compute_dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(s["model_dir"], dtype=dtype, quantization_config=nf4,
+                                                    device_map={"": s["device"] if s["device"] == "cpu" else 0})
     return AutoModelForCausalLM.from_pretrained(s["model_dir"], dtype=dtype).to(s["device"])
 
 
-def run_hf_peft(s: dict, out: Path) -> dict:
+def hf_peft_model(s: dict):
+    """HF's LoRA model: PEFT on the base; for QLoRA after ``prepare_model_for_kbit_training`` (the recipe of PEFT's and
+    TRL's docs: norms, embeddings and head upcast to fp32, input gradients on for checkpointing)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    model = base_model(s)
+    if s["method"] == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    return get_peft_model(model, lora_config())
+
+
+def hf_peft_step(model, s: dict, out: Path) -> dict:
+    """``s["steps"]`` steps of ``Trainer`` on ``model`` over ``s["docs"]`` cut at ``s["length"]``: the last step's seconds."""
     from datasets import Dataset
-    from peft import get_peft_model
     from transformers import AutoTokenizer, Trainer, TrainingArguments, default_data_collator
 
     tok = AutoTokenizer.from_pretrained(s["model_dir"])
     texts = [json.loads(line)["text"] for line in Path(s["docs"]).read_text().splitlines()]
     ids = [tok(t, truncation=True, max_length=s["length"])["input_ids"] for t in texts]
     ds = Dataset.from_dict({"input_ids": ids, "labels": [list(x) for x in ids]})
-    model = get_peft_model(base_model(s), lora_config())
     clock = StepClock()
     trainer = Trainer(model=model, args=TrainingArguments(**hf_args(s, out)), train_dataset=ds,
                       data_collator=default_data_collator, callbacks=[clock.callback()])
     trainer.train()
-    return {"step_s": clock.seconds[-1], "row_tokens": len(ids[0]), "attention": model.config._attn_implementation}
+    return {"step_s": clock.seconds[-1], "row_tokens": len(ids[0]), "attention": model.config._attn_implementation,
+            "nf4_layers": nf4_layers(model)}
+
+
+def nf4_layers(model) -> int:
+    """How many of the model's layers hold 4-bit weights (bitsandbytes' ``Linear4bit``): QLoRA's base, on both sides."""
+    return sum(type(m).__name__ == "Linear4bit" for m in model.modules())
+
+
+def run_hf_peft(s: dict, out: Path) -> dict:
+    return hf_peft_step(hf_peft_model(s), s, out)
 
 
 def run_trl(s: dict, out: Path) -> dict:
@@ -243,7 +285,7 @@ def run_trainforge(s: dict, out: Path) -> dict:
 
     levers = "auto" if not s.get("forced_levers") else True
     cfg = RunConfig.model_validate({
-        "model": {"path": s["model_dir"], "method": "lora",
+        "model": {"path": s["model_dir"], "method": s["method"],
                   "lora": {"r": LORA["r"], "alpha": LORA["alpha"], "dropout": LORA["dropout"], "target_modules": "all-linear"}},
         "data": {"train": s["docs"], "eval": None, "format": "text", "max_length": s["length"], "too_long": "truncate",
                  "cache_dir": str(Path(s["work"]) / "cache"), "num_workers": 1},
@@ -262,76 +304,180 @@ def run_trainforge(s: dict, out: Path) -> dict:
     keys = ("max_length_reason", "activation_checkpointing", "micro_batch_size_reason", "activation_checkpointing_reason",
             "predicted_peak_memory_bytes")
     tiled = any(hasattr(m, "trainforge_tile_tokens") for m in result.model.modules())  # what tiled_mlp became
-    return {"step_s": last, "decisions": {k: summary.get(k) for k in keys}, "tiled_mlp": tiled}
+    return {"step_s": last, "decisions": {k: summary.get(k) for k in keys}, "tiled_mlp": tiled, "nf4_layers": nf4_layers(result.model)}
 
 
-def child(spec: str) -> None:
-    s = json.loads(spec)
+def settle(s: dict) -> None:
+    """A measuring process's set-up: the cap enforced, the CPU's threads."""
     guard(int(s["cap_gib"] * 2**30), s["device"])
     import torch
 
     if s["device"] == "cpu":
         torch.set_num_threads(s["threads"])
+
+
+def finish(result: dict, s: dict, peak: int) -> dict:
+    return {**result, "peak_gib": round(peak / 2**30, 3), "tokens_per_s": round(s["length"] / result["step_s"], 1),
+            "step_s": round(result["step_s"], 2)}
+
+
+def child(spec: str) -> None:
+    s = json.loads(spec)
+    settle(s)
     out = Path(s["work"]) / "runs" / f"{s['run']}-{s['length']}-{os.getpid()}"
     result = {"trainforge": run_trainforge, "hf-peft": run_hf_peft, "trl-padding-free": run_trl}[s["run"]](s, out)
-    result.update(peak_gib=round(peak_bytes(s["device"]) / 2**30, 3), tokens_per_s=round(s["length"] / result["step_s"], 1),
-                  step_s=round(result["step_s"], 2))
-    print("RESULT " + json.dumps(result), flush=True)
+    print("RESULT " + json.dumps(finish(result, s, peak_bytes(s["device"]))), flush=True)
 
 
-def measure(s: dict, run: str, length: int, steps: int, forced_levers: bool = False) -> dict:
-    """One (run, length) in its own process: its result, or why it has none (over the cap, refused, failed)."""
-    spec = {**s, "run": run, "length": length, "steps": steps, "forced_levers": forced_levers,
-            "docs": str(documents(Path(s["work"]), s["shape"], length, steps + 1, Path(s["model_dir"])))}
+def serve(spec: str) -> None:
+    """HF + PEFT's probes in one process (``--hf-search in-process``): the model loaded once, then one step per length
+    read from stdin (``{"length": N, "docs": PATH}``), its result (``PROBE {...}``) or ``over the cap`` where the step ran
+    out of memory (on a GPU the allocator's cap raises, the process frees the step and goes on). On a CPU the
+    watchdog ends the process past the cap (the parent starts another) and a probe's peak is the process's running
+    maximum, an upper bound: there the per-probe processes measure each length alone."""
+    import gc
+
+    import torch
+
+    s = json.loads(spec)
+    settle(s)
+    model = hf_peft_model(s)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        ask = {**s, **json.loads(line), "steps": 1}
+        if s["device"] == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            result = {"status": "ok", **finish(hf_peft_step(model, ask, Path(s["work"]) / "runs" / f"hf-peft-{ask['length']}"),
+                                                ask, peak_bytes(s["device"]))}
+        except torch.OutOfMemoryError as e:
+            result = {"status": "over the cap", "error": str(e).splitlines()[0][:300]}
+        except Exception as e:  # noqa: BLE001 - reported as the probe's outcome
+            result = {"status": "failed", "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        model.zero_grad(set_to_none=True)  # what a step that ran out of memory left behind
+        gc.collect()
+        print("PROBE " + json.dumps(result), flush=True)
+
+
+def child_env(run: str, s: dict, forced_levers: bool) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("TRAINFORGE_MEMORY_GIB", None)
     if run == "trainforge" and not forced_levers:  # auto decides for a machine of the cap's size, as a user's run does
         env["TRAINFORGE_MEMORY_GIB"] = str(s["cap_gib"])
+    return env
+
+
+def failure(returncode: int | None, stderr: str) -> dict:
+    """Why a process gave no result: over the cap (the watchdog's exit, or an out-of-memory error), refused, killed."""
+    status = {OVER_CAP: "over the cap", 4: "refused", -9: "killed"}.get(returncode, "failed")
+    if "out of memory" in stderr.lower() and status == "failed":
+        status = "over the cap"
+    return {"status": status, "returncode": returncode, "error": (stderr.strip().splitlines() or ["(no output)"])[-1][:300]}
+
+
+def measure(s: dict, run: str, length: int, steps: int, forced_levers: bool = False, timeout: float | None = None) -> dict:
+    """One (run, length) in its own process: its result, or why it has none (over the cap, refused, failed)."""
+    spec = {**s, "run": run, "length": length, "steps": steps, "forced_levers": forced_levers,
+            "docs": str(documents(Path(s["work"]), s["shape"], length, steps + 1, Path(s["model_dir"])))}
     row = {"run": run, "length": length, "steps": steps}
+    timeout = s["probe_timeout_s"] if timeout is None else timeout
     started = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                           env=env, timeout=s["probe_timeout_s"])
+                           env=child_env(run, s, forced_levers), timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {**row, "status": "timeout", "wall_s": s["probe_timeout_s"]}
+        return {**row, "status": "timeout", "wall_s": round(timeout, 1)}
     row["wall_s"] = round(time.perf_counter() - started, 1)
     found = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
     if p.returncode == 0 and found:
         return {**row, "status": "ok", **json.loads(found[-1][7:])}
-    tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
-    status = {OVER_CAP: "over the cap", 4: "refused", -9: "killed"}.get(p.returncode, "failed")
-    if "out of memory" in p.stderr.lower() and status == "failed":
-        status = "over the cap"
-    return {**row, "status": status, "returncode": p.returncode, "error": tail}
+    return {**row, **failure(p.returncode, p.stderr)}
+
+
+class ProbeServer:
+    """The parent's side of ``serve``: one HF + PEFT process answering probes, started again where one died."""
+
+    def __init__(self, s: dict) -> None:
+        self.s, self.proc, self.lines = s, None, None
+        self.log = Path(s["work"]) / "hf-peft-serve.log"
+
+    def _start(self, timeout: float) -> str | None:
+        import queue
+
+        self.lines = queue.Queue()
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps({**self.s, "run": "hf-peft"})],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log.open("a"), text=True,
+                                     env=child_env("hf-peft", self.s, False))
+
+        def pump(out, lines) -> None:  # stdout to a queue, so a wait has a timeout; None: the process ended
+            for line in out:
+                lines.put(line.rstrip("\n"))
+            lines.put(None)
+
+        threading.Thread(target=pump, args=(self.proc.stdout, self.lines), daemon=True).start()
+        return self._wait("READY", timeout)
+
+    def _wait(self, prefix: str, timeout: float) -> str | None:
+        import queue
+
+        end = time.perf_counter() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, end - time.perf_counter()))
+            except queue.Empty:
+                self.close()
+                return "timeout"
+            if line is None:
+                return None
+            if line.startswith(prefix):
+                return line
+
+    def probe(self, length: int, timeout: float) -> dict:
+        row = {"run": "hf-peft", "length": length, "steps": 1, "in_process": True}
+        docs = str(documents(Path(self.s["work"]), self.s["shape"], length, 2, Path(self.s["model_dir"])))
+        started = time.perf_counter()
+        line = "READY" if self.proc is not None and self.proc.poll() is None else self._start(timeout)
+        if line not in (None, "timeout"):
+            self.proc.stdin.write(json.dumps({"length": length, "docs": docs}) + "\n")
+            self.proc.stdin.flush()
+            line = self._wait("PROBE ", timeout - (time.perf_counter() - started))
+        row["wall_s"] = round(time.perf_counter() - started, 1)
+        if line == "timeout":
+            return {**row, "status": "timeout"}
+        if line is None:  # the process ended: the watchdog's cap, or a crash (the log has its output)
+            code = self.proc.wait()
+            self.proc = None
+            return {**row, **failure(code, self.log.read_text()[-2000:])}
+        return {**row, **json.loads(line[6:])}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
 
 # ---------------------------------------------------------------- the longest row, the plan's prediction, the summary
 
 
-def longest(s: dict, run: str, say, seed: int | None = None) -> dict:
-    """The longest length (a multiple of ``--granule``) whose one-step probe fits the cap, to within ``--tolerance``:
-    a bracket first (from ``seed`` less the tolerance when given, trainforge's own prediction, then a step of twice the
-    tolerance above it; else doubling from ``--start``; halving where the first probe does not fit), then bisection."""
-    probes: list[dict] = []
-    g, tol = s["granule"], s["tolerance"]
+def search(fits: Callable[[int], bool | None], start: int, granule: int, tolerance: float, max_length: int,
+           seed: int | None = None) -> dict:
+    """The longest length (a multiple of ``granule``, at most ``max_length``) for which ``fits`` says True, to within
+    ``tolerance``: a bracket first (from ``seed`` less the tolerance when given, then a step of twice the tolerance
+    above it; else doubling from ``start``; halving where the first probe does not fit), then bisection. ``fits``
+    answers None where it cannot tell (a failure, a timeout, the budget spent): the search ends there, undecided."""
+    g, tol = granule, tolerance
 
     def snap(n: float) -> int:
         return max(g, int(n) // g * g)
 
-    def fits(n: int) -> bool | None:
-        r = measure(s, run, n, 1, forced_levers=run == "trainforge")
-        if r["status"] == "ok" and r["peak_gib"] > s["cap_gib"]:  # past the cap between two of the watchdog's looks
-            r = {**r, "status": "over the cap", "error": f"peak {r['peak_gib']} GiB, over the cap after the step"}
-        probes.append(r)
-        say(r)
-        return None if r["status"] in ("timeout", "failed") else r["status"] == "ok"
-
     lo, hi = 0, None
-    n, grow = (snap(seed * (1 - tol)), 1 + 2 * tol) if seed else (snap(s["start"]), 2.0)
-    while n <= s["max_length"]:
+    n, grow = (snap(seed * (1 - tol)), 1 + 2 * tol) if seed else (snap(start), 2.0)
+    while n <= max_length:
         verdict = fits(n)
         if verdict is None:
-            return {"run": run, "longest": lo, "undecided_at": n, "probes": probes}
+            return {"longest": lo, "undecided_at": n}
         if verdict:
             lo = n
             if hi is not None:
@@ -348,9 +494,39 @@ def longest(s: dict, run: str, say, seed: int | None = None) -> dict:
             break
         verdict = fits(mid)
         if verdict is None:
-            return {"run": run, "longest": lo, "undecided_at": mid, "probes": probes}
+            return {"longest": lo, "undecided_at": mid}
         lo, hi = (mid, hi) if verdict else (lo, mid)
-    return {"run": run, "longest": lo, "first_over": hi, "probes": probes}
+    return {"longest": lo, "first_over": hi}
+
+
+MIN_PROBE_S = 20.0  # a probe is not started with less of --budget-s left
+
+
+def longest(s: dict, run: str, say, seed: int | None = None) -> dict:
+    """``run``'s longest length whose one-step probe fits the cap (``search``; trainforge's from ``seed``, its own
+    prediction), each probe in its own process, or HF + PEFT's in one (``--hf-search in-process``)."""
+    probes: list[dict] = []
+    server = ProbeServer(s) if run == "hf-peft" and s["hf_search"] == "in-process" else None
+
+    def fits(n: int) -> bool | None:
+        left = s["deadline"] - time.perf_counter()
+        if left < MIN_PROBE_S:
+            probes.append({"run": run, "length": n, "status": "budget spent"})
+            return None
+        timeout = min(s["probe_timeout_s"], left)
+        r = server.probe(n, timeout) if server else measure(s, run, n, 1, forced_levers=run == "trainforge", timeout=timeout)
+        if r["status"] == "ok" and r["peak_gib"] > s["cap_gib"]:  # past the cap between two of the watchdog's looks
+            r = {**r, "status": "over the cap", "error": f"peak {r['peak_gib']} GiB, over the cap after the step"}
+        probes.append(r)
+        say(r)
+        return None if r["status"] in ("timeout", "failed") else r["status"] == "ok"
+
+    try:
+        found = search(fits, s["start"], s["granule"], s["tolerance"], s["max_length"], seed)
+    finally:
+        if server:
+            server.close()
+    return {"run": run, **found, "probes": probes}
 
 
 PREDICT = """
@@ -375,7 +551,7 @@ def predicted_longest(s: dict, at_cap: bool = False) -> dict:
     import yaml
 
     work = Path(s["work"])
-    config = {"model": {"path": s["model_dir"], "method": "lora", "lora": {"r": LORA["r"], "alpha": LORA["alpha"],
+    config = {"model": {"path": s["model_dir"], "method": s["method"], "lora": {"r": LORA["r"], "alpha": LORA["alpha"],
                                                                        "target_modules": "all-linear"}},
               "data": {"train": str(documents(work, s["shape"], s["start"], 2, Path(s["model_dir"]))), "eval": None,
                        "max_length": "auto", "cache_dir": str(work / "cache")},
@@ -431,6 +607,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384])
     ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated, from " + ", ".join(RUNS))
     ap.add_argument("--steps", type=int, default=2, help="steps per table measurement (the last is timed)")
+    ap.add_argument("--method", choices=METHODS, default="lora", help="qlora: the base in NF4 on both sides")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--cap-gib", type=float, default=16.0, help="the memory every process must stay under")
@@ -446,13 +623,22 @@ def main() -> None:
     ap.add_argument("--plan-table", action="store_true", help="--longest: the prediction by the whole `plan --longest` "
                     "(its table of levers too: a search per row, minutes at long lengths)")
     ap.add_argument("--probe-timeout-s", type=float, default=4 * 3600.0, help="a measurement running longer is undecided")
+    ap.add_argument("--hf-search", choices=["auto", "in-process", "per-probe"], default="auto",
+                    help="--longest: HF + PEFT's probes in one process that loads the model once (auto: on a GPU, where "
+                    "the allocator's peak resets per probe and an 8B model loads in tens of seconds) or each in its own")
+    ap.add_argument("--budget-s", type=float, default=float("inf"),
+                    help="no probe or measurement starts after this many seconds (a device call's limit); the searches "
+                    "end undecided there")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench_long_context"))
     ap.add_argument("--out", type=Path, help="write every measurement and the summary as JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args.child)
+    if args.serve:
+        return serve(args.serve)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if set(runs) - set(RUNS):
         ap.error(f"unknown runs: {', '.join(sorted(set(runs) - set(RUNS)))}")
@@ -463,13 +649,22 @@ def main() -> None:
             runs.remove("trl-padding-free")
             print("trl-padding-free: skipped, TRL is not installed (pip install 'trainforge[bench]')", flush=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    s = {"shape": args.shape, "precision": args.precision, "device": args.device, "cap_gib": args.cap_gib,
+    hf_search = args.hf_search if args.hf_search != "auto" else "in-process" if args.device == "cuda" else "per-probe"
+    s = {"shape": args.shape, "method": args.method, "hf_search": hf_search, "precision": args.precision, "device": args.device, "cap_gib": args.cap_gib,
          "threads": args.threads, "work": str(args.workdir.resolve()), "start": args.start, "granule": args.granule, "tolerance": args.tolerance,
          "max_length": args.max_length, "probe_timeout_s": args.probe_timeout_s, "plan_table": args.plan_table,
-         "model_dir": str(prepare(args.workdir.resolve(), args.shape, args.max_length))}
-    say = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
-    results: dict = {"settings": {k: v for k, v in s.items() if k != "work"}, "lora": LORA, "shape": SHAPES[args.shape],
+         "model_dir": str(prepare(args.workdir.resolve(), args.shape, args.max_length, args.device)),
+         "deadline": T0 + args.budget_s}
+    results: dict = {"settings": {k: v for k, v in s.items() if k not in ("work", "deadline")}, "lora": LORA, "shape": SHAPES[args.shape],
                      "table": [], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def say(r: dict) -> None:  # each measurement as it comes; --out rewritten, so a run cut short keeps what ended
+        print(json.dumps(r), flush=True)
+        if args.out:
+            tmp = args.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**results, "summary": summarize(results)}, indent=2))
+            tmp.replace(args.out)
+
     lengths = sorted(set(args.lengths))
     if args.longest:
         if "trainforge" in runs:  # first: its answer is where trainforge's search starts
@@ -477,13 +672,19 @@ def main() -> None:
             results["model_at_cap"] = predicted_longest(s, at_cap=True)
             say({"plan": results["plan"], "model_at_cap": results["model_at_cap"]})
         seed = results.get("model_at_cap", {}).get("auto", {}).get("max_length") or None
-        results["longest"] = [longest(s, run, say, seed if run == "trainforge" else None) for run in runs]
+        results["longest"] = []
+        for run in runs:
+            results["longest"].append(longest(s, run, say, seed if run == "trainforge" else None))
+            say({"longest": {k: v for k, v in results["longest"][-1].items() if k != "probes"}})
         hf = next((x["longest"] for x in results["longest"] if x["run"] == "hf-peft"), 0)
         lengths = sorted(set(lengths) | ({hf} if hf else set()))
     for n in lengths:
         for run in runs:
-            results["table"].append(measure(s, run, n, args.steps))
-            say(results["table"][-1])
+            left = s["deadline"] - time.perf_counter()
+            row = ({"run": run, "length": n, "steps": args.steps, "status": "budget spent"} if left < MIN_PROBE_S
+                   else measure(s, run, n, args.steps, timeout=min(s["probe_timeout_s"], left)))
+            results["table"].append(row)
+            say(row)
     results["summary"] = summarize(results)
     print("\n".join(results["summary"]))
     if args.out:

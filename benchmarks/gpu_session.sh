@@ -18,6 +18,10 @@
 # from WORK and runs the rest, e.g. `REUSE=1 SESSION_S=190 SELFTEST_S=0 bash benchmarks/gpu_session.sh`.
 # PART=5 runs the suite's MoE LoRA row (Qwen3-30B-A3B's layers, 12 of 48) instead of `first`, e.g. as that second
 # call: `REUSE=1 PART=5 SESSION_S=300 SELFTEST_S=0 bash benchmarks/gpu_session.sh` (it writes part-5.json).
+# PART=6 runs the longest-row search instead (Llama-8B's shape, QLoRA, trainforge against HF + PEFT under a 16 GiB cap,
+# bench_long_context.py --longest; it writes part-6.json): `REUSE=1 PART=6 SESSION_S=540 SELFTEST_S=0 bash ...` on a
+# session whose suite and MoE rows are already measured (an 8B model built, saved and loaded per trainforge probe:
+# minutes).
 # Rehearsed on a CPU in about 2 minutes: `TINY=1 OUT=/tmp/s bash benchmarks/gpu_session.sh` (the suite's --tiny shapes).
 set -uo pipefail
 cd "$(dirname "$0")/.."

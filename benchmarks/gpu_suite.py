@@ -23,6 +23,12 @@ Rows (real shapes, random init from config, nothing downloaded; ``--tiny`` shrin
           151,936 vocabulary) with 12 of its 48 layers, LoRA r16 on attention and every expert (PEFT:
           ``target_parameters`` on the 3-D expert weights, transformers' ``grouped_mm`` experts, the router's
           load-balancing loss on both sides), bf16 base, packed prompt/completion at 2,048 tokens;
+  part 6: the longest row: Llama-3.1-8B's shape, QLoRA r16 on all linear layers, one row per step at micro-batch 1,
+          the longest length whose step stays under a 16 GiB cap (``--long-cap-gib``; the card's whole memory
+          would take minutes of attention per probe) for trainforge (long-context levers as auto takes them) and HF
+          + PEFT (bitsandbytes NF4, ``prepare_model_for_kbit_training``, gradient checkpointing), found by
+          ``bench_long_context.py --longest`` (trainforge's search from its own prediction, HF's in one process
+          that loads the model once), with trainforge's peak at HF's longest beside HF's;
   first:  the baselines and trainforge's defaults of parts 1 and 3 first (Llama-1B: HF, trainforge; 8B LoRA:
           HF + PEFT, trainforge), then HF + Liger and trainforge compiled on the 1B row, with fewer steps.
 Variants, at the same micro-batch, sequence length, optimizer (AdamW, same lr/schedule) and steps:
@@ -116,7 +122,9 @@ def is_moe(arch: dict) -> bool:
     return "num_experts" in arch
 
 
-PARTS = ("1", "2", "3", "4", "5", "first")  # ``--part all`` runs 1 to 5
+PARTS = ("1", "2", "3", "4", "5", "6", "first")  # ``--part all`` runs 1 to 6
+LONG_PART = "6"  # the longest row: benchmarks/bench_long_context.py's search, not a Row of variants
+LONG_BENCH = Path(__file__).with_name("bench_long_context.py")
 GRPO = ["trl-grpo-peft", "trainforge"]
 
 
@@ -144,6 +152,7 @@ def parts(tiny: bool) -> dict[str, list[Row]]:
             "5": [Row("qwen3-30b-a3b-shape-lora", {**QWEN3_30B_A3B, **small, "head_dim": 16, "moe_intermediate_size": 32,
                                                     "num_experts": 8, "num_experts_per_tok": 2},
                       "lora", "sft", 128, 2, 8, ["hf-peft", "trainforge"])],
+            "6": [],  # the longest row: run_long
             "first": first_part("llama-1b-shape", llama_1b, "llama-8b-shape-lora", llama_8b, seq=128, micro_batches=(2, 2), steps=(8, 6)),
         }
     return {
@@ -157,6 +166,7 @@ def parts(tiny: bool) -> dict[str, list[Row]]:
         "4": [grpo_row("qwen-0.5b-grpo-lora", QWEN_05B, prompt=128, completion=256, micro_batch=16, accum=4, steps=16)],
         "5": [Row(f"qwen3-30b-a3b-{MOE_LAYERS}l-lora", {**QWEN3_30B_A3B, "num_hidden_layers": MOE_LAYERS}, "lora", "sft",
                   2048, 2, 30, ["hf-peft", "trainforge", "trainforge-compiled"])],
+        "6": [],  # the longest row: run_long
         "first": first_part("llama-1b", LLAMA_1B, "llama-8b-lora", LLAMA_8B, seq=2048, micro_batches=(4, 2), steps=(40, 24)),
     }
 
@@ -733,6 +743,59 @@ def add_ratios(results: dict, baseline: str) -> None:
                                 or (plan["speed_error"] is not None and abs(plan["speed_error"]) > SPEED_TOL))
 
 
+def run_long(args: argparse.Namespace, work: Path, deadline: float) -> dict:
+    """Part 6: trainforge's and HF + PEFT's longest QLoRA row under ``--long-cap-gib`` on this device, by
+    ``bench_long_context.py --longest`` in its own process, cut at ``deadline``; its JSON (every probe, the
+    predictions, the summary lines) or why there is none. ``--tiny``: the tiny shape on the CPU, lengths up to 1,024."""
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "long.json"
+    out.unlink(missing_ok=True)
+    left = deadline - time.perf_counter()
+    if left < 2 * MIN_VARIANT_S:
+        return {"status": "skipped", "reason": f"the part's budget (--budget {args.budget:.0f}s) was spent before it started"}
+    shape = (["--shape", "tiny", "--device", "cpu", "--precision", "fp32", "--cap-gib", "1.0", "--max-length", "1024",
+              "--start", "512", "--threads", "2"] if args.tiny else
+             ["--shape", "llama-8b", "--device", "cuda", "--precision", "bf16", "--cap-gib", str(args.long_cap_gib),
+              "--max-length", "262144", "--start", "4096", "--granule", "512"])
+    # HF's probes in one process on the CPU too (``--tiny`` rehearses the GPU's path; there a probe's peak is the
+    # process's running maximum, an upper bound)
+    cmd = [sys.executable, str(LONG_BENCH), *shape, "--method", "qlora", "--longest", "--hf-search", "in-process",
+           "--lengths", "--steps", "2",
+           "--runs", "trainforge,hf-peft", "--budget-s", f"{left - 15:.0f}", "--workdir", str(work), "--out", str(out)]
+    command = " ".join(["python", f"benchmarks/{LONG_BENCH.name}", *cmd[2:cmd.index("--budget-s")]])
+    try:
+        done = subprocess.run(cmd, env=variant_env("long", os.environ), capture_output=True, text=True, timeout=left)
+        (work / "log.txt").write_text(done.stdout + done.stderr)
+        why = None if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:300]
+    except subprocess.TimeoutExpired:
+        why = f"timed out after {left:.0f}s"
+    if not out.is_file():  # the bench rewrites it after each search and measurement: a cut run keeps what ended
+        return {"status": "failed", "reason": why or "no results written", "command": command}
+    return {"status": "ok" if why is None else "partial", **({"reason": why} if why else {}), "command": command,
+            **json.loads(out.read_text())}
+
+
+def long_table(reports: list[dict]) -> str:
+    """Part 6's figures under the table: the longest rows, the peaks at HF's longest, plan's prediction."""
+    lines = []
+    for report in reports:
+        long = report.get("long")
+        if not long:
+            continue
+        if long.get("status") not in ("ok", "partial"):
+            lines.append(f"- {long.get('status')}: {long.get('reason', '')}")
+            continue
+        if long["status"] == "partial":
+            lines.append(f"- cut short ({long.get('reason')}): what ended before")
+        cap = long["settings"]["cap_gib"]
+        summary = long.get("summary", [])
+        lines += [f"- {line.strip()}" for line in summary if not line.strip()[:1].isdigit()]
+        lines += [f"- at {line.strip()}" for line in summary if line.strip()[:1].isdigit()]
+        lines.insert(0, f"Longest row under a {cap:g} GiB cap ({long['settings']['shape']} shape, "
+                        f"{long['settings']['method']} r{long['lora']['r']}, `{long['command']}`):")
+    return "\n\n" + "\n".join(lines) if lines else ""
+
+
 def gpu_profile_name() -> str:
     """The plan profile of this machine's GPU (an H200 is lent as often as an H100), h100 without one."""
     import torch
@@ -790,7 +853,7 @@ def table(reports: list[dict]) -> str:
         note += (" (r): recounted from a report whose trainforge token counts summed running totals (the suite before"
                  " 2026-11-27), assuming equal tokens per step; measure again to confirm.")
     return ("\n".join(lines) + f"\n\nDevice: {', '.join(devices)}; torch {reports[0]['environment']['versions']['torch']}.{note}"
-            + profile_table(reports))
+            + long_table(reports) + profile_table(reports))
 
 
 def late_cell(r: dict) -> str:
@@ -840,7 +903,8 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--part", default="all", choices=[*PARTS, "all"],
-                    help="1, 2, 3, 4 (GRPO), 5 (MoE LoRA), all (1 to 5; each part stays under 9 minutes on one H100) or first (one short call)")
+                    help="1, 2, 3, 4 (GRPO), 5 (MoE LoRA), 6 (the longest 8B QLoRA row), all (1 to 6; each part stays "
+                    "under 9 minutes on one H100) or first (one short call)")
     ap.add_argument("--out", type=Path, default=Path("gpu-results"), help="folder for part-N.json")
     ap.add_argument("--work", type=Path, help="folder for the models, data and runs (default: OUT/work); keep it out "
                     "of the device's $OUT, whose files travel back")
@@ -854,6 +918,7 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="take a variant's result from --work when an earlier call ran it with the same spec (a second "
                     "call on the same warm device goes on where the first stopped)")
+    ap.add_argument("--long-cap-gib", type=float, default=16.0, help="part 6: the memory cap of the longest row's search")
     ap.add_argument("--table", type=Path, help="print the markdown table of the part-*.json files in this folder and exit")
     args = ap.parse_args()
     if args.table:
@@ -879,9 +944,9 @@ def main() -> int:
         # and starting CUDA take seconds before this line)
         deadline = (T0 if not reports else time.perf_counter()) + args.budget
 
-        def save(row_report: dict, report: dict = report, n: int = n) -> None:
+        def save(row_report: dict | None, report: dict = report, n: int = n) -> None:
             # rewritten after every variant (atomically): what finished survives a call killed at its limit
-            if row_report not in report["rows"]:
+            if row_report is not None and row_report not in report["rows"]:
                 report["rows"].append(row_report)
             report["elapsed_s"] = time.perf_counter() - T0
             tmp = args.out / f".part-{n}.json.tmp"
@@ -889,11 +954,14 @@ def main() -> int:
             tmp.replace(args.out / f"part-{n}.json")
 
         pieces: dict[str, dict] = {}  # row name -> its report, extended by later pieces of the row
+        if n == LONG_PART:
+            print(f"part {n}: the longest QLoRA row (trainforge, hf-peft)", flush=True)
+            report["long"] = run_long(args, work / "long", deadline)
         for row in chosen[n]:
             print(f"part {n}: {row.name} ({', '.join(row.variants)})", flush=True)
             pieces[row.name] = run_row(row, work / row.name, args, peak, deadline, save, pieces.get(row.name))
         report["complete"] = True
-        save(report["rows"][-1])
+        save(report["rows"][-1] if report["rows"] else None)
         reports.append(report)
     print(table(reports))
     return 0

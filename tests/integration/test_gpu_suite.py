@@ -259,3 +259,35 @@ def test_the_moe_row_adapts_the_same_weights_on_both_sides(tmp_path, monkeypatch
     assert {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"} <= per_layer
     assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} <= per_layer
     assert not any(n.endswith("mlp.gate") for n in per_layer) and len({n.split(".")[0] for n in ours}) == row.arch["num_hidden_layers"]
+
+
+@pytest.mark.slow
+def test_the_longest_row_part_searches_both_trainers_and_the_table_shows_it(tmp_path):
+    """Part 6 (the longest QLoRA row, bench_long_context.py's search): both trainers' searches and the table
+    measurements at HF's longest are in part-6.json, HF + PEFT's probes ran in one process, both bases were NF4,
+    and --table prints the section."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SUITE.parents[1] / "src"), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(SUITE), "--tiny", "--part", "6", "--out", str(tmp_path / "out"),
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "part-6.json").read_text())
+    long = report["long"]
+    assert report["complete"] and report["rows"] == [] and long["status"] == "ok", long.get("reason")
+    assert long["settings"]["method"] == "qlora" and long["settings"]["hf_search"] == "in-process"
+    by_run = {x["run"]: x for x in long["longest"]}
+    assert set(by_run) == {"trainforge", "hf-peft"}
+    assert all(x["longest"] > 0 and x["probes"] for x in by_run.values())
+    assert all(p.get("in_process") for p in by_run["hf-peft"]["probes"])
+    assert not any(p.get("in_process") for p in by_run["trainforge"]["probes"])
+    hf = by_run["hf-peft"]["longest"]
+    at_hf = {r["run"]: r for r in long["table"] if r["length"] == hf}
+    assert at_hf["trainforge"]["status"] == at_hf["hf-peft"]["status"] == "ok" and at_hf["trainforge"]["peak_gib"] > 0
+    assert any("longest under the cap" in line for line in long["summary"])
+    assert long["command"].startswith("python benchmarks/bench_long_context.py --shape tiny")
+    ok = [r for x in by_run.values() for r in x["probes"] if r["status"] == "ok"]
+    assert ok and all(r["nf4_layers"] > 0 for r in ok)  # both bases quantized: bitsandbytes' 4-bit layers
+    table = subprocess.run([sys.executable, str(SUITE), "--table", str(tmp_path / "out")], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert "Longest row under a 1 GiB cap (tiny shape, qlora r16" in table.stdout
+    assert "trainforge / hf-peft longest" in table.stdout
