@@ -271,15 +271,19 @@ def test_a_failing_rank_ends_the_job_with_its_error(two_proc, tmp_path):
     assert proc.stderr.count("RuntimeError: injected failure on rank 1") == 1, show(proc)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_activation_checkpointing_under_ddp_and_fsdp2_trains_like_plain_ddp(two_proc, tmp_path, mode):
-    """Checkpointing is switched on before the wrap: under FSDP2 each recomputed layer is one shard unit."""
+@pytest.mark.parametrize("mode,tiled", [("ddp", False), ("fsdp", False), ("fsdp", True)])
+def test_activation_checkpointing_under_ddp_and_fsdp2_trains_like_plain_ddp(two_proc, tmp_path, mode, tiled):
+    """Checkpointing is switched on before the wrap: under FSDP2 each recomputed layer is one shard unit. With the
+    tiled MLP too (its backward recomputes each tile on the layer's gathered weights and hands them their summed
+    gradients, which FSDP2 reduce-scatters): rows of 2 x 64 tokens in tiles of 64."""
     config, reference = two_proc
     run = tmp_path / mode
-    args = ["train", config, "--output", run, "--set", f"train.distributed={mode}", "--set", "train.activation_checkpointing=true"]
+    args = ["train", config, "--output", run, "--set", f"train.distributed={mode}", "--set", "train.activation_checkpointing=true",
+            "--set", f"train.tiled_mlp={str(tiled).lower()}"]
     proc = run_cli(args, tmp_path, nproc=2)
     assert proc.returncode == 0, show(proc)
     assert f"{mode} over 2 processes" in proc.stdout and "activation checkpointing" in proc.stdout, show(proc)
+    assert ("decoder MLPs run in tiles of 64 tokens" in proc.stdout) == tiled, show(proc)
     assert_close_records(records(run), records(reference))
     assert_close_weights(final_weights(run), final_weights(reference))
 
