@@ -29,6 +29,52 @@ def test_auto_takes_the_compact_heap_only_with_a_memory_lever(setting, ckpt, til
         assert why == "as configured"
 
 
+@needs_glibc
+def test_auto_takes_the_compact_heap_where_the_default_heaps_peak_passes_its_share_of_memory():
+    share = heap.COMPACT_SHARE
+    on, why = heap.compact_heap("auto", "cpu", False, False, environ={}, predicted_share=share + 0.01)
+    assert on and why.startswith("on") and f"{share + 0.01:.0%} of memory" in why
+    assert heap.compact_heap("auto", "cpu", False, False, environ={}, predicted_share=share - 0.01)[0] is False
+    assert heap.compact_heap(False, "cpu", False, False, environ={}, predicted_share=0.95)[0] is False  # as configured
+    assert heap.compact_heap("auto", "cuda", False, False, environ={}, predicted_share=0.95)[0] is False
+
+
+@needs_glibc
+def test_plan_and_the_run_take_the_compact_heap_past_the_share_and_price_it(finetune_config, tiny_model_dir, monkeypatch):
+    """A CPU step without levers whose default-heap peak is past COMPACT_SHARE of memory is priced with the compact
+    heap (the run takes it: settle_heap decides from the same prediction); below the share, the default heap."""
+    from trainforge.config.run import RunConfig
+    from trainforge.engine.levers import settle_heap
+    from trainforge.engine.predict.fit import predict_memory
+    from trainforge.hardware.device import Precision
+
+    for name in heap.USER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(heap, "apply_compact_heap", lambda on: None)  # this test process keeps its own heap
+    cfg = RunConfig.model_validate({**finetune_config, "model": {"path": str(tiny_model_dir), "method": "lora"}})
+    from trainforge.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    fp32 = Precision("fp32", None, False)
+
+    def cpu(memory_gib: float) -> HardwareProfile:
+        return HardwareProfile(name="this", title="a CPU", memory_gib=memory_gib, peak_tflops={"fp32": 0.1}, bandwidth_gbs=10,
+                               bf16=False, kind="cpu", fixed_gib=0.5, compact_fixed_gib=0.4, allocator_overhead=0.15)
+
+    roomy = predict_memory(cfg, tok, fp32, cpu(64), 2, False)
+    assert not roomy.compact_heap and roomy.heap_share == pytest.approx(roomy.process / (64 * GIB))
+    tight_gib = roomy.process / GIB / (heap.COMPACT_SHARE + 0.05)  # the default heap's peak at 75% of this memory
+    tight = predict_memory(cfg, tok, fp32, cpu(tight_gib), 2, False)
+    assert tight.compact_heap and tight.heap_share == pytest.approx(roomy.process / (tight_gib * GIB), rel=1e-3)
+    assert tight.process < roomy.process and tight.scale == 1 + CPU_COMPACT_HEAP_OVERHEAD
+    said = []
+    assert settle_heap(cfg, torch.device("cpu"), said.append, tight)["compact_heap"] is True and "75% of memory" in said[0]
+    assert settle_heap(cfg, torch.device("cpu"), said.append, roomy)["compact_heap"] is False
+    off = RunConfig.model_validate({**finetune_config, "model": {"path": str(tiny_model_dir), "method": "lora"},
+                                    "train": {**finetune_config.get("train", {}), "compact_heap": False}})
+    assert not predict_memory(off, tok, fp32, cpu(tight_gib), 2, False).compact_heap
+
+
 def test_a_gpu_run_and_the_users_own_threshold_decide_alone():
     assert heap.compact_heap(True, "cuda", True, True, environ={})[0] is False
     got, why = heap.compact_heap("auto", "cpu", False, False, environ={"MALLOC_MMAP_THRESHOLD_": "65536"})

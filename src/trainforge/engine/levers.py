@@ -4,6 +4,7 @@ made compact where the run needs memory (``train.compact_heap``, hardware/heap.p
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -11,20 +12,23 @@ import torch
 from ..config.run import RunConfig
 from ..hardware.device import Precision
 from .offload import BoundaryOffload, install_offload
+from .predict.fit import MemoryPrediction
 
 CPU_OFFLOAD_NOTE = ("train.activation_offload: on a CPU the checkpointed layers' inputs already sit in host memory; "
                     "nothing is moved (it acts on a GPU)")
 
 
-def resolve_run_levers(cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx, say: Callable[[str], None]) -> RunConfig:
+def resolve_run_levers(cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx,
+                       say: Callable[[str], None]) -> tuple[RunConfig, MemoryPrediction | None]:
     """``cfg`` with ``tiled_mlp``/``activation_offload: auto`` decided by the plan of this run here (rank 0 decides,
-    the others take its answer), each decision said with its reason."""
+    the others take its answer), each decision said with its reason; and the prediction that decided (its figures,
+    not its trace), where one was made."""
     t = cfg.train
     if t.tiled_mlp != "auto" and t.activation_offload != "auto":
         if t.activation_offload is True and t.activation_checkpointing == "auto" and device.type == "cuda":
             say("activation checkpointing auto -> on: train.activation_offload moves its boundaries")
-            return cfg.model_copy(update={"train": t.model_copy(update={"activation_checkpointing": True})})
-        return cfg
+            return cfg.model_copy(update={"train": t.model_copy(update={"activation_checkpointing": True})}), None
+        return cfg, None
     from ..hardware.device import this_profile
     from .predict.levers import decide_levers, resolved_config
 
@@ -32,13 +36,14 @@ def resolve_run_levers(cfg: RunConfig, tokenizer, precision: Precision, device: 
     if ctx.is_main:
         profile = this_profile(device, cfg.data.cache_dir, timing=False)
         choice = decide_levers(cfg, tokenizer, precision, profile, ctx.world_size, "fsdp" if t.distributed == "fsdp" else "ddp")
-        choice.memory = None  # the figures are said; the trace stays here
+        if choice.memory is not None:
+            choice.memory = replace(choice.memory, trace=None)  # the figures travel to the other ranks; the trace stays
     choice = ctx.broadcast_object(choice)
     if t.tiled_mlp == "auto":
         say(f"tiled MLP auto -> {choice.why_tiled}")
     if t.activation_offload == "auto":
         say(f"activation offload auto -> {choice.why_offload}")
-    return resolved_config(cfg, choice)
+    return resolved_config(cfg, choice), choice.memory
 
 
 def apply_levers(model: torch.nn.Module, cfg: RunConfig, device: torch.device, say: Callable[[str], None]) -> torch.nn.Module:
@@ -62,13 +67,17 @@ def apply_levers(model: torch.nn.Module, cfg: RunConfig, device: torch.device, s
     return model
 
 
-def settle_heap(cfg: RunConfig, device: torch.device, say: Callable[[str], None]) -> dict[str, object]:
-    """Make this process's heap compact or not as ``train.compact_heap`` says for the run's settled levers (before the
-    model is built, so loading gives its freed blocks back too); the choice and why, for summary.json."""
+def settle_heap(cfg: RunConfig, device: torch.device, say: Callable[[str], None],
+                memory: MemoryPrediction | None = None) -> dict[str, object]:
+    """Make this process's heap compact or not as ``train.compact_heap`` says for the run's settled levers and the
+    prediction of its step (``memory``, where one was made: its default-heap share decides as in ``plan``), before
+    the model is built, so loading gives its freed blocks back too; the choice and why, for summary.json."""
     from ..hardware.heap import apply_compact_heap, compact_heap
 
     t = cfg.train
-    on, why = compact_heap(t.compact_heap, device.type, t.activation_checkpointing is True, t.tiled_mlp is True)
+    share = memory.heap_share if memory is not None else None
+    on, why = compact_heap(t.compact_heap, device.type, t.activation_checkpointing is True, t.tiled_mlp is True,
+                           predicted_share=share)
     apply_compact_heap(on)
     if on or t.compact_heap is True:  # an auto that stays off is the common case: not worth a line
         say(f"compact heap {'auto ' if t.compact_heap == 'auto' else ''}-> {why}")

@@ -119,9 +119,10 @@ def setup(
     stop.stop_before_training(out, ctx.enabled)  # a signal while tokenizing: no model, eval nor checkpoint
     reporter.info(f"output: {out}")
     with reusing_traces():  # the levers and the micro-batch search trace some settings alike: each once
-        cfg = resolve_run_levers(cfg, tokenizer, precision, device, ctx, reporter.info)  # tiled MLP, offload: auto
+        cfg, levers_memory = resolve_run_levers(cfg, tokenizer, precision, device, ctx, reporter.info)  # tiled MLP, offload
         cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
-    heap = settle_heap(cfg, device, reporter.info)  # a CPU run short of memory gives freed blocks back
+    # a CPU run short of memory gives freed blocks back (the prediction at the run's settings, else the levers')
+    heap = settle_heap(cfg, device, reporter.info, fit.memory if fit.memory is not None else levers_memory)
     laps("fit")
     cfg, micro, accum = batch_layout(cfg, ctx.world_size, resume_plan)
     loader = loader_type(cfg)(

@@ -22,6 +22,11 @@ from contextlib import contextmanager
 from functools import cache
 
 COMPACT_MMAP_THRESHOLD = 1 << 20  # 1 MiB: every tensor that grows with the row length is mapped on its own
+# auto: compact where the default heap's predicted peak passes this share of memory. glibc's default heap is not
+# priced exactly: its rising mmap threshold serves blocks up to 32 MiB from a heap that keeps what it freed, and at
+# long rows it held up to 0.9 GiB (+28%) over plan's figure (a 4 x 256 LoRA Llama at 16,384 tokens: 3.21-3.31 GiB
+# against 2.59 predicted; compact: 2.42 against 2.49). Past this share such an error could pass the memory.
+COMPACT_SHARE = 0.7
 GLIBC_MAX_MMAP_THRESHOLD = 32 << 20  # glibc's dynamic threshold stops here on 64-bit: what "off" restores
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
@@ -57,10 +62,12 @@ def users_threshold(environ: dict[str, str] | None = None) -> int | None:
 
 
 def compact_heap(setting: bool | str, device_type: str, checkpointing: bool, tiled_mlp: bool,
-                 environ: dict[str, str] | None = None) -> tuple[bool, str]:
+                 environ: dict[str, str] | None = None, predicted_share: float | None = None) -> tuple[bool, str]:
     """Whether a run's heap is compact, and why, from ``train.compact_heap`` (``auto``: on for a CPU step that
-    needs a memory lever, activation checkpointing or the tiled MLP, since only a run short of memory should pay
-    for it). A user's own mmap threshold is left alone and decides (compact where it is at most 4 MiB)."""
+    needs a memory lever, activation checkpointing or the tiled MLP, or whose peak with the default heap is
+    predicted past ``COMPACT_SHARE`` of memory (``predicted_share``, where a prediction was made), since only a run
+    short of memory should pay for it). A user's own mmap threshold is left alone and decides (compact where it is
+    at most 4 MiB)."""
     if device_type != "cpu":
         return False, "off: the CPU's heap (a GPU run's tensors live in the CUDA allocator)"
     users = users_threshold(environ)
@@ -73,6 +80,10 @@ def compact_heap(setting: bool | str, device_type: str, checkpointing: bool, til
     if checkpointing or tiled_mlp:
         levers = " and ".join(n for n, on in (("activation checkpointing", checkpointing), ("the tiled MLP", tiled_mlp)) if on)
         return True, f"on: the run needs memory levers ({levers}); freed blocks go back to the system (a step 10-25% slower)"
+    if predicted_share is not None and predicted_share > COMPACT_SHARE:
+        return True, (f"on: with glibc's default heap the step is predicted at {predicted_share:.0%} of memory, past "
+                      f"{COMPACT_SHARE:.0%} (that heap can keep up to ~30% more than the tensors need at long rows); "
+                      "freed blocks go back to the system (a step 5-25% slower)")
     return False, "off: the run needs no memory lever (a compact heap costs 10-25% of a step on a CPU)"
 
 

@@ -59,7 +59,9 @@ def decisions(
     if profile is not None and profile.kind == "cpu":  # a GPU run's tensors are not on the heap
         from ..hardware.heap import compact_heap
 
-        on, why = compact_heap(cfg.train.compact_heap, "cpu", bool(fit.activation_checkpointing), cfg.train.tiled_mlp is True)
+        share = fit.memory.heap_share if fit.memory is not None else None  # the default heap's predicted share
+        on, why = compact_heap(cfg.train.compact_heap, "cpu", bool(fit.activation_checkpointing), cfg.train.tiled_mlp is True,
+                               predicted_share=share)
         out.append({"setting": "compact_heap", "choice": str(on).lower(), "why": why})
     if fp8_decision(cfg):
         out.append(fp8_decision(cfg))

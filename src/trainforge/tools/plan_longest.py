@@ -17,7 +17,8 @@ def _row(found: Longest, cfg: RunConfig, profile) -> dict[str, Any]:
     from ..engine.predict.fit import heap_is_compact
     from ..engine.predict.levers import with_levers
 
-    compact = heap_is_compact(with_levers(cfg, found.levers), profile, found.levers.checkpointing)  # a CPU's heap
+    compact = (found.memory.compact_heap if found.memory is not None  # a CPU's heap, as the prediction priced it
+               else heap_is_compact(with_levers(cfg, found.levers), profile, found.levers.checkpointing))
     return {
         "levers": found.levers.describe() + (" + compact heap" if compact else ""),
         "longest": found.length,

@@ -24,10 +24,10 @@ def measure(
     import tempfile
 
     chosen = {d["setting"]: d["choice"] for d in plan["decisions"]}
-    settings = [
-        f"train.micro_batch_size={chosen['micro_batch_size']}",
-        f"train.activation_checkpointing={chosen['activation_checkpointing']}",
-    ]
+    # every setting plan decided, so the steps are the planned ones: left to auto, the run would decide its levers and
+    # heap again from its own reading of this process's memory, and near a cap could take another (a tiled MLP)
+    decided = ("micro_batch_size", "activation_checkpointing", "tiled_mlp", "activation_offload", "compact_heap")
+    settings = [f"train.{key}={chosen[key]}" for key in decided if key in chosen]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     workdir = tempfile.mkdtemp(prefix="trainforge-plan-")

@@ -42,6 +42,7 @@ class MemoryPrediction:
     scale: float = 1.0  # process bytes per tensor byte (the allocator's overhead)
     fixed: float = 0.0  # the process's fixed cost
     compact_heap: bool = False  # a CPU run's heap gives freed blocks back (hardware/heap.py): priced in scale and fixed
+    heap_share: float | None = None  # CPU, compact_heap auto: the default heap's predicted share of memory (it decides)
 
     @property
     def share(self) -> float:
@@ -91,21 +92,34 @@ def predict_memory(
         parts["reference"] = trace.parts["weights"]  # a frozen copy of the starting weights, whole on every process
     rollout = predict_rollout(cfg, tokenizer, precision, micro_batch_size, grad_accum, world_size, parts)
     tensors = max(sum(parts.values()), sum(rollout[0].values()) if rollout else 0)
-    compact = heap_is_compact(cfg, profile, activation_checkpointing)
-    scale, fixed = 1 + allocator_overhead(profile, compact), fixed_bytes(cfg, profile, compact=compact)
     # a CPU heap maps each block of 32 MiB or more on its own and unmaps it when freed: no overhead on those
     mapped = min(trace.mapped, tensors) if profile.kind == "cpu" else 0
-    process = int((tensors - mapped) * scale + mapped + fixed)
+
+    def priced(compact: bool) -> tuple[int, float, float]:
+        scale, fixed = 1 + allocator_overhead(profile, compact), fixed_bytes(cfg, profile, compact=compact)
+        return int((tensors - mapped) * scale + mapped + fixed), scale, fixed
+
+    compact = heap_is_compact(cfg, profile, activation_checkpointing)
+    process, scale, fixed = priced(compact)
+    share = None
+    if not compact and profile.kind == "cpu" and cfg.train.compact_heap == "auto" and profile.memory_bytes:
+        share = process / profile.memory_bytes  # the default heap's peak: past COMPACT_SHARE, auto takes the compact one
+        if heap_is_compact(cfg, profile, activation_checkpointing, share):
+            compact = True
+            process, scale, fixed = priced(True)
     return MemoryPrediction(parts, tensors, process, profile.memory_bytes, micro_batch_size,
-                            activation_checkpointing, trace, *(rollout or (None, 0)), scale, fixed, compact)
+                            activation_checkpointing, trace, *(rollout or (None, 0)), scale, fixed, compact, share)
 
 
-def heap_is_compact(cfg: RunConfig, profile: HardwareProfile, activation_checkpointing: bool) -> bool:
-    """Whether the run's CPU heap gives freed blocks back (``train.compact_heap``, hardware/heap.py) at these settings."""
+def heap_is_compact(cfg: RunConfig, profile: HardwareProfile, activation_checkpointing: bool,
+                    predicted_share: float | None = None) -> bool:
+    """Whether the run's CPU heap gives freed blocks back (``train.compact_heap``, hardware/heap.py) at these settings
+    (``predicted_share``: the default heap's predicted share of memory, where it is known)."""
     from ...hardware.heap import compact_heap
 
     device_type = "cpu" if profile.kind == "cpu" else "cuda"
-    return compact_heap(cfg.train.compact_heap, device_type, activation_checkpointing, cfg.train.tiled_mlp is True)[0]
+    return compact_heap(cfg.train.compact_heap, device_type, activation_checkpointing, cfg.train.tiled_mlp is True,
+                        predicted_share=predicted_share)[0]
 
 
 def allocator_overhead(profile: HardwareProfile, compact: bool = False) -> float:
