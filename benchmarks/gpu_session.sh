@@ -2,7 +2,7 @@
 # The one device call of a session lent a GPU: 15 minutes of device time in all, the machine's start
 # included, so everything that needs the GPU is in this script, most telling first, each stage cut to
 # what is left of SESSION_S:
-#   1. the CUDA-marked unit tests (varlen/flex attention, Liger, the allocator: a few seconds; not the
+#   1. the CUDA-marked unit tests (varlen/flex attention, Liger, the allocator, offload: a few seconds; not the
 #      precision matrix's: it is selftest's matrix);
 #   2. `gpu_suite.py --part first` (HF, trainforge, then HF + Liger and compiled), leaving SELFTEST_S;
 #   3. `trainforge selftest` in the time left (every path against its fp32 reference on the GPU: the full
@@ -59,7 +59,7 @@ cat "$OUT/versions.txt"
 # everything now) and never ended, and the call ran out with neither selftest nor the suite started
 if [ -z "${REUSE:-}" ]; then  # a second call (REUSE=1) goes straight on with the suite
   timeout -k 10 120 $PY -m pytest -v -p no:cacheprovider -m gpu tests/unit/test_doc_attention.py tests/unit/test_kernels.py \
-    tests/unit/test_allocator.py > "$OUT/gpu-tests.log" 2>&1
+    tests/unit/test_allocator.py tests/unit/test_offload.py > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests: exit $? ($(tail -1 "$OUT/gpu-tests.log")) at ${SECONDS}s"
 fi
 

@@ -17,7 +17,9 @@ from trainforge.tools.plan import VocabOnly
 
 VOCAB = VocabOnly(256)
 TABLE_GIB = 0.125  # the lever table's device: small, so that each row's longest length (and each trace) stays short
-SHAPE = {"architecture": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+# four layers: with offload two boundaries stay on the device (the one in backward and the one below it, brought back
+# early: engine/offload.py), so offload buys something from three layers on
+SHAPE = {"architecture": "llama", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1 << 20}
 
 
@@ -49,12 +51,13 @@ def test_each_lever_lowers_the_peak_and_the_peak_grows_linearly(tmp_path):
     short = [tensors(cfg, lv, 2048) for lv in ladder[1:]]
     for i, lv in enumerate(ladder[1:], 1):  # at most linear in length: the second doubling adds at most twice the first's
         first, second = at[4096][i] - short[i - 1], at[8192][i] - at[4096][i]  # (quadratic would be four times)
-        assert 0 < second <= 2.05 * first, lv
+        assert 0 < second <= 2.2 * first, lv  # a term in the square of the length would make it 4
     # tiling takes the MLP's intermediates out of the recomputed layer: at least 3 of its 4 bf16 intermediates
     assert at[8192][1] - at[8192][2] >= 3 * 8192 * shape["intermediate_size"] * 2
     # offload takes each layer's input (a bf16 hidden-size row per token) off the device: all but the one whose
-    # backward reaches the peak (its input back on the device; the head's last chunk is freed before backward)
-    assert at[8192][2] - at[8192][3] >= (SHAPE["num_hidden_layers"] - 1) * 8192 * SHAPE["hidden_size"] * 2 * 0.9
+    # backward reaches the peak (its input back on the device; the head's last chunk is freed before backward) and
+    # the one below it, already on its way back (engine/offload.py's prefetch)
+    assert at[8192][2] - at[8192][3] >= (shape["num_hidden_layers"] - 2) * 8192 * SHAPE["hidden_size"] * 2 * 0.9
 
 
 def test_offload_is_priced_only_for_a_gpu(tmp_path):
@@ -153,11 +156,12 @@ def test_one_decision_traces_each_setting_once_and_nothing_is_kept_after_it(tmp_
     cfg = config(tmp_path)
     with reusing_traces():
         first = tensors(cfg, Levers(True), 256)
-        assert tensors(cfg, Levers(True), 256) == first and len(calls) == 1  # the same settings: traced once
+        per = len(calls)  # one setting's traces: two shallow depths, extrapolated to the model's four layers
+        assert per == 2 and tensors(cfg, Levers(True), 256) == first and len(calls) == per  # the same settings: once
         tensors(cfg, Levers(True), 512)
-        assert len(calls) == 2  # other settings: traced
+        assert len(calls) == 2 * per  # other settings: traced
     tensors(cfg, Levers(True), 256)
-    assert len(calls) == 3  # outside a decision nothing is kept
+    assert len(calls) == 3 * per  # outside a decision nothing is kept
 
 
 def test_plan_lists_each_long_context_lever_with_why(tmp_path):

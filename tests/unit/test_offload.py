@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -89,3 +91,62 @@ def test_the_traced_stand_in_keeps_only_shapes():
     loss = model(input_ids=IDS, labels=IDS).loss
     loss.backward()  # the recompute runs on uninitialised boundaries: values are not the point, shapes are
     assert traced.count == LAYERS and traced.bytes == LAYERS * IDS.numel() * HIDDEN * 4
+
+
+def test_each_boundary_brings_the_one_below_back_early_and_a_new_forward_links_afresh():
+    """Backward recomputes top down: unpacking layer k's boundary starts the copy back of layer k-1's (the CPU path
+    copies as CUDA's does), which is then used as is; two micro-batches' forwards never link across."""
+    model = tiny()
+    plain = step(model)
+    offload = BoundaryOffload(CPU, copy=True, min_bytes=0)
+    install_offload(model, offload)
+    order = []
+    load = offload._load
+    offload._load = lambda packed, early: order.append(early) or load(packed, early)
+    got = step(model)
+    assert offload.prefetched == LAYERS - 1 and order == [False] + [True] * (LAYERS - 1)  # the top one alone waits
+    for name in plain[1]:
+        torch.testing.assert_close(got[1][name], plain[1][name], rtol=0, atol=0, msg=name)
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):  # accumulation: each forward's boundaries link among themselves
+        (model(input_ids=IDS, labels=IDS).loss / 2).backward()
+    assert offload.prefetched == 3 * (LAYERS - 1) and offload._last is None
+    off = BoundaryOffload(CPU, copy=True, min_bytes=0, prefetch=False)
+    install_offload(model, off)
+    step(model)
+    assert off.prefetched == 0 and off.count == LAYERS
+
+
+def test_the_traced_stand_in_brings_the_boundary_below_back_early_as_the_run_does():
+    """The plan's stand-in allocates each boundary again when the run would: the top one at its recompute, every
+    other one early, when the layer above comes back (so the trace holds the one more boundary a backward holds)."""
+    model = tiny()
+    traced = TracedOffload(min_bytes=0)
+    install_offload(model, traced)
+    order = []
+    load = traced._load
+    traced._load = lambda packed, early: order.append(early) or load(packed, early)
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    assert traced.prefetched == LAYERS - 1 and order == [False] + [True] * (LAYERS - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_boundaries_go_to_pinned_memory_and_come_back_early_with_the_same_gradients():
+    device = torch.device("cuda")
+    model = tiny().to(device)
+    ids = IDS.to(device)
+
+    def cuda_step() -> dict:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = cuda_step()
+    offload = BoundaryOffload(device, min_bytes=0)
+    install_offload(model, offload)
+    got = cuda_step()
+    torch.cuda.synchronize()
+    assert offload.count == LAYERS and offload.prefetched == LAYERS - 1
+    for name in plain:
+        torch.testing.assert_close(got[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -93,6 +93,17 @@ def test_deep_models_are_extrapolated_exactly_from_two_shallow_traces(tmp_path):
         assert extrapolated.flops == pytest.approx(full.flops, rel=1e-9)
 
 
+def test_with_activation_offload_deep_models_are_extrapolated_exactly_too(tmp_path):
+    """Offload keeps two boundaries on the device from two layers on (the one below is brought back early): the
+    shallow traces are at 2 and 3 layers, where both hold two, so the per-layer slope is the deep model's."""
+    cfg = config({"model": {"init": {**TINY_LLAMA_INIT, "num_hidden_layers": 7}}, "data": {"max_length": 256},
+                  "train": {"activation_offload": True, "tiled_mlp": False}}, tmp_path)
+    full = _trace(cfg, VocabOnly(300), PRECISIONS["bf16"], 2, True, 1, "cuda", None)
+    extrapolated = trace_training_step(cfg, VocabOnly(300), PRECISIONS["bf16"], 2, True, device_type="cuda")
+    assert extrapolated.fewer_ops is not None and extrapolated.extrapolate == pytest.approx((7 - 3) / (3 - 2))
+    assert extrapolated.parts == full.parts
+
+
 def test_each_memory_lever_lowers_the_prediction(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
 

@@ -28,24 +28,65 @@ MIN_BYTES = 1 << 16  # boundaries smaller than 64 KiB stay where they are: the c
 @dataclass
 class _Packed:
     device: torch.device
-    host: torch.Tensor
+    host: Any  # the host copy (pinned on CUDA); the traced stand-in: the boundary's (shape, stride, dtype)
     ready: Any = None  # the CUDA event after which ``host`` holds the copy
+    below: "_Packed | None" = None  # the boundary packed just before this one (the layer below): fetched early
+    fetched: torch.Tensor | None = None  # its device copy, brought back ahead of its layer's recompute
+    fetched_ready: Any = None  # the CUDA event after which ``fetched`` holds it
+    used: bool = False
 
 
 class BoundaryOffload:
-    """Pack/unpack hooks that keep saved tensors in host memory, and what they moved (``count``, ``bytes``)."""
+    """Pack/unpack hooks that keep saved tensors in host memory, and what they moved (``count``, ``bytes``).
 
-    def __init__(self, device: torch.device, copy: bool = False, min_bytes: int = MIN_BYTES) -> None:
-        self.device, self.copy, self.min_bytes = device, copy, min_bytes
-        self.count = self.bytes = 0
-        # the side stream the copies run on, overlapped with the forward's compute
+    Backward recomputes the layers top down, so when a layer's boundary comes back, the one below it is next:
+    its copy back starts then (``prefetch``, on the side stream), and overlaps this layer's recompute and
+    backward instead of waiting at the start of its own. The cost is one more boundary on the device during
+    backward (the plan's stand-in does the same, so it is priced)."""
+
+    _traced = False  # the plan's stand-in packs on whatever device (fake CPU tensors)
+
+    def __init__(self, device: torch.device, copy: bool = False, min_bytes: int = MIN_BYTES, prefetch: bool = True) -> None:
+        self.device, self.copy, self.min_bytes, self.prefetch = device, copy, min_bytes, prefetch
+        self.count = self.bytes = self.prefetched = 0
+        self._last: _Packed | None = None  # the latest boundary packed in this forward: the next one's ``below``
+        # the side stream the copies run on, overlapped with the forward's compute and the backward's
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def pack(self, t: torch.Tensor) -> Any:
         size = t.numel() * t.element_size()
-        if size < self.min_bytes or (t.device.type != "cuda" and not self.copy):
+        if size < self.min_bytes or (t.device.type != "cuda" and not (self.copy or self._traced)):
             return t
         self.count, self.bytes = self.count + 1, self.bytes + size
+        packed = self._store(t)
+        last = self._last
+        packed.below = last if last is not None and not last.used else None  # a new forward: nothing below
+        self._last = packed
+        return packed
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed
+        if packed.fetched is not None:  # brought back early: wait for that copy only
+            t, packed.fetched = packed.fetched, None
+            if packed.fetched_ready is not None:
+                current = torch.cuda.current_stream(packed.device)
+                current.wait_event(packed.fetched_ready)
+                t.record_stream(current)  # made on the side stream, used and freed on this one
+        else:
+            t = self._load(packed, early=False)
+        packed.used = True
+        if packed is self._last:
+            self._last = None  # backward reached the top boundary: the next forward links afresh
+        below = packed.below
+        packed.below = None
+        if self.prefetch and below is not None and not below.used and below.fetched is None:
+            below.fetched = self._load(below, early=True)
+            self.prefetched += 1
+        return t
+
+    def _store(self, t: torch.Tensor) -> _Packed:
+        """``t``'s host copy: on CUDA pinned, copied on the side stream once the compute that wrote it is done."""
         if t.device.type != "cuda":
             return _Packed(t.device, t.detach().clone())  # a CPU "host copy": the same path, for tests
         current = torch.cuda.current_stream(t.device)
@@ -57,14 +98,20 @@ class BoundaryOffload:
         t.record_stream(self.stream)  # the allocator must not hand t's memory out before the copy has read it
         return _Packed(t.device, host, ready)
 
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
+    def _load(self, packed: _Packed, early: bool) -> torch.Tensor:
+        """The boundary back on its device: ``early`` on the side stream (a prefetch, its event in ``fetched_ready``),
+        else on the compute stream (ordered there: no host sync)."""
         if packed.ready is None:
-            return packed.host
-        current = torch.cuda.current_stream(packed.device)
-        current.wait_event(packed.ready)
-        return packed.host.to(packed.device, non_blocking=True)  # ordered on the compute stream: no host sync
+            return packed.host.clone() if early else packed.host  # the CPU path: a copy, so that a prefetch is one
+        if not early:
+            current = torch.cuda.current_stream(packed.device)
+            current.wait_event(packed.ready)
+            return packed.host.to(packed.device, non_blocking=True)
+        self.stream.wait_event(packed.ready)
+        with torch.cuda.stream(self.stream):
+            t = packed.host.to(packed.device, non_blocking=True)
+            packed.fetched_ready = self.stream.record_event()
+        return t
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -72,22 +119,18 @@ class BoundaryOffload:
 
 class TracedOffload(BoundaryOffload):
     """The plan's stand-in on fake tensors: a packed boundary keeps only its shape (nothing on the device),
-    and unpacking allocates it again (the copy back, counted in backward)."""
+    and bringing it back allocates it again (the copy back, counted in backward, the prefetch's too)."""
+
+    _traced = True
 
     def __init__(self, min_bytes: int = MIN_BYTES) -> None:
         super().__init__(torch.device("cpu"), min_bytes=min_bytes)
 
-    def pack(self, t: torch.Tensor) -> Any:
-        size = t.numel() * t.element_size()
-        if size < self.min_bytes:
-            return t
-        self.count, self.bytes = self.count + 1, self.bytes + size
-        return (tuple(t.shape), tuple(t.stride()), t.dtype)
+    def _store(self, t: torch.Tensor) -> _Packed:
+        return _Packed(t.device, (tuple(t.shape), tuple(t.stride()), t.dtype))
 
-    def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        shape, stride, dtype = packed
+    def _load(self, packed: _Packed, early: bool) -> torch.Tensor:
+        shape, stride, dtype = packed.host
         return torch.empty_strided(shape, stride, dtype=dtype)
 
 

@@ -265,6 +265,9 @@ def attention_flops(func, args: tuple, kwargs: dict) -> float:  # noqa: ANN001 -
 
 # ---------------------------------------------------------------------------------- the traced step
 FEW_LAYERS = (1, 2)  # deeper models are traced at these depths and extrapolated per layer (exact: tests)
+# with activation offload the boundary below the one in backward is brought back early (engine/offload.py): two are
+# on the device from two layers on, so the per-layer slope is measured where both depths hold two
+OFFLOAD_FEW_LAYERS = (2, 3)
 
 
 def trace_training_step(
@@ -304,11 +307,12 @@ def _trace_step(cfg, tokenizer, precision, micro_batch_size, activation_checkpoi
 
     known = model_depth(cfg.model)
     depth = known[1] if known else None
-    if depth is None or depth <= FEW_LAYERS[1]:
+    few = OFFLOAD_FEW_LAYERS if activation_checkpointing and cfg.train.activation_offload is True else FEW_LAYERS
+    if depth is None or depth <= few[1]:
         return _trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, None, kernels)
     a, b = (_trace(cfg, tokenizer, precision, micro_batch_size, activation_checkpointing, grad_accum, device_type, n, kernels)
-            for n in FEW_LAYERS)
-    scale = (depth - FEW_LAYERS[1]) / (FEW_LAYERS[1] - FEW_LAYERS[0])
+            for n in few)
+    scale = (depth - few[1]) / (few[1] - few[0])
     parts = {k: int(round(b.parts[k] + scale * (b.parts[k] - a.parts[k]))) for k in b.parts}
     grads = int(round(b.trainable_grads + scale * (b.trainable_grads - a.trainable_grads)))
     mapped = max(0, int(round(b.mapped + scale * (b.mapped - a.mapped))))  # fit.predict_memory keeps it within the tensors
