@@ -58,3 +58,21 @@ def test_families_with_keys_of_their_own_build():
 
     for family in ("nemotron", "qwen4_exp_text", "zamba"):
         assert AutoModelForCausalLM.from_config(tiny_config(family, 300)).num_parameters() > 0
+
+
+def test_a_gemma4_drafter_is_built_tiny_and_refused_with_its_target_named(tmp_path):
+    """Gemma 4's assistants (drafters for assisted generation) read their target model's key/value states in every
+    layer: a tiny one builds (its class's own defaults fail its validation) and model.path at it is exit 2 naming
+    the model to fine-tune instead, before any work (model_kind reads its directory without a traceback)."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from trainforge.hf_dir import UnsupportedModelDir, model_kind
+    from trainforge.model.load import check_model_dir
+    from trainforge.tools.family_shrink import tiny_config
+
+    AutoModelForCausalLM.from_config(tiny_config("gemma4_assistant", 64)).save_pretrained(tmp_path)
+    assert model_kind(tmp_path).encoder_decoder is False
+    with pytest.raises(UnsupportedModelDir, match="drafter for assisted generation.*fine-tune the gemma4 model") as e:
+        check_model_dir(tmp_path)
+    assert e.value.exit_code == 2

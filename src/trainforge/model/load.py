@@ -19,7 +19,7 @@ from .inputs import settle_inputs
 from .kernels import apply_liger, restore_torch_layers
 from .nf4_experts import quantize_experts
 from .lora_apply import apply_lora  # noqa: F401 (where callers have always found it)
-from .multimodal import describe_text_only, freeze_non_text, image_text_class, refuse_a_part
+from .multimodal import describe_text_only, freeze_non_text, image_text_class, refuse_a_drafter, refuse_a_part
 
 
 def init_config(init: dict[str, Any], tokenizer):
@@ -168,7 +168,9 @@ def check_model_dir(path: str | Path) -> None:
     and a model, not a PEFT adapter to merge first."""
     refuse_custom_code(path, "model.path")
     refuse_adapter(path)
-    refuse_a_part(read_config(path).get("model_type"))
+    model_type = read_config(path).get("model_type")
+    refuse_a_part(model_type)
+    refuse_a_drafter(model_type)
 
 
 def build_model(

@@ -64,6 +64,21 @@ def refuse_a_part(model_type: str | None) -> None:
         )
 
 
+def refuse_a_drafter(model_type: str | None) -> None:
+    """``UnsupportedModelDir`` (exit 2) for a drafter of assisted generation (transformers' ``*_assistant`` model types,
+    Gemma 4's): each of its layers attends with the key/value states its target model computed (``shared_kv_states``),
+    so its forward does not run without that model, and a fine-tune on text alone has nothing to run."""
+    from ..hf_dir import UnsupportedModelDir
+
+    if model_type and model_type.endswith("_assistant"):
+        target = model_type.removesuffix("_assistant")
+        raise UnsupportedModelDir(
+            f"model.path: a {model_type} checkpoint is a drafter for assisted generation: every layer reads the key/value "
+            f"states of its target model (a {target} model), so it does not run, nor train, on its own; fine-tune the "
+            f"{target} model's directory instead"
+        )
+
+
 def non_text_parts(model: torch.nn.Module) -> list[str]:
     """Full names of the submodules beside the language model of an image-text model (empty for a text model)."""
     for name, module in model.named_modules():

@@ -77,7 +77,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # one layer before, in and after its recurrent section (an empty section reads as "the remaining layers"); the
     # layer kinds derived again for three layers
     "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1, "layer_types": None},
-    "gemma4_assistant": {"hidden_size_per_layer_input": 0},
+    # Gemma 4's drafters: their class's own defaults fail its validation (a text config with per-layer inputs)
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "num_kv_shared_layers": 0}},  # 0: every layer shared (its __post_init__)
+    "gemma4_unified_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                                 "num_kv_shared_layers": 0}},
     # DBRX's default attention config has no rope_theta and clip_qkv None (its layer clamps with it): a checkpoint's values
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
     # its sliding-window layers' head_dim is the latent attention's qk_nope_head_dim + qk_rope_head_dim (8 + 8)
@@ -226,7 +230,11 @@ def tiny_config(family: str, vocab_size: int, special: dict[str, int] | None = N
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[family]
-    return _shrunk(cls, cls().to_dict(), family, vocab_size, special or {})
+    try:
+        defaults = cls().to_dict()
+    except Exception:  # a class whose own defaults fail its validation: from its overrides (Gemma 4's drafter)
+        defaults = cls(**OVERRIDES.get(family, {})).to_dict()
+    return _shrunk(cls, defaults, family, vocab_size, special or {})
 
 
 def shrink_config(config: Any, vocab_size: int = 64):
