@@ -399,15 +399,18 @@ class ProbeServer:
     """The parent's side of ``serve``: one HF + PEFT process answering probes, started again where one died."""
 
     def __init__(self, s: dict) -> None:
-        self.s, self.proc, self.lines = s, None, None
+        self.s, self.proc, self.lines, self.log_file = s, None, None, None
         self.log = Path(s["work"]) / "hf-peft-serve.log"
+        self.log_from = 0  # where this process's output starts in the log (it is appended to across starts)
 
     def _start(self, timeout: float) -> str | None:
         import queue
 
         self.lines = queue.Queue()
+        self.log_from = self.log.stat().st_size if self.log.is_file() else 0
+        self.log_file = self.log.open("a")
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", json.dumps({**self.s, "run": "hf-peft"})],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log.open("a"), text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file, text=True,
                                      env=child_env("hf-peft", self.s, False))
 
         def pump(out, lines) -> None:  # stdout to a queue, so a wait has a timeout; None: the process ended
@@ -439,16 +442,21 @@ class ProbeServer:
         started = time.perf_counter()
         line = "READY" if self.proc is not None and self.proc.poll() is None else self._start(timeout)
         if line not in (None, "timeout"):
-            self.proc.stdin.write(json.dumps({"length": length, "docs": docs}) + "\n")
-            self.proc.stdin.flush()
-            line = self._wait("PROBE ", timeout - (time.perf_counter() - started))
+            try:
+                self.proc.stdin.write(json.dumps({"length": length, "docs": docs}) + "\n")
+                self.proc.stdin.flush()
+                line = self._wait("PROBE ", timeout - (time.perf_counter() - started))
+            except OSError:  # it ended between the look and the write (a broken pipe): as if it ended in the probe
+                line = None
         row["wall_s"] = round(time.perf_counter() - started, 1)
         if line == "timeout":
             return {**row, "status": "timeout"}
         if line is None:  # the process ended: the watchdog's cap, or a crash (the log has its output)
             code = self.proc.wait()
-            self.proc = None
-            return {**row, **failure(code, self.log.read_text()[-2000:])}
+            self.close()
+            with self.log.open() as f:
+                f.seek(self.log_from)
+                return {**row, **failure(code, f.read()[-2000:])}
         return {**row, **json.loads(line[6:])}
 
     def close(self) -> None:
@@ -456,6 +464,9 @@ class ProbeServer:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
 
 
 # ---------------------------------------------------------------- the longest row, the plan's prediction, the summary
@@ -483,6 +494,8 @@ def search(fits: Callable[[int], bool | None], start: int, granule: int, toleran
             if hi is not None:
                 break
             n, grow = max(snap(n * grow), n + g), 2.0
+            if n > max_length and lo < snap(max_length):  # the step overshoots the longest allowed: probe that one
+                n = snap(max_length)
         else:
             hi = n
             if lo or n == g:
@@ -563,7 +576,11 @@ def predicted_longest(s: dict, at_cap: bool = False) -> dict:
     cap = s["cap_gib"] / FIT_MARGIN if at_cap else s["cap_gib"]
     env = {**os.environ, "TRAINFORGE_MEMORY_GIB": str(cap), "HF_HUB_OFFLINE": "1"}
     argv = ["-m", "trainforge", "plan", str(path), "--longest", "--json"] if s["plan_table"] and not at_cap else ["-c", PREDICT, str(path)]
-    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env)
+    try:  # within --budget-s: on a device call a slow trace must not take the probes' time (nor the call's)
+        p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,
+                           timeout=max(1.0, min(s["deadline"] - time.perf_counter(), s["probe_timeout_s"])))
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out (--budget-s)"}
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or ["?"])[-1]}
     found = json.loads(p.stdout.strip().splitlines()[-1] if not s["plan_table"] else p.stdout)

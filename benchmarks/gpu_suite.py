@@ -70,6 +70,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -763,11 +764,16 @@ def run_long(args: argparse.Namespace, work: Path, deadline: float) -> dict:
            "--lengths", "--steps", "2",
            "--runs", "trainforge,hf-peft", "--budget-s", f"{left - 15:.0f}", "--workdir", str(work), "--out", str(out)]
     command = " ".join(["python", f"benchmarks/{LONG_BENCH.name}", *cmd[2:cmd.index("--budget-s")]])
+    # its own process group: on a timeout the bench's children (a probe on the GPU, the plan's trace) end with it
+    proc = subprocess.Popen(cmd, env=variant_env("long", os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        done = subprocess.run(cmd, env=variant_env("long", os.environ), capture_output=True, text=True, timeout=left)
-        (work / "log.txt").write_text(done.stdout + done.stderr)
-        why = None if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:300]
+        stdout, stderr = proc.communicate(timeout=left)
+        (work / "log.txt").write_text(stdout + stderr)
+        why = None if proc.returncode == 0 else (stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         why = f"timed out after {left:.0f}s"
     if not out.is_file():  # the bench rewrites it after each search and measurement: a cut run keeps what ended
         return {"status": "failed", "reason": why or "no results written", "command": command}

@@ -176,3 +176,37 @@ def test_the_trace_counts_the_blocks_a_cpu_heap_maps_on_their_own():
         both = big.sum() + small.sum()
     tracer.close()
     assert tracer.peak_mapped == 36 << 20 and tracer.peak >= (40 << 20) and both.item() > 0
+
+
+@needs_glibc
+def test_with_every_setting_fixed_the_run_traces_its_step_and_decides_as_plan(finetune_config, tiny_model_dir, monkeypatch):
+    """No lever left to auto and the micro-batch and checkpointing fixed: the fit traces nothing, so the run's set-up
+    traces its step itself (levers.heap_memory) and takes the compact heap past the share, as plan's row says from
+    its own prediction at the same settings; with room to spare, neither takes it."""
+    from trainforge.config.run import RunConfig
+    from trainforge.dist import DistContext
+    from trainforge.engine.levers import heap_memory
+    from trainforge.hardware.device import Precision
+    from trainforge.model.tokenizer import load_tokenizer
+    from trainforge.tools.plan import make_plan
+
+    for name in heap.USER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    train = {**finetune_config.get("train", {}), "micro_batch_size": 2, "activation_checkpointing": False, "tiled_mlp": False,
+             "activation_offload": False, "device": "cpu", "precision": "fp32"}
+    cfg = RunConfig.model_validate({**finetune_config, "model": {"path": str(tiny_model_dir), "method": "lora"}, "train": train})
+    tok, fp32 = load_tokenizer(tiny_model_dir), Precision("fp32", None, False)
+    # this machine's memory: the rough estimate is far below it, so nothing is traced (the fit's quick path)
+    assert heap_memory(cfg, tok, fp32, torch.device("cpu"), DistContext(), None, None) is None
+    from trainforge.engine.predict.fit import predict_memory
+    from trainforge.hardware.device import this_profile
+
+    default = predict_memory(cfg, tok, fp32, this_profile(torch.device("cpu"), timing=False), 2, False).process
+    tight_gib = default / GIB / (heap.COMPACT_SHARE + 0.05)  # the default heap's peak at 75% of this cap
+    monkeypatch.setenv("TRAINFORGE_MEMORY_GIB", f"{tight_gib:.3f}")
+    tight = heap_memory(cfg, tok, fp32, torch.device("cpu"), DistContext(), None, None)
+    assert tight.compact_heap and tight.trace is None and tight.heap_share > heap.COMPACT_SHARE
+    row = {d["setting"]: d for d in make_plan(cfg, hardware="this", time_ops=False)["decisions"]}["compact_heap"]
+    assert row["choice"] == "true" and "of memory, past 70%" in row["why"]
+    monkeypatch.delenv("TRAINFORGE_MEMORY_GIB")
+    assert {d["setting"]: d for d in make_plan(cfg, hardware="this", time_ops=False)["decisions"]}["compact_heap"]["choice"] == "false"

@@ -111,6 +111,12 @@ def test_each_boundary_brings_the_one_below_back_early_and_a_new_forward_links_a
     for _ in range(2):  # accumulation: each forward's boundaries link among themselves
         (model(input_ids=IDS, labels=IDS).loss / 2).backward()
     assert offload.prefetched == 3 * (LAYERS - 1) and offload._last is None
+    model.zero_grad(set_to_none=True)
+    model(input_ids=IDS, labels=IDS).loss  # a forward that never reaches backward (an out-of-memory retry's first try)
+    got_again = step(model)  # its boundaries went with its graph: this forward links only its own
+    assert offload.prefetched == 4 * (LAYERS - 1)
+    for name in plain[1]:
+        torch.testing.assert_close(got_again[1][name], plain[1][name], rtol=0, atol=0, msg=name)
     off = BoundaryOffload(CPU, copy=True, min_bytes=0, prefetch=False)
     install_offload(model, off)
     step(model)

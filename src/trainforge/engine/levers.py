@@ -67,6 +67,42 @@ def apply_levers(model: torch.nn.Module, cfg: RunConfig, device: torch.device, s
     return model
 
 
+ROUGH_SHARE_OF_COMPACT = 0.7  # a rough process estimate under 70% of the compact heap's share: traced no further
+
+
+def heap_memory(cfg: RunConfig, tokenizer, precision: Precision, device: torch.device, ctx,
+                fit_memory: MemoryPrediction | None, levers_memory: MemoryPrediction | None) -> MemoryPrediction | None:
+    """The prediction of the run's step at its settled settings, whose default-heap share decides ``compact_heap:
+    auto`` as ``plan`` decides it from its own prediction at those settings: the fit's; the levers' where they traced
+    these settings; else one traced here (rank 0 for all; none where the rough estimate, priced as the default heap's
+    process, is far below the share). Only a CPU run with the heap on auto and no lever asks."""
+    from ..config.run import resolve_grad_accum
+
+    t = cfg.train
+    if fit_memory is not None or device.type != "cpu" or t.compact_heap != "auto" or t.activation_checkpointing is True \
+            or t.tiled_mlp is True:
+        return fit_memory if fit_memory is not None else levers_memory
+    if levers_memory is not None and (levers_memory.micro_batch_size, levers_memory.activation_checkpointing) == \
+            (t.micro_batch_size, bool(t.activation_checkpointing)):
+        return levers_memory
+    memory = None
+    if ctx.is_main:
+        from ..hardware.device import this_profile
+        from ..hardware.heap import COMPACT_SHARE
+        from .predict.fit import allocator_overhead, fixed_bytes, predict_memory, rough_skeleton_bytes
+
+        profile = this_profile(device, cfg.data.cache_dir, timing=False)
+        rows = t.micro_batch_size
+        # the rough estimate priced as the default heap's process: far below the share, no trace needed
+        rough = rough_skeleton_bytes(cfg, tokenizer, precision, rows) * (1 + allocator_overhead(profile)) + fixed_bytes(cfg, profile)
+        if rough >= ROUGH_SHARE_OF_COMPACT * COMPACT_SHARE * profile.memory_bytes:
+            mode = "fsdp" if t.distributed == "fsdp" else "ddp"
+            memory = predict_memory(cfg, tokenizer, precision, profile, rows, bool(t.activation_checkpointing),
+                                    resolve_grad_accum(t, ctx.world_size), ctx.world_size, mode)
+            memory = replace(memory, trace=None)
+    return ctx.broadcast_object(memory)
+
+
 def settle_heap(cfg: RunConfig, device: torch.device, say: Callable[[str], None],
                 memory: MemoryPrediction | None = None) -> dict[str, object]:
     """Make this process's heap compact or not as ``train.compact_heap`` says for the run's settled levers and the

@@ -17,6 +17,7 @@ copies anyway, so that tests can check the path on a CPU.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ class _Packed:
     device: torch.device
     host: Any  # the host copy (pinned on CUDA); the traced stand-in: the boundary's (shape, stride, dtype)
     ready: Any = None  # the CUDA event after which ``host`` holds the copy
-    below: "_Packed | None" = None  # the boundary packed just before this one (the layer below): fetched early
+    below: "weakref.ref[_Packed] | None" = None  # the boundary packed just before (the layer below): fetched early
     fetched: torch.Tensor | None = None  # its device copy, brought back ahead of its layer's recompute
     fetched_ready: Any = None  # the CUDA event after which ``fetched`` holds it
     used: bool = False
@@ -49,7 +50,9 @@ class BoundaryOffload:
     def __init__(self, device: torch.device, copy: bool = False, min_bytes: int = MIN_BYTES, prefetch: bool = True) -> None:
         self.device, self.copy, self.min_bytes, self.prefetch = device, copy, min_bytes, prefetch
         self.count = self.bytes = self.prefetched = 0
-        self._last: _Packed | None = None  # the latest boundary packed in this forward: the next one's ``below``
+        # the latest boundary packed: the next one's ``below``. Weak, as the links are: a forward that raised (an
+        # out-of-memory retry) frees its graph and its boundaries with it, so the next forward links nothing stale
+        self._last: weakref.ref[_Packed] | None = None
         # the side stream the copies run on, overlapped with the forward's compute and the backward's
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -59,9 +62,9 @@ class BoundaryOffload:
             return t
         self.count, self.bytes = self.count + 1, self.bytes + size
         packed = self._store(t)
-        last = self._last
-        packed.below = last if last is not None and not last.used else None  # a new forward: nothing below
-        self._last = packed
+        last = self._last() if self._last is not None else None
+        packed.below = weakref.ref(last) if last is not None and not last.used else None  # a new forward: nothing below
+        self._last = weakref.ref(packed)
         return packed
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -76,9 +79,9 @@ class BoundaryOffload:
         else:
             t = self._load(packed, early=False)
         packed.used = True
-        if packed is self._last:
+        if self._last is not None and self._last() is packed:
             self._last = None  # backward reached the top boundary: the next forward links afresh
-        below = packed.below
+        below = packed.below() if packed.below is not None else None
         packed.below = None
         if self.prefetch and below is not None and not below.used and below.fetched is None:
             below.fetched = self._load(below, early=True)

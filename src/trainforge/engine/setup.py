@@ -39,7 +39,7 @@ from ..rl.wiring import bind_rollouts, data_planner, loader_type
 from .advisor import Advisor
 from .compile_auto import HISTORY_FILE, CompileAuto, compile_key
 from .ending import eval_stopped_at_checkpoint
-from .levers import apply_levers, resolve_run_levers, settle_heap
+from .levers import apply_levers, heap_memory, resolve_run_levers, settle_heap
 from .loss import kernels_for_head, loss_head_fact
 from .evaluate import auto_eval_batches, planned_evals
 from .predict.fit import Fit, fit_run
@@ -121,8 +121,9 @@ def setup(
     with reusing_traces():  # the levers and the micro-batch search trace some settings alike: each once
         cfg, levers_memory = resolve_run_levers(cfg, tokenizer, precision, device, ctx, reporter.info)  # tiled MLP, offload
         cfg, fit = fit_to_machine(cfg, tokenizer, precision, device, ctx, reporter, resume_plan)
-    # a CPU run short of memory gives freed blocks back (the prediction at the run's settings, else the levers')
-    heap = settle_heap(cfg, device, reporter.info, fit.memory if fit.memory is not None else levers_memory)
+        # a CPU run short of memory gives freed blocks back: decided from the prediction at the run's settings, as plan
+        memory = heap_memory(cfg, tokenizer, precision, device, ctx, fit.memory, levers_memory)
+    heap = settle_heap(cfg, device, reporter.info, memory)
     laps("fit")
     cfg, micro, accum = batch_layout(cfg, ctx.world_size, resume_plan)
     loader = loader_type(cfg)(

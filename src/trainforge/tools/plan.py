@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,9 @@ def _make_plan(cfg: RunConfig, hardware: str, world_size: int, time_ops: bool, o
         "optimizer": optimizer,
         "preference": preference,
         "data": data,
-        "decisions": length_row + decisions(resolved, precision, precision_why, device, fit, accum, world_size, mode, profile, lever_why),
+        # the heap's row from the prediction at the resolved settings, as the run's set-up decides it (levers.heap_memory)
+        "decisions": length_row + decisions(resolved, precision, precision_why, device, replace(fit, memory=memory), accum,
+                                            world_size, mode, profile, lever_why),
     }
     plan["findings"] = findings(cfg, resolved, with_moe(plan, resolved, tokenizer, precision, profile), memory, step, profile, device, precision, output)
     return plan
