@@ -21,12 +21,13 @@ def test_smoke_preset_on_the_built_in_default(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 20 and (run / "final" / "config.json").is_file()
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-00000020"]
-    # the live advisor is silent on the built-in default: no false alarm on a healthy run. The one advice the
-    # test machine may rightly earn: the CPU peak probe cached by another test was taken while the other
-    # test worker computed, so MFU came out above 100% and the advisor measured the peak again
+    # the live advisor is silent on the built-in default: no false alarm on a healthy run. The advice the test
+    # machine may rightly earn: the CPU peak probe cached by another test was taken while the other test worker
+    # computed, so MFU came out above 100% and the advisor measured the peak again; and a slowdown it puts down to
+    # a busy host (more processes than cores: the suite beside other work)
     warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("warning:")]
-    assert set(summary["advice"]) <= {"impossible_mfu"}, show(proc)
-    assert all("the peak probe was taken under load" in line for line in warnings), show(proc)
+    assert set(summary["advice"]) <= {"impossible_mfu", "slow"}, show(proc)
+    assert all("the peak probe was taken under load" in line or "most likely a busy host" in line for line in warnings), show(proc)
     assert "what limited this run" in proc.stdout
 
 
