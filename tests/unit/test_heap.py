@@ -68,7 +68,8 @@ def test_plan_and_the_run_take_the_compact_heap_past_the_share_and_price_it(fine
     assert tight.compact_heap and tight.heap_share == pytest.approx(roomy.process / (tight_gib * GIB), rel=1e-3)
     assert tight.process < roomy.process and tight.scale == 1 + CPU_COMPACT_HEAP_OVERHEAD
     said = []
-    assert settle_heap(cfg, torch.device("cpu"), said.append, tight)["compact_heap"] is True and "75% of memory" in said[0]
+    assert settle_heap(cfg, torch.device("cpu"), said.append, tight)["compact_heap"] is True \
+        and f"{heap.COMPACT_SHARE + 0.05:.0%} of memory" in said[0]
     assert settle_heap(cfg, torch.device("cpu"), said.append, roomy)["compact_heap"] is False
     off = RunConfig.model_validate({**finetune_config, "model": {"path": str(tiny_model_dir), "method": "lora"},
                                     "train": {**finetune_config.get("train", {}), "compact_heap": False}})
@@ -207,6 +208,6 @@ def test_with_every_setting_fixed_the_run_traces_its_step_and_decides_as_plan(fi
     tight = heap_memory(cfg, tok, fp32, torch.device("cpu"), DistContext(), None, None)
     assert tight.compact_heap and tight.trace is None and tight.heap_share > heap.COMPACT_SHARE
     row = {d["setting"]: d for d in make_plan(cfg, hardware="this", time_ops=False)["decisions"]}["compact_heap"]
-    assert row["choice"] == "true" and "of memory, past 70%" in row["why"]
+    assert row["choice"] == "true" and f"of memory, past {heap.COMPACT_SHARE:.0%}" in row["why"]
     monkeypatch.delenv("TRAINFORGE_MEMORY_GIB")
     assert {d["setting"]: d for d in make_plan(cfg, hardware="this", time_ops=False)["decisions"]}["compact_heap"]["choice"] == "false"

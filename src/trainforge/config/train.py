@@ -58,7 +58,7 @@ class TrainSettings(Section):
         description="on a CPU (glibc), give every freed block of 1 MiB or more back to the system, so the process holds "
         "its live tensors and not the freed blocks of a step's many sizes (0.85 against 1.6 GiB at 13k tokens); a step "
         "5-25% slower; auto: on when the run needs activation checkpointing or the tiled MLP, or when its peak with "
-        "glibc's default heap is predicted past 70% of memory (that heap can hold ~30% more at long rows; docs/long-context.md)",
+        "glibc's default heap is predicted past 60% of memory (that heap can hold over 30% more at long rows; docs/long-context.md)",
     )
     fused_loss: bool = Field(
         True,

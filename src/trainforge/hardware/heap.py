@@ -24,9 +24,10 @@ from functools import cache
 COMPACT_MMAP_THRESHOLD = 1 << 20  # 1 MiB: every tensor that grows with the row length is mapped on its own
 # auto: compact where the default heap's predicted peak passes this share of memory. glibc's default heap is not
 # priced exactly: its rising mmap threshold serves blocks up to 32 MiB from a heap that keeps what it freed, and at
-# long rows it held up to 0.9 GiB (+28%) over plan's figure (a 4 x 256 LoRA Llama at 16,384 tokens: 3.21-3.31 GiB
-# against 2.59 predicted; compact: 2.42 against 2.49). Past this share such an error could pass the memory.
-COMPACT_SHARE = 0.7
+# long rows it held up to 1.1 GiB (+37%) over plan's figure (a 4 x 256 LoRA Llama at 16,384 tokens: 3.21-3.55 GiB
+# after 1-4 steps against 2.59 predicted; compact: 2.36-2.42 against 2.49). Past this share such an error could pass
+# the memory.
+COMPACT_SHARE = 0.6  # (the error grew over a run's first steps: 0.6 x 1.37 = 0.82 of memory at most)
 GLIBC_MAX_MMAP_THRESHOLD = 32 << 20  # glibc's dynamic threshold stops here on 64-bit: what "off" restores
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
@@ -82,7 +83,7 @@ def compact_heap(setting: bool | str, device_type: str, checkpointing: bool, til
         return True, f"on: the run needs memory levers ({levers}); freed blocks go back to the system (a step 10-25% slower)"
     if predicted_share is not None and predicted_share > COMPACT_SHARE:
         return True, (f"on: with glibc's default heap the step is predicted at {predicted_share:.0%} of memory, past "
-                      f"{COMPACT_SHARE:.0%} (that heap can keep up to ~30% more than the tensors need at long rows); "
+                      f"{COMPACT_SHARE:.0%} (that heap can keep over 30% more than plan's figure at long rows); "
                       "freed blocks go back to the system (a step 5-25% slower)")
     return False, "off: the run needs no memory lever (a compact heap costs 10-25% of a step on a CPU)"
 
