@@ -80,7 +80,7 @@ DOC_MARGIN = 1.05  # documents are this much (and 64 tokens) longer than the row
 # ---------------------------------------------------------------- the shared model, tokenizer and documents
 
 
-def prepare(work: Path, shape: str, positions: int, device: str = "cpu") -> Path:
+def prepare(work: Path, shape: str, positions: int, device: str = "cpu", corpus_files: int = 3000) -> Path:
     """The model directory (random Llama weights of ``shape``, ``positions`` rotary positions, a BPE of at most
     ``TOKENIZER_VOCAB`` tokens), built once per shape, position count and device: on a GPU built there in bf16 (an
     8B model's fp32 init on the host takes minutes and 32 GB), on a CPU in fp32."""
@@ -96,7 +96,7 @@ def prepare(work: Path, shape: str, positions: int, device: str = "cpu") -> Path
     from trainforge.model.tokenizer import train_bpe_tokenizer
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files[:3000]]
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files[:corpus_files]]
     tok = train_bpe_tokenizer(texts, vocab_size=min(SHAPES[shape]["vocab_size"], TOKENIZER_VOCAB))
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=positions, tie_word_embeddings=False,
@@ -485,6 +485,8 @@ def search(fits: Callable[[int], bool | None], start: int, granule: int, toleran
 
     lo, hi = 0, None
     n, grow = (snap(seed * (1 - tol)), 1 + 2 * tol) if seed else (snap(start), 2.0)
+    if seed and seed >= max_length:  # the prediction is the longest allowed (the model's positions): probe that first
+        n = snap(max_length)
     while n <= max_length:
         verdict = fits(n)
         if verdict is None:
@@ -646,6 +648,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="no probe or measurement starts after this many seconds (a device call's limit); the searches "
                     "end undecided there")
+    ap.add_argument("--corpus-files", type=int, default=3000,
+                    help="standard-library files the BPE and the documents are made of (fewer: a quicker rehearsal)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--workdir", type=Path, default=Path("runs/bench_long_context"))
     ap.add_argument("--out", type=Path, help="write every measurement and the summary as JSON")
@@ -670,7 +674,7 @@ def main() -> None:
     s = {"shape": args.shape, "method": args.method, "hf_search": hf_search, "precision": args.precision, "device": args.device, "cap_gib": args.cap_gib,
          "threads": args.threads, "work": str(args.workdir.resolve()), "start": args.start, "granule": args.granule, "tolerance": args.tolerance,
          "max_length": args.max_length, "probe_timeout_s": args.probe_timeout_s, "plan_table": args.plan_table,
-         "model_dir": str(prepare(args.workdir.resolve(), args.shape, args.max_length, args.device)),
+         "model_dir": str(prepare(args.workdir.resolve(), args.shape, args.max_length, args.device, args.corpus_files)),
          "deadline": T0 + args.budget_s}
     results: dict = {"settings": {k: v for k, v in s.items() if k not in ("work", "deadline")}, "lora": LORA, "shape": SHAPES[args.shape],
                      "table": [], "started": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -755,13 +755,14 @@ def run_long(args: argparse.Namespace, work: Path, deadline: float) -> dict:
     if left < 2 * MIN_VARIANT_S:
         return {"status": "skipped", "reason": f"the part's budget (--budget {args.budget:.0f}s) was spent before it started"}
     shape = (["--shape", "tiny", "--device", "cpu", "--precision", "fp32", "--cap-gib", "1.0", "--max-length", "1024",
-              "--start", "512", "--threads", "2"] if args.tiny else
+              "--start", "512", "--threads", "2", "--corpus-files", "300", "--steps", "1"] if args.tiny else
              ["--shape", "llama-8b", "--device", "cuda", "--precision", "bf16", "--cap-gib", str(args.long_cap_gib),
               "--max-length", "262144", "--start", "4096", "--granule", "512"])
     # HF's probes in one process on the CPU too (``--tiny`` rehearses the GPU's path; there a probe's peak is the
     # process's running maximum, an upper bound)
+    steps = [] if args.tiny else ["--steps", "2"]  # the table's: the last step timed (--tiny: one, its peak)
     cmd = [sys.executable, str(LONG_BENCH), *shape, "--method", "qlora", "--longest", "--hf-search", "in-process",
-           "--lengths", "--steps", "2",
+           "--lengths", *steps,
            "--runs", "trainforge,hf-peft", "--budget-s", f"{left - 15:.0f}", "--workdir", str(work), "--out", str(out)]
     command = " ".join(["python", f"benchmarks/{LONG_BENCH.name}", *cmd[2:cmd.index("--budget-s")]])
     # its own process group: on a timeout the bench's children (a probe on the GPU, the plan's trace) end with it

@@ -62,6 +62,12 @@ def test_a_step_past_the_longest_allowed_probes_that_length(bench):
     probed: list[int] = []
     found = bench.search(fits_below(1 << 30, probed), start=1024, granule=256, tolerance=0.05, max_length=5000)
     assert probed == [1024, 2048, 4096, 4864] and found == {"longest": 4864, "first_over": None}
-    probed.clear()  # a prediction's bracket alike: from 9,472 a step of 10% passes 10,000
-    found = bench.search(fits_below(1 << 30, probed), start=1024, granule=256, tolerance=0.05, max_length=10_000, seed=10_000)
-    assert probed == [9472, 9984] and found["longest"] == 9984
+    probed.clear()  # a prediction's bracket alike: from 8,960 a step of 10%, then doubling, passes 10,000
+    found = bench.search(fits_below(1 << 30, probed), start=1024, granule=256, tolerance=0.05, max_length=10_000, seed=9_500)
+    assert probed == [8960, 9728, 9984] and found["longest"] == 9984
+
+
+def test_a_prediction_at_the_longest_allowed_probes_it_first(bench):
+    probed: list[int] = []
+    found = bench.search(fits_below(1 << 30, probed), start=1024, granule=256, tolerance=0.05, max_length=4096, seed=4096)
+    assert probed == [4096] and found == {"longest": 4096, "first_over": None}
