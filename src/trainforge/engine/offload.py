@@ -45,8 +45,6 @@ class BoundaryOffload:
     backward instead of waiting at the start of its own. The cost is one more boundary on the device during
     backward (the plan's stand-in does the same, so it is priced)."""
 
-    _traced = False  # the plan's stand-in packs on whatever device (fake CPU tensors)
-
     def __init__(self, device: torch.device, copy: bool = False, min_bytes: int = MIN_BYTES, prefetch: bool = True) -> None:
         self.device, self.copy, self.min_bytes, self.prefetch = device, copy, min_bytes, prefetch
         self.count = self.bytes = self.prefetched = 0
@@ -58,7 +56,7 @@ class BoundaryOffload:
 
     def pack(self, t: torch.Tensor) -> Any:
         size = t.numel() * t.element_size()
-        if size < self.min_bytes or (t.device.type != "cuda" and not (self.copy or self._traced)):
+        if size < self.min_bytes or (t.device.type != "cuda" and not self.copy):
             return t
         self.count, self.bytes = self.count + 1, self.bytes + size
         packed = self._store(t)
@@ -124,10 +122,8 @@ class TracedOffload(BoundaryOffload):
     """The plan's stand-in on fake tensors: a packed boundary keeps only its shape (nothing on the device),
     and bringing it back allocates it again (the copy back, counted in backward, the prefetch's too)."""
 
-    _traced = True
-
     def __init__(self, min_bytes: int = MIN_BYTES) -> None:
-        super().__init__(torch.device("cpu"), min_bytes=min_bytes)
+        super().__init__(torch.device("cpu"), copy=True, min_bytes=min_bytes)  # packs fake CPU tensors as a GPU's
 
     def _store(self, t: torch.Tensor) -> _Packed:
         return _Packed(t.device, (tuple(t.shape), tuple(t.stride()), t.dtype))
