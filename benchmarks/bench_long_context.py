@@ -546,23 +546,31 @@ def longest(s: dict, run: str, say, seed: int | None = None) -> dict:
 
 PREDICT = """
 import json, sys
+from dataclasses import replace
 from trainforge.config.run import load_config
+from trainforge.engine.predict.fit import FIT_MARGIN
 from trainforge.engine.predict.longest import auto_length
 from trainforge.tools.plan import plan_precision, plan_tokenizer, resolve_profile
 cfg = load_config(sys.argv[1])
 profile, device = resolve_profile("this", cfg)
 precision, _ = plan_precision(cfg, profile, device)
-found = auto_length(cfg, plan_tokenizer(cfg), precision, profile)
-print(json.dumps({"max_length": found.length, "why": found.why, "capacity_gib": profile.memory_gib}))
+tokenizer = plan_tokenizer(cfg)
+# the whole cap to fill: a machine of the cap over FIT_MARGIN, read at the same moment (its fixed cost this process's
+# memory before any trace), as a fresh process given that cap would read it
+at_cap = replace(profile, memory_gib=profile.memory_gib / FIT_MARGIN)
+machines = {"both": [profile, at_cap], "at-cap": [at_cap]}[sys.argv[2]]
+for machine in machines:
+    found = auto_length(cfg, tokenizer, precision, machine)
+    print(json.dumps({"max_length": found.length, "why": found.why, "capacity_gib": machine.memory_gib}), flush=True)
 """
 
 
-def predicted_longest(s: dict, at_cap: bool = False) -> dict:
-    """trainforge's predicted longest length at the trainforge run's config, on this machine capped at ``--cap-gib``, in
-    a fresh process: what ``trainforge plan CONFIG --longest`` prints as ``data.max_length: auto takes`` (the same
-    function; ``--plan-table``: the whole ``plan --longest``, its table of levers too, a search per row). That answer
-    keeps 10% of the memory free (FIT_MARGIN); ``at_cap``: the memory model's longest with the whole cap to fill, the
-    figure the measured longest (every process under the cap itself) checks."""
+def predicted_longest(s: dict) -> tuple[dict, dict]:
+    """trainforge's predicted longest lengths at the trainforge run's config on this machine capped at ``--cap-gib``, in
+    one fresh process: (what ``trainforge plan CONFIG --longest`` prints as ``data.max_length: auto takes``, which keeps
+    10% of the memory free (FIT_MARGIN); the memory model's longest with the whole cap to fill, the figure the measured
+    longest, every process under the cap itself, checks). ``--plan-table``: the first from the whole ``plan --longest``
+    in a process of its own (its table of levers too: a search per row)."""
     import yaml
 
     work = Path(s["work"])
@@ -573,20 +581,31 @@ def predicted_longest(s: dict, at_cap: bool = False) -> dict:
               "train": {"micro_batch_size": 1, "precision": s["precision"], "device": s["device"], "cpu_threads": s["threads"]}}
     path = work / "plan-longest.yaml"
     path.write_text(yaml.safe_dump(config))
-    from trainforge.engine.predict.fit import FIT_MARGIN
+    env = {**os.environ, "TRAINFORGE_MEMORY_GIB": str(s["cap_gib"]), "HF_HUB_OFFLINE": "1"}
 
-    cap = s["cap_gib"] / FIT_MARGIN if at_cap else s["cap_gib"]
-    env = {**os.environ, "TRAINFORGE_MEMORY_GIB": str(cap), "HF_HUB_OFFLINE": "1"}
-    argv = ["-m", "trainforge", "plan", str(path), "--longest", "--json"] if s["plan_table"] and not at_cap else ["-c", PREDICT, str(path)]
-    try:  # within --budget-s: on a device call a slow trace must not take the probes' time (nor the call's)
-        p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,
-                           timeout=max(1.0, min(s["deadline"] - time.perf_counter(), s["probe_timeout_s"])))
-    except subprocess.TimeoutExpired:
-        return {"error": "timed out (--budget-s)"}
-    if p.returncode != 0:
-        return {"error": (p.stderr.strip().splitlines() or ["?"])[-1]}
-    found = json.loads(p.stdout.strip().splitlines()[-1] if not s["plan_table"] else p.stdout)
-    return {"auto": found["auto"], "table": found} if s["plan_table"] and not at_cap else {"auto": found}
+    def run(argv: list[str], lines: bool = True) -> tuple[list[dict], str | None]:
+        """The answers (one JSON object a line; ``lines=False``: the whole output) and why there are none or fewer."""
+        try:  # within --budget-s: on a device call a slow trace must not take the probes' time (nor the call's)
+            p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,
+                               timeout=max(1.0, min(s["deadline"] - time.perf_counter(), s["probe_timeout_s"])))
+        except subprocess.TimeoutExpired as e:  # an answer that ended before the timeout is kept
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            return [json.loads(line) for line in out.splitlines() if lines and line.startswith("{")], "timed out (--budget-s)"
+        error = None if p.returncode == 0 else (p.stderr.strip().splitlines() or ["?"])[-1]
+        if not lines:
+            return ([json.loads(p.stdout)] if error is None else []), error
+        return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")], error
+
+    def answer(found: list[dict], i: int, error: str | None) -> dict:
+        return {"auto": found[i]} if i < len(found) else {"error": error or "no answer"}
+
+    if not s["plan_table"]:
+        found, error = run(["-c", PREDICT, str(path), "both"])
+        return answer(found, 0, error), answer(found, 1, error)
+    table, error = run(["-m", "trainforge", "plan", str(path), "--longest", "--json"], lines=False)
+    plan = {"auto": table[0]["auto"], "table": table[0]} if table else {"error": error or "no answer"}
+    found, error = run(["-c", PREDICT, str(path), "at-cap"])
+    return plan, answer(found, 0, error)
 
 
 def summarize(results: dict) -> list[str]:
@@ -689,8 +708,7 @@ def main() -> None:
     lengths = sorted(set(args.lengths))
     if args.longest:
         if "trainforge" in runs:  # first: its answer is where trainforge's search starts
-            results["plan"] = predicted_longest(s)
-            results["model_at_cap"] = predicted_longest(s, at_cap=True)
+            results["plan"], results["model_at_cap"] = predicted_longest(s)
             say({"plan": results["plan"], "model_at_cap": results["model_at_cap"]})
         seed = results.get("model_at_cap", {}).get("auto", {}).get("max_length") or None
         results["longest"] = []
