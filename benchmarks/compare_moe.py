@@ -1,12 +1,15 @@
 """Side by side: trainforge against HF `Trainer` (and TRL `SFTTrainer` + PEFT) on a small Qwen3-MoE, one command.
 
     python benchmarks/compare_moe.py [--quick] [--steps N] [--sft-rows N] [--hf-best grouped_mm] [--runs NAME,NAME]
-                                     [--repeat N] [--threads 2] [--workdir DIR] [--out results.json]
+                                     [--precision bf16|fp32] [--repeat N] [--threads 2] [--workdir DIR]
+                                     [--out results.json]
 
 One Qwen3-MoE shape built here from seeded random weights and saved once (every run starts from the same
 weights): 16 experts, top-2 per token, 4 layers, hidden 256 (experts of 256, 4 heads of 64, 2 key-value heads),
 every layer routed, ``router_aux_loss_coef`` 0.001 (Qwen3-MoE's default); a byte-level BPE trained once on the
-corpus. All runs compute in bf16 on the CPU (autocast over fp32 master weights, both sides).
+corpus. All runs compute in bf16 on the CPU (autocast over fp32 master weights, both sides); ``--precision fp32``:
+in fp32 on both sides (``bf16=False``), for a CPU without native bf16, where a bf16 GEMM is emulated on one core and
+the emulation, not either trainer, takes most of each step.
 
 Full fine-tune on pretraining blocks (standard-library source files joined and cut into blocks of
 ``max_length`` tokens, labels = inputs; the HF side prepares them the ``run_clm.py`` way, trainforge with
@@ -113,6 +116,7 @@ def settings(args: argparse.Namespace) -> dict:
                   "eps": 1.0e-8, "max_grad_norm": 1.0}  # no warmup: HF's and trainforge's cosine then agree step for step
     s["lora"] = {"r": 16, "alpha": 32}
     s["hf_best"] = args.hf_best
+    s["precision"] = args.precision
     s["seed"], s["threads"], s["gpu"] = 0, args.threads, False
     return s
 
@@ -175,7 +179,7 @@ def trainforge_config(s: dict, name: str, cache_dir: Path) -> dict:
     return {
         "model": model,
         "data": {**data, "eval": None, "cache_dir": str(cache_dir)},
-        "train": {**train, "seed": s["seed"], "precision": "bf16"},
+        "train": {**train, "seed": s["seed"], "precision": s["precision"]},
         "optim": {k: o[k] for k in ("lr", "weight_decay", "betas", "eps", "warmup_steps", "min_lr_ratio", "max_grad_norm")}
         | {"schedule": "cosine"},
         "checkpoint": {"every_minutes": None},  # the HF runs save no checkpoints either (save_strategy="no")
@@ -220,7 +224,7 @@ def load_moe(s: dict, counter: Counter, experts: str, router: bool):
 
 
 def run_hf(s: dict, out: Path, experts: str, router: bool) -> dict:
-    """HF Trainer on pretraining blocks (run_clm.py's data preparation), bf16 on the CPU."""
+    """HF Trainer on pretraining blocks (run_clm.py's data preparation), in the benchmark's precision on the CPU."""
     from itertools import chain
 
     import datasets
@@ -244,11 +248,11 @@ def run_hf(s: dict, out: Path, experts: str, router: bool) -> dict:
     counter = Counter(tok.pad_token_id)
     model = load_moe(s, counter, experts, router)
     args = TrainingArguments(**hf_common_args(s, out), per_device_train_batch_size=a["batch_size"], max_steps=a["steps"],
-                             bf16=True)
+                             bf16=s["precision"] == "bf16")
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[counter.callback()])
     r = finish_hf(trainer, counter, out, trainer.train())
     r.pop("settings", None)
-    return {**r, "experts_implementation": experts, "output_router_logits": router, "precision": "bf16"}
+    return {**r, "experts_implementation": experts, "output_router_logits": router, "precision": s["precision"]}
 
 
 def run_trl_lora(s: dict, out: Path) -> dict:
@@ -265,7 +269,7 @@ def run_trl_lora(s: dict, out: Path) -> dict:
     counter = Counter(tok.pad_token_id)
     model = load_moe(s, counter, s["hf_best"], router=True)
     args = SFTConfig(**hf_common_args(s, out), per_device_train_batch_size=b["batch_size"], num_train_epochs=1,
-                     max_length=b["max_length"])
+                     max_length=b["max_length"], **({} if s["precision"] == "bf16" else {"bf16": False}))
     lora = LoraConfig(r=s["lora"]["r"], lora_alpha=s["lora"]["alpha"], lora_dropout=0.0, target_modules=LORA_MODULES,
                       target_parameters=LORA_EXPERTS, task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora,
@@ -334,6 +338,8 @@ def main() -> int:
     ap.add_argument("--sft-rows", type=int, default=None, help="training rows of the LoRA pair (one epoch)")
     ap.add_argument("--hf-best", default="grouped_mm", choices=("eager", "batched_mm", "grouped_mm"),
                     help="HF's experts implementation in hf-best, hf-router and trl-lora")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                    help="both sides' compute: bf16 autocast (the issue's setting) or fp32 (a CPU without native bf16)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, in this order: {', '.join(RUNS)}")
     add_common_arguments(ap)
     args = ap.parse_args()
@@ -355,7 +361,7 @@ def main() -> int:
         a, b, m = s["a"], s["b"], s["model"]
         print(f"model: qwen3_moe, {m['num_experts']} experts top-{m['num_experts_per_tok']}, {m['num_hidden_layers']} layers, "
               f"hidden {m['hidden_size']}, vocab {s['vocab_size']}: {s['parameters'] / 1e6:.2f}M parameters, "
-              f"{s['active_parameters'] / 1e6:.2f}M active per token; bf16; {args.threads} threads per run; torch {torch.__version__}")
+              f"{s['active_parameters'] / 1e6:.2f}M active per token; {s['precision']}; {args.threads} threads per run; torch {torch.__version__}")
         print(f"full: {a['documents']} stdlib files, {a['steps']} steps x {a['batch_size']} blocks of {a['max_length']} tokens")
         print(f"LoRA: {b['rows']} prompt/completion rows, one epoch, micro-batch {b['batch_size']}, max_length {b['max_length']}")
 
