@@ -140,8 +140,9 @@ def settings(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------- shared inputs (built once, untimed)
 
 
-def build_inputs(work: Path, s: dict) -> dict:
-    """Corpus files, tokenizer, initial weights; the step counts of the epoch-based runs."""
+def build_inputs(work: Path, s: dict, save_model=None) -> dict:
+    """Corpus files, tokenizer, initial weights (``save_model(model_dir, tokenizer, s)``, default the Llama of
+    ``s["model"]``); the step counts of the epoch-based runs."""
     import itertools
 
     from trainforge.data.sources import iter_stdlib_sources
@@ -159,7 +160,7 @@ def build_inputs(work: Path, s: dict) -> dict:
     texts = docs[: a["documents"]] + [p["prompt"] + p["completion"] for p in pairs[: b["rows"]]]
     tok = train_bpe_tokenizer(texts, s["vocab_size"])
     model_dir = work / "init_model"
-    save_initial_model(model_dir, tok, s)
+    (save_model or save_initial_model)(model_dir, tok, s)
 
     paths = {
         "work": str(work),

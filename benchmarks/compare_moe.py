@@ -61,11 +61,11 @@ from compare_hf import (  # noqa: E402
     HEADER,
     Counter,
     add_common_arguments,
+    build_inputs,
     combine,
     eval_batches_for,
     finish_hf,
     fmt_row,
-    function_pairs,
     hf_common_args,
     known_runs,
     launch_child,
@@ -75,7 +75,6 @@ from compare_hf import (  # noqa: E402
     run_rounds,
     start_session,
     train_timed,
-    write_jsonl,
 )
 
 FULL = ("hf-eager", "hf-best", "hf-router", "trainforge-moe")
@@ -122,30 +121,6 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------- shared inputs (built once, untimed)
-
-
-def build_inputs(work: Path, s: dict) -> dict:
-    """Corpus files, tokenizer and initial weights, in compare_hf's layout (its held-out batches serve here)."""
-    import itertools
-
-    from trainforge.data.sources import iter_stdlib_sources
-    from trainforge.model.tokenizer import train_bpe_tokenizer
-
-    a, b = s["a"], s["b"]
-    docs = [r.data["text"] for r in itertools.islice(iter_stdlib_sources(), a["documents"] + a["eval_documents"])]
-    write_jsonl(work / "text_train.jsonl", [{"text": t} for t in docs[: a["documents"]]])
-    write_jsonl(work / "text_eval.jsonl", [{"text": t} for t in docs[a["documents"] :]])
-    pairs = [{"prompt": p, "completion": c} for p, c in function_pairs(b["rows"] + b["eval_rows"])]
-    write_jsonl(work / "sft_train.jsonl", pairs[: b["rows"]])
-    write_jsonl(work / "sft_eval.jsonl", pairs[b["rows"] :])
-    tok = train_bpe_tokenizer(docs[: a["documents"]] + [p["prompt"] + p["completion"] for p in pairs[: b["rows"]]],
-                              s["vocab_size"])
-    model_dir = work / "init_model"
-    save_moe(model_dir, tok, s)
-    paths = {"work": str(work), "model_dir": str(model_dir), "text_train": str(work / "text_train.jsonl"),
-             "text_eval": str(work / "text_eval.jsonl"), "sft_train": str(work / "sft_train.jsonl"),
-             "sft_eval": str(work / "sft_eval.jsonl")}
-    return {**s, "paths": paths, "pad_token_id": tok.pad_token_id}
 
 
 def save_moe(model_dir: Path, tok, s: dict) -> None:
@@ -355,7 +330,7 @@ def main() -> int:
     try:
         import torch
 
-        s = build_inputs(work, settings(args))
+        s = build_inputs(work, settings(args), save_moe)
         spec = work / "spec.json"
         spec.write_text(json.dumps(s, indent=2))
         a, b, m = s["a"], s["b"], s["model"]
