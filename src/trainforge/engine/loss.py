@@ -71,6 +71,17 @@ def add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> N
         grad_w += (g.t() @ h).float()
 
 
+def chunk_grads(g: torch.Tensor, w: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, grad_w: torch.Tensor | None,
+                grad_b: torch.Tensor | None) -> None:
+    """One chunk's gradients from ``g``, the loss's gradient by its logits: the hidden states' written into ``grad_h``,
+    the head's weight and bias added to their fp32 accumulators (None: frozen)."""
+    torch.matmul(g, w, out=grad_h)
+    if grad_w is not None:
+        add_weight_grad(grad_w, g, h)
+    if grad_b is not None:
+        grad_b.add_(g.sum(0, dtype=torch.float32))
+
+
 def _fp32_out_gemm(t: torch.Tensor) -> bool:
     """Whether a low-precision GEMM can write an fp32 result on ``t``'s device (``addmm(..., out_dtype=)``)."""
     if is_fake(t):  # a plan's trace: fake CPU tensors standing for the device it chunks for
@@ -116,12 +127,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # d(sum CE)/d logits = softmax - onehot, computed in place over the fp32 chunk
                 g = log_p.exp_()
                 g[torch.arange(len(y), device=g.device), y] -= 1.0
-                g = g.to(compute_dtype)
-                torch.matmul(g, w, out=grad_kept[s : s + chunk])
-                if grad_w is not None:
-                    add_weight_grad(grad_w, g, h)
-                if grad_b is not None:
-                    grad_b.add_(g.sum(0, dtype=torch.float32))
+                chunk_grads(g.to(compute_dtype), w, h, grad_kept[s : s + chunk], grad_w, grad_b)
 
             # every chunk in order; a plan's fake step traces three and counts the middle one's ops for the rest
             run_tiles(-(-len(y_all) // chunk), one_chunk)
@@ -196,12 +202,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
                 # d log p_y / d logits = onehot(y) - softmax, times each token's upstream gradient
                 g = torch.exp_(torch.nn.functional.linear(h, w, b).float() - lse[s : s + chunk, None]).neg_()
                 g[torch.arange(len(y), device=g.device), y] += 1.0
-                g = (g * up[:, None]).to(dt)
-                torch.matmul(g, w, out=grad_kept[s : s + chunk])
-                if grad_w is not None:
-                    add_weight_grad(grad_w, g, h)
-                if grad_b is not None:
-                    grad_b.add_(g.sum(0, dtype=torch.float32))
+                chunk_grads((g * up[:, None]).to(dt), w, h, grad_kept[s : s + chunk], grad_w, grad_b)
 
             run_tiles(-(-len(y_all) // chunk), one_chunk)
             grad_h = torch.zeros(ctx.hidden_shape, device=h_all.device, dtype=ctx.hidden_dtype)
