@@ -46,6 +46,10 @@ def test_from_scratch_moe_logs_its_router_aux_loss_and_expert_load(tmp_path, tin
         assert r["expert_load_min"] == pytest.approx(min(r["expert_load_min_by_layer"]), abs=1e-4), r
         assert 0.5 <= r["expert_load_max"] <= 1.0 and 0.0 <= r["expert_load_min"] <= 0.5, r
     assert "| aux " in proc.stdout and "| load max " in proc.stdout
+    from transformers import Qwen3MoeConfig  # the coefficient trained with: the config's (its default here)
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["router_aux_loss_coef"] == Qwen3MoeConfig().router_aux_loss_coef
     report = (tmp_path / "run" / "report.html").read_text()
     assert 'alt="Expert load"' in report
 
@@ -59,6 +63,7 @@ def test_router_aux_loss_switched_off(tmp_path, tiny_tokenizer_dir, toy_data_dir
     steps = [r for r in records(tmp_path / "run") if "loss" in r]
     assert not any("aux_loss" in r for r in steps)
     assert all("expert_load_max" in r for r in steps)  # the load is still measured
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["router_aux_loss_coef"] is None
 
 
 def test_more_experts_per_token_than_experts_is_exit_2_naming_both(tmp_path, tiny_tokenizer_dir, toy_data_dir):

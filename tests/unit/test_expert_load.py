@@ -121,7 +121,7 @@ def test_the_advisor_warns_once_on_a_collapsed_router():
     assert [a.cause for a in given] == ["routing_collapse"]  # once, though all three windows collapsed
     advice = given[0]
     assert "100% of the tokens" in advice.message and "even load gives each expert 25.0%" in advice.message
-    assert "raise router_aux_loss_coef" in advice.message  # the aux loss is on: its coefficient is the lever
+    assert "model.router_aux_loss: a number above" in advice.message  # the aux loss is on: its coefficient is the lever
     assert advice.fields["line"] == pytest.approx(0.25 + limit("collapse_share") * 0.75)
 
 

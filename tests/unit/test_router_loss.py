@@ -125,3 +125,43 @@ def test_dense_models_and_the_switch_have_no_router_loss(tiny_model_dir):
     off = router_loss_for(tiny_moe(), aux=False, z=False)  # no term trained; the expert load still counted
     assert off.coef is None and off.z_coef is None
     assert router_means({}) == {}
+
+
+def test_a_coefficient_in_the_config_replaces_the_models_and_trains_as_transformers_would_with_it():
+    """model.router_aux_loss: 0.05 trains cross-entropy + 0.05 x aux: the gradient of transformers' own loss on the
+    same model with its router_aux_loss_coef set to 0.05; true keeps the config's 0.5, false none."""
+    from trainforge.config.run import RunConfig
+
+    model = tiny_moe()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    model.router_aux_loss_coef = 0.05  # transformers' loss with the coefficient the run asks for (read at __init__)
+    model(input_ids=ids, labels=ids, output_router_logits=True).loss.backward()
+    expected = grads(model)
+    model.router_aux_loss_coef = 0.5  # the model's own (its config's, unchanged), which the run's number replaces
+    cfg = RunConfig.model_validate({"model": {"init": {"architecture": "llama"}, "router_aux_loss": 0.05},
+                                    "data": {"train": "builtin:python-stdlib"}})
+    assert cfg.model.router_aux_loss == 0.05
+    router = router_loss_for(model, cfg.model.router_aux_loss)
+    assert router.coef == 0.05
+    forward_backward(model, [batch_of(ids, [12, 12])], FP32, CPU, objective=TokenObjective(router))
+    got = grads(model)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert router_loss_for(model, True).coef == 0.5 and router_loss_for(model, False).coef is None
+    assert router_loss_for(model, 0).coef == 0.0  # logged, not trained
+
+
+@pytest.mark.parametrize("value, ok", [(True, True), (False, True), (0.01, True), (1, True), ("0.02", True), (-0.1, False),
+                                       (float("nan"), False), (1e9, False)])
+def test_router_aux_loss_takes_a_switch_or_a_coefficient(value, ok):
+    from pydantic import ValidationError
+
+    from trainforge.config.run import RunConfig
+
+    raw = {"model": {"init": {"architecture": "llama"}, "router_aux_loss": value}, "data": {"train": "builtin:python-stdlib"}}
+    if not ok:
+        with pytest.raises(ValidationError, match="router_aux_loss"):
+            RunConfig.model_validate(raw)
+        return
+    got = RunConfig.model_validate(raw).model.router_aux_loss
+    assert got == (float(value) if not isinstance(value, bool) else value) and isinstance(got, type(value) if isinstance(value, bool) else float)

@@ -71,10 +71,10 @@ class ModelSettings(Section):
         "precision); qlora: the same on a 4-bit NF4 base (bitsandbytes)",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
-    router_aux_loss: bool = Field(
+    router_aux_loss: bool | float = Field(
         True, description="mixture-of-experts models: add the router load-balancing loss times the config's "
         "router_aux_loss_coef to the training loss, as transformers does with output_router_logits (logged as aux_loss); "
-        "false: cross-entropy only",
+        "a number: that coefficient in place of the config's (e.g. 0.01 where routing collapses); false: cross-entropy only",
     )
     router_z_loss: bool = Field(
         True, description="mixture-of-experts models whose transformers model adds a router z-loss (Switch "
@@ -94,6 +94,14 @@ class ModelSettings(Section):
         "documents; sm80+, bf16/fp16), else flex (FlexAttention with a document mask); on CPU packed_sdpa "
         "(packed documents batched by length, causal SDPA). None builds a row x row mask. Encoder-decoders: sdpa",
     )
+
+    @field_validator("router_aux_loss")
+    @classmethod
+    def _coefficient(cls, v: bool | float) -> bool | float:
+        if not isinstance(v, bool) and not (math.isfinite(v) and 0 <= v <= 1000):
+            raise ValueError(f"a coefficient is a finite number from 0 to 1000 (got {v}); or true (the model config's "
+                             "router_aux_loss_coef) or false (off)")
+        return v
 
     @field_validator("path")
     @classmethod

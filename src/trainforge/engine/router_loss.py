@@ -117,10 +117,11 @@ def _router_count(base: torch.nn.Module) -> int:
     return sum(isinstance(m, tuple(classes)) for m in base.modules()) if classes else 0
 
 
-def router_loss_for(model: torch.nn.Module, aux: bool = True, z: bool = True) -> RouterLoss | None:
-    """The model's router terms (``aux``, ``z``: switched on; off, the expert load is still counted), or None: a
-    dense model, or a family transformers gives no load-balancing function or no recorded router logits
-    (aux-loss-free routing, DeepSeek-V3's: its bias-corrected choice is not the top-k of the logits)."""
+def router_loss_for(model: torch.nn.Module, aux: bool | float = True, z: bool = True) -> RouterLoss | None:
+    """The model's router terms (``aux``, ``z``: switched on; off, the expert load is still counted; ``aux`` a number:
+    the load-balancing term with that coefficient in place of the config's), or None: a dense model, or a family
+    transformers gives no load-balancing function or no recorded router logits (aux-loss-free routing,
+    DeepSeek-V3's: its bias-corrected choice is not the top-k of the logits)."""
     base = _unwrapped(model)
     config = getattr(base, "config", None)
     module = sys.modules.get(type(base).__module__)
@@ -134,20 +135,27 @@ def router_loss_for(model: torch.nn.Module, aux: bool = True, z: bool = True) ->
     if found is None or fn is None or "router_logits" not in records:
         return None
     text = getattr(config, "text_config", None) or config
-    coef = getattr(text, "router_aux_loss_coef", None)
+    coef = aux_coefficient(aux, getattr(text, "router_aux_loss_coef", None))
     # no decoder-only family of transformers 5 has a z-loss
-    return RouterLoss("causal", found[1], found[2], float(coef if coef is not None else 0.0) if aux else None, fn=fn,
-                      layers=_router_count(base))
+    return RouterLoss("causal", found[1], found[2], coef, fn=fn, layers=_router_count(base))
 
 
-def _switch(config: Any, aux: bool, z: bool, layers: int) -> RouterLoss | None:
+def aux_coefficient(aux: bool | float, configured: float | None) -> float | None:
+    """The load-balancing term's coefficient: the model config's (``aux`` true; 0 where it has none), the run's own
+    (``aux`` a number), or None (``aux`` false: off)."""
+    if aux is False:
+        return None
+    return float(aux) if not isinstance(aux, bool) else float(configured or 0.0)
+
+
+def _switch(config: Any, aux: bool | float, z: bool, layers: int) -> RouterLoss | None:
     """Switch Transformers' router losses (top-1 routing), with the stacks transformers adds them for."""
     experts = getattr(config, "num_experts", None)
     if not isinstance(experts, int) or experts < 1:
         return None
     sides = (getattr(config, "encoder_sparse_step", 0) > 1, getattr(config, "decoder_sparse_step", 0) > 1)
-    coef, z_coef = float(getattr(config, "router_aux_loss_coef", 0.0)), float(getattr(config, "router_z_loss_coef", 0.0))
-    return RouterLoss("switch", experts, 1, coef if aux else None, z_coef if z else None, sides=sides, layers=layers)
+    coef, z_coef = aux_coefficient(aux, getattr(config, "router_aux_loss_coef", 0.0)), float(getattr(config, "router_z_loss_coef", 0.0))
+    return RouterLoss("switch", experts, 1, coef, z_coef if z else None, sides=sides, layers=layers)
 
 
 def router_means(sums: dict[str, torch.Tensor], reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:

@@ -355,6 +355,8 @@ def run_facts(
         "lora_fused_layers": getattr(model, "trainforge_lora_fused", None),
         "lora_expert_weights_factored": getattr(model, "trainforge_lora_experts", None) or None,  # lora_experts.py
         "experts_implementation": (getattr(model, "trainforge_experts", None) or (None,))[0],
+        # the load-balancing loss's coefficient the run trains with (the model config's, or model.router_aux_loss's)
+        "router_aux_loss_coef": getattr(getattr(objective, "router", None), "coef", None),
     }
     return RunFacts(why, data_format, data_stats, per_token, peak, choices)
 
