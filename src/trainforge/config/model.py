@@ -74,7 +74,7 @@ class ModelSettings(Section):
     router_aux_loss: bool | float = Field(
         True, description="mixture-of-experts models: add the router load-balancing loss times the config's "
         "router_aux_loss_coef to the training loss, as transformers does with output_router_logits (logged as aux_loss); "
-        "a number: that coefficient in place of the config's (e.g. 0.01 where routing collapses); false: cross-entropy only",
+        "a number: that coefficient in place of the config's (e.g. 0.01); false: cross-entropy only",
     )
     router_z_loss: bool = Field(
         True, description="mixture-of-experts models whose transformers model adds a router z-loss (Switch "
