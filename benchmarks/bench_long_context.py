@@ -555,13 +555,15 @@ cfg = load_config(sys.argv[1])
 profile, device = resolve_profile("this", cfg)
 precision, _ = plan_precision(cfg, profile, device)
 tokenizer = plan_tokenizer(cfg)
-# the whole cap to fill: a machine of the cap over FIT_MARGIN, read at the same moment (its fixed cost this process's
-# memory before any trace), as a fresh process given that cap would read it
+# the whole cap to fill: this profile with the cap over FIT_MARGIN as its memory, its fixed cost read at the same moment
+# (this process's memory before any trace), as a fresh process given that cap reads it on a machine that has it.
+# First: the longest search starts from it, and a timeout keeps what ended
 at_cap = replace(profile, memory_gib=profile.memory_gib / FIT_MARGIN)
-machines = {"both": [profile, at_cap], "at-cap": [at_cap]}[sys.argv[2]]
-for machine in machines:
+machines = {"both": [("at-cap", at_cap), ("plan", profile)], "at-cap": [("at-cap", at_cap)]}[sys.argv[2]]
+for which, machine in machines:
     found = auto_length(cfg, tokenizer, precision, machine)
-    print(json.dumps({"max_length": found.length, "why": found.why, "capacity_gib": machine.memory_gib}), flush=True)
+    print(json.dumps({"which": which, "max_length": found.length, "why": found.why, "capacity_gib": machine.memory_gib}),
+          flush=True)
 """
 
 
@@ -596,16 +598,17 @@ def predicted_longest(s: dict) -> tuple[dict, dict]:
             return ([json.loads(p.stdout)] if error is None else []), error
         return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")], error
 
-    def answer(found: list[dict], i: int, error: str | None) -> dict:
-        return {"auto": found[i]} if i < len(found) else {"error": error or "no answer"}
+    def answer(found: list[dict], which: str, error: str | None) -> dict:
+        got = [{k: v for k, v in x.items() if k != "which"} for x in found if x.get("which") == which]
+        return {"auto": got[0]} if got else {"error": error or "no answer"}
 
     if not s["plan_table"]:
         found, error = run(["-c", PREDICT, str(path), "both"])
-        return answer(found, 0, error), answer(found, 1, error)
+        return answer(found, "plan", error), answer(found, "at-cap", error)
     table, error = run(["-m", "trainforge", "plan", str(path), "--longest", "--json"], lines=False)
     plan = {"auto": table[0]["auto"], "table": table[0]} if table else {"error": error or "no answer"}
     found, error = run(["-c", PREDICT, str(path), "at-cap"])
-    return plan, answer(found, 0, error)
+    return plan, answer(found, "at-cap", error)
 
 
 def summarize(results: dict) -> list[str]:

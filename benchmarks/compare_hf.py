@@ -141,8 +141,8 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def build_inputs(work: Path, s: dict, save_model=None) -> dict:
-    """Corpus files, tokenizer, initial weights (``save_model(model_dir, tokenizer, s)``, default the Llama of
-    ``s["model"]``); the step counts of the epoch-based runs."""
+    """Corpus files, tokenizer and initial weights (``save_model(model_dir, tokenizer, s)``, default the Llama of
+    ``s["model"]``): the settings with their paths and the pad token's id."""
     import itertools
 
     from trainforge.data.sources import iter_stdlib_sources

@@ -14,21 +14,21 @@ the emulation, not either trainer, takes most of each step.
 Full fine-tune on pretraining blocks (standard-library source files joined and cut into blocks of
 ``max_length`` tokens, labels = inputs; the HF side prepares them the ``run_clm.py`` way, trainforge with
 ``data.packing: concat``), the same steps of the same batch size, so the same tokens:
-- ``hf-eager``: ``transformers.Trainer``, ``bf16=True``, the model loaded with ``experts_implementation="eager"``
+- ``hf-eager``: ``transformers.Trainer``, ``bf16=True`` (fp32: ``False``), the model loaded with ``experts_implementation="eager"``
   (a Python loop over the experts hit); cross-entropy only (``output_router_logits`` off, HF's default).
 - ``hf-best``: the same with HF's best experts implementation on this CPU, ``--hf-best`` (default
   ``grouped_mm``: tokens sorted by expert, a loop of GEMMs; transformers' own default, and 1.6x faster than
   eager over a 16-expert layer's forward and backward on this CPU, docs/models.md).
 - ``hf-router``: ``hf-best`` with ``output_router_logits=True``: its loss adds ``router_aux_loss_coef x`` the
   load-balancing loss, the objective trainforge trains by default (``model.router_aux_loss: true``).
-- ``trainforge-moe``: trainforge, ``precision: bf16``, its defaults otherwise (``experts_implementation: auto``,
+- ``trainforge-moe``: trainforge, ``precision: bf16`` (or ``fp32``), its defaults otherwise (``experts_implementation: auto``,
   the router aux loss on, the fused chunked head).
 LoRA on prompt/completion rows (documented stdlib functions: signature + docstring -> body; loss on the
 completion; one epoch over the same rows), adapters on attention (q, k, v, o) and on the experts' 3-D weights
 (``gate_up_proj``, ``down_proj``: PEFT's ``target_parameters``) with the same rank, alpha and dropout 0:
 - ``trl-lora`` (when trl is importable): ``trl.SFTTrainer`` with a ``peft_config``, ``SFTConfig`` defaults
-  otherwise (TRL's own bf16=True and gradient_checkpointing=True), ``output_router_logits=True``.
-- ``trainforge-lora``: ``model.method: lora``, ``precision: bf16``, its defaults otherwise (packing on).
+  otherwise (TRL's own bf16=True, False under ``--precision fp32``, and gradient_checkpointing=True), ``output_router_logits=True``.
+- ``trainforge-lora``: ``model.method: lora``, ``precision: bf16`` (or ``fp32``), its defaults otherwise (packing on).
 
 Hyperparameters equal everywhere: AdamW (lr, betas, eps, weight decay), cosine to ``min_lr_ratio`` x lr
 without warmup, clipping, seed, micro-batch size, max length; no checkpoints, no in-training eval.
@@ -244,7 +244,7 @@ def run_trl_lora(s: dict, out: Path) -> dict:
     counter = Counter(tok.pad_token_id)
     model = load_moe(s, counter, s["hf_best"], router=True)
     args = SFTConfig(**hf_common_args(s, out), per_device_train_batch_size=b["batch_size"], num_train_epochs=1,
-                     max_length=b["max_length"], **({} if s["precision"] == "bf16" else {"bf16": False}))
+                     max_length=b["max_length"], bf16=s["precision"] == "bf16")
     lora = LoraConfig(r=s["lora"]["r"], lora_alpha=s["lora"]["alpha"], lora_dropout=0.0, target_modules=LORA_MODULES,
                       target_parameters=LORA_EXPERTS, task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora,

@@ -95,11 +95,20 @@ class ModelSettings(Section):
         "(packed documents batched by length, causal SDPA). None builds a row x row mask. Encoder-decoders: sdpa",
     )
 
+    @field_validator("router_aux_loss", mode="before")
+    @classmethod
+    def _not_a_bare_0_or_1(cls, v: Any) -> Any:
+        # a bare 0 or 1 reads as a switch in YAML's habits and as a coefficient here: neither guess is safe
+        if type(v) is int and v in (0, 1):
+            raise ValueError(f"{v} is ambiguous: write true or false to switch the load-balancing loss on or off, or "
+                             f"{v}.0 for a coefficient")
+        return v
+
     @field_validator("router_aux_loss")
     @classmethod
     def _coefficient(cls, v: bool | float) -> bool | float:
-        if not isinstance(v, bool) and not (math.isfinite(v) and 0 <= v <= 1000):
-            raise ValueError(f"a coefficient is a finite number from 0 to 1000 (got {v}); or true (the model config's "
+        if not isinstance(v, bool) and not 0 <= v <= 1000:  # (nan and inf fail the float type before this)
+            raise ValueError(f"a coefficient is a number from 0 to 1000 (got {v}); or true (the model config's "
                              "router_aux_loss_coef) or false (off)")
         return v
 

@@ -221,8 +221,8 @@ class Advisor:
             return []
         layers = rec.get("expert_load_max_by_layer") or [top]
         worst = max(range(len(layers)), key=layers.__getitem__)
-        fix = ("raise the load-balancing loss's coefficient (model.router_aux_loss: a number above the model config's "
-               "router_aux_loss_coef) or lower optim.lr" if "aux_loss" in rec else
+        fix = ("raise the load-balancing loss's coefficient (model.router_aux_loss: a number above the one this run "
+               "trains with, router_aux_loss_coef in summary.json) or lower optim.lr" if "aux_loss" in rec else
                "set model.router_aux_loss: true (the load-balancing loss is off: nothing pulls the load back to "
                "even) or lower optim.lr")
         return [Advice(
