@@ -79,7 +79,10 @@ def other_work_cores(window_s: float = LOAD_WINDOW_S) -> float | None:
         busy, own = _busy_seconds(cpus) - busy, time.process_time() - own
     except (OSError, ValueError):
         return None
-    return max(busy - own, 0.0) / (time.perf_counter() - start)
+    # at most the cores: /proc/stat credits ticks in bursts (a loaded 2-core VM once read 3.9 cores over 20 ms,
+    # steal accounted late), and more cores than there are is noise, not other work
+    cores = len(cpus) if cpus else os.cpu_count() or 1
+    return min(max(busy - own, 0.0) / (time.perf_counter() - start), float(cores))
 
 
 def fastest_threads(available: int, probe=probe_seconds, others=other_work_cores) -> tuple[int, dict[int, float]]:
